@@ -1,0 +1,1 @@
+"""Triton kernels, one module per FlashAttention version, built from shared helpers."""

@@ -1,0 +1,66 @@
+"""Which K/V blocks a Q tile visits (and the reverse): every masking rule in one place.
+
+A query at position ``r`` (0-based inside its sequence) may attend to the key at ``c`` when
+``dlo <= c - r <= dhi`` and ``c < n_cols``.  Causal and sliding-window attention are both
+such a diagonal band, aligned bottom-right as in ``flash_attn``: with ``off = seqlen_k - seqlen_q``,
+``dlo = off - window_left`` and ``dhi = off + window_right`` (causal means ``window_right = 0``;
+a negative window means unbounded).
+
+The backward kernels that iterate over Q for a fixed K tile use the same band with rows and
+columns swapped: ``-dhi <= r - c <= -dlo``.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def diagonal_band(seqlen_q, seqlen_k, window_left, window_right):
+    """(dlo, dhi) of the band for one sequence; unbounded sides become a band edge no index reaches."""
+    off = seqlen_k - seqlen_q
+    unbounded = seqlen_q + seqlen_k
+    left = tl.where(window_left < 0, unbounded, window_left)
+    right = tl.where(window_right < 0, unbounded, window_right)
+    return off - left, off + right
+
+
+@triton.jit
+def visited_blocks(r0, ROWS: tl.constexpr, COLS: tl.constexpr, n_cols, dlo, dhi):
+    """For the row tile [r0, r0 + ROWS): the column blocks to visit, split into three segments.
+
+    Returns (lo, full_lo, full_hi, hi): blocks in [lo, full_lo) and [full_hi, hi) need the
+    element mask; blocks in [full_lo, full_hi) are entirely inside the band and the sequence, so
+    the mask is skipped there.  Blocks outside [lo, hi) are never loaded.  Every bound is a
+    multiple of COLS except ``hi`` (exclusive end of the loop).  Values are clamped before any
+    division so that integer division never sees a negative operand.
+    """
+    lo = tl.maximum(r0 + dlo, 0) // COLS * COLS
+    hi = tl.maximum(tl.minimum(r0 + ROWS + dhi, n_cols), 0)
+    full_lo = (tl.maximum(r0 + ROWS - 1 + dlo, 0) + COLS - 1) // COLS * COLS
+    full_hi = tl.maximum(tl.minimum(r0 + dhi + 1, n_cols), 0) // COLS * COLS
+    empty = full_hi <= full_lo
+    full_lo = tl.where(empty, tl.maximum(hi, lo), full_lo)
+    full_hi = tl.where(empty, tl.maximum(hi, lo), full_hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def band_mask(rows, cols, n_cols, dlo, dhi):
+    """Element mask of a (rows x cols) tile: inside the band and inside the key sequence."""
+    diff = cols[None, :] - rows[:, None]
+    return (diff >= dlo) & (diff <= dhi) & (cols[None, :] < n_cols)
+
+
+@triton.jit
+def sequence_bounds(batch, cu_seqlens, seqlen, IS_VARLEN: tl.constexpr):
+    """Start row and length of sequence ``batch``: from cu_seqlens (varlen) or the padded length."""
+    if IS_VARLEN:
+        start = tl.load(cu_seqlens + batch)
+        end = tl.load(cu_seqlens + batch + 1)
+        return start, end - start
+    else:
+        return start_zero(batch), seqlen
+
+
+@triton.jit
+def start_zero(batch):
+    return batch * 0

@@ -1,0 +1,55 @@
+"""Tile sizes, warps and pipeline depth per version and head dim.
+
+Chosen by hand from sweeps on the H200 (scripts/gpu_check.sh can rerun one) rather than by
+``triton.autotune``: multi-config autotuning does not run under the CPU interpreter, and a
+fixed table keeps every launch reproducible.  ``FLASHTILE_CONFIG_<NAME>=bm,bn,warps,stages``
+overrides one entry, for sweeps.
+"""
+import os
+from dataclasses import dataclass
+
+from flashtile import runtime
+
+
+@dataclass(frozen=True)
+class Config:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Under the interpreter tiles are numpy arrays: mid-size tiles keep CPU tests fast while
+# still giving several blocks (and all three masking segments) at test sequence lengths.
+_INTERPRETER = Config(32, 32, 4, 1)
+
+
+def _pick(name: str, default: Config) -> Config:
+    override = os.environ.get(f"FLASHTILE_CONFIG_{name}")
+    if override:
+        return Config(*(int(x) for x in override.split(",")))
+    if runtime.interpreting():
+        return _INTERPRETER
+    return default
+
+
+def _by_head_dim(table, head_dim_pad):
+    for limit, cfg in table:
+        if head_dim_pad <= limit:
+            return cfg
+    return table[-1][1]
+
+
+_V2_FWD = [(64, Config(128, 64, 4, 3)), (128, Config(128, 64, 8, 3)), (256, Config(64, 64, 4, 2))]
+_V2_BWD_KV = [(64, Config(64, 128, 8, 2)), (128, Config(64, 128, 8, 2)), (256, Config(32, 64, 4, 2))]
+_V2_BWD_Q = [(64, Config(128, 64, 8, 2)), (128, Config(128, 64, 8, 2)), (256, Config(64, 32, 4, 2))]
+
+
+def v2_fwd_config(p, dtype) -> Config:
+    return _pick("V2_FWD", _by_head_dim(_V2_FWD, p.head_dim_pad))
+
+
+def v2_bwd_config(p, dtype):
+    """(dK/dV kernel config, dQ kernel config)."""
+    return (_pick("V2_BWD_KV", _by_head_dim(_V2_BWD_KV, p.head_dim_pad)),
+            _pick("V2_BWD_Q", _by_head_dim(_V2_BWD_Q, p.head_dim_pad)))

@@ -1,0 +1,85 @@
+"""What a kernel launch needs to know about one attention call, independent of the version.
+
+Batched tensors are (batch, seqlen, heads, head_dim); varlen tensors (total_tokens, heads,
+head_dim) are seen as batch 1 with per-sequence starts from cu_seqlens, so every kernel
+handles both through one set of strides.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from flashtile import runtime
+
+
+@dataclass(frozen=True)
+class Problem:
+    batch: int
+    heads_q: int
+    heads_k: int
+    seqlen_q: int          # longest query sequence (the padded length when not varlen)
+    seqlen_k: int
+    head_dim: int
+    softmax_scale: float
+    window_left: int       # -1: unbounded
+    window_right: int      # -1: unbounded; 0 with causal
+    cu_seqlens_q: Optional[torch.Tensor]
+    cu_seqlens_k: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+           softmax_scale, window_left, window_right):
+        varlen = cu_seqlens_q is not None
+        return cls(
+            batch=cu_seqlens_q.numel() - 1 if varlen else q.shape[0],
+            heads_q=q.shape[-2], heads_k=k.shape[-2],
+            seqlen_q=max_seqlen_q if varlen else q.shape[1],
+            seqlen_k=max_seqlen_k if varlen else k.shape[1],
+            head_dim=q.shape[-1], softmax_scale=softmax_scale,
+            window_left=window_left, window_right=window_right,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_k
+
+    @property
+    def head_dim_pad(self) -> int:
+        # tl.dot needs K >= 16 and power-of-two tiles; padded lanes are masked to zero.
+        return max(16, triton.next_power_of_2(self.head_dim))
+
+    @property
+    def scale_log2(self) -> float:
+        # exp(x * scale) == exp2(x * scale * log2(e)): the scale is folded into one multiply.
+        return self.softmax_scale * 1.4426950408889634
+
+    def seq_strides(self, x: torch.Tensor):
+        """(batch, seq, head) strides of q/k/v/o-like tensors; the batch stride is 0 for varlen."""
+        if self.varlen:
+            return 0, x.stride(0), x.stride(1)
+        return x.stride(0), x.stride(1), x.stride(2)
+
+    def row_stat_strides(self, x: torch.Tensor):
+        """(batch, head) strides of lse-like tensors: (b, h, sq) batched, (h, total_q) varlen."""
+        if self.varlen:
+            return 0, x.stride(0)
+        return x.stride(0), x.stride(1)
+
+    def row_stat_shape(self, total_q: int):
+        return (self.heads_q, total_q) if self.varlen else (self.batch, self.heads_q, self.seqlen_q)
+
+    def cu_pointers(self, device):
+        """cu_seqlens for the kernels; a one-element placeholder when not varlen (never read)."""
+        if self.varlen:
+            return self.cu_seqlens_q, self.cu_seqlens_k
+        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        return dummy, dummy
+
+    def upcast(self, x: torch.Tensor) -> bool:
+        """Run tiles in fp32 where the interpreter would mis-compute bf16 matmuls."""
+        return runtime.interpreting() and x.dtype == torch.bfloat16

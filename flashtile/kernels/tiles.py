@@ -1,0 +1,72 @@
+"""Tile loads, stores and the online-softmax step, shared by every kernel version."""
+import triton
+import triton.language as tl
+
+LN2: tl.constexpr = 0.6931471805599453
+LOG2E: tl.constexpr = 1.4426950408889634
+
+
+@triton.jit
+def load_tile(ptrs, rows, n_rows, cols_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+              CHECK_ROWS: tl.constexpr, UPCAST: tl.constexpr):
+    """Load a (rows x HEAD_DIM_PAD) tile, zero outside the sequence and the head dim.
+
+    Masks are emitted only where needed (CHECK_ROWS, padded head dims) so that full tiles get
+    unpredicated loads.  UPCAST converts to fp32: the CPU interpreter computes bf16 ``tl.dot``
+    wrongly, fp32 exactly, so kernels run there on upcast tiles.
+    """
+    if CHECK_ROWS:
+        if HEAD_DIM == HEAD_DIM_PAD:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if HEAD_DIM == HEAD_DIM_PAD:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=cols_d[None, :] < HEAD_DIM, other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def store_tile(ptrs, x, rows, n_rows, cols_d, HEAD_DIM: tl.constexpr):
+    tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def as_operand(x, dtype, UPCAST: tl.constexpr):
+    """Round x to the input dtype for the next matmul (kept in fp32 under the interpreter)."""
+    x = x.to(dtype)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def online_softmax_step(s, m_i):
+    """One step of the online softmax on scaled scores ``s`` (log2 domain).
+
+    Returns the unnormalised probabilities, the factor that rescales what was accumulated so
+    far, and the new running max.  A row whose scores are all -inf so far keeps max -inf; its
+    reference point is taken as 0 so that no ``-inf - (-inf)`` NaN appears.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    return p, alpha, m_new
+
+
+@triton.jit
+def finalize_rows(acc, m_i, l_i):
+    """Divide once by the row sum; rows that saw no key give 0 and logsumexp +inf (natural log).
+
+    +inf (as in flash_attn) makes the backward's exp(s - lse) exactly 0 for such rows.
+    """
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    return out, lse

@@ -1,0 +1,304 @@
+"""FlashAttention-2 (Dao, 2023) in Triton: forward and backward.
+
+Forward: one program per (Q block, batch x head); K/V blocks stream through an on-chip online
+softmax, O stays unnormalised until one final division, only the logsumexp is saved.  Blocks
+outside the causal/window band are never visited and only boundary blocks are masked.
+
+Backward: D = rowsum(dO * O); one program per K/V block recomputes P from Q, K and the saved
+logsumexp and accumulates dK, dV on chip; dQ comes from a separate Q-parallel pass instead of
+fp32 atomics.  That pass recomputes QK^T and dO V^T (7 matmuls instead of 5), in exchange for
+no fp32 dQ buffer, no atomic traffic, and gradients that are bitwise deterministic.  GQA heads
+sharing a K/V head are summed inside the dK/dV program, so repeated K/V is never materialised.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from flashtile.kernels.blocks import band_mask, diagonal_band, sequence_bounds, visited_blocks
+from flashtile.kernels.configs import v2_bwd_config, v2_fwd_config
+from flashtile.kernels.problem import Problem
+from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile,
+                                     online_softmax_step, store_tile)
+
+
+@triton.jit
+def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d, lo, hi,
+                seqlen_k, dlo, dhi, scale_log2,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
+    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        cols = n0 + offs_n
+        k = load_tile(k_base + cols[:, None] * sks + offs_d[None, :], cols, seqlen_k, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        if MASK:
+            s = tl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), s, float("-inf"))
+        p, alpha, m_i = online_softmax_step(s, m_i)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_tile(v_base + cols[:, None] * svs + offs_d[None, :], cols, seqlen_k, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
+        acc = acc * alpha[:, None] + tl.dot(as_operand(p, v_base.dtype.element_ty, UPCAST), v)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
+                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
+                seqlen_q, seqlen_k, heads_q, group, scale_log2, window_left, window_right,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
+                UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
+    bh = tl.program_id(0)
+    # Heaviest (latest, for causal) Q blocks first: better load balance on the last wave.
+    m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    batch = (bh // heads_q).to(tl.int64)
+    head = (bh % heads_q).to(tl.int64)
+    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(batch, CU_K, seqlen_k, IS_VARLEN)
+    if m0 >= seqlen_q:
+        return
+    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_base = Q + batch * sqb + q_start * sqs + head * sqh
+    k_base = K + batch * skb + k_start * sks + (head // group) * skh
+    v_base = V + batch * svb + k_start * svs + (head // group) * svh
+    q = load_tile(q_base + rows[:, None] * sqs + offs_d[None, :], rows, seqlen_q, offs_d,
+                  HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    lo, full_lo, full_hi, hi = visited_blocks(m0, BLOCK_M, BLOCK_N, seqlen_k, dlo, dhi)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+                                full_lo, full_hi, seqlen_k, dlo, dhi, scale_log2,
+                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, UPCAST, NUM_STAGES)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+                                lo, full_lo, seqlen_k, dlo, dhi, scale_log2,
+                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+                                full_hi, hi, seqlen_k, dlo, dhi, scale_log2,
+                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES)
+    out, lse = finalize_rows(acc, m_i, l_i)
+    store_tile(O + batch * sob + q_start * sos + head * soh + rows[:, None] * sos + offs_d[None, :],
+               out, rows, seqlen_q, offs_d, HEAD_DIM)
+    tl.store(LSE + batch * slb + head * slh + q_start + rows, lse, mask=rows < seqlen_q)
+
+
+@triton.jit
+def _bwd_delta_kernel(O, DO, DLSE, DELTA, CU_Q, sob, sos, soh, sdb, sds, sdh, slb, slh, seqlen_q, heads_q,
+                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                      IS_VARLEN: tl.constexpr):
+    """D = rowsum(dO * O) - dlse in fp32, laid out like the logsumexp (see row_dot)."""
+    bh = tl.program_id(0)
+    m0 = tl.program_id(1) * BLOCK_M
+    batch = (bh // heads_q).to(tl.int64)
+    head = (bh % heads_q).to(tl.int64)
+    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, IS_VARLEN)
+    if m0 >= seqlen_q:
+        return
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    o = load_tile(O + batch * sob + (q_start + rows[:, None]) * sos + head * soh + offs_d[None, :],
+                  rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, True)
+    do = load_tile(DO + batch * sdb + (q_start + rows[:, None]) * sds + head * sdh + offs_d[None, :],
+                   rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, True)
+    stat = batch * slb + head * slh + q_start + rows
+    dlse = tl.load(DLSE + stat, mask=rows < seqlen_q, other=0.0)
+    tl.store(DELTA + stat, tl.sum(o * do, 1) - dlse, mask=rows < seqlen_q)
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k, offs_m, offs_d,
+                 lo, hi, seqlen_q, dlo, dhi, scale_log2,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                 MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Accumulate dK, dV of one K tile over the Q blocks [lo, hi), working on transposed scores."""
+    for m0 in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
+        cols = m0 + offs_m
+        q = load_tile(q_base + cols[:, None] * sqs + offs_d[None, :], cols, seqlen_q, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
+        # Rows past the sequence read lse = +inf, so their probabilities are exactly 0.
+        lse = tl.load(lse_base + cols, mask=cols < seqlen_q, other=float("inf")) * LOG2E
+        pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse[None, :])
+        if MASK:
+            pT = tl.where(band_mask(rows_k, cols, seqlen_q, -dhi, -dlo), pT, 0.0)
+        do = load_tile(do_base + cols[:, None] * sds + offs_d[None, :], cols, seqlen_q, offs_d,
+                       HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
+        dv += tl.dot(as_operand(pT, q_base.dtype.element_ty, UPCAST), do)
+        delta = tl.load(delta_base + cols, mask=cols < seqlen_q, other=0.0)
+        dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk += tl.dot(as_operand(dsT, q_base.dtype.element_ty, UPCAST), q)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
+                     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
+                     sdkb, sdks, sdkh, sdvb, sdvs, sdvh, slb, slh,
+                     seqlen_q, seqlen_k, heads_k, group, softmax_scale, scale_log2,
+                     window_left, window_right,
+                     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
+    bh = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    batch = (bh // heads_k).to(tl.int64)
+    head_k = (bh % heads_k).to(tl.int64)
+    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(batch, CU_K, seqlen_k, IS_VARLEN)
+    if n0 >= seqlen_k:
+        return
+    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
+    rows_k = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    k = load_tile(K + batch * skb + (k_start + rows_k[:, None]) * sks + head_k * skh + offs_d[None, :],
+                  rows_k, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+    v = load_tile(V + batch * svb + (k_start + rows_k[:, None]) * svs + head_k * svh + offs_d[None, :],
+                  rows_k, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
+    # Q rows that see this K tile: the band with rows and columns swapped.
+    lo, full_lo, full_hi, hi = visited_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, -dhi, -dlo)
+    for g in range(group):
+        head = head_k * group + g
+        q_base = Q + batch * sqb + q_start * sqs + head * sqh
+        do_base = DO + batch * sdb + q_start * sds + head * sdh
+        lse_base = LSE + batch * slb + head * slh + q_start
+        delta_base = DELTA + batch * slb + head * slh + q_start
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
+                              offs_m, offs_d, full_lo, full_hi, seqlen_q, dlo, dhi, scale_log2,
+                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, False, UPCAST, NUM_STAGES)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
+                              offs_m, offs_d, lo, full_lo, seqlen_q, dlo, dhi, scale_log2,
+                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, UPCAST, NUM_STAGES)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
+                              offs_m, offs_d, full_hi, hi, seqlen_q, dlo, dhi, scale_log2,
+                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, UPCAST, NUM_STAGES)
+    store_tile(DK + batch * sdkb + (k_start + rows_k[:, None]) * sdks + head_k * sdkh + offs_d[None, :],
+               dk * softmax_scale, rows_k, seqlen_k, offs_d, HEAD_DIM)
+    store_tile(DV + batch * sdvb + (k_start + rows_k[:, None]) * sdvs + head_k * sdvh + offs_d[None, :],
+               dv, rows_k, seqlen_k, offs_d, HEAD_DIM)
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d, lo, hi,
+               seqlen_k, dlo, dhi, scale_log2,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
+    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        cols = n0 + offs_n
+        k = load_tile(k_base + cols[:, None] * sks + offs_d[None, :], cols, seqlen_k, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
+        v = load_tile(v_base + cols[:, None] * svs + offs_d[None, :], cols, seqlen_k, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None])
+        if MASK:
+            p = tl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq += tl.dot(as_operand(ds, k_base.dtype.element_ty, UPCAST), k)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
+                   sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, sdqb, sdqs, sdqh,
+                   slb, slh, seqlen_q, seqlen_k, heads_q, group, softmax_scale, scale_log2,
+                   window_left, window_right,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
+                   UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
+    bh = tl.program_id(0)
+    m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    batch = (bh // heads_q).to(tl.int64)
+    head = (bh % heads_q).to(tl.int64)
+    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(batch, CU_K, seqlen_k, IS_VARLEN)
+    if m0 >= seqlen_q:
+        return
+    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q = load_tile(Q + batch * sqb + (q_start + rows[:, None]) * sqs + head * sqh + offs_d[None, :],
+                  rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+    do = load_tile(DO + batch * sdb + (q_start + rows[:, None]) * sds + head * sdh + offs_d[None, :],
+                   rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+    stat = batch * slb + head * slh + q_start + rows
+    lse = tl.load(LSE + stat, mask=rows < seqlen_q, other=float("inf")) * LOG2E
+    delta = tl.load(DELTA + stat, mask=rows < seqlen_q, other=0.0)
+    k_base = K + batch * skb + k_start * sks + (head // group) * skh
+    v_base = V + batch * svb + k_start * svs + (head // group) * svh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    lo, full_lo, full_hi, hi = visited_blocks(m0, BLOCK_M, BLOCK_N, seqlen_k, dlo, dhi)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+                    full_lo, full_hi, seqlen_k, dlo, dhi, scale_log2,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, UPCAST, NUM_STAGES)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+                    lo, full_lo, seqlen_k, dlo, dhi, scale_log2,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+                    full_hi, hi, seqlen_k, dlo, dhi, scale_log2,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES)
+    store_tile(DQ + batch * sdqb + (q_start + rows[:, None]) * sdqs + head * sdqh + offs_d[None, :],
+               dq * softmax_scale, rows, seqlen_q, offs_d, HEAD_DIM)
+
+
+def forward(p: Problem, q, k, v):
+    """Returns (out, lse, saved); lse is (b, h, sq) or, for varlen, (h, total_q), natural log.
+
+    ``saved`` (what the backward needs beyond lse) is empty for this version."""
+    out = torch.empty_like(q)
+    lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
+    cfg = v2_fwd_config(p, q.dtype)
+    cu_q, cu_k = p.cu_pointers(q.device)
+    grid = (p.batch * p.heads_q, triton.cdiv(p.seqlen_q, cfg.block_m))
+    _fwd_kernel[grid](
+        q, k, v, out, lse, cu_q, cu_k,
+        *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
+        *p.row_stat_strides(lse),
+        p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right,
+        HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        IS_VARLEN=p.varlen, UPCAST=p.upcast(q), NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out, lse, lse.new_empty(0)
+
+
+def row_dot(p: Problem, out, dout, dlse):
+    """D = rowsum(dO * O) - dlse, fp32, laid out like the logsumexp.
+
+    d lse_i / d s_ij = P_ij, so a gradient reaching the logsumexp folds into D:
+    dS = P * (dP - D) + P * dlse = P * (dP - (D - dlse))."""
+    delta = torch.empty(p.row_stat_shape(out.shape[0]), dtype=torch.float32, device=out.device)
+    cu_q, _ = p.cu_pointers(out.device)
+    block_m = 64
+    _bwd_delta_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, block_m))](
+        out, dout, dlse, delta, cu_q, *p.seq_strides(out), *p.seq_strides(dout), *p.row_stat_strides(delta),
+        p.seqlen_q, p.heads_q, HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=block_m,
+        IS_VARLEN=p.varlen, num_warps=4)
+    return delta
+
+
+def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = row_dot(p, out, dout, dlse)
+    cu_q, cu_k = p.cu_pointers(q.device)
+    common = dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=p.varlen, UPCAST=p.upcast(q))
+    kv_cfg, q_cfg = v2_bwd_config(p, q.dtype)
+    _bwd_dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, kv_cfg.block_n))](
+        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,
+        *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),
+        *p.seq_strides(dk), *p.seq_strides(dv), *p.row_stat_strides(lse),
+        p.seqlen_q, p.seqlen_k, p.heads_k, p.group, p.softmax_scale, p.scale_log2,
+        p.window_left, p.window_right, BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n,
+        NUM_STAGES=kv_cfg.num_stages, num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, **common)
+    _bwd_dq_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, q_cfg.block_m))](
+        q, k, v, dout, lse, delta, dq, cu_q, cu_k,
+        *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),
+        *p.seq_strides(dq), *p.row_stat_strides(lse),
+        p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.softmax_scale, p.scale_log2,
+        p.window_left, p.window_right, BLOCK_M=q_cfg.block_m, BLOCK_N=q_cfg.block_n,
+        NUM_STAGES=q_cfg.num_stages, num_warps=q_cfg.num_warps, num_stages=q_cfg.num_stages, **common)
+    return dq, dk, dv

@@ -1,0 +1,84 @@
+"""torch.library custom ops for the attention forward and backward, with autograd.
+
+Registering them as custom ops lets ``torch.compile(fullgraph=True)`` trace through
+flashtile without graph breaks: the compiler sees opaque ops with fake (shape-only)
+implementations.  The ``version`` argument picks the algorithm; "tiled" is the PyTorch path
+used for CPU tensors outside the Triton interpreter.
+"""
+import importlib
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from flashtile.kernels.problem import Problem
+
+_MODULES = {"v1": "flashtile.kernels.v1", "v2": "flashtile.kernels.v2",
+            "v3": "flashtile.kernels.v3", "tiled": "flashtile.tiled"}
+
+
+def implementation(version: str):
+    return importlib.import_module(_MODULES[version])
+
+
+def _saved_shape(version: str, lse_shape):
+    # FlashAttention-1 keeps the paper's running max m and row sum l for its backward.
+    return (2, *lse_shape) if version == "v1" else (0,)
+
+
+@torch.library.custom_op("flashtile::attention_forward", mutates_args=())
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
+                      cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                      softmax_scale: float, window_left: int, window_right: int,
+                      version: str) -> tuple[Tensor, Tensor, Tensor]:
+    p = Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale, window_left, window_right)
+    return implementation(version).forward(p, q, k, v)
+
+
+@attention_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+      window_left, window_right, version):
+    p = Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale, window_left, window_right)
+    lse_shape = p.row_stat_shape(q.shape[0])
+    return (torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32),
+            q.new_empty(_saved_shape(version, lse_shape), dtype=torch.float32))
+
+
+@torch.library.custom_op("flashtile::attention_backward", mutates_args=())
+def attention_backward(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                       lse: Tensor, saved: Tensor, cu_seqlens_q: Optional[Tensor],
+                       cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                       softmax_scale: float, window_left: int, window_right: int,
+                       version: str) -> tuple[Tensor, Tensor, Tensor]:
+    p = Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale, window_left, window_right)
+    return implementation(version).backward(p, dout, dlse, q, k, v, out, lse, saved)
+
+
+@attention_backward.register_fake
+def _(dout, dlse, q, k, v, out, lse, saved, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *ctx.args = inputs
+    out, lse, saved = output
+    ctx.save_for_backward(q, k, v, out, lse, saved, cu_q, cu_k)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse, dsaved):
+    q, k, v, out, lse, saved, cu_q, cu_k = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    # A loss that uses the logsumexp contributes through dlse (folded into D by the kernels).
+    dlse = torch.zeros_like(lse) if dlse is None else dlse.contiguous()
+    dq, dk, dv = attention_backward(dout, dlse, q, k, v, out, lse, saved, cu_q, cu_k, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("flashtile::attention_forward", _backward, setup_context=_setup_context)

@@ -1,0 +1,69 @@
+"""Standard attention: the textbook algorithm that materialises the (seqlen_q x seqlen_k) scores.
+
+It is the baseline of every speed and memory claim, and with ``upcast=True`` (float64) the
+oracle every kernel is tested against.
+"""
+import math
+
+import torch
+
+
+def band_mask(seqlen_q, seqlen_k, window_left=-1, window_right=-1, device=None,
+              rows=None, cols=None):
+    """Bool (rows x cols): key c visible from query r, aligned bottom-right like flash_attn.
+
+    Visible when ``off - window_left <= c - r <= off + window_right`` with
+    ``off = seqlen_k - seqlen_q``; a negative window side is unbounded.  Causal is
+    ``window_right = 0``.  ``rows``/``cols`` (ranges) select a block; by default the whole
+    matrix.  The kernels implement the same rule in kernels/blocks.py.
+    """
+    r = torch.arange(seqlen_q, device=device)[rows or slice(None), None]
+    c = torch.arange(seqlen_k, device=device)[None, cols or slice(None)]
+    diff = c - r - (seqlen_k - seqlen_q)
+    visible = torch.ones(r.shape[0], c.shape[1], dtype=torch.bool, device=device)
+    if window_left >= 0:
+        visible &= diff >= -window_left
+    if window_right >= 0:
+        visible &= diff <= window_right
+    return visible
+
+
+def window_bounds(causal: bool, window_size) -> tuple[int, int]:
+    """(left, right) with -1 for unbounded; causal caps the right side at 0."""
+    left, right = window_size
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None,
+                       upcast=False, return_lse=False):
+    """softmax(Q K^T * scale) V with the full score matrix in memory.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with
+    nheads a multiple of nheads_k (GQA/MQA).  With ``upcast=False`` the matmuls run in the
+    input dtype and the softmax in float32 (what a plain PyTorch implementation does); with
+    ``upcast=True`` everything runs in float64 and the float64 result is returned.  Rows that
+    see no key give 0 (and logsumexp +inf).  Returns ``out`` or ``(out, lse)`` with lse
+    (batch, nheads, seqlen_q).
+    """
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if upcast:
+        q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k * scale)
+    left, right = window_bounds(causal, window_size)
+    visible = band_mask(q.shape[1], k.shape[1], left, right, device=q.device)
+    s = scores.to(torch.float64 if upcast else torch.float32).masked_fill(~visible, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True).detach()
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - m)
+    l = e.sum(dim=-1, keepdim=True)
+    probs = e / torch.where(l == 0, torch.ones_like(l), l)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
+    if not return_lse:
+        return out
+    lse = torch.where(l == 0, torch.full_like(l, float("inf")), torch.log(l) + m).squeeze(-1)
+    return out, lse.float()

@@ -1,0 +1,103 @@
+"""FlashAttention in plain PyTorch: the same tiled algorithm as the kernels, for CPU tensors.
+
+The executable specification of the online softmax: queries and keys are processed in
+blocks, a running max and row sum rescale the partial output as each K/V block arrives, only
+the logsumexp is kept, and the backward recomputes probabilities from it.  No
+(seqlen_q x seqlen_k) matrix is ever formed; memory is O(block x seqlen).  Math runs in
+float32 (CPU half-precision matmuls are slow and no more faithful).
+"""
+import torch
+
+from flashtile.reference import band_mask
+
+BLOCK = 128
+
+
+def _sequences(p, total_q, total_k):
+    """(q slice, k slice) per sequence: varlen offsets, or whole rows of a padded batch."""
+    if p.varlen:
+        cq, ck = p.cu_seqlens_q.tolist(), p.cu_seqlens_k.tolist()
+        return [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(p.batch)]
+    return [(b, b) for b in range(p.batch)]
+
+
+def _grouped(x, heads_k):
+    """(seqlen, heads, d) -> float32 (heads_k, group, seqlen, d) without copying K/V per group."""
+    s, h, d = x.shape
+    return x.float().permute(1, 0, 2).reshape(heads_k, h // heads_k, s, d)
+
+
+def _ungrouped(x):
+    """Inverse of _grouped: (heads_k, group, seqlen, d) -> (seqlen, heads, d)."""
+    hk, g, s, d = x.shape
+    return x.reshape(hk * g, s, d).permute(1, 0, 2)
+
+
+def _visible(p, i0, i1, j0, j1, sq, sk, device):
+    return band_mask(sq, sk, p.window_left, p.window_right, device=device,
+                     rows=slice(i0, i1), cols=slice(j0, j1))
+
+
+def forward(p, q, k, v):
+    out = torch.empty_like(q)
+    lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
+    for qs, ks in _sequences(p, q.shape[0], k.shape[0]):
+        qg, kg, vg = _grouped(q[qs], p.heads_k), k[ks].float().permute(1, 0, 2), v[ks].float().permute(1, 0, 2)
+        sq, sk = qg.shape[2], kg.shape[1]
+        o_seq = torch.zeros_like(qg)
+        lse_seq = torch.empty(qg.shape[:3], device=q.device)
+        for i0 in range(0, sq, BLOCK):
+            i1 = min(i0 + BLOCK, sq)
+            m = torch.full(qg[:, :, i0:i1, 0].shape, float("-inf"), device=q.device)
+            l = torch.zeros_like(m)
+            acc = torch.zeros_like(qg[:, :, i0:i1])
+            for j0 in range(0, sk, BLOCK):
+                j1 = min(j0 + BLOCK, sk)
+                s = torch.einsum("hgqd,hkd->hgqk", qg[:, :, i0:i1], kg[:, j0:j1]) * p.softmax_scale
+                s = s.masked_fill(~_visible(p, i0, i1, j0, j1, sq, sk, q.device), float("-inf"))
+                m_new = torch.maximum(m, s.amax(-1))
+                m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+                probs = torch.exp(s - m_ref[..., None])
+                alpha = torch.exp(m - m_ref)
+                l = l * alpha + probs.sum(-1)
+                acc = acc * alpha[..., None] + torch.einsum("hgqk,hkd->hgqd", probs, vg[:, j0:j1])
+                m = m_new
+            empty = l == 0
+            o_seq[:, :, i0:i1] = acc / torch.where(empty, torch.ones_like(l), l)[..., None]
+            lse_seq[:, :, i0:i1] = torch.where(empty, torch.full_like(l, float("inf")), m + torch.log(l))
+        out[qs] = _ungrouped(o_seq).to(q.dtype)
+        if p.varlen:
+            lse[:, qs] = lse_seq.reshape(p.heads_q, sq)
+        else:
+            lse[qs] = lse_seq.reshape(p.heads_q, sq)
+    return out, lse, lse.new_empty(0)
+
+
+def backward(p, dout, dlse, q, k, v, out, lse, saved):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for qs, ks in _sequences(p, q.shape[0], k.shape[0]):
+        qg, dog, og = (_grouped(x[qs], p.heads_k) for x in (q, dout, out))
+        kg, vg = k[ks].float().permute(1, 0, 2), v[ks].float().permute(1, 0, 2)
+        sq, sk = qg.shape[2], kg.shape[1]
+        seq_lse = (lse[:, qs] if p.varlen else lse[qs]).reshape(qg.shape[:3])
+        seq_dlse = (dlse[:, qs] if p.varlen else dlse[qs]).reshape(qg.shape[:3])
+        # dS = P * (dP - D) with D = rowsum(dO * O) - dlse (see kernels/v2.py row_dot).
+        delta = (dog * og).sum(-1) - seq_dlse
+        dqg = torch.zeros_like(qg)
+        dkg, dvg = torch.zeros_like(kg), torch.zeros_like(vg)
+        for i0 in range(0, sq, BLOCK):
+            i1 = min(i0 + BLOCK, sq)
+            for j0 in range(0, sk, BLOCK):
+                j1 = min(j0 + BLOCK, sk)
+                s = torch.einsum("hgqd,hkd->hgqk", qg[:, :, i0:i1], kg[:, j0:j1]) * p.softmax_scale
+                probs = torch.exp(s - seq_lse[:, :, i0:i1, None])
+                probs = probs.masked_fill(~_visible(p, i0, i1, j0, j1, sq, sk, q.device), 0.0)
+                dvg[:, j0:j1] += torch.einsum("hgqk,hgqd->hkd", probs, dog[:, :, i0:i1])
+                dp = torch.einsum("hgqd,hkd->hgqk", dog[:, :, i0:i1], vg[:, j0:j1])
+                ds = probs * (dp - delta[:, :, i0:i1, None]) * p.softmax_scale
+                dqg[:, :, i0:i1] += torch.einsum("hgqk,hkd->hgqd", ds, kg[:, j0:j1])
+                dkg[:, j0:j1] += torch.einsum("hgqk,hgqd->hkd", ds, qg[:, :, i0:i1])
+        dq[qs] = _ungrouped(dqg).to(q.dtype)
+        dk[ks] = dkg.permute(1, 0, 2).to(k.dtype)
+        dv[ks] = dvg.permute(1, 0, 2).to(v.dtype)
+    return dq, dk, dv
