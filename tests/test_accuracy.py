@@ -1,0 +1,163 @@
+"""Every version, forward and all three gradients, against the float64 oracle."""
+import math
+
+import pytest
+import torch
+from attention_check import check_against_reference, make_qkv, max_err
+from conftest import DEVICE, ON_GPU
+
+from flashtile import flash_attn_func, flash_attn_varlen_func, standard_attention
+
+VERSIONS = ["v1", "v2", "v3", "tiled"]
+DTYPES = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16]
+# Sequence lengths that are not block multiples, with seqlen_q < / = / > seqlen_k.
+SEQLENS = ([(1000, 1000), (511, 1537), (2049, 700), (4096, 4096)] if ON_GPU
+           else [(113, 113), (70, 131), (131, 70)])
+BATCH, HEADS = (2, 4) if ON_GPU else (1, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seqlens", SEQLENS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_matches_oracle(version, causal, seqlens, dtype):
+    # GQA: 2 query heads per K/V head.
+    q, k, v = make_qkv(BATCH, *seqlens, 2 * HEADS, HEADS, 64, dtype, DEVICE)
+    check_against_reference(lambda a, b, c: flash_attn_func(a, b, c, causal=causal, version=version),
+                            q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim", [16, 96, 128, 192, 256] if ON_GPU else [16, 96, 256])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_head_dims(version, head_dim):
+    seqlen = 777 if ON_GPU else 67
+    q, k, v = make_qkv(BATCH, seqlen, seqlen, HEADS, HEADS, head_dim, DTYPES[0], DEVICE)
+    check_against_reference(lambda a, b, c: flash_attn_func(a, b, c, causal=True, version=version),
+                            q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("window", [(16, 8), (-1, 5), (40, -1)])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sliding_window(version, window):
+    sq, sk = (900, 1300) if ON_GPU else (90, 130)
+    q, k, v = make_qkv(BATCH, sq, sk, HEADS, 1, 64, DTYPES[0], DEVICE)  # MQA
+    check_against_reference(lambda a, b, c: flash_attn_func(a, b, c, window_size=window, version=version),
+                            q, k, v, window_size=window)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_bf16(version):
+    q, k, v = make_qkv(1, 77, 93, 2, 1, 32, torch.bfloat16, DEVICE)
+    check_against_reference(lambda a, b, c: flash_attn_func(a, b, c, causal=True, version=version),
+                            q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_logsumexp(version):
+    q, k, v = make_qkv(BATCH, 100, 70, HEADS, HEADS, 32, DTYPES[0], DEVICE)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True, version=version)
+    _, ref_lse = standard_attention(q, k, v, causal=True, upcast=True, return_lse=True)
+    assert lse.dtype == torch.float32 and lse.shape == (BATCH, HEADS, 100)
+    # bottom-right causal with seqlen_q > seqlen_k: the first 30 rows see no key.
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert (out[:, :30] == 0).all()
+    finite = torch.isfinite(ref_lse)
+    assert max_err(lse[finite], ref_lse[finite]) < 1e-2
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_fully_masked_rows_have_zero_output_and_finite_grads(version):
+    q, k, v = make_qkv(1, 50, 20, 2, 2, 32, DTYPES[0], DEVICE)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = flash_attn_func(*leaves, causal=True, version=version)
+    out.float().square().sum().backward()
+    assert (out[:, :30] == 0).all()
+    assert all(torch.isfinite(x.grad).all() for x in leaves)
+    assert (leaves[0].grad[:, :30] == 0).all()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_gradient_through_logsumexp(version):
+    """A loss that uses softmax_lse gets its gradient too (it folds into D in the backward)."""
+    q, k, v = make_qkv(1, 45, 60, 2, 2, 32, DTYPES[0], DEVICE)
+    w = torch.randn(1, 2, 45, device=DEVICE)
+
+    def grads(fn, dtype=None):
+        leaves = [x.clone().to(dtype or x.dtype).requires_grad_() for x in (q, k, v)]
+        out, lse = fn(*leaves)
+        (out.double().sum() + (lse.double() * w).sum()).backward()
+        return [x.grad for x in leaves]
+
+    ours = grads(lambda *a: flash_attn_func(*a, causal=True, return_attn_probs=True, version=version)[:2])
+    oracle = grads(lambda *a: standard_attention(*a, causal=True, upcast=True, return_lse=True), torch.float64)
+    pt = grads(lambda *a: standard_attention(*a, causal=True, return_lse=True))
+    for g, g_ref, g_pt in zip(ours, oracle, pt):
+        assert max_err(g, g_ref) <= 3 * max_err(g_pt, g_ref) + 1e-4
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_varlen(version, causal):
+    lengths_q = [37, 0, 93, 70] if not ON_GPU else [370, 1, 930, 2000]
+    lengths_k = [50, 20, 93, 33] if not ON_GPU else [500, 200, 930, 1333]
+    heads_q, heads_k, d = 4, 2, 64
+    cu_q = torch.tensor([0] + lengths_q, device=DEVICE).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lengths_k, device=DEVICE).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lengths_q), heads_q, d, dtype=DTYPES[0], device=DEVICE)
+    k = torch.randn(sum(lengths_k), heads_k, d, dtype=DTYPES[0], device=DEVICE)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse, _ = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                         return_attn_probs=True, version=version)
+    assert lse.shape == (heads_q, sum(lengths_q))
+    grads = torch.autograd.grad(out, leaves, dout)
+    # Each sequence on its own, through the batched path, must give the same numbers.
+    for b in range(len(lengths_q)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lengths_q[b] == 0:
+            continue
+        one = [x[None].clone().requires_grad_() for x in (q[qs], k[ks], v[ks])]
+        o1 = flash_attn_func(*one, causal=causal, version=version)
+        g1 = torch.autograd.grad(o1, one, dout[qs][None])
+        torch.testing.assert_close(out[qs], o1[0], atol=2e-3, rtol=0)
+        for g, gb, s in zip(grads, g1, (qs, ks, ks)):
+            torch.testing.assert_close(g[s], gb[0], atol=5e-3, rtol=0)
+    # and the batched path is itself checked against the oracle above; one direct check here:
+    b = 2
+    qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+    ref = standard_attention(q[qs][None], k[ks][None], v[ks][None], causal=causal, upcast=True)
+    pt = standard_attention(q[qs][None], k[ks][None], v[ks][None], causal=causal)
+    assert max_err(out[qs][None], ref) <= 2 * max_err(pt, ref) + 1e-5
+
+
+@pytest.mark.parametrize("version", ["v2", "tiled"] + (["v1", "v3"] if ON_GPU else []))
+def test_strided_inputs(version):
+    """Tensors viewed from (b, h, s, d) storage, and a head dim that is not unit-stride."""
+    b, s, h, d = 1, 70, 2, 32
+    q = torch.randn(b, h, s, d, dtype=DTYPES[0], device=DEVICE).transpose(1, 2)
+    k = torch.randn(b, h, s, d, dtype=DTYPES[0], device=DEVICE).transpose(1, 2)
+    v = torch.randn(b, h, d, s, dtype=DTYPES[0], device=DEVICE).permute(0, 3, 1, 2)  # stride(-1) != 1
+    assert v.stride(-1) != 1
+    check_against_reference(lambda a, b_, c: flash_attn_func(a, b_, c, version=version), q, k, v)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_backward_is_deterministic(version):
+    q, k, v = make_qkv(1, 90, 90, 4, 1, 32, DTYPES[0], DEVICE)
+    dout = torch.randn_like(q)
+
+    def grads():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        return torch.autograd.grad(flash_attn_func(*leaves, causal=True, deterministic=True, version=version),
+                                   leaves, dout)
+
+    for a, b in zip(grads(), grads()):
+        assert torch.equal(a, b)
+
+
+def test_default_scale_is_inverse_sqrt_head_dim():
+    q, k, v = make_qkv(1, 20, 20, 1, 1, 64, DTYPES[0], DEVICE)
+    a = flash_attn_func(q, k, v, version="v2")
+    b = flash_attn_func(q, k, v, softmax_scale=1 / math.sqrt(64), version="v2")
+    assert torch.equal(a, b)

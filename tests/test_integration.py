@@ -1,0 +1,47 @@
+"""torch.compile, packed layouts and version selection."""
+import os
+
+import pytest
+import torch
+from attention_check import make_qkv
+from conftest import DEVICE, ON_GPU
+
+from flashtile import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                       runtime)
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    q, k, v = (x.requires_grad_() for x in make_qkv(1, 40, 40, 2, 2, 32, torch.float16, DEVICE))
+
+    def layer(q, k, v):
+        return (flash_attn_func(q, k, v, causal=True) * 2).sum()
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    eager = torch.autograd.grad(layer(q, k, v), (q, k, v))
+    torch.testing.assert_close(loss, layer(q, k, v))
+    for a, b in zip(grads, eager):
+        torch.testing.assert_close(a, b)
+
+
+def test_packed_layouts_match_separate_tensors():
+    qkv = torch.randn(1, 33, 3, 2, 32, dtype=torch.float16, device=DEVICE)
+    q, k, v = qkv.unbind(2)
+    separate = flash_attn_func(q, k, v, causal=True, version="v2")
+    torch.testing.assert_close(flash_attn_qkvpacked_func(qkv, causal=True, version="v2"), separate, atol=0, rtol=0)
+    torch.testing.assert_close(flash_attn_kvpacked_func(q, torch.stack([k, v], 2), causal=True, version="v2"),
+                               separate, atol=0, rtol=0)
+
+
+def test_auto_picks_a_version_that_runs_here():
+    expected = ("v3" if torch.cuda.get_device_capability()[0] == 9 else "v2") if ON_GPU else "v2"
+    assert runtime.resolve_version("auto", torch.device(DEVICE)) == expected
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU-only behaviour")
+def test_cpu_without_interpreter_uses_tiled_path_and_refuses_kernels(monkeypatch):
+    monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "0")
+    assert runtime.resolve_version("auto", torch.device("cpu")) == "tiled"
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        runtime.resolve_version("v2", torch.device("cpu"))
