@@ -24,7 +24,7 @@ def diagonal_band(seqlen_q, seqlen_k, window_left, window_right):
 
 
 @triton.jit
-def visited_blocks(r0, ROWS: tl.constexpr, COLS: tl.constexpr, n_cols, dlo, dhi):
+def visited_blocks(r0, ROWS, COLS, n_cols, dlo, dhi):
     """For the row tile [r0, r0 + ROWS): the column blocks to visit, split into three segments.
 
     Returns (lo, full_lo, full_hi, hi): blocks in [lo, full_lo) and [full_hi, hi) need the

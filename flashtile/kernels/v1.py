@@ -1,0 +1,207 @@
+"""FlashAttention-1 (Dao et al., 2022), as in the paper's Algorithm 1 and its backward.
+
+Deliberately without FlashAttention-2's changes, so that it shows what they bought:
+- one program per (batch, head): no parallelism over the sequence;
+- the K/V loop is outside and the Q loop inside, so O (fp32), the row max m and the row sum l
+  travel through HBM at every inner step, and O is renormalised at every step;
+- every visited block is masked (no unmasked fast path), and the backward recomputes
+  P = exp(S - m) / l from the saved m and l, computes D = rowsum(dO * O) inside its inner
+  loop, and accumulates dQ in HBM.
+Blocks that lie entirely outside the causal/window band are not visited (the FA1 CUDA code did
+not visit them either).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from flashtile import runtime
+from flashtile.kernels.blocks import band_mask, diagonal_band, sequence_bounds, visited_blocks
+from flashtile.kernels.configs import Config
+from flashtile.kernels.problem import Problem
+from flashtile.kernels.tiles import LN2, LOG2E, as_operand, load_tile, store_tile
+
+# On-chip memory of one SM that the paper's block-size rule divides up: the 227 KiB one
+# Hopper thread block may use, counted in 2-byte elements.
+SRAM_ELEMENTS = 232448 // 2
+
+
+def block_sizes(head_dim_pad: int) -> tuple[int, int]:
+    """(Br, Bc) by the paper's rule Bc = ceil(M / 4d), Br = min(Bc, d).
+
+    Triton tiles must be powers of two, so each is rounded down to one (and capped at 128,
+    beyond which the tiles no longer fit the registers).
+    """
+    bc = -(-SRAM_ELEMENTS // (4 * head_dim_pad))
+    bc = min(128, 1 << (bc.bit_length() - 1))
+    return min(bc, head_dim_pad), bc
+
+
+def _config(p: Problem) -> Config:
+    if runtime.interpreting():
+        return Config(32, 32, 4, 1)
+    br, bc = block_sizes(p.head_dim_pad)
+    return Config(br, bc, 4 if p.head_dim_pad <= 64 else 8, 2)
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, OACC, M, L, CU_Q, CU_K,
+                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
+                seqlen_q, seqlen_k, heads_q, group, scale_log2, window_left, window_right,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
+                UPCAST: tl.constexpr):
+    bh = tl.program_id(0)
+    batch = (bh // heads_q).to(tl.int64)
+    head = (bh % heads_q).to(tl.int64)
+    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(batch, CU_K, seqlen_k, IS_VARLEN)
+    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_base = Q + batch * sqb + q_start * sqs + head * sqh
+    o_base = OACC + batch * sob + q_start * sos + head * soh
+    stat_base = batch * slb + head * slh + q_start
+    k_base = K + batch * skb + k_start * sks + (head // group) * skh
+    v_base = V + batch * svb + k_start * svs + (head // group) * svh
+
+    # Outer loop: K/V blocks (Algorithm 1, line 5).
+    kv_lo, _, _, kv_hi = visited_blocks(0, seqlen_q, BLOCK_N, seqlen_k, dlo, dhi)
+    for n0 in range(kv_lo, kv_hi, BLOCK_N):
+        cols = n0 + offs_n
+        k = load_tile(k_base + cols[:, None] * sks + offs_d[None, :], cols, seqlen_k, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+        v = load_tile(v_base + cols[:, None] * svs + offs_d[None, :], cols, seqlen_k, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+        q_lo, _, _, q_hi = visited_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, -dhi, -dlo)
+        # Inner loop: Q blocks (line 7); O_i, l_i, m_i come from and go back to HBM.
+        for m0 in range(q_lo, q_hi, BLOCK_M):
+            rows = m0 + offs_m
+            in_seq = rows < seqlen_q
+            q = load_tile(q_base + rows[:, None] * sqs + offs_d[None, :], rows, seqlen_q, offs_d,
+                          HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+            o_ptrs = o_base + rows[:, None] * sos + offs_d[None, :]
+            o = tl.load(o_ptrs, mask=in_seq[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            l_i = tl.load(L + stat_base + rows, mask=in_seq, other=0.0)
+            m_i = tl.load(M + stat_base + rows, mask=in_seq, other=float("-inf"))
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = tl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), s, float("-inf"))
+            m_blk = tl.max(s, 1)
+            p = tl.math.exp2(s - tl.where(m_blk == float("-inf"), 0.0, m_blk)[:, None])
+            l_blk = tl.sum(p, 1)
+            m_new = tl.maximum(m_i, m_blk)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            old_w = tl.math.exp2(m_i - m_ref)
+            blk_w = tl.math.exp2(m_blk - m_ref)
+            l_new = old_w * l_i + blk_w * l_blk
+            pv = tl.dot(as_operand(p, v_base.dtype.element_ty, UPCAST), v)
+            o = (o * (l_i * old_w)[:, None] + pv * blk_w[:, None]) / tl.where(l_new == 0.0, 1.0, l_new)[:, None]
+            tl.store(o_ptrs, o, mask=in_seq[:, None] & (offs_d[None, :] < HEAD_DIM))
+            tl.store(L + stat_base + rows, l_new, mask=in_seq)
+            tl.store(M + stat_base + rows, m_new, mask=in_seq)
+        # The next outer step re-reads O, l, m written by other threads of this program.
+        tl.debug_barrier()
+
+
+@triton.jit
+def _bwd_kernel(Q, K, V, O, DO, DLSE, M, L, DQACC, DK, DV, CU_Q, CU_K,
+                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, sdb, sds, sdh,
+                sqab, sqas, sqah, sdkb, sdks, sdkh, sdvb, sdvs, sdvh, slb, slh,
+                seqlen_q, seqlen_k, heads_k, group, softmax_scale, scale_log2,
+                window_left, window_right,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
+                UPCAST: tl.constexpr):
+    bh = tl.program_id(0)
+    batch = (bh // heads_k).to(tl.int64)
+    head_k = (bh % heads_k).to(tl.int64)
+    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(batch, CU_K, seqlen_k, IS_VARLEN)
+    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    kv_lo, _, _, kv_hi = visited_blocks(0, seqlen_q, BLOCK_N, seqlen_k, dlo, dhi)
+    for n0 in range(kv_lo, kv_hi, BLOCK_N):
+        cols = n0 + offs_n
+        k = load_tile(K + batch * skb + (k_start + cols[:, None]) * sks + head_k * skh + offs_d[None, :],
+                      cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+        v = load_tile(V + batch * svb + (k_start + cols[:, None]) * svs + head_k * svh + offs_d[None, :],
+                      cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
+        q_lo, _, _, q_hi = visited_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, -dhi, -dlo)
+        for g in range(group):
+            head = head_k * group + g
+            stat_base = batch * slb + head * slh + q_start
+            for m0 in range(q_lo, q_hi, BLOCK_M):
+                rows = m0 + offs_m
+                in_seq = rows < seqlen_q
+                q = load_tile(Q + batch * sqb + (q_start + rows[:, None]) * sqs + head * sqh + offs_d[None, :],
+                              rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+                o = load_tile(O + batch * sob + (q_start + rows[:, None]) * sos + head * soh + offs_d[None, :],
+                              rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, True)
+                do = load_tile(DO + batch * sdb + (q_start + rows[:, None]) * sds + head * sdh + offs_d[None, :],
+                               rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+                m_i = tl.load(M + stat_base + rows, mask=in_seq, other=0.0)
+                l_i = tl.load(L + stat_base + rows, mask=in_seq, other=1.0)
+                visible = band_mask(rows, cols, seqlen_k, dlo, dhi) & in_seq[:, None]
+                s = tl.dot(q, tl.trans(k)) * scale_log2
+                m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
+                p = tl.where(visible, tl.math.exp2(s - m_ref[:, None]) / tl.where(l_i == 0.0, 1.0, l_i)[:, None], 0.0)
+                dv += tl.dot(tl.trans(as_operand(p, Q.dtype.element_ty, UPCAST)), do)
+                dp = tl.dot(do, tl.trans(v))
+                # D_i = rowsum(dO_i * O_i) (Algorithm 4, line 19), minus any gradient of the logsumexp.
+                d_i = tl.sum(o * do.to(tl.float32), 1) - tl.load(DLSE + stat_base + rows, mask=in_seq, other=0.0)
+                ds = p * (dp - d_i[:, None])
+                dq_ptrs = DQACC + batch * sqab + (q_start + rows[:, None]) * sqas + head * sqah + offs_d[None, :]
+                dq_mask = in_seq[:, None] & (offs_d[None, :] < HEAD_DIM)
+                dq = tl.load(dq_ptrs, mask=dq_mask, other=0.0)
+                tl.store(dq_ptrs, dq + tl.dot(as_operand(ds, Q.dtype.element_ty, UPCAST), k) * softmax_scale,
+                         mask=dq_mask)
+                dk += tl.dot(tl.trans(as_operand(ds, Q.dtype.element_ty, UPCAST)), q)
+        store_tile(DK + batch * sdkb + (k_start + cols[:, None]) * sdks + head_k * sdkh + offs_d[None, :],
+                   dk * softmax_scale, cols, seqlen_k, offs_d, HEAD_DIM)
+        store_tile(DV + batch * sdvb + (k_start + cols[:, None]) * sdvs + head_k * sdvh + offs_d[None, :],
+                   dv, cols, seqlen_k, offs_d, HEAD_DIM)
+        # dQ rows are read back by other threads in the next outer step.
+        tl.debug_barrier()
+
+
+def forward(p: Problem, q, k, v):
+    """Returns (out, lse, saved) with saved = stack(m, l), the paper's statistics."""
+    cfg = _config(p)
+    lse_shape = p.row_stat_shape(q.shape[0])
+    # Algorithm 1, line 2: O = 0, l = 0, m = -inf in HBM.  O is kept in fp32 across steps.
+    o_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    saved = torch.stack([torch.full(lse_shape, float("-inf"), device=q.device),
+                         torch.zeros(lse_shape, device=q.device)])
+    m, l = saved[0], saved[1]
+    cu_q, cu_k = p.cu_pointers(q.device)
+    _fwd_kernel[(p.batch * p.heads_q,)](
+        q, k, v, o_acc, m, l, cu_q, cu_k,
+        *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(o_acc),
+        *p.row_stat_strides(m),
+        p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right,
+        HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        IS_VARLEN=p.varlen, UPCAST=p.upcast(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    lse = torch.where(l == 0, float("inf"), (m + torch.log2(l)) * LN2)
+    return o_acc.to(q.dtype), lse, saved
+
+
+def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
+    cfg = _config(p)
+    m, l = saved[0], saved[1]
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    cu_q, cu_k = p.cu_pointers(q.device)
+    _bwd_kernel[(p.batch * p.heads_k,)](
+        q, k, v, out, dout, dlse, m, l, dq_acc, dk, dv, cu_q, cu_k,
+        *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
+        *p.seq_strides(dout), *p.seq_strides(dq_acc), *p.seq_strides(dk), *p.seq_strides(dv),
+        *p.row_stat_strides(m),
+        p.seqlen_q, p.seqlen_k, p.heads_k, p.group, p.softmax_scale, p.scale_log2,
+        p.window_left, p.window_right,
+        HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        IS_VARLEN=p.varlen, UPCAST=p.upcast(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dq_acc.to(q.dtype), dk, dv
