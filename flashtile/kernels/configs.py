@@ -17,6 +17,7 @@ class Config:
     block_n: int
     num_warps: int
     num_stages: int
+    warp_specialize: bool = False
 
 
 # Under the interpreter tiles are numpy arrays: mid-size tiles keep CPU tests fast while
@@ -53,3 +54,14 @@ def v2_bwd_config(p, dtype):
     """(dK/dV kernel config, dQ kernel config)."""
     return (_pick("V2_BWD_KV", _by_head_dim(_V2_BWD_KV, p.head_dim_pad)),
             _pick("V2_BWD_Q", _by_head_dim(_V2_BWD_Q, p.head_dim_pad)))
+
+
+# Warp specialization needs num_warps=4 in Triton 3.6 and gave NaN with 3+ stages on the H200.
+_V3_FWD_UNMASKED = [(64, Config(128, 128, 4, 3)), (128, Config(128, 128, 4, 2, True)),
+                    (256, Config(128, 64, 4, 2, True))]
+_V3_FWD_BAND = [(64, Config(128, 64, 4, 3)), (128, Config(128, 128, 8, 3)), (256, Config(64, 64, 4, 2))]
+
+
+def v3_fwd_config(p, unmasked: bool) -> Config:
+    table = _V3_FWD_UNMASKED if unmasked else _V3_FWD_BAND
+    return _pick("V3_FWD", _by_head_dim(table, p.head_dim_pad))

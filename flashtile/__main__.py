@@ -1,0 +1,5 @@
+import sys
+
+from flashtile.cli import main
+
+sys.exit(main())

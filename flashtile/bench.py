@@ -1,0 +1,283 @@
+"""Speed and memory of flashtile against the attention kernels people already use.
+
+Every provider gets the same (batch, seqlen, heads, headdim) tensors; PyTorch's SDPA backends
+see them as (batch, heads, seqlen, headdim) views of that storage.  Times are medians of
+CUDA-event timings with warm-up and an L2 flush between repetitions
+(``triton.testing.do_bench``), on random (never zero) inputs.  FLOPs follow the
+FlashAttention papers: forward 4*b*h*sq*sk*d, half when causal; backward 2.5x forward.
+"""
+import datetime
+import json
+import os
+import subprocess
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+
+from flashtile import api, runtime
+from flashtile.reference import standard_attention
+
+MODES = ("fwd", "bwd", "fwdbwd")
+FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+
+
+@dataclass
+class Case:
+    b: int
+    h: int
+    h_k: int
+    sq: int
+    sk: int
+    d: int
+    causal: bool
+    mode: str
+    dtype: str = "bf16"
+
+    @property
+    def torch_dtype(self):
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
+
+    def flops(self) -> float:
+        fwd = 4.0 * self.b * self.h * self.sq * self.sk * self.d / (2 if self.causal else 1)
+        return fwd * FLOP_FACTOR[self.mode]
+
+
+def paper_grid(head_dims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384),
+               causals=(False, True), modes=("fwd", "bwd"), dtype="bf16", tokens=16384, hidden=2048):
+    """The FlashAttention papers' sweep: batch x seqlen = 16k tokens, hidden 2048."""
+    return [Case(max(1, tokens // s), hidden // d, hidden // d, s, s, d, c, m, dtype)
+            for d in head_dims for c in causals for m in modes for s in seqlens]
+
+
+# ---- providers: each maps (q, k, v, causal) in (b, s, h, d) to the output ----
+
+def _flashtile(version):
+    return lambda q, k, v, causal: api.flash_attn_func(q, k, v, causal=causal, version=version)
+
+
+def _sdpa(backend_name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = getattr(SDPBackend, backend_name)
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)
+    return run
+
+
+def _standard(q, k, v, causal):
+    return standard_attention(q, k, v, causal=causal)
+
+
+_FLEX_CACHE = {}
+
+
+def _flex(q, k, v, causal):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if "fn" not in _FLEX_CACHE:
+        _FLEX_CACHE["fn"] = torch.compile(flex_attention)
+    mask = None
+    if causal:
+        key = (q.shape[1], k.shape[1])
+        if key not in _FLEX_CACHE:
+            off = k.shape[1] - q.shape[1]
+            _FLEX_CACHE[key] = create_block_mask(lambda b, h, i, j: j <= i + off, None, None,
+                                                 q.shape[1], k.shape[1], device=q.device)
+        mask = _FLEX_CACHE[key]
+    out = _FLEX_CACHE["fn"](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                            enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+PROVIDERS = {
+    "flashtile-v1": _flashtile("v1"), "flashtile-v2": _flashtile("v2"), "flashtile-v3": _flashtile("v3"),
+    "standard": _standard, "sdpa-flash": _sdpa("FLASH_ATTENTION"), "sdpa-cudnn": _sdpa("CUDNN_ATTENTION"),
+    "sdpa-efficient": _sdpa("EFFICIENT_ATTENTION"), "flex": _flex,
+}
+
+
+def available_providers(device=None):
+    """Providers that can run on this machine, with the reason for each that cannot."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ok, why = [], {}
+    for name in PROVIDERS:
+        if name.startswith("flashtile-"):
+            reason = runtime.why_not(name.split("-")[1], device)
+        elif device.type != "cuda":
+            reason = "needs a CUDA GPU"
+        else:
+            reason = None
+        if reason is None:
+            ok.append(name)
+        else:
+            why[name] = reason
+    return ok, why
+
+
+# ---- measurement ----
+
+def environment():
+    try:
+        commit = os.environ.get("FLASHTILE_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        commit = ""
+    return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                torch=torch.__version__, triton=triton.__version__, commit=commit or "unknown",
+                date=datetime.date.today().isoformat())
+
+
+def measure(provider: str, case: Case, device="cuda"):
+    """(median ms, peak extra bytes) of one provider on one case."""
+    fn = PROVIDERS[provider]
+    q = torch.randn(case.b, case.sq, case.h, case.d, dtype=case.torch_dtype, device=device)
+    k = torch.randn(case.b, case.sk, case.h_k, case.d, dtype=case.torch_dtype, device=device)
+    v = torch.randn_like(k)
+    grad = case.mode != "fwd"
+    for x in (q, k, v):
+        x.requires_grad_(grad)
+    dout = torch.randn_like(q)
+    if case.mode == "fwd":
+        def step():
+            with torch.no_grad():
+                fn(q, k, v, case.causal)
+    elif case.mode == "bwd":
+        out = fn(q, k, v, case.causal)
+
+        def step():
+            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    else:
+        def step():
+            torch.autograd.grad(fn(q, k, v, case.causal), (q, k, v), dout)
+    step()  # compile / autotune outside the timing and the memory peak
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+    return ms, peak
+
+
+def run(cases, providers, progress=True, on_error=print):
+    """Measure every (case, provider); a failure or OOM is reported and the run goes on."""
+    env = environment()
+    records = []
+    cells = [(c, p) for c in cases for p in providers]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(cells), desc="bench", unit="cell")
+    for case, provider in cells:
+        try:
+            ms, peak = measure(provider, case)
+            records.append(dict(provider=provider, **asdict(case), ms=ms,
+                                tflops=case.flops() / ms / 1e9, peak_mem_bytes=peak, **env))
+        except torch.OutOfMemoryError:
+            on_error(f"{provider} {case}: out of memory")
+        except Exception as e:  # one provider failing must not stop the grid
+            on_error(f"{provider} {case}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        finally:
+            torch.cuda.empty_cache()
+            if bar:
+                bar.update()
+    if bar:
+        bar.close()
+    return records
+
+
+def markdown_table(records, baseline=None):
+    """One table per (head dim, causal, mode): TFLOP/s per provider and seqlen, plus ratios."""
+    if not records:
+        return "(no results)\n"
+    env = {k: records[0][k] for k in ("gpu", "torch", "triton", "commit", "date")}
+    lines = [f"GPU {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, "
+             f"{env['date']}; TFLOP/s (forward 4*b*h*sq*sk*d, half when causal; backward 2.5x), "
+             f"{records[0]['dtype']}, (batch, seqlen, heads, headdim) storage.", ""]
+    providers = list(dict.fromkeys(r["provider"] for r in records))
+    groups = dict.fromkeys((r["d"], r["causal"], r["mode"]) for r in records)
+    for d, causal, mode in groups:
+        rows = [r for r in records if (r["d"], r["causal"], r["mode"]) == (d, causal, mode)]
+        seqlens = sorted({r["sq"] for r in rows})
+        cols = providers + ([f"{p}/{baseline}" for p in providers if baseline and p != baseline and p.startswith("flashtile")])
+        lines += [f"### d{d} {'causal' if causal else 'non-causal'} {mode}", "",
+                  "| seqlen | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        for s in seqlens:
+            by = {r["provider"]: r for r in rows if r["sq"] == s}
+            cells = [f"{by[p]['tflops']:.0f}" if p in by else "—" for p in providers]
+            for p in providers:
+                if baseline and p != baseline and p.startswith("flashtile"):
+                    ok = p in by and baseline in by
+                    cells.append(f"{by[p]['tflops'] / by[baseline]['tflops']:.2f}x" if ok else "—")
+            lines.append(f"| {s} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(records, path_prefix):
+    """TFLOP/s vs seqlen per (head dim, mode) and peak memory vs seqlen; returns the PNG paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    head_dims = sorted({r["d"] for r in records})
+    modes = [m for m in MODES if any(r["mode"] == m for r in records)]
+    if not head_dims or not modes:
+        return paths
+    fig, axes = plt.subplots(len(modes), len(head_dims), figsize=(4.5 * len(head_dims), 3.5 * len(modes)),
+                             squeeze=False)
+    for i, mode in enumerate(modes):
+        for j, d in enumerate(head_dims):
+            ax = axes[i][j]
+            for (prov, causal) in dict.fromkeys((r["provider"], r["causal"]) for r in records):
+                pts = sorted((r["sq"], r["tflops"]) for r in records
+                             if (r["provider"], r["causal"], r["mode"], r["d"]) == (prov, causal, mode, d))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", linestyle="--" if causal else "-",
+                            label=f"{prov}{' causal' if causal else ''}")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{mode}, headdim {d}")
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    paths.append(f"{path_prefix}_tflops.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for prov in dict.fromkeys(r["provider"] for r in records):
+        pts = sorted({r["sq"]: r["peak_mem_bytes"] for r in records if r["provider"] == prov
+                      and r["mode"] == modes[-1] and r["d"] == head_dims[-1]}.items())
+        if pts:
+            ax.plot([p[0] for p in pts], [max(p[1], 1) / 2**20 for p in pts], marker="o", label=prov)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("seqlen")
+    ax.set_ylabel(f"peak extra memory, MiB ({modes[-1]}, headdim {head_dims[-1]})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(f"{path_prefix}_memory.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def save(records, out_dir, name, baseline=None, plots=True):
+    """Write <name>.json, <name>.md (and PNG plots); returns the Markdown table."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    table = markdown_table(records, baseline)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(table)
+    if plots and records:
+        plot(records, os.path.join(out_dir, name))
+    return table

@@ -1,0 +1,146 @@
+"""The ``flashtile`` command: bench, demo, info."""
+import argparse
+import sys
+import time
+
+
+def _choices(allowed, cast=str):
+    """argparse type for a comma-separated list whose items must be in ``allowed``."""
+    def parse(text):
+        items = [cast(x) for x in text.split(",") if x]
+        bad = [x for x in items if x not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: allowed values are {', '.join(map(str, allowed))} (comma-separated)")
+        return items
+    return parse
+
+
+def _positive_ints(text):
+    try:
+        items = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        items = []
+    if not items or min(items) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
+    return items
+
+
+def parser():
+    from flashtile import bench
+    ap = argparse.ArgumentParser(prog="flashtile", description="Exact FlashAttention v1/v2/v3 in Triton.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="TFLOP/s and memory against PyTorch SDPA, FlexAttention, standard attention")
+    b.add_argument("--head-dims", type=_choices((32, 64, 96, 128, 192, 256), int), default=[64, 128, 256])
+    b.add_argument("--seqlens", type=_positive_ints, default=[512, 1024, 2048, 4096, 8192, 16384])
+    b.add_argument("--causal", type=_choices(("false", "true")), default=["false", "true"])
+    b.add_argument("--modes", type=_choices(bench.MODES), default=["fwd", "bwd"])
+    b.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    b.add_argument("--providers", type=_choices(tuple(bench.PROVIDERS)),
+                   default=["flashtile-v2", "flashtile-v3", "sdpa-flash", "sdpa-cudnn"])
+    b.add_argument("--baseline", choices=tuple(bench.PROVIDERS), default="sdpa-cudnn",
+                   help="provider the ratio columns divide by")
+    b.add_argument("--tokens", type=int, default=16384, help="batch x seqlen (the papers' 16k)")
+    b.add_argument("--hidden", type=int, default=2048, help="heads x headdim (the papers' 2048)")
+    b.add_argument("--out", default="bench_results", help="folder for the JSON, Markdown and PNGs")
+    b.add_argument("--name", default="bench")
+    b.add_argument("--no-plots", action="store_true")
+    sub.add_parser("demo", help="flashtile vs standard attention: error against float64, memory, speed")
+    sub.add_parser("info", help="GPU, versions, and which flashtile versions run here")
+    return ap
+
+
+def cmd_bench(args):
+    import torch
+
+    from flashtile import bench
+    if not torch.cuda.is_available():
+        print("flashtile bench needs a CUDA GPU (try `flashtile demo` on this machine)", file=sys.stderr)
+        return 2
+    ok, why = bench.available_providers()
+    providers = [p for p in args.providers if p in ok]
+    for p in args.providers:
+        if p not in ok:
+            print(f"skipping {p}: {why[p]}", file=sys.stderr)
+    cases = bench.paper_grid(args.head_dims, args.seqlens, [c == "true" for c in args.causal], args.modes,
+                             args.dtype, args.tokens, args.hidden)
+    records = bench.run(cases, providers, on_error=lambda msg: print(f"failed: {msg}", file=sys.stderr))
+    table = bench.save(records, args.out, args.name, args.baseline, plots=not args.no_plots)
+    print(table)
+    return 0
+
+
+def cmd_demo(args):
+    import torch
+
+    from flashtile import api, iomodel, runtime, standard_attention
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    b, s, h, d = (4, 4096, 16, 128) if cuda else (1, 1024, 4, 64)
+    dtype = torch.bfloat16 if cuda else torch.float16
+    version = runtime.resolve_version("auto", torch.device(device))
+    print(f"attention b={b} seqlen={s} heads={h} headdim={d} {str(dtype)[6:]} causal on {device} "
+          f"(flashtile version: {version})")
+    q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device=device) for _ in range(3))
+    oracle = standard_attention(q, k, v, causal=True, upcast=True)
+
+    def timed(fn):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else 0
+        t = time.perf_counter()
+        out = fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - t, (torch.cuda.max_memory_allocated() - base) if cuda else None
+
+    flash = lambda: api.flash_attn_func(q, k, v, causal=True)  # noqa: E731
+    std = lambda: standard_attention(q, k, v, causal=True)  # noqa: E731
+    if cuda:  # compile the kernels outside the timing
+        flash(), std()
+    out_f, t_f, mem_f = timed(flash)
+    out_s, t_s, mem_s = timed(std)
+    err = lambda x: (x.double() - oracle).abs().max().item()  # noqa: E731
+    print(f"max |error| vs float64: flashtile {err(out_f):.2e}   standard attention {err(out_s):.2e}")
+    if cuda:
+        print(f"extra memory (measured): flashtile {mem_f / 2**20:.1f} MiB   standard attention {mem_s / 2**20:.1f} MiB")
+        print(f"time: flashtile {t_f * 1e3:.2f} ms   standard attention {t_s * 1e3:.2f} ms   "
+              f"speedup {t_s / t_f:.1f}x (single call; `flashtile bench` for medians)")
+    else:
+        model = iomodel.summary(iomodel.Shape(b, h, s, s, d, causal=True))
+        print(f"extra memory (IO model): flashtile {model['v2']['extra_memory_bytes'] / 2**20:.2f} MiB   "
+              f"standard attention {model['standard']['extra_memory_bytes'] / 2**20:.1f} MiB")
+        print(f"HBM traffic (IO model, forward): flashtile-v2 {model['v2']['fwd_bytes'] / 2**20:.1f} MiB   "
+              f"standard attention {model['standard']['fwd_bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
+def cmd_info(args):
+    import torch
+    import triton
+
+    from flashtile import __version__, runtime
+    print(f"flashtile {__version__}, torch {torch.__version__}, triton {triton.__version__}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        print(f"GPU: {torch.cuda.get_device_name()} (compute capability {major}.{minor}, "
+              f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs)")
+    else:
+        print(f"GPU: none (Triton interpreter {'on' if runtime.interpreting() else 'off'})")
+    for version in runtime.VERSIONS:
+        reason = runtime.why_not(version, device)
+        print(f"  {version}: {'runs here' if reason is None else 'not here: ' + reason}")
+    print("  fp8: not implemented yet")
+    print(f"  version='auto' picks: {runtime.resolve_version('auto', device)}")
+    return 0
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    return {"bench": cmd_bench, "demo": cmd_demo, "info": cmd_info}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

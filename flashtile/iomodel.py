@@ -1,0 +1,109 @@
+"""HBM traffic and FLOPs of each algorithm, after Theorem 2 of the FlashAttention-1 paper.
+
+Standard attention moves Theta(N d + N^2) elements (it writes and re-reads the N x N scores
+and probabilities); FlashAttention-1 re-reads Q and re-writes O (fp32), l and m once per K/V
+block: Theta(N^2 d^2 / M) with Bc ~ M / 4d; FlashAttention-2/3 re-read K and V once per Q
+block and write O once.  Counts are per call (all batches and heads), for the forward and
+the backward, with the block sizes the kernels use and only the blocks that intersect the
+causal band.
+"""
+from dataclasses import dataclass
+
+ELEM = 2   # bf16 / fp16 bytes
+F32 = 4
+
+
+@dataclass(frozen=True)
+class Shape:
+    b: int
+    h: int
+    sq: int
+    sk: int
+    d: int
+    causal: bool = False
+    h_k: int | None = None
+
+    @property
+    def heads_k(self):
+        return self.h_k or self.h
+
+
+def visited_pairs(sq, sk, block_q, block_k, causal):
+    """Number of (Q block, K block) pairs a kernel visits: all, or those touching the causal band."""
+    n_q, n_k = -(-sq // block_q), -(-sk // block_k)
+    if not causal:
+        return n_q * n_k
+    off = sk - sq
+    total = 0
+    for i in range(n_q):
+        last_col = min(sk, (i + 1) * block_q - 1 + off + 1)  # exclusive end of visible keys
+        total += max(0, -(-last_col // block_k))
+    return total
+
+
+def matmul_flops(s: Shape, matmuls: int, block_q=None, block_k=None):
+    """2*sq*sk*d per matmul and head, counted over the visited blocks (or exactly half the
+    score matrix, for causal, when no block sizes are given)."""
+    if block_q is None:
+        frac = 0.5 if s.causal else 1.0
+    else:
+        frac = visited_pairs(s.sq, s.sk, block_q, block_k, s.causal) * block_q * block_k / (s.sq * s.sk)
+    return matmuls * 2.0 * s.sq * s.sk * s.d * s.b * s.h * frac
+
+
+def standard(s: Shape):
+    """Forward: read Q, K; write S; read S, write P; read P, V; write O.  Backward: read dO, V, P;
+    write dP; read dP, P, write dS; read dS, K, Q; write dQ, dK, dV (and dV needs P, dO)."""
+    bh, nd_q, nd_k, nn = s.b * s.h, s.sq * s.d, s.sk * s.d, s.sq * s.sk
+    fwd = bh * ELEM * (2 * nd_q + 2 * nd_k + 4 * nn)
+    bwd = bh * ELEM * (nd_q + nd_k + nn          # dP = dO V^T
+                       + 3 * nn                    # dS = P * (dP - rowsum)
+                       + nn + nd_q + nd_q          # dV = P^T dO
+                       + 2 * nn + 2 * nd_k         # dQ = dS K, dK = dS^T Q
+                       + nd_q + 2 * nd_k + nd_q)   # read Q, write dQ, dK, dV
+    return dict(fwd_bytes=fwd, bwd_bytes=bwd, extra_memory_bytes=bh * nn * (ELEM + F32 * 2),
+                fwd_flops=matmul_flops(s, 2), bwd_flops=matmul_flops(s, 4))
+
+
+def v1(s: Shape, block_q: int, block_k: int):
+    """Algorithm 1: per K/V block (Tc of them), every visited Q block reads Q_i, O_i (fp32),
+    l_i, m_i and writes O_i, l_i, m_i.  Backward: per K/V block, Q, O, dO, m, l and the fp32
+    dQ accumulator are read, dQ written."""
+    bh = s.b * s.h
+    pairs = visited_pairs(s.sq, s.sk, block_q, block_k, s.causal)
+    per_q_block_fwd = block_q * (s.d * ELEM + 2 * s.d * F32 + 4 * F32)
+    fwd = bh * (pairs * per_q_block_fwd + 2 * s.sk * s.d * ELEM + s.sq * s.d * (F32 + ELEM))
+    per_q_block_bwd = block_q * (3 * s.d * ELEM + 2 * s.d * F32 + 3 * F32)
+    bwd = bh * (pairs * per_q_block_bwd + 4 * s.sk * s.d * ELEM + s.sq * s.d * (F32 + ELEM))
+    return dict(fwd_bytes=fwd, bwd_bytes=bwd, extra_memory_bytes=bh * s.sq * (s.d * F32 * 2 + 3 * F32),
+                fwd_flops=matmul_flops(s, 2, block_q, block_k), bwd_flops=matmul_flops(s, 5, block_q, block_k))
+
+
+def v2(s: Shape, block_q: int, block_k: int, bwd_block_q: int | None = None, bwd_block_k: int | None = None):
+    """Forward: each Q block reads its K/V blocks; Q read and O written once; lse saved.
+    Backward: D = rowsum(dO * O); each K block reads Q, dO, lse, D of its Q blocks; a separate
+    Q-parallel pass reads K, V again for dQ (7 matmuls instead of 5, no fp32 atomics)."""
+    bwd_block_q, bwd_block_k = bwd_block_q or block_q, bwd_block_k or block_k
+    bh = s.b * s.h
+    pairs = visited_pairs(s.sq, s.sk, block_q, block_k, s.causal)
+    fwd = bh * (pairs * 2 * block_k * s.d * ELEM + 2 * s.sq * s.d * ELEM + s.sq * F32)
+    bpairs = visited_pairs(s.sq, s.sk, bwd_block_q, bwd_block_k, s.causal)
+    bwd = bh * (2 * s.sq * s.d * ELEM + s.sq * F32                               # D
+                + bpairs * bwd_block_q * (2 * s.d * ELEM + 2 * F32) + 4 * s.sk * s.d * ELEM  # dK, dV
+                + bpairs * 2 * bwd_block_k * s.d * ELEM + s.sq * (3 * s.d * ELEM + 2 * F32))  # dQ
+    return dict(fwd_bytes=fwd, bwd_bytes=bwd, extra_memory_bytes=bh * s.sq * 2 * F32,
+                fwd_flops=matmul_flops(s, 2, block_q, block_k),
+                bwd_flops=matmul_flops(s, 7, bwd_block_q, bwd_block_k))
+
+
+# v3 keeps v2's tiling: TMA and warp specialization change when bytes move, not how many.
+v3 = v2
+
+
+def summary(s: Shape, blocks=None):
+    """Model for each algorithm at the kernels' block sizes (defaults: the H200 tables)."""
+    from flashtile.kernels import v1 as v1_kernels
+    pad = max(16, 1 << (s.d - 1).bit_length())
+    br, bc = v1_kernels.block_sizes(pad)
+    blocks = blocks or {"v2": (128, 64), "v3": (128, 128)}
+    return {"standard": standard(s), "v1": v1(s, br, bc), "v2": v2(s, *blocks["v2"]), "v3": v3(s, *blocks["v3"])}

@@ -1,0 +1,80 @@
+"""Compile every kernel for sm_90 on any machine (no GPU needed) and report what Hopper got.
+
+For each kernel: whether the PTX uses wgmma and TMA, whether TTGIR is warp-specialized,
+shared memory, and compile errors.  ``--dump DIR`` writes the TTGIR/PTX for reading.
+"""
+import argparse
+import pathlib
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from flashtile.kernels import configs, v1, v2, v3
+from flashtile.kernels.problem import Problem
+
+FP32_POINTERS = {"LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE"}
+INT_POINTERS = {"CU_Q", "CU_K"}
+FLOAT_SCALARS = {"scale_log2", "softmax_scale"}
+
+
+def signature(fn, dtype, constexprs):
+    sig = {}
+    for param in fn.params:
+        name = param.name
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.isupper():
+            sig[name] = "*fp32" if name in FP32_POINTERS else "*i32" if name in INT_POINTERS else f"*{dtype}"
+        else:
+            sig[name] = "fp32" if name in FLOAT_SCALARS else "i32"
+    return sig
+
+
+def compile_one(fn, dtype, constexprs, num_warps, num_stages):
+    src = ASTSource(fn, signature(fn, dtype, constexprs), constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def cases(head_dim=128, dtype="bf16"):
+    p = Problem(1, 16, 16, 4096, 4096, head_dim, 0.1, -1, -1, None, None)
+    base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=False, UPCAST=False)
+    f = configs.v2_fwd_config(p, None)
+    yield "v2.fwd", v2._fwd_kernel, dict(base, BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages), f
+    kv, qc = configs.v2_bwd_config(p, None)
+    yield "v2.bwd_dkdv", v2._bwd_dkdv_kernel, dict(base, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, NUM_STAGES=kv.num_stages), kv
+    yield "v2.bwd_dq", v2._bwd_dq_kernel, dict(base, BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages), qc
+    c1 = v1._config(p)
+    yield "v1.fwd", v1._fwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), c1
+    yield "v1.bwd", v1._bwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), c1
+    for unmasked in (True, False):
+        c3 = configs.v3_fwd_config(p, unmasked)
+        yield f"v3.fwd{'' if unmasked else '_band'}", v3._fwd_kernel, dict(
+            base, BLOCK_M=c3.block_m, BLOCK_N=c3.block_n, NUM_STAGES=c3.num_stages, UNMASKED=unmasked,
+            WARP_SPECIALIZE=unmasked and c3.warp_specialize), c3
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--head-dims", default="64,128,256")
+    ap.add_argument("--dump", type=pathlib.Path)
+    args = ap.parse_args()
+    for d in (int(x) for x in args.head_dims.split(",")):
+        for name, fn, constexprs, cfg in cases(d):
+            try:
+                k = compile_one(fn, "bf16", constexprs, cfg.num_warps, cfg.num_stages)
+            except Exception as e:  # report and go on: one broken kernel should not hide the rest
+                print(f"d{d:<4} {name:14} FAILED: {str(e).splitlines()[0][:200]}")
+                continue
+            ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
+            print(f"d{d:<4} {name:14} wgmma={'wgmma.mma_async' in ptx!s:5} tma={'cp.async.bulk.tensor' in ptx!s:5} "
+                  f"ws={'ttg.warp_specialize' in ttgir!s:5} smem={k.metadata.shared:>6} warps={cfg.num_warps}")
+            if args.dump:
+                args.dump.mkdir(parents=True, exist_ok=True)
+                (args.dump / f"{name}_d{d}.ttgir").write_text(ttgir)
+                (args.dump / f"{name}_d{d}.ptx").write_text(ptx)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Time candidate tile configs per kernel on the GPU (FLASHTILE_CONFIG_* overrides), best first.
+
+Writes one JSON line per measurement to --out; used to fill flashtile/kernels/configs.py.
+"""
+import argparse
+import json
+import os
+
+from flashtile import bench
+
+# (config table entry, provider, mode, head dim, causal, candidates "bm,bn,warps,stages[,ws]")
+SWEEPS = [
+    ("V2_FWD", "flashtile-v2", "fwd", 128, False, ["128,64,8,3", "128,128,8,3", "128,64,4,3", "128,128,8,2", "64,64,4,3"]),
+    ("V2_FWD", "flashtile-v2", "fwd", 64, False, ["128,64,4,3", "128,128,8,3", "128,128,4,3", "64,64,4,4"]),
+    ("V2_FWD", "flashtile-v2", "fwd", 256, False, ["64,64,4,2", "128,64,8,2", "64,32,4,3", "128,32,8,2"]),
+    ("V2_BWD_KV", "flashtile-v2", "bwd", 128, False, ["64,128,8,2", "32,128,4,3", "64,128,4,2", "64,64,4,3", "128,128,8,2"]),
+    ("V2_BWD_Q", "flashtile-v2", "bwd", 128, False, ["128,64,8,2", "64,64,4,3", "128,32,4,3", "128,128,8,2"]),
+    ("V2_BWD_KV", "flashtile-v2", "bwd", 64, False, ["64,128,8,2", "32,128,4,3", "64,128,4,3", "64,64,4,3"]),
+    ("V3_FWD", "flashtile-v3", "fwd", 128, False, ["128,128,4,2,1", "128,64,4,2,1", "128,128,8,3,0", "128,128,4,3,0"]),
+    ("V3_FWD", "flashtile-v3", "fwd", 128, True, ["128,128,8,3", "128,64,8,3", "128,64,4,3", "128,128,8,2"]),
+    ("V3_FWD", "flashtile-v3", "fwd", 64, False, ["128,128,4,3,0", "128,128,4,2,1", "128,64,4,3,0", "128,128,8,3,0"]),
+    ("V3_FWD", "flashtile-v3", "fwd", 256, False, ["128,64,4,2,1", "128,64,8,2,0", "64,64,4,2,0", "128,32,4,2,1"]),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--out", default="sweep.jsonl")
+    args = ap.parse_args()
+    with open(args.out, "w") as f:
+        for entry, provider, mode, d, causal, candidates in SWEEPS:
+            results = []
+            for cand in candidates:
+                os.environ[f"FLASHTILE_CONFIG_{entry}"] = cand
+                case = bench.Case(16384 // args.seqlen, 2048 // d, 2048 // d, args.seqlen, args.seqlen, d, causal, mode)
+                try:
+                    ms, _ = bench.measure(provider, case)
+                    results.append((case.flops() / ms / 1e9, cand))
+                except Exception as e:  # a config that does not fit is a result too
+                    results.append((0.0, f"{cand} failed: {type(e).__name__}: {str(e)[:120]}"))
+                f.write(json.dumps(dict(entry=entry, d=d, causal=causal, mode=mode, config=cand,
+                                        tflops=results[-1][0])) + "\n")
+            del os.environ[f"FLASHTILE_CONFIG_{entry}"]
+            ranked = ", ".join(f"{c}: {t:.0f}" for t, c in sorted(results, reverse=True))
+            print(f"{entry:10} d{d:<4} {'causal' if causal else 'full':6} {mode}: {ranked}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
