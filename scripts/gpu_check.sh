@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, in one call: the sm_90 compile report, the test suite on CUDA (bf16 and
 # fp16, seqlen up to 4k), and the benchmark; everything lands under $OUT.
-#   scripts/gpu_check.sh [tests] [sweep] [bench]    (default: tests bench)
+#   scripts/gpu_check.sh [tests] [sweep] [bench] [memory]    (default: tests bench)
 # BENCH_ARGS narrows or widens the benchmark grid (flashtile bench options).
 set -uo pipefail
 OUT=${OUT:-gpu_results}
@@ -17,6 +17,8 @@ for stage in $stages; do
     tests)
       timeout "${TEST_TIMEOUT:-330}" python -m pytest tests -q -x -n "${TEST_WORKERS:-8}" -p no:cacheprovider \
         ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
+    memory)
+      python scripts/memory_check.py --out "$OUT/memory.json" || status=1 ;;
     sweep)
       python scripts/sweep_configs.py --out "$OUT/sweep.jsonl" || status=1 ;;
     bench)

@@ -10,6 +10,8 @@ Deliberately without FlashAttention-2's changes, so that it shows what they boug
 Blocks that lie entirely outside the causal/window band are not visited (the FA1 CUDA code did
 not visit them either).
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -18,7 +20,7 @@ from flashtile import runtime
 from flashtile.kernels.blocks import band_mask, diagonal_band, sequence_bounds, visited_blocks
 from flashtile.kernels.configs import Config
 from flashtile.kernels.problem import Problem
-from flashtile.kernels.tiles import LN2, LOG2E, as_operand, load_tile, store_tile
+from flashtile.kernels.tiles import as_operand, load_tile, store_tile
 
 # On-chip memory of one SM that the paper's block-size rule divides up: the 227 KiB one
 # Hopper thread block may use, counted in 2-byte elements.
@@ -185,7 +187,7 @@ def forward(p: Problem, q, k, v):
         p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right,
         HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         IS_VARLEN=p.varlen, UPCAST=p.upcast(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    lse = torch.where(l == 0, float("inf"), (m + torch.log2(l)) * LN2)
+    lse = torch.where(l == 0, float("inf"), (m + torch.log2(l)) * math.log(2.0))
     return o_acc.to(q.dtype), lse, saved
 
 
