@@ -15,12 +15,12 @@ python -m flashtile info
 for stage in $stages; do
   case $stage in
     tests)
-      timeout "${TEST_TIMEOUT:-330}" python -m pytest tests -q -x -n "${TEST_WORKERS:-8}" -p no:cacheprovider \
+      timeout "${TEST_TIMEOUT:-330}" python -m pytest tests -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider \
         ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
     memory)
       python scripts/memory_check.py --out "$OUT/memory.json" || status=1 ;;
     sweep)
-      python scripts/sweep_configs.py --out "$OUT/sweep.jsonl" || status=1 ;;
+      python scripts/sweep_configs.py --out "$OUT/sweep.jsonl" ${SWEEP_ARGS:-} || status=1 ;;
     bench)
       python -m flashtile bench ${BENCH_ARGS:-} --out "$OUT" --name bench 2>&1 | tee "$OUT/bench.log" | tail -80 || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;

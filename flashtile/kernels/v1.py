@@ -7,8 +7,8 @@ Deliberately without FlashAttention-2's changes, so that it shows what they boug
 - every visited block is masked (no unmasked fast path), and the backward recomputes
   P = exp(S - m) / l from the saved m and l, computes D = rowsum(dO * O) inside its inner
   loop, and accumulates dQ in HBM.
-Blocks that lie entirely outside the causal/window band are not visited (the FA1 CUDA code did
-not visit them either).
+In the forward, K/V blocks that no query sees are not visited (the FA1 CUDA code skipped them
+too); the backward visits every K/V block so that all of dK, dV is written.
 """
 import math
 
@@ -42,7 +42,8 @@ def _config(p: Problem) -> Config:
     if runtime.interpreting():
         return Config(32, 32, 4, 1)
     br, bc = block_sizes(p.head_dim_pad)
-    return Config(br, bc, 4 if p.head_dim_pad <= 64 else 8, 2)
+    # One stage: FA1 predates software pipelining of the K/V loads.
+    return Config(br, bc, 4 if p.head_dim_pad <= 64 else 8, 1)
 
 
 @triton.jit
@@ -123,8 +124,8 @@ def _bwd_kernel(Q, K, V, O, DO, DLSE, M, L, DQACC, DK, DV, CU_Q, CU_K,
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    kv_lo, _, _, kv_hi = visited_blocks(0, seqlen_q, BLOCK_N, seqlen_k, dlo, dhi)
-    for n0 in range(kv_lo, kv_hi, BLOCK_N):
+    # Every K/V block, also those no query sees: their dK, dV must still be written (as 0).
+    for n0 in range(0, seqlen_k, BLOCK_N):
         cols = n0 + offs_n
         k = load_tile(K + batch * skb + (k_start + cols[:, None]) * sks + head_k * skh + offs_d[None, :],
                       cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
