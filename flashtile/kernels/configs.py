@@ -43,8 +43,8 @@ def _by_head_dim(table, head_dim_pad):
 
 # H200 sweep (scripts/sweep_configs.py, b4 h16/32 s4096 bf16), 2026-12-01.
 _V2_FWD = [(64, Config(128, 64, 4, 3)), (128, Config(128, 128, 8, 3)), (256, Config(128, 64, 8, 2))]
-_V2_BWD_KV = [(64, Config(32, 128, 4, 3)), (128, Config(64, 128, 8, 2)), (256, Config(32, 64, 4, 2))]
-_V2_BWD_Q = [(64, Config(128, 32, 4, 3)), (128, Config(128, 32, 4, 3)), (256, Config(64, 32, 4, 2))]
+_V2_BWD_KV = [(64, Config(32, 128, 4, 3)), (128, Config(64, 128, 8, 2)), (256, Config(64, 64, 8, 2))]
+_V2_BWD_Q = [(64, Config(128, 32, 4, 3)), (128, Config(128, 32, 4, 3)), (256, Config(128, 32, 8, 2))]
 
 
 def v2_fwd_config(p, dtype) -> Config:
