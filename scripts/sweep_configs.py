@@ -13,6 +13,12 @@ SWEEPS_D256_BWD = [
     ("V2_BWD_KV", "flashtile-v2", "bwd", 256, False, ["32,64,4,2", "64,64,8,2", "32,64,8,2", "64,64,8,1", "32,64,4,1"]),
     ("V2_BWD_Q", "flashtile-v2", "bwd", 256, False, ["64,32,4,2", "64,64,8,2", "64,32,8,2", "128,32,8,2", "64,64,4,1"]),
 ]
+SWEEPS_D128_SHORT = [  # run with --seqlen 1024: where short sequences leave the GPU underfilled
+    ("V2_FWD", "flashtile-v2", "fwd", 128, True, ["128,128,8,3", "64,64,4,3", "128,64,8,3", "64,128,4,3", "128,64,4,3"]),
+    ("V2_BWD_KV", "flashtile-v2", "bwd", 128, True, ["64,128,8,2", "32,128,4,3", "64,64,4,3", "32,64,4,3"]),
+    ("V2_BWD_Q", "flashtile-v2", "bwd", 128, True, ["128,32,4,3", "64,32,4,3", "64,64,4,3", "128,64,8,2"]),
+    ("V2_BWD_KV", "flashtile-v2", "bwd", 128, False, ["64,128,8,2", "32,128,4,3", "64,64,4,3", "32,64,4,3"]),
+]
 SWEEPS = [
     ("V2_FWD", "flashtile-v2", "fwd", 128, False, ["128,64,8,3", "128,128,8,3", "128,64,4,3", "128,128,8,2", "64,64,4,3"]),
     ("V2_FWD", "flashtile-v2", "fwd", 64, False, ["128,64,4,3", "128,128,8,3", "128,128,4,3", "64,64,4,4"]),
@@ -31,10 +37,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--out", default="sweep.jsonl")
-    ap.add_argument("--only", choices=("all", "d256-bwd"), default="all")
+    ap.add_argument("--only", choices=("all", "d256-bwd", "d128-short"), default="all")
     args = ap.parse_args()
     with open(args.out, "w") as f:
-        for entry, provider, mode, d, causal, candidates in (SWEEPS if args.only == "all" else SWEEPS_D256_BWD):
+        for entry, provider, mode, d, causal, candidates in {"all": SWEEPS, "d256-bwd": SWEEPS_D256_BWD, "d128-short": SWEEPS_D128_SHORT}[args.only]:
             results = []
             for cand in candidates:
                 os.environ[f"FLASHTILE_CONFIG_{entry}"] = cand
