@@ -1,0 +1,60 @@
+"""The flashtile command: usage errors, info, demo, and the report writers."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from flashtile import bench, cli
+
+
+@pytest.mark.parametrize("argv", [["bench", "--modes", "foo"], ["bench", "--head-dims", "100"],
+                                  ["bench", "--seqlens", "0"], ["bench", "--providers", "nope"], ["frobnicate"]])
+def test_bad_arguments_exit_2_with_allowed_values(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err
+
+
+def test_bad_mode_lists_allowed_values(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--modes", "foo"])
+    assert "fwd, bwd, fwdbwd" in capsys.readouterr().err
+
+
+def _run_cli(*args, interpret="0"):
+    env = dict(os.environ, TRITON_INTERPRET=interpret)
+    return subprocess.run([sys.executable, "-m", "flashtile", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_info_names_every_version():
+    res = _run_cli("info")
+    assert res.returncode == 0, res.stderr
+    for version in ("v1", "v2", "v3"):
+        assert f"  {version}: " in res.stdout
+
+
+def test_demo_prints_error_and_memory():
+    res = _run_cli("demo")
+    assert res.returncode == 0, res.stderr
+    assert "max |error| vs float64: flashtile" in res.stdout
+    assert "extra memory" in res.stdout
+    flash_err = float(res.stdout.split("flashtile ")[2].split()[0])
+    assert flash_err < 1e-2
+
+
+def test_report_files_and_schema(tmp_path):
+    env = bench.environment()
+    records = [dict(provider=p, **vars(c), ms=1.0, tflops=c.flops() / 1e9, peak_mem_bytes=1 << 20, **env)
+               for c in bench.paper_grid((64,), (512, 1024), (False,), ("fwd",))
+               for p in ("flashtile-v2", "sdpa-flash")]
+    table = bench.save(records, tmp_path, "t", baseline="sdpa-flash")
+    saved = json.loads((tmp_path / "t.json").read_text())
+    assert set(saved[0]) == {"provider", "dtype", "b", "h", "h_k", "sq", "sk", "d", "causal", "mode", "ms",
+                             "tflops", "peak_mem_bytes", "gpu", "torch", "triton", "commit", "date"}
+    assert "| 1024 |" in table and "flashtile-v2/sdpa-flash" in table
+    assert (tmp_path / "t_tflops.png").stat().st_size > 0 and (tmp_path / "t_memory.png").stat().st_size > 0
