@@ -64,3 +64,20 @@ def sequence_bounds(batch, cu_seqlens, seqlen, IS_VARLEN: tl.constexpr):
 @triton.jit
 def start_zero(batch):
     return batch * 0
+
+
+@triton.jit
+def program_sequence(bh, heads, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right,
+                     IS_VARLEN: tl.constexpr):
+    """Which (batch, head) a program works on, where its sequences start, their lengths, and the band.
+
+    ``bh`` enumerates batch x heads (heads of q, or of k/v for K/V-parallel kernels).
+    Returns (batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi); batch and head are
+    int64 so that offsets into large tensors do not overflow.
+    """
+    batch = (bh // heads).to(tl.int64)
+    head = (bh % heads).to(tl.int64)
+    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(batch, CU_K, seqlen_k, IS_VARLEN)
+    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
+    return batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from flashtile import runtime
-from flashtile.kernels.blocks import band_mask, diagonal_band, sequence_bounds, visited_blocks
+from flashtile.kernels.blocks import band_mask, program_sequence, visited_blocks
 from flashtile.kernels.configs import Config
 from flashtile.kernels.problem import Problem
 from flashtile.kernels.tiles import as_operand, load_tile, store_tile
@@ -54,11 +54,8 @@ def _fwd_kernel(Q, K, V, OACC, M, L, CU_Q, CU_K,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                 UPCAST: tl.constexpr):
     bh = tl.program_id(0)
-    batch = (bh // heads_q).to(tl.int64)
-    head = (bh % heads_q).to(tl.int64)
-    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(batch, CU_K, seqlen_k, IS_VARLEN)
-    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
+    batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
+        bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -116,11 +113,8 @@ def _bwd_kernel(Q, K, V, O, DO, DLSE, M, L, DQACC, DK, DV, CU_Q, CU_K,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                 UPCAST: tl.constexpr):
     bh = tl.program_id(0)
-    batch = (bh // heads_k).to(tl.int64)
-    head_k = (bh % heads_k).to(tl.int64)
-    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(batch, CU_K, seqlen_k, IS_VARLEN)
-    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
+    batch, head_k, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
+        bh, heads_k, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile.kernels.blocks import band_mask, diagonal_band, sequence_bounds, visited_blocks
+from flashtile.kernels.blocks import band_mask, program_sequence, sequence_bounds, visited_blocks
 from flashtile.kernels.configs import v2_bwd_config, v2_fwd_config
 from flashtile.kernels.problem import Problem
 from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile,
@@ -51,13 +51,10 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
     bh = tl.program_id(0)
     # Heaviest (latest, for causal) Q blocks first: better load balance on the last wave.
     m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-    batch = (bh // heads_q).to(tl.int64)
-    head = (bh % heads_q).to(tl.int64)
-    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(batch, CU_K, seqlen_k, IS_VARLEN)
+    batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
+        bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
     if m0 >= seqlen_q:
         return
-    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -144,13 +141,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                      UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
     bh = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
-    batch = (bh // heads_k).to(tl.int64)
-    head_k = (bh % heads_k).to(tl.int64)
-    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(batch, CU_K, seqlen_k, IS_VARLEN)
+    batch, head_k, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
+        bh, heads_k, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
     if n0 >= seqlen_k:
         return
-    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
     rows_k = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -212,13 +206,10 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
                    UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
     bh = tl.program_id(0)
     m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-    batch = (bh // heads_q).to(tl.int64)
-    head = (bh % heads_q).to(tl.int64)
-    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(batch, CU_K, seqlen_k, IS_VARLEN)
+    batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
+        bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
     if m0 >= seqlen_q:
         return
-    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from flashtile import runtime
 from flashtile.kernels import v2
-from flashtile.kernels.blocks import band_mask, diagonal_band, sequence_bounds, visited_blocks
+from flashtile.kernels.blocks import band_mask, program_sequence, visited_blocks
 from flashtile.kernels.configs import v3_fwd_config
 from flashtile.kernels.problem import Problem
 from flashtile.kernels.tiles import finalize_rows, online_softmax_step
@@ -64,11 +64,9 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
                 WARP_SPECIALIZE: tl.constexpr):
     bh = tl.program_id(0)
     m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-    batch = (bh // heads_q).to(tl.int64)
-    head = (bh % heads_q).to(tl.int64)
+    batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
+        bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
     head_k = head // group
-    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(batch, CU_K, seqlen_k, IS_VARLEN)
     if IS_VARLEN:  # the grid covers the longest sequence; padded grids need no check (WS rejects it)
         if m0 >= seqlen_q:
             return
@@ -86,7 +84,6 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
     if UNMASKED:
         acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_desc, v_desc, rows, offs_n, 0, seqlen_k, seqlen_k,
                                     dlo, dhi, scale_log2, BLOCK_N, False, UPCAST, NUM_STAGES, WARP_SPECIALIZE)
