@@ -13,7 +13,7 @@ from flashtile.reference import band_mask
 BLOCK = 128
 
 
-def _sequences(p, total_q, total_k):
+def _sequences(p):
     """(q slice, k slice) per sequence: varlen offsets, or whole rows of a padded batch."""
     if p.varlen:
         cq, ck = p.cu_seqlens_q.tolist(), p.cu_seqlens_k.tolist()
@@ -41,7 +41,7 @@ def _visible(p, i0, i1, j0, j1, sq, sk, device):
 def forward(p, q, k, v):
     out = torch.empty_like(q)
     lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
-    for qs, ks in _sequences(p, q.shape[0], k.shape[0]):
+    for qs, ks in _sequences(p):
         qg, kg, vg = _grouped(q[qs], p.heads_k), k[ks].float().permute(1, 0, 2), v[ks].float().permute(1, 0, 2)
         sq, sk = qg.shape[2], kg.shape[1]
         o_seq = torch.zeros_like(qg)
@@ -75,7 +75,7 @@ def forward(p, q, k, v):
 
 def backward(p, dout, dlse, q, k, v, out, lse, saved):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for qs, ks in _sequences(p, q.shape[0], k.shape[0]):
+    for qs, ks in _sequences(p):
         qg, dog, og = (_grouped(x[qs], p.heads_k) for x in (q, dout, out))
         kg, vg = k[ks].float().permute(1, 0, 2), v[ks].float().permute(1, 0, 2)
         sq, sk = qg.shape[2], kg.shape[1]
