@@ -21,7 +21,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     else:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
-    version = "tiled" if version == "tiled" else runtime.resolve_version(version, q.device)
+    version = runtime.resolve_version(version, q.device)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     left, right = window_bounds(causal, window_size)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))

@@ -96,14 +96,17 @@ def v2(s: Shape, block_q: int, block_k: int, bwd_block_q: int | None = None, bwd
                 bwd_flops=matmul_flops(s, 7, bwd_block_q, bwd_block_k))
 
 
-# v3 keeps v2's tiling: TMA and warp specialization change when bytes move, not how many.
-v3 = v2
+# v3 keeps v2's tiling (with its own tile sizes): TMA and warp specialization change when bytes
+# move, not how many.
 
 
-def summary(s: Shape, blocks=None):
-    """Model for each algorithm at the kernels' block sizes (defaults: the H200 tables)."""
+def summary(s: Shape):
+    """Model for each algorithm at the block sizes the kernels use on the GPU."""
+    from flashtile.kernels import configs
     from flashtile.kernels import v1 as v1_kernels
     pad = max(16, 1 << (s.d - 1).bit_length())
-    br, bc = v1_kernels.block_sizes(pad)
-    blocks = blocks or {"v2": (128, 64), "v3": (128, 128)}
-    return {"standard": standard(s), "v1": v1(s, br, bc), "v2": v2(s, *blocks["v2"]), "v3": v3(s, *blocks["v3"])}
+    model = {"standard": standard(s), "v1": v1(s, *v1_kernels.block_sizes(pad))}
+    for version in ("v2", "v3"):
+        fwd, bwd = configs.gpu_tiles(version, pad, s.causal)
+        model[version] = v2(s, *fwd, *bwd)
+    return model

@@ -47,7 +47,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
 
 
 @torch.library.custom_op("flashtile::attention_backward", mutates_args=())
-def attention_backward(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+def attention_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                        lse: Tensor, saved: Tensor, cu_seqlens_q: Optional[Tensor],
                        cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                        softmax_scale: float, window_left: int, window_right: int,
@@ -75,8 +75,10 @@ def _backward(ctx, dout, dlse, dsaved):
         dout = torch.zeros_like(out)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    # A loss that uses the logsumexp contributes through dlse (folded into D by the kernels).
-    dlse = torch.zeros_like(lse) if dlse is None else dlse.contiguous()
+    # A loss that uses the logsumexp contributes through dlse (folded into D by the kernels);
+    # None, the usual case, costs nothing.
+    if dlse is not None:
+        dlse = dlse.contiguous()
     dq, dk, dv = attention_backward(dout, dlse, q, k, v, out, lse, saved, cu_q, cu_k, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None, None, None
 

@@ -4,6 +4,8 @@ import os
 import torch
 
 VERSIONS = ("v1", "v2", "v3")
+# Every accepted value of ``version``: "tiled" is the PyTorch implementation, runnable anywhere.
+VERSION_CHOICES = ("auto", *VERSIONS, "tiled")
 
 
 def interpreting() -> bool:
@@ -30,6 +32,8 @@ def why_not(version: str, device: torch.device) -> str | None:
 
 def resolve_version(version: str, device: torch.device) -> str:
     """Map 'auto' to the best version for the device and refuse versions that cannot run."""
+    if version == "tiled":
+        return version
     if version == "auto":
         if device.type == "cpu" and not interpreting():
             return "tiled"

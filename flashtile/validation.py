@@ -1,9 +1,10 @@
 """Argument checks for the public API: every bad input is refused before any kernel launches."""
 import torch
 
+from flashtile.runtime import VERSION_CHOICES
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
-VERSION_CHOICES = ("auto", "v1", "v2", "v3", "tiled")
 
 
 def _check_tensor(name, x):

@@ -73,3 +73,11 @@ _V3_FWD_BAND = [(64, Config(128, 64, 4, 3)), (128, Config(128, 64, 8, 3)), (256,
 def v3_fwd_config(p, unmasked: bool) -> Config:
     table = _V3_FWD_UNMASKED if unmasked else _V3_FWD_BAND
     return _pick("V3_FWD", _by_head_dim(table, p.head_dim_pad))
+
+
+def gpu_tiles(version: str, head_dim_pad: int, banded: bool):
+    """((fwd block_m, block_n), (bwd dK/dV block_m, block_n)) used on the GPU, for the IO model."""
+    fwd = {"v2": _V2_FWD_BAND if banded else _V2_FWD, "v3": _V3_FWD_BAND if banded else _V3_FWD_UNMASKED}[version]
+    bwd = _V2_BWD_KV_BAND if banded else _V2_BWD_KV  # v3's backward is v2's
+    f, b = _by_head_dim(fwd, head_dim_pad), _by_head_dim(bwd, head_dim_pad)
+    return (f.block_m, f.block_n), (b.block_m, b.block_n)

@@ -4,6 +4,7 @@ Batched tensors are (batch, seqlen, heads, head_dim); varlen tensors (total_toke
 head_dim) are seen as batch 1 with per-sequence starts from cu_seqlens, so every kernel
 handles both through one set of strides.
 """
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -11,6 +12,12 @@ import torch
 import triton
 
 from flashtile import runtime
+
+
+@functools.lru_cache(maxsize=None)
+def _placeholder(device: torch.device) -> torch.Tensor:
+    # One per device, made once: no allocation or fill on every launch.
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,7 @@ class Problem:
         """cu_seqlens for the kernels; a one-element placeholder when not varlen (never read)."""
         if self.varlen:
             return self.cu_seqlens_q, self.cu_seqlens_k
-        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        dummy = _placeholder(device)
         return dummy, dummy
 
     def upcast(self, x: torch.Tensor) -> bool:

@@ -111,7 +111,7 @@ def _bwd_kernel(Q, K, V, O, DO, DLSE, M, L, DQACC, DK, DV, CU_Q, CU_K,
                 window_left, window_right,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-                UPCAST: tl.constexpr):
+                UPCAST: tl.constexpr, HAS_DLSE: tl.constexpr):
     bh = tl.program_id(0)
     batch, head_k, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
         bh, heads_k, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
@@ -149,7 +149,9 @@ def _bwd_kernel(Q, K, V, O, DO, DLSE, M, L, DQACC, DK, DV, CU_Q, CU_K,
                 dv += tl.dot(tl.trans(as_operand(p, Q.dtype.element_ty, UPCAST)), do)
                 dp = tl.dot(do, tl.trans(v))
                 # D_i = rowsum(dO_i * O_i) (Algorithm 4, line 19), minus any gradient of the logsumexp.
-                d_i = tl.sum(o * do.to(tl.float32), 1) - tl.load(DLSE + stat_base + rows, mask=in_seq, other=0.0)
+                d_i = tl.sum(o * do.to(tl.float32), 1)
+                if HAS_DLSE:
+                    d_i -= tl.load(DLSE + stat_base + rows, mask=in_seq, other=0.0)
                 ds = p * (dp - d_i[:, None])
                 dq_ptrs = DQACC + batch * sqab + (q_start + rows[:, None]) * sqas + head * sqah + offs_d[None, :]
                 dq_mask = in_seq[:, None] & (offs_d[None, :] < HEAD_DIM)
@@ -193,12 +195,13 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     cu_q, cu_k = p.cu_pointers(q.device)
     _bwd_kernel[(p.batch * p.heads_k,)](
-        q, k, v, out, dout, dlse, m, l, dq_acc, dk, dv, cu_q, cu_k,
+        q, k, v, out, dout, m if dlse is None else dlse, m, l, dq_acc, dk, dv, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
         *p.seq_strides(dout), *p.seq_strides(dq_acc), *p.seq_strides(dk), *p.seq_strides(dv),
         *p.row_stat_strides(m),
         p.seqlen_q, p.seqlen_k, p.heads_k, p.group, p.softmax_scale, p.scale_log2,
         p.window_left, p.window_right,
         HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        IS_VARLEN=p.varlen, UPCAST=p.upcast(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        IS_VARLEN=p.varlen, UPCAST=p.upcast(q), HAS_DLSE=dlse is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dq_acc.to(q.dtype), dk, dv

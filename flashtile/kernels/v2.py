@@ -86,7 +86,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
 @triton.jit
 def _bwd_delta_kernel(O, DO, DLSE, DELTA, CU_Q, sob, sos, soh, sdb, sds, sdh, slb, slh, seqlen_q, heads_q,
                       HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                      IS_VARLEN: tl.constexpr):
+                      IS_VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr):
     """D = rowsum(dO * O) - dlse in fp32, laid out like the logsumexp (see row_dot)."""
     bh = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
@@ -102,8 +102,10 @@ def _bwd_delta_kernel(O, DO, DLSE, DELTA, CU_Q, sob, sos, soh, sdb, sds, sdh, sl
     do = load_tile(DO + batch * sdb + (q_start + rows[:, None]) * sds + head * sdh + offs_d[None, :],
                    rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, True)
     stat = batch * slb + head * slh + q_start + rows
-    dlse = tl.load(DLSE + stat, mask=rows < seqlen_q, other=0.0)
-    tl.store(DELTA + stat, tl.sum(o * do, 1) - dlse, mask=rows < seqlen_q)
+    delta = tl.sum(o * do, 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + stat, mask=rows < seqlen_q, other=0.0)
+    tl.store(DELTA + stat, delta, mask=rows < seqlen_q)
 
 
 @triton.jit
@@ -261,14 +263,14 @@ def row_dot(p: Problem, out, dout, dlse):
     """D = rowsum(dO * O) - dlse, fp32, laid out like the logsumexp.
 
     d lse_i / d s_ij = P_ij, so a gradient reaching the logsumexp folds into D:
-    dS = P * (dP - D) + P * dlse = P * (dP - (D - dlse))."""
+    dS = P * (dP - D) + P * dlse = P * (dP - (D - dlse)).  ``dlse`` may be None."""
     delta = torch.empty(p.row_stat_shape(out.shape[0]), dtype=torch.float32, device=out.device)
     cu_q, _ = p.cu_pointers(out.device)
     block_m = 64
     _bwd_delta_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, block_m))](
-        out, dout, dlse, delta, cu_q, *p.seq_strides(out), *p.seq_strides(dout), *p.row_stat_strides(delta),
+        out, dout, delta if dlse is None else dlse, delta, cu_q, *p.seq_strides(out), *p.seq_strides(dout), *p.row_stat_strides(delta),
         p.seqlen_q, p.heads_q, HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=block_m,
-        IS_VARLEN=p.varlen, num_warps=4)
+        IS_VARLEN=p.varlen, HAS_DLSE=dlse is not None, num_warps=4)
     return delta
 
 
