@@ -19,6 +19,17 @@ SWEEPS_D128_SHORT = [  # run with --seqlen 1024: where short sequences leave the
     ("V2_BWD_Q", "flashtile-v2", "bwd", 128, True, ["128,32,4,3", "64,32,4,3", "64,64,4,3", "128,64,8,2"]),
     ("V2_BWD_KV", "flashtile-v2", "bwd", 128, False, ["64,128,8,2", "32,128,4,3", "64,64,4,3", "32,64,4,3"]),
 ]
+SWEEPS_D64_CAUSAL_SHORT = [  # run with --seqlen 1024
+    ("V2_FWD", "flashtile-v2", "fwd", 64, True, ["128,64,4,3", "64,64,4,3", "128,32,4,3", "64,32,4,3",
+                                                 "128,64,8,3", "128,128,8,3", "64,64,4,2"]),
+]
+SWEEPS_V1 = [  # FlashAttention-1 tiles (one pipeline stage: the paper's kernel has none)
+    ("V1_FWD", "flashtile-v1", "fwd", 64, False, ["64,128,4,1", "64,64,4,1", "64,128,8,1", "128,128,8,1"]),
+    ("V1_FWD", "flashtile-v1", "fwd", 128, False, ["128,128,8,1", "64,64,4,1", "64,128,8,1", "128,64,8,1", "64,64,8,1"]),
+    ("V1_BWD", "flashtile-v1", "bwd", 64, False, ["64,128,4,1", "64,64,4,1", "32,64,4,1", "64,128,8,1", "64,64,8,1"]),
+    ("V1_BWD", "flashtile-v1", "bwd", 128, False, ["128,128,8,1", "64,64,4,1", "64,64,8,1", "32,64,4,1", "64,128,8,1",
+                                                   "128,64,8,1"]),
+]
 SWEEPS = [
     ("V2_FWD", "flashtile-v2", "fwd", 128, False, ["128,64,8,3", "128,128,8,3", "128,64,4,3", "128,128,8,2", "64,64,4,3"]),
     ("V2_FWD", "flashtile-v2", "fwd", 64, False, ["128,64,4,3", "128,128,8,3", "128,128,4,3", "64,64,4,4"]),
@@ -32,15 +43,18 @@ SWEEPS = [
     ("V3_FWD", "flashtile-v3", "fwd", 256, False, ["128,64,4,2,1", "128,64,8,2,0", "64,64,4,2,0", "128,32,4,2,1"]),
 ]
 
+NAMED = {"all": SWEEPS, "d256-bwd": SWEEPS_D256_BWD, "d128-short": SWEEPS_D128_SHORT,
+         "d64-causal-short": SWEEPS_D64_CAUSAL_SHORT, "v1": SWEEPS_V1}
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--out", default="sweep.jsonl")
-    ap.add_argument("--only", choices=("all", "d256-bwd", "d128-short"), default="all")
+    ap.add_argument("--only", choices=tuple(NAMED), default="all")
     args = ap.parse_args()
     with open(args.out, "w") as f:
-        for entry, provider, mode, d, causal, candidates in {"all": SWEEPS, "d256-bwd": SWEEPS_D256_BWD, "d128-short": SWEEPS_D128_SHORT}[args.only]:
+        for entry, provider, mode, d, causal, candidates in NAMED[args.only]:
             results = []
             for cand in candidates:
                 os.environ[f"FLASHTILE_CONFIG_{entry}"] = cand

@@ -161,3 +161,12 @@ def test_default_scale_is_inverse_sqrt_head_dim():
     a = flash_attn_func(q, k, v, version="v2")
     b = flash_attn_func(q, k, v, softmax_scale=1 / math.sqrt(64), version="v2")
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n_splits", ["1", "3"])
+def test_v1_split_over_programs(n_splits, monkeypatch):
+    # FA1's num_splits: one program per (batch, head) as in the paper, or rows/columns shared by 3.
+    monkeypatch.setenv("FLASHTILE_V1_SPLITS", n_splits)
+    q, k, v = make_qkv(BATCH, 131, 97, 2 * HEADS, HEADS, 32, DTYPES[0], DEVICE)
+    check_against_reference(lambda a, b, c: flash_attn_func(a, b, c, causal=True, version="v1"),
+                            q, k, v, causal=True)

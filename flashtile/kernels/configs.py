@@ -25,7 +25,8 @@ class Config:
 _INTERPRETER = Config(32, 32, 4, 1)
 
 
-def _pick(name: str, default: Config) -> Config:
+def pick(name: str, default: Config) -> Config:
+    """``default`` on the GPU, the interpreter's tile under it, or the FLASHTILE_CONFIG_<name> override."""
     override = os.environ.get(f"FLASHTILE_CONFIG_{name}")
     if override:
         return Config(*(int(x) for x in override.split(",")))
@@ -55,13 +56,13 @@ def _banded(p) -> bool:
 
 
 def v2_fwd_config(p, dtype) -> Config:
-    return _pick("V2_FWD", _by_head_dim(_V2_FWD_BAND if _banded(p) else _V2_FWD, p.head_dim_pad))
+    return pick("V2_FWD", _by_head_dim(_V2_FWD_BAND if _banded(p) else _V2_FWD, p.head_dim_pad))
 
 
 def v2_bwd_config(p, dtype):
     """(dK/dV kernel config, dQ kernel config)."""
-    return (_pick("V2_BWD_KV", _by_head_dim(_V2_BWD_KV_BAND if _banded(p) else _V2_BWD_KV, p.head_dim_pad)),
-            _pick("V2_BWD_Q", _by_head_dim(_V2_BWD_Q, p.head_dim_pad)))
+    return (pick("V2_BWD_KV", _by_head_dim(_V2_BWD_KV_BAND if _banded(p) else _V2_BWD_KV, p.head_dim_pad)),
+            pick("V2_BWD_Q", _by_head_dim(_V2_BWD_Q, p.head_dim_pad)))
 
 
 # Warp specialization needs num_warps=4 in Triton 3.6 and gave NaN with 3+ stages on the H200.
@@ -72,7 +73,7 @@ _V3_FWD_BAND = [(64, Config(128, 64, 4, 3)), (128, Config(128, 64, 8, 3)), (256,
 
 def v3_fwd_config(p, unmasked: bool) -> Config:
     table = _V3_FWD_UNMASKED if unmasked else _V3_FWD_BAND
-    return _pick("V3_FWD", _by_head_dim(table, p.head_dim_pad))
+    return pick("V3_FWD", _by_head_dim(table, p.head_dim_pad))
 
 
 def gpu_tiles(version: str, head_dim_pad: int, banded: bool):

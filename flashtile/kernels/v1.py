@@ -1,16 +1,21 @@
 """FlashAttention-1 (Dao et al., 2022), as in the paper's Algorithm 1 and its backward.
 
 Deliberately without FlashAttention-2's changes, so that it shows what they bought:
-- one program per (batch, head): no parallelism over the sequence;
 - the K/V loop is outside and the Q loop inside, so O (fp32), the row max m and the row sum l
   travel through HBM at every inner step, and O is renormalised at every step;
 - every visited block is masked (no unmasked fast path), and the backward recomputes
   P = exp(S - m) / l from the saved m and l, computes D = rowsum(dO * O) inside its inner
-  loop, and accumulates dQ in HBM.
+  loop, and accumulates dQ in HBM;
+- one program per (batch, head), as in the paper, whenever batch x heads fills the GPU.
+  When it does not (long sequences, small batch), the FA1 code release split the work of one
+  (batch, head) over several thread blocks (its ``num_splits``: query rows in the forward, key
+  columns in the backward); so does this module, each program keeping Algorithm 1's loop order
+  on its share.  ``FLASHTILE_V1_SPLITS=1`` forces the paper's one program per (batch, head).
 In the forward, K/V blocks that no query sees are not visited (the FA1 CUDA code skipped them
 too); the backward visits every K/V block so that all of dK, dV is written.
 """
 import math
+import os
 
 import torch
 import triton
@@ -18,7 +23,7 @@ import triton.language as tl
 
 from flashtile import runtime
 from flashtile.kernels.blocks import band_mask, program_sequence, visited_blocks
-from flashtile.kernels.configs import Config
+from flashtile.kernels.configs import Config, pick
 from flashtile.kernels.problem import Problem
 from flashtile.kernels.tiles import as_operand, load_tile, store_tile
 
@@ -38,22 +43,40 @@ def block_sizes(head_dim_pad: int) -> tuple[int, int]:
     return min(bc, head_dim_pad), bc
 
 
-def _config(p: Problem) -> Config:
-    if runtime.interpreting():
-        return Config(32, 32, 4, 1)
+def _config(p: Problem, which: str) -> Config:
+    """Tiles of the forward ("FWD") or backward ("BWD") kernel."""
     br, bc = block_sizes(p.head_dim_pad)
     # One stage: FA1 predates software pipelining of the K/V loads.
-    return Config(br, bc, 4 if p.head_dim_pad <= 64 else 8, 1)
+    return pick(f"V1_{which}", Config(br, bc, 4 if p.head_dim_pad <= 64 else 8, 1))
+
+
+# The backward keeps one partial fp32 dQ per split (summed afterwards, in a fixed order, so
+# gradients stay deterministic); the cap bounds that extra memory to 4x the size of Q in fp32.
+MAX_SPLITS = 4
+
+
+def splits(programs: int, n_blocks: int, device) -> int:
+    """How many programs share one (batch, head), given ``programs`` (batch, head) pairs and
+    ``n_blocks`` blocks to share: enough to give every SM one, as FA1's code did."""
+    forced = os.environ.get("FLASHTILE_V1_SPLITS")
+    if forced:
+        return max(1, min(int(forced), n_blocks))
+    # Under the interpreter a 4-SM "device" keeps the split path exercised by small CPU tests.
+    sms = 4 if runtime.interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= 0.8 * sms:
+        return 1
+    return max(1, min(-(-sms // programs), n_blocks, MAX_SPLITS))
 
 
 @triton.jit
 def _fwd_kernel(Q, K, V, OACC, M, L, CU_Q, CU_K,
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
-                seqlen_q, seqlen_k, heads_q, group, scale_log2, window_left, window_right,
+                seqlen_q, seqlen_k, heads_q, group, scale_log2, window_left, window_right, n_splits,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                 UPCAST: tl.constexpr):
     bh = tl.program_id(0)
+    split = tl.program_id(1)
     batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
         bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
     offs_m = tl.arange(0, BLOCK_M)
@@ -74,8 +97,10 @@ def _fwd_kernel(Q, K, V, OACC, M, L, CU_Q, CU_K,
         v = load_tile(v_base + cols[:, None] * svs + offs_d[None, :], cols, seqlen_k, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
         q_lo, _, _, q_hi = visited_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, -dhi, -dlo)
-        # Inner loop: Q blocks (line 7); O_i, l_i, m_i come from and go back to HBM.
-        for m0 in range(q_lo, q_hi, BLOCK_M):
+        # Inner loop: Q blocks (line 7); O_i, l_i, m_i come from and go back to HBM.  This
+        # program's share is every n_splits-th block (interleaved, so causal work stays balanced).
+        q_lo += (split + n_splits - (q_lo // BLOCK_M) % n_splits) % n_splits * BLOCK_M
+        for m0 in range(q_lo, q_hi, n_splits * BLOCK_M):
             rows = m0 + offs_m
             in_seq = rows < seqlen_q
             q = load_tile(q_base + rows[:, None] * sqs + offs_d[None, :], rows, seqlen_q, offs_d,
@@ -108,18 +133,21 @@ def _bwd_kernel(Q, K, V, O, DO, DLSE, M, L, DQACC, DK, DV, CU_Q, CU_K,
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, sdb, sds, sdh,
                 sqab, sqas, sqah, sdkb, sdks, sdkh, sdvb, sdvs, sdvh, slb, slh,
                 seqlen_q, seqlen_k, heads_k, group, softmax_scale, scale_log2,
-                window_left, window_right,
+                window_left, window_right, n_splits, dq_split_stride,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                 UPCAST: tl.constexpr, HAS_DLSE: tl.constexpr):
     bh = tl.program_id(0)
+    split = tl.program_id(1)
+    DQACC += split * dq_split_stride  # this split's partial dQ
     batch, head_k, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
         bh, heads_k, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     # Every K/V block, also those no query sees: their dK, dV must still be written (as 0).
-    for n0 in range(0, seqlen_k, BLOCK_N):
+    # This program's share is every n_splits-th block.
+    for n0 in range(split * BLOCK_N, seqlen_k, n_splits * BLOCK_N):
         cols = n0 + offs_n
         k = load_tile(K + batch * skb + (k_start + cols[:, None]) * sks + head_k * skh + offs_d[None, :],
                       cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
@@ -169,7 +197,7 @@ def _bwd_kernel(Q, K, V, O, DO, DLSE, M, L, DQACC, DK, DV, CU_Q, CU_K,
 
 def forward(p: Problem, q, k, v):
     """Returns (out, lse, saved) with saved = stack(m, l), the paper's statistics."""
-    cfg = _config(p)
+    cfg = _config(p, "FWD")
     lse_shape = p.row_stat_shape(q.shape[0])
     # Algorithm 1, line 2: O = 0, l = 0, m = -inf in HBM.  O is kept in fp32 across steps.
     o_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -177,11 +205,12 @@ def forward(p: Problem, q, k, v):
                          torch.zeros(lse_shape, device=q.device)])
     m, l = saved[0], saved[1]
     cu_q, cu_k = p.cu_pointers(q.device)
-    _fwd_kernel[(p.batch * p.heads_q,)](
+    n_splits = splits(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, cfg.block_m), q.device)
+    _fwd_kernel[(p.batch * p.heads_q, n_splits)](
         q, k, v, o_acc, m, l, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(o_acc),
         *p.row_stat_strides(m),
-        p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right,
+        p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right, n_splits,
         HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         IS_VARLEN=p.varlen, UPCAST=p.upcast(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     lse = torch.where(l == 0, float("inf"), (m + torch.log2(l)) * math.log(2.0))
@@ -189,19 +218,21 @@ def forward(p: Problem, q, k, v):
 
 
 def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
-    cfg = _config(p)
+    cfg = _config(p, "BWD")
     m, l = saved[0], saved[1]
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    n_splits = splits(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, cfg.block_n), q.device)
+    dq_acc = torch.zeros((n_splits, *q.shape), dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     cu_q, cu_k = p.cu_pointers(q.device)
-    _bwd_kernel[(p.batch * p.heads_k,)](
+    _bwd_kernel[(p.batch * p.heads_k, n_splits)](
         q, k, v, out, dout, m if dlse is None else dlse, m, l, dq_acc, dk, dv, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
-        *p.seq_strides(dout), *p.seq_strides(dq_acc), *p.seq_strides(dk), *p.seq_strides(dv),
+        *p.seq_strides(dout), *p.seq_strides(dq_acc[0]), *p.seq_strides(dk), *p.seq_strides(dv),
         *p.row_stat_strides(m),
         p.seqlen_q, p.seqlen_k, p.heads_k, p.group, p.softmax_scale, p.scale_log2,
-        p.window_left, p.window_right,
+        p.window_left, p.window_right, n_splits, dq_acc.stride(0),
         HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         IS_VARLEN=p.varlen, UPCAST=p.upcast(q), HAS_DLSE=dlse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return dq_acc.to(q.dtype), dk, dv
+    # The splits' partial dQs, summed in a fixed order: deterministic, no atomics.
+    return dq_acc.sum(0).to(q.dtype), dk, dv
