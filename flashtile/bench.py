@@ -9,7 +9,9 @@ FlashAttention papers: forward 4*b*h*sq*sk*d, half when causal; backward 2.5x fo
 import datetime
 import json
 import os
+import statistics
 import subprocess
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -102,12 +104,12 @@ PROVIDERS = {
 
 def available_providers(device=None):
     """Providers that can run on this machine, with the reason for each that cannot."""
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or _default_device()
     ok, why = [], {}
     for name in PROVIDERS:
         if name.startswith("flashtile-"):
             reason = runtime.why_not(name.split("-")[1], device)
-        elif device.type != "cuda":
+        elif device.type != "cuda" and name != "standard":
             reason = "needs a CUDA GPU"
         else:
             reason = None
@@ -132,8 +134,26 @@ def environment():
                 date=datetime.date.today().isoformat())
 
 
-def measure(provider: str, case: Case, device="cuda"):
-    """(median ms, peak extra bytes) of one provider on one case."""
+def _default_device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _cpu_median_ms(step, reps=3):
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def measure(provider: str, case: Case, device=None):
+    """(median ms, peak extra bytes) of one provider on one case.
+
+    On a CPU (the Triton interpreter) the times only exercise the pipeline, and there is no
+    allocator peak to read: peak_mem_bytes is None.
+    """
+    device = torch.device(device) if device else _default_device()
     fn = PROVIDERS[provider]
     q = torch.randn(case.b, case.sq, case.h, case.d, dtype=case.torch_dtype, device=device)
     k = torch.randn(case.b, case.sk, case.h_k, case.d, dtype=case.torch_dtype, device=device)
@@ -155,6 +175,8 @@ def measure(provider: str, case: Case, device="cuda"):
         def step():
             torch.autograd.grad(fn(q, k, v, case.causal), (q, k, v), dout)
     step()  # compile / autotune outside the timing and the memory peak
+    if device.type != "cuda":
+        return _cpu_median_ms(step), None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -165,30 +187,61 @@ def measure(provider: str, case: Case, device="cuda"):
     return ms, peak
 
 
-def run(cases, providers, progress=True, on_error=print):
-    """Measure every (case, provider); a failure or OOM is reported and the run goes on."""
+def ceilings(n=8192, copy_bytes=2**30):
+    """The two roofline ceilings of this GPU, measured: bf16 matmul n^3 in TFLOP/s and
+    device-to-device copy in TB/s (bytes read + written)."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    ms_mm = triton.testing.do_bench(lambda: a @ a, warmup=25, rep=200, return_mode="median")
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms_copy = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return dict(matmul_tflops=2 * n**3 / ms_mm / 1e9, copy_tbps=2 * copy_bytes / ms_copy / 1e9)
+
+
+def run(cases, providers, repeats=1, progress=True, on_error=print):
+    """Measure every (case, provider); a failure or OOM is reported and the run goes on.
+
+    With ``repeats`` > 1 the whole grid is measured that many times, one pass after the other,
+    so that a drift of the GPU (clocks, temperature) touches every provider alike; a record
+    keeps the median and every pass's time (``ms_runs``).
+    """
     env = environment()
-    records = []
+    times, peaks, failed = {}, {}, set()
     cells = [(c, p) for c in cases for p in providers]
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(cells), desc="bench", unit="cell")
-    for case, provider in cells:
-        try:
-            ms, peak = measure(provider, case)
-            records.append(dict(provider=provider, **asdict(case), ms=ms,
-                                tflops=case.flops() / ms / 1e9, peak_mem_bytes=peak, **env))
-        except torch.OutOfMemoryError:
-            on_error(f"{provider} {case}: out of memory")
-        except Exception as e:  # one provider failing must not stop the grid
-            on_error(f"{provider} {case}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
-        finally:
-            torch.cuda.empty_cache()
-            if bar:
-                bar.update()
+        bar = tqdm(total=len(cells) * repeats, desc="bench", unit="cell")
+    for _ in range(repeats):
+        for i, (case, provider) in enumerate(cells):
+            try:
+                if i not in failed:
+                    ms, peak = measure(provider, case)
+                    times.setdefault(i, []).append(ms)
+                    peaks.setdefault(i, peak)
+            except torch.OutOfMemoryError:
+                failed.add(i)
+                on_error(f"{provider} {case}: out of memory")
+            except Exception as e:  # one provider failing must not stop the grid
+                failed.add(i)
+                on_error(f"{provider} {case}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                if bar:
+                    bar.update()
     if bar:
         bar.close()
+    records = []
+    for i, (case, provider) in enumerate(cells):
+        if i in failed or i not in times:
+            continue
+        ms = statistics.median(times[i])
+        record = dict(provider=provider, **asdict(case), ms=ms, tflops=case.flops() / ms / 1e9,
+                      peak_mem_bytes=peaks[i], **env)
+        if repeats > 1:
+            record["ms_runs"] = times[i]
+        records.append(record)
     return records
 
 
@@ -254,7 +307,8 @@ def plot(records, path_prefix):
     fig, ax = plt.subplots(figsize=(6, 4))
     for prov in dict.fromkeys(r["provider"] for r in records):
         pts = sorted({r["sq"]: r["peak_mem_bytes"] for r in records if r["provider"] == prov
-                      and r["mode"] == modes[-1] and r["d"] == head_dims[-1]}.items())
+                      and r["mode"] == modes[-1] and r["d"] == head_dims[-1]
+                      and r["peak_mem_bytes"] is not None}.items())
         if pts:
             ax.plot([p[0] for p in pts], [max(p[1], 1) / 2**20 for p in pts], marker="o", label=prov)
     ax.set_xscale("log", base=2)

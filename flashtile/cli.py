@@ -1,4 +1,4 @@
-"""The ``flashtile`` command: bench, demo, info."""
+"""The ``flashtile`` command: bench, io, demo, info."""
 import argparse
 import sys
 import time
@@ -36,15 +36,30 @@ def parser():
     b.add_argument("--causal", type=_choices(("false", "true")), default=["false", "true"])
     b.add_argument("--modes", type=_choices(bench.MODES), default=["fwd", "bwd"])
     b.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    b.add_argument("--providers", type=_choices(tuple(bench.PROVIDERS)),
-                   default=["flashtile-v2", "flashtile-v3", "sdpa-flash", "sdpa-cudnn"])
+    b.add_argument("--providers", type=_choices(tuple(bench.PROVIDERS)), default=list(bench.PROVIDERS),
+                   help="comma-separated (default: every provider that runs here)")
     b.add_argument("--baseline", choices=tuple(bench.PROVIDERS), default="sdpa-cudnn",
                    help="provider the ratio columns divide by")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="measure the grid this many times and keep each cell's median")
     b.add_argument("--tokens", type=int, default=16384, help="batch x seqlen (the papers' 16k)")
     b.add_argument("--hidden", type=int, default=2048, help="heads x headdim (the papers' 2048)")
     b.add_argument("--out", default="bench_results", help="folder for the JSON, Markdown and PNGs")
     b.add_argument("--name", default="bench")
     b.add_argument("--no-plots", action="store_true")
+    io = sub.add_parser("io", help="IO model: HBM bytes and FLOPs per algorithm; with --measured, "
+                                   "the regime (memory- or compute-bound) of each measured run")
+    io.add_argument("--head-dims", type=_choices((32, 64, 96, 128, 192, 256), int), default=[64, 128])
+    io.add_argument("--seqlens", type=_positive_ints, default=[1024, 4096, 16384])
+    io.add_argument("--causal", type=_choices(("false", "true")), default=["false"])
+    io.add_argument("--tokens", type=int, default=16384)
+    io.add_argument("--hidden", type=int, default=2048)
+    io.add_argument("--measured", metavar="BENCH_JSON", help="bench records to set the model against")
+    io.add_argument("--copy-tbps", type=float, default=None,
+                    help="HBM copy ceiling in TB/s (default: measured here on a GPU, else the H200's 4.26)")
+    io.add_argument("--matmul-tflops", type=float, default=None,
+                    help="bf16 matmul ceiling in TFLOP/s (default: measured here on a GPU, else the H200's 775)")
+    io.add_argument("--out", default=None, help="also write the rows as JSON here")
     sub.add_parser("demo", help="flashtile vs standard attention: error against float64, memory, speed")
     sub.add_parser("info", help="GPU, versions, and which flashtile versions run here")
     return ap
@@ -53,10 +68,15 @@ def parser():
 def cmd_bench(args):
     import torch
 
-    from flashtile import bench
+    from flashtile import bench, runtime
     if not torch.cuda.is_available():
-        print("flashtile bench needs a CUDA GPU (try `flashtile demo` on this machine)", file=sys.stderr)
-        return 2
+        if not runtime.interpreting():
+            print("flashtile bench needs a CUDA GPU (try `flashtile demo` on this machine); to check the "
+                  "pipeline on a CPU, set TRITON_INTERPRET=1 and narrow the grid, e.g. --head-dims 32 "
+                  "--seqlens 64 --tokens 64 --hidden 64", file=sys.stderr)
+            return 2
+        print("no GPU: kernels run under the Triton interpreter; the times are not performance figures",
+              file=sys.stderr)
     ok, why = bench.available_providers()
     providers = [p for p in args.providers if p in ok]
     for p in args.providers:
@@ -64,9 +84,56 @@ def cmd_bench(args):
             print(f"skipping {p}: {why[p]}", file=sys.stderr)
     cases = bench.paper_grid(args.head_dims, args.seqlens, [c == "true" for c in args.causal], args.modes,
                              args.dtype, args.tokens, args.hidden)
-    records = bench.run(cases, providers, on_error=lambda msg: print(f"failed: {msg}", file=sys.stderr))
+    records = bench.run(cases, providers, args.repeats, on_error=lambda msg: print(f"failed: {msg}", file=sys.stderr))
     table = bench.save(records, args.out, args.name, args.baseline, plots=not args.no_plots)
     print(table)
+    return 0
+
+
+def cmd_io(args):
+    import json
+
+    from flashtile import bench, iomodel
+    if args.measured is None:
+        print("| d | causal | seqlen | algorithm | fwd GB | bwd GB | fwd TFLOP | bwd TFLOP | fwd FLOP/B | extra memory MiB |")
+        print("|---" * 10 + "|")
+        for d in args.head_dims:
+            for causal in (c == "true" for c in args.causal):
+                for s in args.seqlens:
+                    shape = iomodel.Shape(max(1, args.tokens // s), args.hidden // d, s, s, d, causal)
+                    for name, m in iomodel.summary(shape).items():
+                        print(f"| {d} | {causal} | {s} | {name} | {m['fwd_bytes'] / 1e9:.2f} | "
+                              f"{m['bwd_bytes'] / 1e9:.2f} | {m['fwd_flops'] / 1e12:.2f} | "
+                              f"{m['bwd_flops'] / 1e12:.2f} | {m['fwd_flops'] / m['fwd_bytes']:.0f} | "
+                              f"{m['extra_memory_bytes'] / 2**20:.1f} |")
+        return 0
+    try:
+        with open(args.measured) as f:
+            records = json.load(f)
+    except (OSError, ValueError) as e:
+        print(f"--measured: cannot read bench records from {args.measured!r}: {e}", file=sys.stderr)
+        return 2
+    copy_tbps, matmul_tflops = args.copy_tbps, args.matmul_tflops
+    source = "given"
+    if copy_tbps is None or matmul_tflops is None:
+        measured = bench.ceilings() if bench.torch.cuda.is_available() else None
+        source = "measured now" if measured else "H200 reference values"
+        copy_tbps = copy_tbps or (measured or {}).get("copy_tbps", iomodel.H200_COPY_TBPS)
+        matmul_tflops = matmul_tflops or (measured or {}).get("matmul_tflops", iomodel.H200_MATMUL_TFLOPS)
+    rows = iomodel.regime_rows(records, copy_tbps, matmul_tflops)
+    print(f"Ceilings ({source}): copy {copy_tbps:.2f} TB/s, bf16 matmul {matmul_tflops:.0f} TFLOP/s. "
+          "Bytes and FLOPs from the IO model (flashtile.iomodel), times from the bench records.")
+    print()
+    print("| provider | d | causal | seqlen | mode | ms | model GB | TB/s | % copy | model TFLOP/s | % matmul "
+          "| FLOP/B | bound | % of bound |")
+    print("|---" * 14 + "|")
+    for r in rows:
+        print(f"| {r['provider']} | {r['d']} | {r['causal']} | {r['sq']} | {r['mode']} | {r['ms']:.3f} | "
+              f"{r['model_bytes'] / 1e9:.2f} | {r['tbps']:.2f} | {r['copy_pct']:.0f} | {r['tflops']:.0f} | "
+              f"{r['matmul_pct']:.0f} | {r['intensity']:.0f} | {r['bound']} | {r['roofline_pct']:.0f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(copy_tbps=copy_tbps, matmul_tflops=matmul_tflops, ceilings=source, rows=rows), f, indent=1)
     return 0
 
 
@@ -139,7 +206,7 @@ def cmd_info(args):
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    return {"bench": cmd_bench, "demo": cmd_demo, "info": cmd_info}[args.command](args)
+    return {"bench": cmd_bench, "io": cmd_io, "demo": cmd_demo, "info": cmd_info}[args.command](args)
 
 
 if __name__ == "__main__":

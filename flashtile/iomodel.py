@@ -7,7 +7,7 @@ block and write O once.  Counts are per call (all batches and heads), for the fo
 the backward, with the block sizes the kernels use and only the blocks that intersect the
 causal band.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 ELEM = 2   # bf16 / fp16 bytes
 F32 = 4
@@ -61,22 +61,30 @@ def standard(s: Shape):
                        + nn + nd_q + nd_q          # dV = P^T dO
                        + 2 * nn + 2 * nd_k         # dQ = dS K, dK = dS^T Q
                        + nd_q + 2 * nd_k + nd_q)   # read Q, write dQ, dK, dV
-    return dict(fwd_bytes=fwd, bwd_bytes=bwd, extra_memory_bytes=bh * nn * (ELEM + F32 * 2),
-                fwd_flops=matmul_flops(s, 2), bwd_flops=matmul_flops(s, 4))
+    # It computes the whole score matrix even when causal (the mask only hides entries).
+    full = replace(s, causal=False)
+    return dict(fwd_bytes=fwd, bwd_bytes=bwd, extra_memory_bytes=bh * nn * 2 * ELEM,  # scores, probabilities
+                fwd_flops=matmul_flops(full, 2), bwd_flops=matmul_flops(full, 4))
 
 
-def v1(s: Shape, block_q: int, block_k: int):
+def v1(s: Shape, block_q: int, block_k: int, bwd_block_q: int | None = None, bwd_block_k: int | None = None,
+       splits: int = 1):
     """Algorithm 1: per K/V block (Tc of them), every visited Q block reads Q_i, O_i (fp32),
     l_i, m_i and writes O_i, l_i, m_i.  Backward: per K/V block, Q, O, dO, m, l and the fp32
-    dQ accumulator are read, dQ written."""
+    dQ accumulator are read, dQ written; with ``splits`` programs per (batch, head) each keeps
+    its own fp32 dQ, and the partial dQs are summed at the end."""
+    bwd_block_q, bwd_block_k = bwd_block_q or block_q, bwd_block_k or block_k
     bh = s.b * s.h
     pairs = visited_pairs(s.sq, s.sk, block_q, block_k, s.causal)
     per_q_block_fwd = block_q * (s.d * ELEM + 2 * s.d * F32 + 4 * F32)
     fwd = bh * (pairs * per_q_block_fwd + 2 * s.sk * s.d * ELEM + s.sq * s.d * (F32 + ELEM))
-    per_q_block_bwd = block_q * (3 * s.d * ELEM + 2 * s.d * F32 + 3 * F32)
-    bwd = bh * (pairs * per_q_block_bwd + 4 * s.sk * s.d * ELEM + s.sq * s.d * (F32 + ELEM))
-    return dict(fwd_bytes=fwd, bwd_bytes=bwd, extra_memory_bytes=bh * s.sq * (s.d * F32 * 2 + 3 * F32),
-                fwd_flops=matmul_flops(s, 2, block_q, block_k), bwd_flops=matmul_flops(s, 5, block_q, block_k))
+    bpairs = visited_pairs(s.sq, s.sk, bwd_block_q, bwd_block_k, s.causal)
+    per_q_block_bwd = bwd_block_q * (3 * s.d * ELEM + 2 * s.d * F32 + 3 * F32)
+    bwd = bh * (bpairs * per_q_block_bwd + 4 * s.sk * s.d * ELEM + s.sq * s.d * (splits * F32 + ELEM))
+    return dict(fwd_bytes=fwd, bwd_bytes=bwd,
+                extra_memory_bytes=bh * s.sq * (s.d * F32 * (1 + splits) + 3 * F32),
+                fwd_flops=matmul_flops(s, 2, block_q, block_k),
+                bwd_flops=matmul_flops(s, 5, bwd_block_q, bwd_block_k))
 
 
 def v2(s: Shape, block_q: int, block_k: int, bwd_block_q: int | None = None, bwd_block_k: int | None = None):
@@ -105,8 +113,50 @@ def summary(s: Shape):
     from flashtile.kernels import configs
     from flashtile.kernels import v1 as v1_kernels
     pad = max(16, 1 << (s.d - 1).bit_length())
-    model = {"standard": standard(s), "v1": v1(s, *v1_kernels.block_sizes(pad))}
+    fwd, bwd = v1_kernels.block_sizes(pad)
+    model = {"standard": standard(s), "v1": v1(s, *fwd, *bwd)}
     for version in ("v2", "v3"):
         fwd, bwd = configs.gpu_tiles(version, pad, s.causal)
         model[version] = v2(s, *fwd, *bwd)
     return model
+
+
+# ---- the model set against measured times ----
+
+# Ceilings of the H200 (bf16 matmul 8192^3, device-to-device copy counting read + write),
+# from ../ANCHORS-style same-run measurements; `flashtile io --measure-ceilings` re-measures them.
+H200_MATMUL_TFLOPS = 775.0
+H200_COPY_TBPS = 4.26
+
+PROVIDER_MODEL = {"standard": "standard", "flashtile-v1": "v1", "flashtile-v2": "v2", "flashtile-v3": "v3"}
+
+
+def regime(hbm_bytes: float, flops: float, ms: float, copy_tbps: float, matmul_tflops: float):
+    """Where one measured run sits against the two ceilings.
+
+    ``bound`` is the ceiling the model says limits the algorithm (the larger of bytes / bandwidth
+    and FLOPs / matmul peak); ``roofline_pct`` how much of that bound the run achieved.  A run far
+    below both ceilings is limited by something the model leaves out (latency, occupancy,
+    softmax instructions, too few programs for the SMs).
+    """
+    seconds = ms / 1e3
+    t_mem, t_math = hbm_bytes / (copy_tbps * 1e12), flops / (matmul_tflops * 1e12)
+    return dict(tbps=hbm_bytes / seconds / 1e12, copy_pct=100 * t_mem / seconds,
+                tflops=flops / seconds / 1e12, matmul_pct=100 * t_math / seconds,
+                intensity=flops / hbm_bytes, bound="memory" if t_mem > t_math else "compute",
+                roofline_pct=100 * max(t_mem, t_math) / seconds)
+
+
+def regime_rows(records, copy_tbps=H200_COPY_TBPS, matmul_tflops=H200_MATMUL_TFLOPS):
+    """One row per bench record of a modelled provider in mode fwd or bwd: the record's keys
+    plus the model's bytes and FLOPs and :func:`regime` of its measured time."""
+    rows = []
+    for r in records:
+        version = PROVIDER_MODEL.get(r["provider"])
+        if version is None or r["mode"] not in ("fwd", "bwd"):
+            continue
+        model = summary(Shape(r["b"], r["h"], r["sq"], r["sk"], r["d"], r["causal"], r["h_k"]))[version]
+        hbm_bytes, flops = model[f"{r['mode']}_bytes"], model[f"{r['mode']}_flops"]
+        rows.append(dict(r, model_bytes=hbm_bytes, model_flops=flops,
+                         **regime(hbm_bytes, flops, r["ms"], copy_tbps, matmul_tflops)))
+    return rows

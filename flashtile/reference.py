@@ -41,11 +41,11 @@ def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scal
     """softmax(Q K^T * scale) V with the full score matrix in memory.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with
-    nheads a multiple of nheads_k (GQA/MQA).  With ``upcast=False`` the matmuls run in the
-    input dtype and the softmax in float32 (what a plain PyTorch implementation does); with
-    ``upcast=True`` everything runs in float64 and the float64 result is returned.  Rows that
-    see no key give 0 (and logsumexp +inf).  Returns ``out`` or ``(out, lse)`` with lse
-    (batch, nheads, seqlen_q).
+    nheads a multiple of nheads_k (GQA/MQA).  With ``upcast=False`` it is what a plain PyTorch
+    program does, in the input dtype: scores = Q K^T, masked, ``torch.softmax`` (fp32 inside,
+    input dtype out), probabilities @ V.  With ``upcast=True`` everything runs in float64 and
+    the float64 result is returned.  Rows that see no key give 0 (and logsumexp +inf).
+    Returns ``out`` or ``(out, lse)`` with lse (batch, nheads, seqlen_q).
     """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if upcast:
@@ -55,8 +55,16 @@ def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scal
     v = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k * scale)
     left, right = window_bounds(causal, window_size)
-    visible = band_mask(q.shape[1], k.shape[1], left, right, device=q.device)
-    s = scores.to(torch.float64 if upcast else torch.float32).masked_fill(~visible, float("-inf"))
+    visible = None
+    if left >= 0 or right >= 0:
+        visible = band_mask(q.shape[1], k.shape[1], left, right, device=q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if not (upcast or return_lse):
+        probs = torch.softmax(scores, dim=-1)
+        if visible is not None and not visible.any(dim=-1).all():
+            probs = probs.nan_to_num(0.0)  # softmax of a row of -inf is NaN; such rows give 0
+        return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+    s = scores.to(torch.float64 if upcast else torch.float32)
     m = s.amax(dim=-1, keepdim=True).detach()
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     e = torch.exp(s - m)

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# On the GPU machine, in one call: the sm_90 compile report, the test suite on CUDA (bf16 and
-# fp16, seqlen up to 4k), and the benchmark; everything lands under $OUT.
-#   scripts/gpu_check.sh [tests] [sweep] [bench] [memory]    (default: tests bench)
-# BENCH_ARGS narrows or widens the benchmark grid (flashtile bench options).
+# On the GPU machine, in one call, any of these stages; everything lands under $OUT.
+#   tests   the test suite on CUDA (bf16 and fp16, seqlen up to 4k)
+#   bars    flashtile v2/v3 against SDPA flash and cuDNN, d64/d128, 1k-16k, 3 passes (bars.*)
+#   claims  FlashAttention-1 vs -2 vs standard attention: speed (fa1_fa2_standard.*), the IO
+#           model's regime of each run (io_regimes.*), exactness, memory up to 128k
+#   bench   the default `flashtile bench` grid (BENCH_ARGS narrows or widens it), timed
+#   sweep   tile candidates (SWEEP_ARGS: scripts/sweep_configs.py options)
+#   memory  peak memory alone
+#   scripts/gpu_check.sh [stage ...]    (default: tests bench)
 set -uo pipefail
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"
@@ -17,12 +22,27 @@ for stage in $stages; do
     tests)
       timeout "${TEST_TIMEOUT:-330}" python -m pytest tests -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider \
         ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
+    bars)
+      python -m flashtile bench --head-dims 64,128 --seqlens 1024,2048,4096,8192,16384 --repeats 3 \
+        --providers flashtile-v2,flashtile-v3,sdpa-flash,sdpa-cudnn --baseline sdpa-flash --no-plots \
+        --out "$OUT" --name bars 2>&1 | grep -v "bench:" | tee "$OUT/bars.log" || status=1 ;;
+    claims)
+      python -m flashtile bench --head-dims 64,128 --seqlens 1024,2048,4096,8192 \
+        --providers flashtile-v1,flashtile-v2,standard --baseline standard --out "$OUT" \
+        --name fa1_fa2_standard 2>&1 | grep -v "bench:" | tee "$OUT/fa1_fa2_standard.log" || status=1
+      python -m flashtile io --measured "$OUT/fa1_fa2_standard.json" --out "$OUT/io_regimes.json" \
+        | tee "$OUT/io_regimes.md" || status=1
+      python scripts/exactness_check.py --out "$OUT/exactness.json" | tee "$OUT/exactness.md" || status=1
+      python scripts/memory_check.py --providers standard,flashtile-v1,flashtile-v2,flashtile-v3,sdpa-flash \
+        --out "$OUT/memory.json" || status=1 ;;
     memory)
       python scripts/memory_check.py --out "$OUT/memory.json" || status=1 ;;
     sweep)
       python scripts/sweep_configs.py --out "$OUT/sweep.jsonl" ${SWEEP_ARGS:-} || status=1 ;;
     bench)
-      python -m flashtile bench ${BENCH_ARGS:-} --out "$OUT" --name bench 2>&1 | tee "$OUT/bench.log" | tail -80 || status=1 ;;
+      start=$(date +%s)
+      python -m flashtile bench ${BENCH_ARGS:-} --out "$OUT" --name bench 2>&1 | tee "$OUT/bench.log" | tail -80 || status=1
+      echo "bench grid took $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.log" ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

@@ -14,7 +14,6 @@ from flashtile import bench
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seqlens", default="4096,16384,65536,131072")
-    # v1 is O(N) by construction but needs minutes at 128k (one program per head).
     ap.add_argument("--providers", default="standard,flashtile-v2,flashtile-v3,sdpa-flash")
     ap.add_argument("--out", default="memory.json")
     args = ap.parse_args()

@@ -60,3 +60,42 @@ def test_report_files_and_schema(tmp_path):
                              "tflops", "peak_mem_bytes", "gpu", "torch", "triton", "commit", "date"}
     assert "| 1024 |" in table and "flashtile-v2/sdpa-flash" in table
     assert (tmp_path / "t_tflops.png").stat().st_size > 0 and (tmp_path / "t_memory.png").stat().st_size > 0
+
+
+def test_bench_tiny_grid_under_the_interpreter(tmp_path):
+    # The whole pipeline (providers, timing, JSON, Markdown, plots) on a grid the interpreter runs fast.
+    res = _run_cli("bench", "--head-dims", "32", "--seqlens", "80", "--tokens", "80", "--hidden", "64",
+                   "--modes", "fwd,bwd", "--providers", "flashtile-v1,flashtile-v2,standard",
+                   "--baseline", "standard", "--out", str(tmp_path), "--name", "tiny", interpret="1")
+    assert res.returncode == 0, res.stderr
+    records = json.loads((tmp_path / "tiny.json").read_text())
+    assert len(records) == 2 * 2 * 3  # causal x mode x provider
+    for r in records:
+        assert r["ms"] > 0 and r["tflops"] > 0 and r["b"] == 1 and r["h"] == 2 and r["sq"] == 80
+    assert "### d32 causal bwd" in res.stdout and "flashtile-v2/standard" in res.stdout
+    assert (tmp_path / "tiny.md").read_text() in res.stdout
+    assert (tmp_path / "tiny_tflops.png").stat().st_size > 0
+
+
+def test_bench_without_gpu_or_interpreter_is_a_usage_error():
+    if bench.torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    res = _run_cli("bench")
+    assert res.returncode == 2 and "TRITON_INTERPRET=1" in res.stderr
+
+
+def test_io_model_table_and_regimes(tmp_path, capsys):
+    assert cli.main(["io", "--head-dims", "64", "--seqlens", "1024"]) == 0
+    table = capsys.readouterr().out
+    assert all(f"| 64 | False | 1024 | {name} |" in table for name in ("standard", "v1", "v2", "v3"))
+    rec = dict(provider="flashtile-v1", b=16, h=32, h_k=32, sq=1024, sk=1024, d=64, causal=False, mode="fwd", ms=1.0)
+    (tmp_path / "b.json").write_text(json.dumps([rec]))
+    assert cli.main(["io", "--measured", str(tmp_path / "b.json"), "--copy-tbps", "4", "--matmul-tflops", "700",
+                     "--out", str(tmp_path / "io.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| flashtile-v1 | 64 | False | 1024 | fwd |" in out and "memory" in out
+    assert json.loads((tmp_path / "io.json").read_text())["rows"][0]["bound"] == "memory"
+
+
+def test_io_unreadable_measurements_exit_2(tmp_path):
+    assert cli.main(["io", "--measured", str(tmp_path / "missing.json")]) == 2

@@ -34,3 +34,29 @@ def test_flashattention_moves_fewer_bytes_than_standard():
     model = iomodel.summary(s)
     assert model["v2"]["fwd_bytes"] < model["standard"]["fwd_bytes"] / 4
     assert model["v2"]["extra_memory_bytes"] < model["standard"]["extra_memory_bytes"] / 1000
+
+
+def test_v1_split_backward_adds_partial_dq_traffic():
+    # 128 x 128 at d64 with 64 x 64 tiles: 4 block pairs; each reads Q, O, dO (bf16), reads and
+    # writes the fp32 dQ tile, reads m, l, D... (3 fp32 per row); K, V read, dK, dV written;
+    # the 2 partial fp32 dQs read and dQ written once at the end.
+    m = iomodel.v1(Shape(1, 1, 128, 128, 64), 64, 64, 64, 64, splits=2)
+    per_pair = 64 * (3 * 64 * 2 + 2 * 64 * 4 + 3 * 4)
+    assert m["bwd_bytes"] == 4 * per_pair + 4 * 128 * 64 * 2 + 128 * 64 * (2 * 4 + 2)
+
+
+def test_regime_against_the_ceilings():
+    # 4.26 GB at 4.26 TB/s is 1 ms, 387.5 GFLOP at 775 TFLOP/s 0.5 ms: memory-bound; a 2 ms run
+    # reaches half of that bound.
+    r = iomodel.regime(4.26e9, 387.5e9, 2.0, copy_tbps=4.26, matmul_tflops=775)
+    assert r["bound"] == "memory"
+    assert abs(r["roofline_pct"] - 50) < 1e-9 and abs(r["copy_pct"] - 50) < 1e-9
+    assert abs(r["matmul_pct"] - 25) < 1e-9 and abs(r["tbps"] - 2.13) < 1e-9
+
+
+def test_regime_rows_use_the_model_of_each_provider():
+    rec = dict(b=4, h=16, h_k=16, sq=4096, sk=4096, d=128, causal=False, mode="bwd", ms=3.0)
+    rows = iomodel.regime_rows([dict(rec, provider="flashtile-v2"), dict(rec, provider="sdpa-flash")])
+    assert [r["provider"] for r in rows] == ["flashtile-v2"]
+    model = iomodel.summary(Shape(4, 16, 4096, 4096, 128))["v2"]
+    assert rows[0]["model_bytes"] == model["bwd_bytes"] and rows[0]["model_flops"] == model["bwd_flops"]

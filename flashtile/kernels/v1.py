@@ -32,32 +32,41 @@ from flashtile.kernels.tiles import as_operand, load_tile, store_tile
 SRAM_ELEMENTS = 232448 // 2
 
 
-def block_sizes(head_dim_pad: int) -> tuple[int, int]:
-    """(Br, Bc) by the paper's rule Bc = ceil(M / 4d), Br = min(Bc, d).
+def _pow2_floor(x: int) -> int:
+    return 1 << (x.bit_length() - 1)
 
-    Triton tiles must be powers of two, so each is rounded down to one (and capped at 128,
-    beyond which the tiles no longer fit the registers).
+
+def block_sizes(head_dim_pad: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((Br, Bc) of the forward, (Br, Bc) of the backward) by the paper's rule.
+
+    Forward: Bc = ceil(M / 4d), Br = min(Bc, d), for the four tiles Q_i, K_j, V_j, O_i on chip.
+    The backward also holds dK_j and dV_j next to K_j and V_j, so its column block halves:
+    Bc = ceil(M / 8d).  Triton tiles must be powers of two, so each is rounded down to one and
+    capped where the register file, not shared memory, runs out first (H200 sweep,
+    scripts/sweep_configs.py --only v1): 128 rows, and 64 columns in the backward.
     """
-    bc = -(-SRAM_ELEMENTS // (4 * head_dim_pad))
-    bc = min(128, 1 << (bc.bit_length() - 1))
-    return min(bc, head_dim_pad), bc
+    bc = min(128, _pow2_floor(-(-SRAM_ELEMENTS // (4 * head_dim_pad))))
+    br = min(bc, head_dim_pad)
+    bwd_bc = min(64, _pow2_floor(-(-SRAM_ELEMENTS // (8 * head_dim_pad))))
+    return (br, bc), (br, bwd_bc)
 
 
 def _config(p: Problem, which: str) -> Config:
     """Tiles of the forward ("FWD") or backward ("BWD") kernel."""
-    br, bc = block_sizes(p.head_dim_pad)
+    fwd, bwd = block_sizes(p.head_dim_pad)
+    br, bc = fwd if which == "FWD" else bwd
     # One stage: FA1 predates software pipelining of the K/V loads.
     return pick(f"V1_{which}", Config(br, bc, 4 if p.head_dim_pad <= 64 else 8, 1))
 
 
 # The backward keeps one partial fp32 dQ per split (summed afterwards, in a fixed order, so
-# gradients stay deterministic); the cap bounds that extra memory to 4x the size of Q in fp32.
-MAX_SPLITS = 4
+# gradients stay deterministic); this cap bounds that extra memory to 4x the size of Q in fp32.
+MAX_BWD_SPLITS = 4
 
 
-def splits(programs: int, n_blocks: int, device) -> int:
+def splits(programs: int, n_blocks: int, device, cap: int) -> int:
     """How many programs share one (batch, head), given ``programs`` (batch, head) pairs and
-    ``n_blocks`` blocks to share: enough to give every SM one, as FA1's code did."""
+    ``n_blocks`` blocks to share: enough to give every SM one, as FA1's code did, at most ``cap``."""
     forced = os.environ.get("FLASHTILE_V1_SPLITS")
     if forced:
         return max(1, min(int(forced), n_blocks))
@@ -65,7 +74,7 @@ def splits(programs: int, n_blocks: int, device) -> int:
     sms = 4 if runtime.interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
     if programs >= 0.8 * sms:
         return 1
-    return max(1, min(-(-sms // programs), n_blocks, MAX_SPLITS))
+    return max(1, min(-(-sms // programs), n_blocks, cap))
 
 
 @triton.jit
@@ -205,7 +214,8 @@ def forward(p: Problem, q, k, v):
                          torch.zeros(lse_shape, device=q.device)])
     m, l = saved[0], saved[1]
     cu_q, cu_k = p.cu_pointers(q.device)
-    n_splits = splits(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, cfg.block_m), q.device)
+    n_blocks = triton.cdiv(p.seqlen_q, cfg.block_m)
+    n_splits = splits(p.batch * p.heads_q, n_blocks, q.device, cap=n_blocks)
     _fwd_kernel[(p.batch * p.heads_q, n_splits)](
         q, k, v, o_acc, m, l, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(o_acc),
@@ -220,7 +230,7 @@ def forward(p: Problem, q, k, v):
 def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
     cfg = _config(p, "BWD")
     m, l = saved[0], saved[1]
-    n_splits = splits(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, cfg.block_n), q.device)
+    n_splits = splits(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, cfg.block_n), q.device, MAX_BWD_SPLITS)
     dq_acc = torch.zeros((n_splits, *q.shape), dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     cu_q, cu_k = p.cu_pointers(q.device)
