@@ -6,10 +6,11 @@ What Hopper changes relative to kernels/v2.py:
   last block and clips the output store (no address arithmetic or load masks);
 - ``tl.dot`` on descriptor-loaded tiles lowers to asynchronous warpgroup MMA (wgmma) fed
   from a multi-stage shared-memory pipeline;
-- on unmasked problems (no causal/window band, seqlen_k a multiple of BLOCK_N) the K/V loop
-  is warp-specialized: one producer warpgroup issues the TMA loads, two consumer warpgroups
-  with more registers run the GEMMs and the softmax.  Triton 3.6 applies that only to a single
-  loop with 4 warps, so banded problems keep v2's three-segment loop on TMA without it.
+- on unmasked problems (no causal/window band, seqlen_k a multiple of BLOCK_N) one unmasked
+  loop runs, which a config may warp-specialize (a producer warpgroup issuing the TMA loads,
+  consumer warpgroups running the GEMMs and the softmax).  Triton 3.6 applies that only to a
+  single loop with 4 warps, so banded problems keep v2's three-segment loop on TMA.  The
+  shipped configs leave it off: on the H200 it corrupted the logsumexp (see configs.py).
 
 Not yet here (see the project's open work): explicit ping-pong between consumer warpgroups,
 intra-warpgroup softmax/GEMM overlap, a persistent scheduler, and a Hopper-specific backward.
