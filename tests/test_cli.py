@@ -63,10 +63,12 @@ def test_report_files_and_schema(tmp_path):
 
 
 def test_bench_tiny_grid_under_the_interpreter(tmp_path):
-    # The whole pipeline (providers, timing, JSON, Markdown, plots) on a grid the interpreter runs fast.
+    # The whole pipeline (providers, timing, JSON, Markdown, plots) on a grid the interpreter runs
+    # fast; on a GPU machine the same grid runs on the GPU.
     res = _run_cli("bench", "--head-dims", "32", "--seqlens", "80", "--tokens", "80", "--hidden", "64",
                    "--modes", "fwd,bwd", "--providers", "flashtile-v1,flashtile-v2,standard",
-                   "--baseline", "standard", "--out", str(tmp_path), "--name", "tiny", interpret="1")
+                   "--baseline", "standard", "--out", str(tmp_path), "--name", "tiny",
+                   interpret="0" if bench.torch.cuda.is_available() else "1")
     assert res.returncode == 0, res.stderr
     records = json.loads((tmp_path / "tiny.json").read_text())
     assert len(records) == 2 * 2 * 3  # causal x mode x provider
