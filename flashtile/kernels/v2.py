@@ -5,14 +5,10 @@ softmax, O stays unnormalised until one final division, only the logsumexp is sa
 outside the causal/window band are never visited and only boundary blocks are masked.
 
 Backward: D = rowsum(dO * O); one program per K/V block recomputes P from Q, K and the saved
-logsumexp and accumulates dK, dV on chip.  dQ has two forms:
-- default: each K/V program adds its dS K share to an fp32 dQ with atomic adds (5 matmuls in
-  all, as in FlashAttention-2); the order of those adds varies from run to run, so dQ may differ
-  in the last bits between runs;
-- ``deterministic=True``: a separate Q-parallel pass recomputes QK^T and dO V^T (7 matmuls)
-  and writes dQ once, so gradients are bitwise reproducible.
-GQA heads sharing a K/V head are summed inside the dK/dV program, so repeated K/V is never
-materialised.
+logsumexp and accumulates dK, dV on chip; dQ comes from a separate Q-parallel pass instead of
+fp32 atomics.  That pass recomputes QK^T and dO V^T (7 matmuls instead of 5), in exchange for
+no fp32 dQ buffer, no atomic traffic, and gradients that are bitwise deterministic.  GQA heads
+sharing a K/V head are summed inside the dK/dV program, so repeated K/V is never materialised.
 """
 import torch
 import triton
@@ -113,13 +109,11 @@ def _bwd_delta_kernel(O, DO, DLSE, DELTA, CU_Q, sob, sos, soh, sdb, sds, sdh, sl
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs, rows_k,
-                 offs_m, offs_d, lo, hi, seqlen_q, dlo, dhi, scale_log2, softmax_scale,
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k, offs_m, offs_d,
+                 lo, hi, seqlen_q, dlo, dhi, scale_log2,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                 MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 DQ_ATOMIC: tl.constexpr):
-    """Accumulate dK, dV of one K tile over the Q blocks [lo, hi), working on transposed scores;
-    with DQ_ATOMIC also add this tile's share of dQ to the fp32 dQ in HBM."""
+                 MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Accumulate dK, dV of one K tile over the Q blocks [lo, hi), working on transposed scores."""
     for m0 in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
         cols = m0 + offs_m
         q = load_tile(q_base + cols[:, None] * sqs + offs_d[None, :], cols, seqlen_q, offs_d,
@@ -134,25 +128,19 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, s
         dv += tl.dot(as_operand(pT, q_base.dtype.element_ty, UPCAST), do)
         delta = tl.load(delta_base + cols, mask=cols < seqlen_q, other=0.0)
         dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
-        dsT = as_operand(dsT, q_base.dtype.element_ty, UPCAST)
-        dk += tl.dot(dsT, q)
-        if DQ_ATOMIC:
-            dq = tl.dot(tl.trans(dsT), k) * softmax_scale
-            # relaxed: the adds only need to be atomic, not ordered with anything else.
-            tl.atomic_add(dq_base + cols[:, None] * sdqs + offs_d[None, :], dq, sem="relaxed",
-                          mask=(cols[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
+        dk += tl.dot(as_operand(dsT, q_base.dtype.element_ty, UPCAST), q)
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, CU_Q, CU_K,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                      sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
-                     sdkb, sdks, sdkh, sdvb, sdvs, sdvh, sdqb, sdqs, sdqh, slb, slh,
+                     sdkb, sdks, sdkh, sdvb, sdvs, sdvh, slb, slh,
                      seqlen_q, seqlen_k, heads_k, group, softmax_scale, scale_log2,
                      window_left, window_right,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+                     UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
     bh = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     batch, head_k, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
@@ -176,19 +164,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, CU_Q, CU_K,
         do_base = DO + batch * sdb + q_start * sds + head * sdh
         lse_base = LSE + batch * slb + head * slh + q_start
         delta_base = DELTA + batch * slb + head * slh + q_start
-        dq_base = DQACC + batch * sdqb + q_start * sdqs + head * sdqh
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs,
-                              rows_k, offs_m, offs_d, full_lo, full_hi, seqlen_q, dlo, dhi, scale_log2,
-                              softmax_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, False, UPCAST, NUM_STAGES,
-                              DQ_ATOMIC)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs,
-                              rows_k, offs_m, offs_d, lo, full_lo, seqlen_q, dlo, dhi, scale_log2,
-                              softmax_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, UPCAST, NUM_STAGES,
-                              DQ_ATOMIC)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs,
-                              rows_k, offs_m, offs_d, full_hi, hi, seqlen_q, dlo, dhi, scale_log2,
-                              softmax_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, UPCAST, NUM_STAGES,
-                              DQ_ATOMIC)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
+                              offs_m, offs_d, full_lo, full_hi, seqlen_q, dlo, dhi, scale_log2,
+                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, False, UPCAST, NUM_STAGES)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
+                              offs_m, offs_d, lo, full_lo, seqlen_q, dlo, dhi, scale_log2,
+                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, UPCAST, NUM_STAGES)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
+                              offs_m, offs_d, full_hi, hi, seqlen_q, dlo, dhi, scale_log2,
+                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, UPCAST, NUM_STAGES)
     store_tile(DK + batch * sdkb + (k_start + rows_k[:, None]) * sdks + head_k * sdkh + offs_d[None, :],
                dk * softmax_scale, rows_k, seqlen_k, offs_d, HEAD_DIM)
     store_tile(DV + batch * sdvb + (k_start + rows_k[:, None]) * sdvs + head_k * sdvh + offs_d[None, :],
@@ -291,23 +275,18 @@ def row_dot(p: Problem, out, dout, dlse):
 
 
 def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    # Atomic adds need a zeroed fp32 dQ; the deterministic pass writes dQ directly.
-    dq = torch.empty_like(q) if p.deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = row_dot(p, out, dout, dlse)
     cu_q, cu_k = p.cu_pointers(q.device)
     common = dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=p.varlen, UPCAST=p.upcast(q))
     kv_cfg, q_cfg = v2_bwd_config(p, q.dtype)
     _bwd_dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, kv_cfg.block_n))](
-        q, k, v, dout, lse, delta, dk, dv, dq, cu_q, cu_k,
+        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),
-        *p.seq_strides(dk), *p.seq_strides(dv), *p.seq_strides(dq), *p.row_stat_strides(lse),
+        *p.seq_strides(dk), *p.seq_strides(dv), *p.row_stat_strides(lse),
         p.seqlen_q, p.seqlen_k, p.heads_k, p.group, p.softmax_scale, p.scale_log2,
         p.window_left, p.window_right, BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n,
-        NUM_STAGES=kv_cfg.num_stages, DQ_ATOMIC=not p.deterministic, num_warps=kv_cfg.num_warps,
-        num_stages=kv_cfg.num_stages, **common)
-    if not p.deterministic:
-        return dq.to(q.dtype), dk, dv
+        NUM_STAGES=kv_cfg.num_stages, num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, **common)
     _bwd_dq_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, q_cfg.block_m))](
         q, k, v, dout, lse, delta, dq, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),
