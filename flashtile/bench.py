@@ -101,6 +101,8 @@ PROVIDERS = {
     "sdpa-efficient": _sdpa("EFFICIENT_ATTENTION"), "flex": _flex,
 }
 
+DEFAULT_PROVIDERS = tuple(p for p in PROVIDERS if p != "flex")
+
 
 def available_providers(device=None):
     """Providers that can run on this machine, with the reason for each that cannot."""
