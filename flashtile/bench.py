@@ -81,6 +81,12 @@ _FLEX_CACHE = {}
 def _flex(q, k, v, causal):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     if "fn" not in _FLEX_CACHE:
+        # A grid compiles once per shape and grad mode: allow that many recompiles, and fail
+        # rather than fall back silently to the unfused eager path when the limit is reached.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        # mode "bwd" runs backward repeatedly on one graph (retain_graph), which donated buffers forbid.
+        torch._functorch.config.donated_buffer = False
         _FLEX_CACHE["fn"] = torch.compile(flex_attention)
     mask = None
     if causal:
