@@ -26,6 +26,16 @@ def _positive_ints(text):
     return items
 
 
+def _positive_int(text):
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return n
+
+
 def parser():
     from flashtile import bench
     ap = argparse.ArgumentParser(prog="flashtile", description="Exact FlashAttention v1/v2/v3 in Triton.")
@@ -41,10 +51,10 @@ def parser():
                         "per-shape torch.compile would dominate the run)")
     b.add_argument("--baseline", choices=tuple(bench.PROVIDERS), default="sdpa-cudnn",
                    help="provider the ratio columns divide by")
-    b.add_argument("--repeats", type=int, default=1,
+    b.add_argument("--repeats", type=_positive_int, default=1,
                    help="measure the grid this many times and keep each cell's median")
-    b.add_argument("--tokens", type=int, default=16384, help="batch x seqlen (the papers' 16k)")
-    b.add_argument("--hidden", type=int, default=2048, help="heads x headdim (the papers' 2048)")
+    b.add_argument("--tokens", type=_positive_int, default=16384, help="batch x seqlen (the papers' 16k)")
+    b.add_argument("--hidden", type=_positive_int, default=2048, help="heads x headdim (the papers' 2048)")
     b.add_argument("--out", default="bench_results", help="folder for the JSON, Markdown and PNGs")
     b.add_argument("--name", default="bench")
     b.add_argument("--no-plots", action="store_true")
@@ -53,8 +63,8 @@ def parser():
     io.add_argument("--head-dims", type=_choices((32, 64, 96, 128, 192, 256), int), default=[64, 128])
     io.add_argument("--seqlens", type=_positive_ints, default=[1024, 4096, 16384])
     io.add_argument("--causal", type=_choices(("false", "true")), default=["false"])
-    io.add_argument("--tokens", type=int, default=16384)
-    io.add_argument("--hidden", type=int, default=2048)
+    io.add_argument("--tokens", type=_positive_int, default=16384)
+    io.add_argument("--hidden", type=_positive_int, default=2048)
     io.add_argument("--measured", metavar="BENCH_JSON", help="bench records to set the model against")
     io.add_argument("--copy-tbps", type=float, default=None,
                     help="HBM copy ceiling in TB/s (default: measured here on a GPU, else the H200's 4.26)")
@@ -206,7 +216,10 @@ def cmd_info(args):
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.command in ("bench", "io") and args.hidden < max(args.head_dims):
+        ap.error(f"--hidden {args.hidden} is smaller than head dim {max(args.head_dims)}: no head would fit")
     return {"bench": cmd_bench, "io": cmd_io, "demo": cmd_demo, "info": cmd_info}[args.command](args)
 
 
