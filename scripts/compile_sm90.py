@@ -60,9 +60,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--dump", type=pathlib.Path)
+    ap.add_argument("--only", help="compile only the kernels with this name (e.g. v3.fwd)")
     args = ap.parse_args()
     for d in (int(x) for x in args.head_dims.split(",")):
         for name, fn, constexprs, cfg in cases(d):
+            if args.only and name != args.only:
+                continue
             try:
                 k = compile_one(fn, "bf16", constexprs, cfg.num_warps, cfg.num_stages)
             except Exception as e:  # report and go on: one broken kernel should not hide the rest

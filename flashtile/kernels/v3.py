@@ -10,7 +10,8 @@ What Hopper changes relative to kernels/v2.py:
   loop runs, which a config may warp-specialize (a producer warpgroup issuing the TMA loads,
   consumer warpgroups running the GEMMs and the softmax).  Triton 3.6 applies that only to a
   single loop with 4 warps, so banded problems keep v2's three-segment loop on TMA.  The
-  shipped configs leave it off: on the H200 it corrupted the logsumexp (see configs.py).
+  shipped configs leave it off: on the H200 it corrupted the logsumexp (see configs.py; the
+  descriptor store below is the fix, checked in the compiled code but not yet on the GPU).
 
 Not yet here (see the project's open work): explicit ping-pong between consumer warpgroups,
 intra-warpgroup softmax/GEMM overlap, a persistent scheduler, and a Hopper-specific backward.
@@ -98,7 +99,15 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
                                     dlo, dhi, scale_log2, BLOCK_N, True, UPCAST, NUM_STAGES, False)
     out, lse = finalize_rows(acc, m_i, l_i)
     o_desc.store([m0, 0], out.to(o_desc.dtype))
-    tl.store(LSE + batch * slb + head * slh + q_start + rows, lse, mask=rows < seqlen_q)
+    if WARP_SPECIALIZE:
+        # Triton 3.6 splits the tile's rows between the two consumer warpgroups and offsets the
+        # second half twice in `m0 + tl.arange(...)` (rows m0+128.. instead of m0+64..), so a
+        # pointer store would write the wrong rows; a descriptor store gets the right offset.
+        lse_desc = tl.make_tensor_descriptor(LSE + batch * slb + head * slh + q_start, shape=[seqlen_q],
+                                             strides=[1], block_shape=[BLOCK_M])
+        lse_desc.store([m0], lse)
+    else:
+        tl.store(LSE + batch * slb + head * slh + q_start + rows, lse, mask=rows < seqlen_q)
 
 
 def _tma_ready(x):
@@ -130,7 +139,9 @@ def forward(p: Problem, q, k, v):
         p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right,
         HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         IS_VARLEN=p.varlen, UNMASKED=unmasked, UPCAST=p.upcast(q), NUM_STAGES=cfg.num_stages,
-        WARP_SPECIALIZE=unmasked and cfg.warp_specialize and not runtime.interpreting(),
+        # The logsumexp's 1-D TMA store needs 16-byte aligned rows: seqlen_q % 4 == 0.
+        WARP_SPECIALIZE=(unmasked and cfg.warp_specialize and not runtime.interpreting()
+                         and p.seqlen_q % 4 == 0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse, lse.new_empty(0)
 
