@@ -16,16 +16,6 @@ def _choices(allowed, cast=str):
     return parse
 
 
-def _positive_ints(text):
-    try:
-        items = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        items = []
-    if not items or min(items) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
-    return items
-
-
 def _positive_int(text):
     try:
         n = int(text)
@@ -34,6 +24,13 @@ def _positive_int(text):
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
     return n
+
+
+def _positive_ints(text):
+    items = [x for x in text.split(",") if x]
+    if not items:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
+    return [_positive_int(x) for x in items]
 
 
 def parser():

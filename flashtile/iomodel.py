@@ -123,8 +123,8 @@ def summary(s: Shape):
 
 # ---- the model set against measured times ----
 
-# Ceilings of the H200 (bf16 matmul 8192^3, device-to-device copy counting read + write),
-# from ../ANCHORS-style same-run measurements; `flashtile io --measure-ceilings` re-measures them.
+# Ceilings of an H200 (bf16 matmul 8192^3; device-to-device copy, read + write counted), the
+# defaults when no GPU is at hand; on a GPU `flashtile io` measures them (bench.ceilings).
 H200_MATMUL_TFLOPS = 775.0
 H200_COPY_TBPS = 4.26
 

@@ -150,7 +150,7 @@ def _bwd_kernel(Q, K, V, O, DO, DLSE, M, L, DQACC, DK, DV, CU_Q, CU_K,
                 UPCAST: tl.constexpr, HAS_DLSE: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    DQACC += split * dq_split_stride  # this split's partial dQ
+    DQACC += split.to(tl.int64) * dq_split_stride  # this split's partial dQ (int64: it can pass 2**31)
     batch, head_k, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
         bh, heads_k, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
     offs_m = tl.arange(0, BLOCK_M)
