@@ -5,6 +5,8 @@
 #   claims  FlashAttention-1 vs -2 vs standard attention: speed (fa1_fa2_standard.*), the IO
 #           model's regime of each run (io_regimes.*), exactness, memory up to 128k
 #   bench   the default `flashtile bench` grid (BENCH_ARGS narrows or widens it), timed
+#   ws      v3's warp-specialized forward (off in the shipped configs): the v3 tests with it
+#           forced, then its speed against the shipped config
 #   sweep   tile candidates (SWEEP_ARGS: scripts/sweep_configs.py options)
 #   memory  peak memory alone
 #   scripts/gpu_check.sh [stage ...]    (default: tests bench)
@@ -35,6 +37,14 @@ for stage in $stages; do
       python scripts/exactness_check.py --out "$OUT/exactness.json" | tee "$OUT/exactness.md" || status=1
       python scripts/memory_check.py --providers standard,flashtile-v1,flashtile-v2,flashtile-v3,sdpa-flash \
         --out "$OUT/memory.json" || status=1 ;;
+    ws)
+      FLASHTILE_CONFIG_V3_FWD=128,128,4,2,1 timeout 300 python -m pytest tests -q -n "${TEST_WORKERS:-8}" \
+        -p no:cacheprovider -k v3 2>&1 | tee "$OUT/ws_tests.log" | tail -8 || status=1
+      for cfg in 128,128,8,3,0 128,128,4,2,1 128,64,4,2,1; do
+        echo "V3_FWD=$cfg"
+        FLASHTILE_CONFIG_V3_FWD=$cfg python -m flashtile bench --head-dims 128 --seqlens 4096,16384 --causal false \
+          --modes fwd --providers flashtile-v3 --no-plots --out "$OUT" --name "ws_$cfg" 2>/dev/null | grep "^| [0-9]"
+      done 2>&1 | tee "$OUT/ws_speed.log" ;;
     memory)
       python scripts/memory_check.py --out "$OUT/memory.json" || status=1 ;;
     sweep)
