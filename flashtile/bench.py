@@ -253,10 +253,12 @@ def run(cases, providers, repeats=1, progress=True, on_error=print):
     return records
 
 
-def markdown_table(records, baseline=None):
-    """One table per (head dim, causal, mode): TFLOP/s per provider and seqlen, plus ratios."""
+def markdown_table(records, baseline=None, failures=()):
+    """One table per (head dim, causal, mode): TFLOP/s per provider and seqlen, plus ratios;
+    then one line per cell that failed or ran out of memory."""
+    failed = ["", "Not measured:", ""] + [f"- {f}" for f in failures] if failures else []
     if not records:
-        return "(no results)\n"
+        return "\n".join(["(no results)"] + failed) + "\n"
     env = {k: records[0][k] for k in ("gpu", "torch", "triton", "commit", "date")}
     lines = [f"GPU {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, "
              f"{env['date']}; TFLOP/s (forward 4*b*h*sq*sk*d, half when causal; backward 2.5x), "
@@ -278,7 +280,7 @@ def markdown_table(records, baseline=None):
                     cells.append(f"{by[p]['tflops'] / by[baseline]['tflops']:.2f}x" if ok else "—")
             lines.append(f"| {s} | " + " | ".join(cells) + " |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + failed)
 
 
 def plot(records, path_prefix):
@@ -332,12 +334,12 @@ def plot(records, path_prefix):
     return paths
 
 
-def save(records, out_dir, name, baseline=None, plots=True):
+def save(records, out_dir, name, baseline=None, plots=True, failures=()):
     """Write <name>.json, <name>.md (and PNG plots); returns the Markdown table."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(records, f, indent=1)
-    table = markdown_table(records, baseline)
+    table = markdown_table(records, baseline, failures)
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(table)
     if plots and records:

@@ -92,8 +92,13 @@ def cmd_bench(args):
             print(f"skipping {p}: {why[p]}", file=sys.stderr)
     cases = bench.paper_grid(args.head_dims, args.seqlens, [c == "true" for c in args.causal], args.modes,
                              args.dtype, args.tokens, args.hidden)
-    records = bench.run(cases, providers, args.repeats, on_error=lambda msg: print(f"failed: {msg}", file=sys.stderr))
-    table = bench.save(records, args.out, args.name, args.baseline, plots=not args.no_plots)
+    failures = []
+
+    def failed(msg):
+        failures.append(msg)
+        print(f"failed: {msg}", file=sys.stderr)
+    records = bench.run(cases, providers, args.repeats, on_error=failed)
+    table = bench.save(records, args.out, args.name, args.baseline, plots=not args.no_plots, failures=failures)
     print(table)
     return 0
 

@@ -102,3 +102,19 @@ def test_io_model_table_and_regimes(tmp_path, capsys):
 
 def test_io_unreadable_measurements_exit_2(tmp_path):
     assert cli.main(["io", "--measured", str(tmp_path / "missing.json")]) == 2
+
+
+def test_bench_repeats_keep_every_pass_and_report_failures(monkeypatch):
+    def broken(q, k, v, causal):
+        raise RuntimeError("no kernel for this shape\nsecond line")
+
+    monkeypatch.setitem(bench.PROVIDERS, "broken", broken)
+    errors = []
+    cases = [bench.Case(1, 2, 2, 40, 40, 32, True, "fwd", "fp16")]
+    records = bench.run(cases, ["standard", "broken"], repeats=3, progress=False, on_error=errors.append)
+    assert [r["provider"] for r in records] == ["standard"]
+    assert len(records[0]["ms_runs"]) == 3 and records[0]["ms"] == sorted(records[0]["ms_runs"])[1]
+    assert len(errors) == 1 and "broken" in errors[0] and "no kernel for this shape" in errors[0]
+    assert "second line" not in errors[0]
+    table = bench.markdown_table(records, failures=errors)
+    assert "| 40 |" in table and table.rstrip().endswith(f"- {errors[0]}")
