@@ -61,8 +61,10 @@ def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scal
         scores = scores.masked_fill(~visible, float("-inf"))
     if not (upcast or return_lse):
         probs = torch.softmax(scores, dim=-1)
-        if visible is not None and not visible.any(dim=-1).all():
-            probs = probs.nan_to_num(0.0)  # softmax of a row of -inf is NaN; such rows give 0
+        # Query r sees keys up to r + (seqlen_k - seqlen_q) + right, so the first rows see none
+        # when seqlen_q > seqlen_k + right: their softmax of -inf is NaN, and their output is 0.
+        if right >= 0 and q.shape[1] > k.shape[1] + right:
+            probs = probs.nan_to_num(0.0)
         return torch.einsum("bhqk,bkhd->bqhd", probs, v)
     s = scores.to(torch.float64 if upcast else torch.float32)
     m = s.amax(dim=-1, keepdim=True).detach()
