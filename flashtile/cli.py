@@ -106,6 +106,8 @@ def cmd_bench(args):
 def cmd_io(args):
     import json
 
+    import torch
+
     from flashtile import bench, iomodel
     if args.measured is None:
         print("| d | causal | seqlen | algorithm | fwd GB | bwd GB | fwd TFLOP | bwd TFLOP | fwd FLOP/B | extra memory MiB |")
@@ -129,7 +131,7 @@ def cmd_io(args):
     copy_tbps, matmul_tflops = args.copy_tbps, args.matmul_tflops
     source = "given"
     if copy_tbps is None or matmul_tflops is None:
-        measured = bench.ceilings() if bench.torch.cuda.is_available() else None
+        measured = bench.ceilings() if torch.cuda.is_available() else None
         source = "measured now" if measured else "H200 reference values"
         copy_tbps = copy_tbps or (measured or {}).get("copy_tbps", iomodel.H200_COPY_TBPS)
         matmul_tflops = matmul_tflops or (measured or {}).get("matmul_tflops", iomodel.H200_MATMUL_TFLOPS)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ON_GPU
 
 from flashtile import bench, cli
 
@@ -69,7 +70,7 @@ def test_bench_tiny_grid_under_the_interpreter(tmp_path):
     res = _run_cli("bench", "--head-dims", "32", "--seqlens", "80", "--tokens", "80", "--hidden", "64",
                    "--modes", "fwd,bwd", "--providers", "flashtile-v1,flashtile-v2,standard",
                    "--baseline", "standard", "--out", str(tmp_path), "--name", "tiny",
-                   interpret="0" if bench.torch.cuda.is_available() else "1")
+                   interpret="0" if ON_GPU else "1")
     assert res.returncode == 0, res.stderr
     records = json.loads((tmp_path / "tiny.json").read_text())
     assert len(records) == 2 * 2 * 3  # causal x mode x provider
@@ -81,7 +82,7 @@ def test_bench_tiny_grid_under_the_interpreter(tmp_path):
 
 
 def test_bench_without_gpu_or_interpreter_is_a_usage_error():
-    if bench.torch.cuda.is_available():
+    if ON_GPU:
         pytest.skip("a GPU is present")
     res = _run_cli("bench")
     assert res.returncode == 2 and "TRITON_INTERPRET=1" in res.stderr

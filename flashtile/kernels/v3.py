@@ -25,7 +25,7 @@ from flashtile.kernels import v2
 from flashtile.kernels.blocks import band_mask, program_sequence, visited_blocks
 from flashtile.kernels.configs import v3_fwd_config
 from flashtile.kernels.problem import Problem
-from flashtile.kernels.tiles import finalize_rows, online_softmax_step
+from flashtile.kernels.tiles import as_operand, finalize_rows, online_softmax_step
 
 
 @triton.jit
@@ -49,10 +49,7 @@ def _fwd_blocks(acc, m_i, l_i, q, k_desc, v_desc, rows, offs_n, lo, hi, seqlen_k
         p, alpha, m_i = online_softmax_step(s, m_i)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load(v_desc, n0, UPCAST)
-        p = p.to(v_desc.dtype)
-        if UPCAST:
-            p = p.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + tl.dot(as_operand(p, v_desc.dtype, UPCAST), v)
     return acc, m_i, l_i
 
 
