@@ -80,7 +80,7 @@ def backward(p, dout, dlse, q, k, v, out, lse, saved):
         kg, vg = k[ks].float().permute(1, 0, 2), v[ks].float().permute(1, 0, 2)
         sq, sk = qg.shape[2], kg.shape[1]
         seq_lse = (lse[:, qs] if p.varlen else lse[qs]).reshape(qg.shape[:3])
-        # dS = P * (dP - D) with D = rowsum(dO * O) - dlse (see kernels/v2.py row_dot).
+        # dS = P * (dP - D) with D = rowsum(dO * O) - dlse (see kernels/v2.py _bwd_dq_kernel).
         delta = (dog * og).sum(-1)
         if dlse is not None:
             delta = delta - (dlse[:, qs] if p.varlen else dlse[qs]).reshape(qg.shape[:3])

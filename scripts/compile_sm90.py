@@ -44,7 +44,8 @@ def cases(head_dim=128, dtype="bf16"):
     yield "v2.fwd", v2._fwd_kernel, dict(base, BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages), f
     kv, qc = configs.v2_bwd_config(p, None)
     yield "v2.bwd_dkdv", v2._bwd_dkdv_kernel, dict(base, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, NUM_STAGES=kv.num_stages), kv
-    yield "v2.bwd_dq", v2._bwd_dq_kernel, dict(base, BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages), qc
+    yield "v2.bwd_dq", v2._bwd_dq_kernel, dict(base, BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages,
+                                               HAS_DLSE=False), qc
     c1 = v1._config(p, "FWD")
     yield "v1.fwd", v1._fwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), c1
     c1 = v1._config(p, "BWD")

@@ -9,6 +9,7 @@
 #           forced, then its speed against the shipped config
 #   sweep   tile candidates (SWEEP_ARGS: scripts/sweep_configs.py options)
 #   memory  peak memory alone
+#   sanitize  compute-sanitizer memcheck over one small case of every kernel (sanitize.log)
 #   scripts/gpu_check.sh [stage ...]    (default: tests bench)
 set -uo pipefail
 OUT=${OUT:-gpu_results}
@@ -45,6 +46,11 @@ for stage in $stages; do
         FLASHTILE_CONFIG_V3_FWD=$cfg python -m flashtile bench --head-dims 128 --seqlens 4096,16384 --causal false \
           --modes fwd --providers flashtile-v3 --no-plots --out "$OUT" --name "ws_$cfg" 2>/dev/null | grep "^| [0-9]"
       done 2>&1 | tee "$OUT/ws_speed.log" ;;
+    sanitize)
+      sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+      # No caching allocator: an out-of-bounds access must leave the allocation to be seen.
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck --error-exitcode 1 \
+        python scripts/sanitize_cases.py 2>&1 | tee "$OUT/sanitize.log" | tail -25 || status=1 ;;
     memory)
       python scripts/memory_check.py --out "$OUT/memory.json" || status=1 ;;
     sweep)

@@ -4,9 +4,9 @@ Forward: one program per (Q block, batch x head); K/V blocks stream through an o
 softmax, O stays unnormalised until one final division, only the logsumexp is saved.  Blocks
 outside the causal/window band are never visited and only boundary blocks are masked.
 
-Backward: D = rowsum(dO * O); one program per K/V block recomputes P from Q, K and the saved
-logsumexp and accumulates dK, dV on chip; dQ comes from a separate Q-parallel pass instead of
-fp32 atomics.  That pass recomputes QK^T and dO V^T (7 matmuls instead of 5), in exchange for
+Backward: a Q-parallel pass computes dQ and, on the way, D = rowsum(dO * O); then one program
+per K/V block recomputes P from Q, K and the saved logsumexp and accumulates dK, dV on chip.
+dQ comes from its own pass instead of fp32 atomics.  That pass recomputes QK^T and dO V^T (7 matmuls instead of 5), in exchange for
 no fp32 dQ buffer, no atomic traffic, and gradients that are bitwise deterministic.  GQA heads
 sharing a K/V head are summed inside the dK/dV program, so repeated K/V is never materialised.
 """
@@ -81,31 +81,6 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
     store_tile(O + batch * sob + q_start * sos + head * soh + rows[:, None] * sos + offs_d[None, :],
                out, rows, seqlen_q, offs_d, HEAD_DIM)
     tl.store(LSE + batch * slb + head * slh + q_start + rows, lse, mask=rows < seqlen_q)
-
-
-@triton.jit
-def _bwd_delta_kernel(O, DO, DLSE, DELTA, CU_Q, sob, sos, soh, sdb, sds, sdh, slb, slh, seqlen_q, heads_q,
-                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                      IS_VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr):
-    """D = rowsum(dO * O) - dlse in fp32, laid out like the logsumexp (see row_dot)."""
-    bh = tl.program_id(0)
-    m0 = tl.program_id(1) * BLOCK_M
-    batch = (bh // heads_q).to(tl.int64)
-    head = (bh % heads_q).to(tl.int64)
-    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, IS_VARLEN)
-    if m0 >= seqlen_q:
-        return
-    rows = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    o = load_tile(O + batch * sob + (q_start + rows[:, None]) * sos + head * soh + offs_d[None, :],
-                  rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, True)
-    do = load_tile(DO + batch * sdb + (q_start + rows[:, None]) * sds + head * sdh + offs_d[None, :],
-                   rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, True)
-    stat = batch * slb + head * slh + q_start + rows
-    delta = tl.sum(o * do, 1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + stat, mask=rows < seqlen_q, other=0.0)
-    tl.store(DELTA + stat, delta, mask=rows < seqlen_q)
 
 
 @triton.jit
@@ -199,13 +174,20 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, of
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
-                   sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, sdqb, sdqs, sdqh,
-                   slb, slh, seqlen_q, seqlen_k, heads_q, group, softmax_scale, scale_log2,
-                   window_left, window_right,
+def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K,
+                   sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, sdb, sds, sdh,
+                   sdqb, sdqs, sdqh, slb, slh, seqlen_q, seqlen_k, heads_q, group, softmax_scale,
+                   scale_log2, window_left, window_right,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-                   UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
+                   UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """dQ of one Q block; also D = rowsum(dO * O) - dlse of its rows, stored for the dK/dV kernel.
+
+    Computing D here, where dO is loaded anyway, saves the separate pass over O and dO that
+    FlashAttention-2 runs first (a tenth of the backward at seqlen 1k); it is why this kernel
+    runs before the dK/dV kernel.  d lse_i / d s_ij = P_ij, so a gradient reaching the
+    logsumexp folds into D: dS = P * (dP - D) + P * dlse = P * (dP - (D - dlse)).
+    """
     bh = tl.program_id(0)
     m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
@@ -219,9 +201,14 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
                   rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
     do = load_tile(DO + batch * sdb + (q_start + rows[:, None]) * sds + head * sdh + offs_d[None, :],
                    rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+    o = load_tile(O + batch * sob + (q_start + rows[:, None]) * sos + head * soh + offs_d[None, :],
+                  rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     stat = batch * slb + head * slh + q_start + rows
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + stat, mask=rows < seqlen_q, other=0.0)
+    tl.store(DELTA + stat, delta, mask=rows < seqlen_q)
     lse = tl.load(LSE + stat, mask=rows < seqlen_q, other=float("inf")) * LOG2E
-    delta = tl.load(DELTA + stat, mask=rows < seqlen_q, other=0.0)
     k_base = K + batch * skb + k_start * sks + (head // group) * skh
     v_base = V + batch * svb + k_start * svs + (head // group) * svh
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
@@ -259,27 +246,22 @@ def forward(p: Problem, q, k, v):
     return out, lse, lse.new_empty(0)
 
 
-def row_dot(p: Problem, out, dout, dlse):
-    """D = rowsum(dO * O) - dlse, fp32, laid out like the logsumexp.
-
-    d lse_i / d s_ij = P_ij, so a gradient reaching the logsumexp folds into D:
-    dS = P * (dP - D) + P * dlse = P * (dP - (D - dlse)).  ``dlse`` may be None."""
-    delta = torch.empty(p.row_stat_shape(out.shape[0]), dtype=torch.float32, device=out.device)
-    cu_q, _ = p.cu_pointers(out.device)
-    block_m = 64
-    _bwd_delta_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, block_m))](
-        out, dout, delta if dlse is None else dlse, delta, cu_q, *p.seq_strides(out), *p.seq_strides(dout), *p.row_stat_strides(delta),
-        p.seqlen_q, p.heads_q, HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=block_m,
-        IS_VARLEN=p.varlen, HAS_DLSE=dlse is not None, num_warps=4)
-    return delta
-
-
 def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
+    """dq, dk, dv.  ``dlse`` (the gradient reaching the logsumexp) may be None."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    delta = row_dot(p, out, dout, dlse)
+    delta = torch.empty_like(lse)
     cu_q, cu_k = p.cu_pointers(q.device)
     common = dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=p.varlen, UPCAST=p.upcast(q))
     kv_cfg, q_cfg = v2_bwd_config(p, q.dtype)
+    # The dQ pass writes D, which the dK/dV pass reads: launched first, on the same stream.
+    _bwd_dq_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, q_cfg.block_m))](
+        q, k, v, out, dout, lse, delta if dlse is None else dlse, delta, dq, cu_q, cu_k,
+        *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
+        *p.seq_strides(dout), *p.seq_strides(dq), *p.row_stat_strides(lse),
+        p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.softmax_scale, p.scale_log2,
+        p.window_left, p.window_right, BLOCK_M=q_cfg.block_m, BLOCK_N=q_cfg.block_n,
+        NUM_STAGES=q_cfg.num_stages, HAS_DLSE=dlse is not None, num_warps=q_cfg.num_warps,
+        num_stages=q_cfg.num_stages, **common)
     _bwd_dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, kv_cfg.block_n))](
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),
@@ -287,11 +269,4 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
         p.seqlen_q, p.seqlen_k, p.heads_k, p.group, p.softmax_scale, p.scale_log2,
         p.window_left, p.window_right, BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n,
         NUM_STAGES=kv_cfg.num_stages, num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, **common)
-    _bwd_dq_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, q_cfg.block_m))](
-        q, k, v, dout, lse, delta, dq, cu_q, cu_k,
-        *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),
-        *p.seq_strides(dq), *p.row_stat_strides(lse),
-        p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.softmax_scale, p.scale_log2,
-        p.window_left, p.window_right, BLOCK_M=q_cfg.block_m, BLOCK_N=q_cfg.block_n,
-        NUM_STAGES=q_cfg.num_stages, num_warps=q_cfg.num_warps, num_stages=q_cfg.num_stages, **common)
     return dq, dk, dv
