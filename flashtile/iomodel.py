@@ -116,7 +116,7 @@ def summary(s: Shape):
     fwd, bwd = v1_kernels.block_sizes(pad)
     model = {"standard": standard(s), "v1": v1(s, *fwd, *bwd)}
     for version in ("v2", "v3"):
-        fwd, bwd = configs.gpu_tiles(version, pad, s.causal)
+        fwd, bwd = configs.gpu_tiles(version, pad, s.causal, s.sk)
         model[version] = v2(s, *fwd, *bwd)
     return model
 

@@ -5,8 +5,8 @@
 #   claims  FlashAttention-1 vs -2 vs standard attention: speed (fa1_fa2_standard.*), the IO
 #           model's regime of each run (io_regimes.*), exactness, memory up to 128k
 #   bench   the default `flashtile bench` grid (BENCH_ARGS narrows or widens it), timed
-#   ws      v3's warp-specialized forward (off in the shipped configs): the v3 tests with it
-#           forced, then its speed against the shipped config
+#   ws      v3's warp-specialized forward (shipped at d128): the v3 tests with it
+#           forced for every head dim, then warp-specialized vs plain config speed
 #   sweep   tile candidates (SWEEP_ARGS: scripts/sweep_configs.py options)
 #   memory  peak memory alone
 #   sanitize  compute-sanitizer memcheck over one small case of every kernel (sanitize.log)

@@ -45,9 +45,15 @@ def _by_head_dim(table, head_dim_pad):
 # H200 sweep (scripts/sweep_configs.py, b4 h16/32 s4096 bf16), 2026-12-01.
 _V2_FWD = [(64, Config(128, 64, 4, 3)), (128, Config(128, 128, 8, 3)), (256, Config(128, 64, 8, 2))]
 _V2_BWD_KV = [(64, Config(32, 128, 4, 3)), (128, Config(64, 128, 8, 2)), (256, Config(64, 64, 8, 2))]
-_V2_BWD_Q = [(64, Config(128, 32, 4, 3)), (128, Config(128, 32, 4, 3)), (256, Config(128, 32, 8, 2))]
+# d128 dQ pass: 128x64 tiles with 8 warps, +4% over 128x32x4 at 1k and 2k (b16/b8 h16 sweep).
+_V2_BWD_Q = [(64, Config(128, 32, 4, 3)), (128, Config(128, 64, 8, 3)), (256, Config(128, 32, 8, 2))]
 # Causal/window bands: narrower K tiles waste less work on the diagonal (b16 s1024-2048 sweep).
 _V2_FWD_BAND = [(64, Config(128, 64, 4, 3)), (128, Config(128, 64, 8, 3)), (256, Config(128, 64, 8, 2))]
+# A band over at most SHORT_KEYS keys is read more than computed on (d128 causal 1k moves its
+# bytes at ~90% of the copy ceiling): small tiles fit three programs per SM and keep more loads
+# in flight; 64x32x4 is +4% at 1k, -1.5% at 2k.
+SHORT_KEYS = 1024
+_V2_FWD_BAND_SHORT = [(64, Config(128, 64, 4, 3)), (128, Config(64, 32, 4, 3)), (256, Config(128, 64, 8, 2))]
 _V2_BWD_KV_BAND = [(64, Config(32, 128, 4, 3)), (128, Config(32, 64, 4, 3)), (256, Config(64, 64, 8, 2))]
 
 
@@ -55,8 +61,14 @@ def _banded(p) -> bool:
     return p.window_left >= 0 or p.window_right >= 0
 
 
+def _v2_fwd_table(banded: bool, seqlen_k: int):
+    if not banded:
+        return _V2_FWD
+    return _V2_FWD_BAND_SHORT if seqlen_k <= SHORT_KEYS else _V2_FWD_BAND
+
+
 def v2_fwd_config(p, dtype) -> Config:
-    return pick("V2_FWD", _by_head_dim(_V2_FWD_BAND if _banded(p) else _V2_FWD, p.head_dim_pad))
+    return pick("V2_FWD", _by_head_dim(_v2_fwd_table(_banded(p), p.seqlen_k), p.head_dim_pad))
 
 
 def v2_bwd_config(p, dtype):
@@ -65,25 +77,24 @@ def v2_bwd_config(p, dtype):
             pick("V2_BWD_Q", _by_head_dim(_V2_BWD_Q, p.head_dim_pad)))
 
 
-# Warp specialization (Config(..., True); Triton 3.6 needs num_warps=4 for it) is off: on the
-# H200 the warp-specialized loop gave a correct output but a wrong logsumexp at d128, so NaN
-# gradients (and NaN outputs with 3+ stages).  The cause (a row offset applied twice to the
-# second consumer warpgroup's pointer store) is worked around in v3.py and checked in the
-# compiled code by the tests; switching it back on waits for a GPU run of the test suite.
-# Without it d128 runs at about 0.92x the speed.
+# v3 unmasked path (no band, no varlen, seqlen_k a multiple of the K tile).  d128 runs
+# warp-specialized (Triton 3.6 needs num_warps=4 for it): +9% over the best plain config at
+# 4k-16k (H200 sweep); d64 and d256 are faster without it.  _V3_FWD_UNMASKED is the fallback
+# where warp specialization cannot run (the interpreter; seqlen_q % 4 != 0, see v3.py).
+_V3_FWD_WS = [(64, Config(128, 128, 4, 3)), (128, Config(128, 128, 4, 2, True)), (256, Config(128, 64, 8, 2))]
 _V3_FWD_UNMASKED = [(64, Config(128, 128, 4, 3)), (128, Config(128, 128, 8, 3)),
                     (256, Config(128, 64, 8, 2))]
 _V3_FWD_BAND = [(64, Config(128, 64, 4, 3)), (128, Config(128, 64, 8, 3)), (256, Config(128, 64, 8, 2))]
 
 
-def v3_fwd_config(p, unmasked: bool) -> Config:
-    table = _V3_FWD_UNMASKED if unmasked else _V3_FWD_BAND
+def v3_fwd_config(p, unmasked: bool, warp_specialize: bool = True) -> Config:
+    table = (_V3_FWD_WS if warp_specialize else _V3_FWD_UNMASKED) if unmasked else _V3_FWD_BAND
     return pick("V3_FWD", _by_head_dim(table, p.head_dim_pad))
 
 
-def gpu_tiles(version: str, head_dim_pad: int, banded: bool):
+def gpu_tiles(version: str, head_dim_pad: int, banded: bool, seqlen_k: int):
     """((fwd block_m, block_n), (bwd dK/dV block_m, block_n)) used on the GPU, for the IO model."""
-    fwd = {"v2": _V2_FWD_BAND if banded else _V2_FWD, "v3": _V3_FWD_BAND if banded else _V3_FWD_UNMASKED}[version]
+    fwd = {"v2": _v2_fwd_table(banded, seqlen_k), "v3": _V3_FWD_BAND if banded else _V3_FWD_WS}[version]
     bwd = _V2_BWD_KV_BAND if banded else _V2_BWD_KV  # v3's backward is v2's
     f, b = _by_head_dim(fwd, head_dim_pad), _by_head_dim(bwd, head_dim_pad)
     return (f.block_m, f.block_n), (b.block_m, b.block_n)

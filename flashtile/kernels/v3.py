@@ -10,8 +10,7 @@ What Hopper changes relative to kernels/v2.py:
   loop runs, which a config may warp-specialize (a producer warpgroup issuing the TMA loads,
   consumer warpgroups running the GEMMs and the softmax).  Triton 3.6 applies that only to a
   single loop with 4 warps, so banded problems keep v2's three-segment loop on TMA.  The
-  shipped configs leave it off: on the H200 it corrupted the logsumexp (see configs.py; the
-  descriptor store below is the fix, checked in the compiled code but not yet on the GPU).
+  shipped configs use it at d128 (configs.py).
 
 Not yet here (see the project's open work): explicit ping-pong between consumer warpgroups,
 intra-warpgroup softmax/GEMM overlap, a persistent scheduler, and a Hopper-specific backward.
@@ -126,6 +125,10 @@ def forward(p: Problem, q, k, v):
     unmasked = (p.window_left < 0 and p.window_right < 0 and not p.varlen)
     cfg = v3_fwd_config(p, unmasked)
     unmasked = unmasked and p.seqlen_k % cfg.block_n == 0
+    # The logsumexp's 1-D TMA store needs 16-byte aligned rows: seqlen_q % 4 == 0.
+    warp_specialize = unmasked and not runtime.interpreting() and p.seqlen_q % 4 == 0
+    if cfg.warp_specialize and not warp_specialize:
+        cfg = v3_fwd_config(p, unmasked, warp_specialize=False)
     cu_q, cu_k = p.cu_pointers(q.device)
     _set_allocator(q.device)
     grid = (p.batch * p.heads_q, triton.cdiv(p.seqlen_q, cfg.block_m))
@@ -136,9 +139,7 @@ def forward(p: Problem, q, k, v):
         p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right,
         HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         IS_VARLEN=p.varlen, UNMASKED=unmasked, UPCAST=p.upcast(q), NUM_STAGES=cfg.num_stages,
-        # The logsumexp's 1-D TMA store needs 16-byte aligned rows: seqlen_q % 4 == 0.
-        WARP_SPECIALIZE=(unmasked and cfg.warp_specialize and not runtime.interpreting()
-                         and p.seqlen_q % 4 == 0),
+        WARP_SPECIALIZE=warp_specialize and cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse, lse.new_empty(0)
 
