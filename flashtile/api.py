@@ -13,7 +13,8 @@ from flashtile.validation import (check_cu_seqlens, check_options, check_qkv,
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-               softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, version):
+               softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+               version):
     varlen = cu_seqlens_q is not None
     check_options(dropout_p, softcap, alibi_slopes, window_size, softmax_scale, version)
     check_qkv(q, k, v, varlen)
@@ -26,7 +27,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     left, right = window_bounds(causal, window_size)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     out, lse, _ = ops.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                        max_seqlen_k, scale, left, right, version)
+                                        max_seqlen_k, scale, left, right, version, bool(deterministic))
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -39,12 +40,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     nheads a multiple of nheads_k (GQA/MQA).  fp16 or bf16, head dim a multiple of 8 up to 256.
     window_size=(left, right) limits keys to [i - left, i + right] around the aligned
     diagonal (-1: unbounded).  ``version``: "v1", "v2", "v3", "auto" (the best this device
-    runs) or "tiled" (the PyTorch implementation).  The backward is always deterministic, so
-    ``deterministic`` is accepted for compatibility.  Returns ``out``, or
+    runs) or "tiled" (the PyTorch implementation).  ``deterministic=True`` makes v3's backward
+    bitwise reproducible (it otherwise adds dQ atomically; v1 and v2 always are).  Returns ``out``, or
     ``(out, softmax_lse, None)`` when ``return_attn_probs``.
     """
     return _attention(q, k, v, None, None, None, None, dropout_p, softmax_scale, causal,
-                      window_size, softcap, alibi_slopes, return_attn_probs, version)
+                      window_size, softcap, alibi_slopes, deterministic, return_attn_probs, version)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -81,4 +82,5 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k are required for flash_attn_varlen_func")
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                      softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, version)
+                      softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                      version)

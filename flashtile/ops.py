@@ -30,7 +30,7 @@ def _saved_shape(version: str, lse_shape):
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
                       cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                       softmax_scale: float, window_left: int, window_right: int,
-                      version: str) -> tuple[Tensor, Tensor, Tensor]:
+                      version: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     p = Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, window_left, window_right)
     return implementation(version).forward(p, q, k, v)
@@ -38,7 +38,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Te
 
 @attention_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-      window_left, window_right, version):
+      window_left, window_right, version, deterministic):
     p = Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, window_left, window_right)
     lse_shape = p.row_stat_shape(q.shape[0])
@@ -51,9 +51,9 @@ def attention_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tenso
                        lse: Tensor, saved: Tensor, cu_seqlens_q: Optional[Tensor],
                        cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                        softmax_scale: float, window_left: int, window_right: int,
-                       version: str) -> tuple[Tensor, Tensor, Tensor]:
+                       version: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     p = Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   softmax_scale, window_left, window_right)
+                   softmax_scale, window_left, window_right, deterministic)
     return implementation(version).backward(p, dout, dlse, q, k, v, out, lse, saved)
 
 
@@ -80,7 +80,7 @@ def _backward(ctx, dout, dlse, dsaved):
     if dlse is not None:
         dlse = dlse.contiguous()
     dq, dk, dv = attention_backward(dout, dlse, q, k, v, out, lse, saved, cu_q, cu_k, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, *(None for _ in ctx.args)
 
 
 torch.library.register_autograd("flashtile::attention_forward", _backward, setup_context=_setup_context)

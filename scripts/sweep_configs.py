@@ -33,6 +33,14 @@ SWEEPS_V1 = [  # FlashAttention-1 tiles (one pipeline stage: the paper's kernel 
     ("V1_BWD", "flashtile-v1", "bwd", 128, False, ["128,128,8,1", "64,64,4,1", "64,64,8,1", "32,64,4,1", "64,128,8,1",
                                                    "128,64,8,1"]),
 ]
+SWEEPS_V3_BWD = [  # K/V-stationary backward with TMA reduce-add dQ
+    ("V3_BWD", "flashtile-v3", "bwd", 128, False, ["64,128,8,2", "64,128,8,3", "128,128,8,2", "32,128,4,2",
+                                                   "64,64,4,2", "64,128,4,2"]),
+    ("V3_BWD", "flashtile-v3", "bwd", 128, True, ["64,128,8,2", "32,128,4,2", "64,64,4,2", "32,64,4,3"]),
+    ("V3_BWD", "flashtile-v3", "bwd", 64, False, ["64,128,8,2", "64,128,4,2", "32,128,4,3", "128,128,8,2",
+                                                  "64,64,4,3"]),
+    ("V3_BWD", "flashtile-v3", "bwd", 256, False, ["64,64,8,1", "32,64,4,2", "32,128,8,1", "32,64,4,1"]),
+]
 SWEEPS = [
     ("V2_FWD", "flashtile-v2", "fwd", 128, False, ["128,64,8,3", "128,128,8,3", "128,64,4,3", "128,128,8,2", "64,64,4,3"]),
     ("V2_FWD", "flashtile-v2", "fwd", 64, False, ["128,64,4,3", "128,128,8,3", "128,128,4,3", "64,64,4,4"]),
@@ -47,7 +55,8 @@ SWEEPS = [
 ]
 
 NAMED = {"all": SWEEPS, "d256-bwd": SWEEPS_D256_BWD, "d128-short": SWEEPS_D128_SHORT,
-         "d64-causal-short": SWEEPS_D64_CAUSAL_SHORT, "v1": SWEEPS_V1}
+         "d64-causal-short": SWEEPS_D64_CAUSAL_SHORT, "v1": SWEEPS_V1,
+         "v3-bwd": SWEEPS_V3_BWD}
 
 
 def main():

@@ -44,7 +44,7 @@ def _by_head_dim(table, head_dim_pad):
 
 # H200 sweep (scripts/sweep_configs.py, b4 h16/32 s4096 bf16), 2026-12-01.
 _V2_FWD = [(64, Config(128, 64, 4, 3)), (128, Config(128, 128, 8, 3)), (256, Config(128, 64, 8, 2))]
-_V2_BWD_KV = [(64, Config(32, 128, 4, 3)), (128, Config(64, 128, 8, 2)), (256, Config(64, 64, 8, 2))]
+_V2_BWD_KV = [(64, Config(32, 128, 4, 3)), (128, Config(64, 128, 8, 2)), (256, Config(64, 64, 8, 1))]
 # d128 dQ pass: 128x64 tiles with 8 warps, +4% over 128x32x4 at 1k and 2k (b16/b8 h16 sweep).
 _V2_BWD_Q = [(64, Config(128, 32, 4, 3)), (128, Config(128, 64, 8, 3)), (256, Config(128, 32, 8, 2))]
 # Causal/window bands: narrower K tiles waste less work on the diagonal (b16 s1024-2048 sweep).
@@ -54,7 +54,7 @@ _V2_FWD_BAND = [(64, Config(128, 64, 4, 3)), (128, Config(128, 64, 8, 3)), (256,
 # in flight; 64x32x4 is +4% at 1k, -1.5% at 2k.
 SHORT_KEYS = 1024
 _V2_FWD_BAND_SHORT = [(64, Config(128, 64, 4, 3)), (128, Config(64, 32, 4, 3)), (256, Config(128, 64, 8, 2))]
-_V2_BWD_KV_BAND = [(64, Config(32, 128, 4, 3)), (128, Config(32, 64, 4, 3)), (256, Config(64, 64, 8, 2))]
+_V2_BWD_KV_BAND = [(64, Config(32, 128, 4, 3)), (128, Config(32, 64, 4, 3)), (256, Config(64, 64, 8, 1))]
 
 
 def _banded(p) -> bool:
@@ -90,6 +90,15 @@ _V3_FWD_BAND = [(64, Config(128, 64, 4, 3)), (128, Config(128, 64, 8, 3)), (256,
 def v3_fwd_config(p, unmasked: bool, warp_specialize: bool = True) -> Config:
     table = (_V3_FWD_WS if warp_specialize else _V3_FWD_UNMASKED) if unmasked else _V3_FWD_BAND
     return pick("V3_FWD", _by_head_dim(table, p.head_dim_pad))
+
+
+# v3 backward (K/V-stationary, dQ by TMA reduce-add).  The fp32 dQ staging tile takes shared
+# memory: d256 fits only with one stage (sm_90 compile: 64x64x8x2 needs 265 KiB).
+_V3_BWD = [(64, Config(64, 128, 8, 2)), (128, Config(64, 128, 8, 2)), (256, Config(64, 64, 8, 1))]
+
+
+def v3_bwd_config(p) -> Config:
+    return pick("V3_BWD", _by_head_dim(_V3_BWD, p.head_dim_pad))
 
 
 def gpu_tiles(version: str, head_dim_pad: int, banded: bool, seqlen_k: int):

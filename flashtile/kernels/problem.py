@@ -33,10 +33,11 @@ class Problem:
     window_right: int      # -1: unbounded; 0 with causal
     cu_seqlens_q: Optional[torch.Tensor]
     cu_seqlens_k: Optional[torch.Tensor]
+    deterministic: bool = False  # the backward must give bitwise-identical gradients run to run
 
     @classmethod
     def of(cls, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-           softmax_scale, window_left, window_right):
+           softmax_scale, window_left, window_right, deterministic=False):
         varlen = cu_seqlens_q is not None
         return cls(
             batch=cu_seqlens_q.numel() - 1 if varlen else q.shape[0],
@@ -45,7 +46,7 @@ class Problem:
             seqlen_k=max_seqlen_k if varlen else k.shape[1],
             head_dim=q.shape[-1], softmax_scale=softmax_scale,
             window_left=window_left, window_right=window_right,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, deterministic=deterministic)
 
     @property
     def varlen(self) -> bool:

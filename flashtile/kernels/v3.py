@@ -22,9 +22,9 @@ import triton.language as tl
 from flashtile import runtime
 from flashtile.kernels import v2
 from flashtile.kernels.blocks import band_mask, program_sequence, visited_blocks
-from flashtile.kernels.configs import v3_fwd_config
+from flashtile.kernels.configs import v3_bwd_config, v3_fwd_config
 from flashtile.kernels.problem import Problem
-from flashtile.kernels.tiles import as_operand, finalize_rows, online_softmax_step
+from flashtile.kernels.tiles import LOG2E, as_operand, finalize_rows, load_tile, online_softmax_step
 
 
 @triton.jit
@@ -106,6 +106,119 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
         tl.store(LSE + batch * slb + head * slh + q_start + rows, lse, mask=rows < seqlen_q)
 
 
+@triton.jit
+def _bwd_preprocess_kernel(O, DO, DLSE, DELTA, CU_Q, sob, sos, soh, sdb, sds, sdh, slb, slh,
+                           seqlen_q, heads_q, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                           BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """D = rowsum(dO * O) - dlse for the rows of one block (see v2's dQ kernel for why dlse)."""
+    bh = tl.program_id(0)
+    m0 = tl.program_id(1) * BLOCK_M
+    batch, head, q_start, seqlen_q, _, _, _, _ = program_sequence(bh, heads_q, CU_Q, CU_Q, seqlen_q, seqlen_q,
+                                                                  -1, -1, IS_VARLEN)
+    if m0 >= seqlen_q:
+        return
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    o = load_tile(O + batch * sob + (q_start + rows[:, None]) * sos + head * soh + offs_d[None, :],
+                  rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, True)
+    do = load_tile(DO + batch * sdb + (q_start + rows[:, None]) * sds + head * sdh + offs_d[None, :],
+                   rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, True)
+    stat = batch * slb + head * slh + q_start + rows
+    delta = tl.sum(o * do, 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + stat, mask=rows < seqlen_q, other=0.0)
+    tl.store(DELTA + stat, delta, mask=rows < seqlen_q)
+
+
+@triton.jit
+def _bwd_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, sas, d_ok, lse_base, delta_base, rows_k,
+                offs_m, lo, hi, seqlen_q, dlo, dhi, scale_log2, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+                UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_REDUCE: tl.constexpr):
+    """One K/V tile against the Q blocks [lo, hi): dK, dV on chip, dQ added to fp32 in memory."""
+    for m0 in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
+        cols = m0 + offs_m
+        q = _load(q_desc, m0, UPCAST)
+        # Rows past the sequence read lse = +inf, so their probabilities are exactly 0.
+        lse = tl.load(lse_base + cols, mask=cols < seqlen_q, other=float("inf")) * LOG2E
+        pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse[None, :])
+        if MASK:
+            pT = tl.where(band_mask(rows_k, cols, seqlen_q, -dhi, -dlo), pT, 0.0)
+        do = _load(do_desc, m0, UPCAST)
+        dv += tl.dot(as_operand(pT, do_desc.dtype, UPCAST), do)
+        delta = tl.load(delta_base + cols, mask=cols < seqlen_q, other=0.0)
+        dsT = as_operand(pT * (tl.dot(v, tl.trans(do)) - delta[None, :]), do_desc.dtype, UPCAST)
+        dk += tl.dot(dsT, q)
+        dq = tl.dot(tl.trans(dsT), k)
+        if TMA_REDUCE:
+            # One bulk reduce-add per tile (cp.reduce.async.bulk.tensor); rows past the
+            # sequence fall outside the descriptor and are dropped.
+            dq_desc.atomic_add([m0, 0], dq)
+        else:  # the interpreter has no descriptor reduce: element atomics, same arithmetic
+            tl.atomic_add(dq_ptrs + m0 * sas, dq, mask=(cols[:, None] < seqlen_q) & d_ok[None, :])
+    return dk, dv
+
+
+@triton.jit
+def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, CU_Q, CU_K,
+                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
+                sdkb, sdks, sdkh, sdvb, sdvs, sdvh, sab, sas, sah, slb, slh,
+                seqlen_q, seqlen_k, heads_k, group, softmax_scale, scale_log2, window_left, window_right,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr,
+                NUM_STAGES: tl.constexpr, TMA_REDUCE: tl.constexpr):
+    """K/V-stationary backward (FlashAttention-3): one program per K/V tile, every Q block of
+    the band streamed through TMA, dQ accumulated in fp32 by reduce-adds instead of a second pass."""
+    bh = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    batch, head_k, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
+        bh, heads_k, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
+    if n0 >= seqlen_k:
+        return
+    k_desc = tl.make_tensor_descriptor(K + batch * skb + k_start * sks + head_k * skh, shape=[seqlen_k, HEAD_DIM],
+                                       strides=[sks, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    v_desc = tl.make_tensor_descriptor(V + batch * svb + k_start * svs + head_k * svh, shape=[seqlen_k, HEAD_DIM],
+                                       strides=[svs, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    k = _load(k_desc, n0, UPCAST)
+    v = _load(v_desc, n0, UPCAST)
+    rows_k = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
+    lo, full_lo, full_hi, hi = visited_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, -dhi, -dlo)
+    for g in range(group):
+        head = head_k * group + g
+        q_desc = tl.make_tensor_descriptor(Q + batch * sqb + q_start * sqs + head * sqh, shape=[seqlen_q, HEAD_DIM],
+                                           strides=[sqs, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
+        do_desc = tl.make_tensor_descriptor(DO + batch * sdb + q_start * sds + head * sdh,
+                                            shape=[seqlen_q, HEAD_DIM], strides=[sds, 1],
+                                            block_shape=[BLOCK_M, HEAD_DIM_PAD])
+        dq_base = DQACC + batch * sab + q_start * sas + head * sah
+        dq_desc = tl.make_tensor_descriptor(dq_base, shape=[seqlen_q, HEAD_DIM], strides=[sas, 1],
+                                            block_shape=[BLOCK_M, HEAD_DIM_PAD])
+        dq_ptrs = dq_base + offs_m[:, None] * sas + offs_d[None, :]
+        lse_base = LSE + batch * slb + head * slh + q_start
+        delta_base = DELTA + batch * slb + head * slh + q_start
+        dk, dv = _bwd_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, sas, d_ok, lse_base, delta_base,
+                             rows_k, offs_m, full_lo, full_hi, seqlen_q, dlo, dhi, scale_log2, BLOCK_M, False,
+                             UPCAST, NUM_STAGES, TMA_REDUCE)
+        dk, dv = _bwd_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, sas, d_ok, lse_base, delta_base,
+                             rows_k, offs_m, lo, full_lo, seqlen_q, dlo, dhi, scale_log2, BLOCK_M, True,
+                             UPCAST, NUM_STAGES, TMA_REDUCE)
+        dk, dv = _bwd_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, sas, d_ok, lse_base, delta_base,
+                             rows_k, offs_m, full_hi, hi, seqlen_q, dlo, dhi, scale_log2, BLOCK_M, True,
+                             UPCAST, NUM_STAGES, TMA_REDUCE)
+    dk_desc = tl.make_tensor_descriptor(DK + batch * sdkb + k_start * sdks + head_k * sdkh,
+                                        shape=[seqlen_k, HEAD_DIM], strides=[sdks, 1],
+                                        block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    dv_desc = tl.make_tensor_descriptor(DV + batch * sdvb + k_start * sdvs + head_k * sdvh,
+                                        shape=[seqlen_k, HEAD_DIM], strides=[sdvs, 1],
+                                        block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    dk_desc.store([n0, 0], (dk * softmax_scale).to(dk_desc.dtype))
+    dv_desc.store([n0, 0], dv.to(dv_desc.dtype))
+
+
 def _tma_ready(x):
     """TMA needs 16-byte aligned base and row strides; copy the rare tensor that is not."""
     aligned = x.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in x.stride()[:-1])
@@ -145,4 +258,28 @@ def forward(p: Problem, q, k, v):
 
 
 def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
-    return v2.backward(p, dout, dlse, q, k, v, out, lse, saved)
+    """dq, dk, dv.  Atomic dQ sums in an order that varies from run to run; ``deterministic``
+    takes v2's backward, whose separate dQ pass is bitwise reproducible."""
+    if p.deterministic:
+        return v2.backward(p, dout, dlse, q, k, v, out, lse, saved)
+    cfg = v3_bwd_config(p)
+    q, k, v, dout = (_tma_ready(x) for x in (q, k, v, dout))
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse)
+    cu_q, cu_k = p.cu_pointers(q.device)
+    common = dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=p.varlen)
+    _bwd_preprocess_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, 64))](
+        out, dout, delta if dlse is None else dlse, delta, cu_q, *p.seq_strides(out), *p.seq_strides(dout),
+        *p.row_stat_strides(lse), p.seqlen_q, p.heads_q, BLOCK_M=64, HAS_DLSE=dlse is not None,
+        num_warps=4, **common)
+    _set_allocator(q.device)
+    _bwd_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, cfg.block_n))](
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k,
+        *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),
+        *p.seq_strides(dk), *p.seq_strides(dv), *p.seq_strides(dq_acc), *p.row_stat_strides(lse),
+        p.seqlen_q, p.seqlen_k, p.heads_k, p.group, p.softmax_scale, p.scale_log2,
+        p.window_left, p.window_right, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, UPCAST=p.upcast(q),
+        NUM_STAGES=cfg.num_stages, TMA_REDUCE=not runtime.interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+    return (dq_acc * p.softmax_scale).to(q.dtype), dk, dv
