@@ -55,7 +55,7 @@ def cases(head_dim=128, dtype="bf16"):
         yield f"v3.fwd{'' if unmasked else '_band'}", v3._fwd_kernel, dict(
             base, BLOCK_M=c3.block_m, BLOCK_N=c3.block_n, NUM_STAGES=c3.num_stages, UNMASKED=unmasked,
             WARP_SPECIALIZE=unmasked and c3.warp_specialize), c3
-    c3 = configs.v3_bwd_config(p)
+    c3 = configs.v3_bwd_reduce_config(p)
     yield "v3.bwd", v3._bwd_kernel, dict(base, BLOCK_M=c3.block_m, BLOCK_N=c3.block_n, NUM_STAGES=c3.num_stages,
                                          TMA_REDUCE=True), c3
 

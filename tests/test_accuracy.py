@@ -182,3 +182,28 @@ def test_unmasked_fast_path(version, head_dim):
     _, lse, ref_lse = check_against_reference(
         lambda a, b, c: flash_attn_func(a, b, c, return_attn_probs=True, version=version)[:2], q, k, v)
     assert max_err(lse, ref_lse) < 1e-2
+
+
+# v3's K/V-stationary backward with dQ by (TMA) reduce-add runs only when selected: check it
+# on GQA + a padded head dim + bottom-right causal, on a sliding window, and on varlen.
+@pytest.mark.parametrize("shape, mask", [
+    ((131, 97, 4, 2, 48), dict(causal=True)),
+    ((113, 113, 2, 2, 64), dict()),
+    ((70, 131, 2, 1, 32), dict(window_size=(16, 8))),
+])
+def test_v3_reduce_add_backward(shape, mask, monkeypatch):
+    monkeypatch.setenv("FLASHTILE_V3_DQ", "reduce")
+    sq, sk, hq, hk, d = shape
+    scale = 8 if ON_GPU else 1
+    q, k, v = make_qkv(BATCH, sq * scale, sk * scale, hq, hk, d, DTYPES[0], DEVICE)
+    check_against_reference(lambda a, b, c: flash_attn_func(a, b, c, version="v3", **mask), q, k, v, **mask)
+
+
+def test_v3_reduce_add_varlen(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_V3_DQ", "reduce")
+    test_varlen("v3", causal=True)
+
+
+def test_deterministic_never_takes_reduce_add(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_V3_DQ", "reduce")
+    test_backward_is_deterministic("v3")

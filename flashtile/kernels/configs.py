@@ -7,6 +7,7 @@ overrides one entry, for sweeps.
 """
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 from flashtile import runtime
 
@@ -92,13 +93,22 @@ def v3_fwd_config(p, unmasked: bool, warp_specialize: bool = True) -> Config:
     return pick("V3_FWD", _by_head_dim(table, p.head_dim_pad))
 
 
-# v3 backward (K/V-stationary, dQ by TMA reduce-add).  The fp32 dQ staging tile takes shared
-# memory: d256 fits only with one stage (sm_90 compile: 64x64x8x2 needs 265 KiB).
-_V3_BWD = [(64, Config(64, 128, 8, 2)), (128, Config(64, 128, 8, 2)), (256, Config(64, 64, 8, 1))]
+# v3's K/V-stationary backward with dQ added in fp32 by TMA reduce-add; tiles from an H200 sweep
+# (b4 s4096; the fp32 dQ staging tile leaves d256 one stage).  It measured slower than v2's
+# separate dQ pass at every head dim (d64 214 vs 301, d128 309 vs 326, d256 161 vs 175 TFLOP/s),
+# so it runs only when asked for: FLASHTILE_V3_DQ=reduce, or a FLASHTILE_CONFIG_V3_BWD override.
+_V3_BWD_REDUCE = [(64, Config(128, 128, 8, 2)), (128, Config(64, 128, 8, 3)), (256, Config(64, 64, 8, 1))]
 
 
-def v3_bwd_config(p) -> Config:
-    return pick("V3_BWD", _by_head_dim(_V3_BWD, p.head_dim_pad))
+def v3_bwd_reduce_config(p) -> Config:
+    return pick("V3_BWD", _by_head_dim(_V3_BWD_REDUCE, p.head_dim_pad))
+
+
+def v3_bwd_config(p) -> Optional[Config]:
+    """Tiles of v3's reduce-add backward when it is selected, else None (v2's backward runs)."""
+    if os.environ.get("FLASHTILE_V3_DQ") == "reduce" or os.environ.get("FLASHTILE_CONFIG_V3_BWD"):
+        return v3_bwd_reduce_config(p)
+    return None
 
 
 def gpu_tiles(version: str, head_dim_pad: int, banded: bool, seqlen_k: int):

@@ -1,19 +1,24 @@
-"""FlashAttention-3-style forward for Hopper, in plain Triton; backward shared with v2.
+"""FlashAttention-3-style kernels for Hopper, in plain Triton.
 
-What Hopper changes relative to kernels/v2.py:
+What Hopper changes relative to kernels/v2.py, forward:
 - Q, K, V and O move through TMA: tensor descriptors built on the device, one per (sequence,
   head), whose shape ends at the sequence end, so the copy engine zero-fills the tail of the
   last block and clips the output store (no address arithmetic or load masks);
 - ``tl.dot`` on descriptor-loaded tiles lowers to asynchronous warpgroup MMA (wgmma) fed
-  from a multi-stage shared-memory pipeline;
+  from a multi-stage shared-memory pipeline; P stays in registers as the PV product's A operand;
 - on unmasked problems (no causal/window band, seqlen_k a multiple of BLOCK_N) one unmasked
   loop runs, which a config may warp-specialize (a producer warpgroup issuing the TMA loads,
   consumer warpgroups running the GEMMs and the softmax).  Triton 3.6 applies that only to a
   single loop with 4 warps, so banded problems keep v2's three-segment loop on TMA.  The
   shipped configs use it at d128 (configs.py).
 
+Backward: FlashAttention-3's K/V-stationary kernel (one program per K/V tile, Q/dO blocks
+through TMA, dQ added in fp32 by TMA reduce-add, a conversion at the end) is here, but v2's
+backward with its separate dQ pass measured faster on the H200, so configs.py selects it only
+on request; ``deterministic=True`` never uses it.
+
 Not yet here (see the project's open work): explicit ping-pong between consumer warpgroups,
-intra-warpgroup softmax/GEMM overlap, a persistent scheduler, and a Hopper-specific backward.
+intra-warpgroup softmax/GEMM overlap, a persistent scheduler.
 """
 import torch
 import triton
@@ -258,11 +263,12 @@ def forward(p: Problem, q, k, v):
 
 
 def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
-    """dq, dk, dv.  Atomic dQ sums in an order that varies from run to run; ``deterministic``
-    takes v2's backward, whose separate dQ pass is bitwise reproducible."""
-    if p.deterministic:
-        return v2.backward(p, dout, dlse, q, k, v, out, lse, saved)
+    """dq, dk, dv.  The reduce-add kernel runs where configs.py selects it; its atomic dQ sums in
+    an order that varies from run to run, so ``deterministic`` always takes v2's backward, whose
+    separate dQ pass is bitwise reproducible (and, on the H200, faster)."""
     cfg = v3_bwd_config(p)
+    if p.deterministic or cfg is None:
+        return v2.backward(p, dout, dlse, q, k, v, out, lse, saved)
     q, k, v, dout = (_tma_ready(x) for x in (q, k, v, dout))
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

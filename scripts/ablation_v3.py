@@ -1,0 +1,90 @@
+"""v3's Hopper techniques switched off one at a time: d128, seqlen 8k, non-causal, bf16 (b2 h16).
+
+Each row is v3 with one configs.py override, timed in this process next to v3 as shipped and
+the SDPA peers, --repeats passes (median).  Techniques that Triton gives no switch for, or
+that v3 does not have yet, are listed without a time.  Writes JSON records and prints Markdown.
+"""
+import argparse
+import json
+import os
+import statistics
+
+from flashtile import bench
+
+# (row, provider, environment overrides, modes it changes)
+ROWS = [
+    ("v3 as shipped", "flashtile-v3", {}, ("fwd", "bwd")),
+    ("no warp specialization (best plain tiles 128x128, 8 warps, 3 stages)", "flashtile-v3",
+     {"FLASHTILE_CONFIG_V3_FWD": "128,128,8,3,0"}, ("fwd",)),
+    ("no warp specialization, no multi-stage pipeline (1 stage)", "flashtile-v3",
+     {"FLASHTILE_CONFIG_V3_FWD": "128,128,8,1,0"}, ("fwd",)),
+    ("no TMA: pointer loads (v2's kernel on the same plain tiles)", "flashtile-v2",
+     {"FLASHTILE_CONFIG_V2_FWD": "128,128,8,3"}, ("fwd",)),
+    ("backward: K/V-stationary with dQ by TMA reduce-add (not shipped)", "flashtile-v3",
+     {"FLASHTILE_V3_DQ": "reduce"}, ("bwd",)),
+    ("peer: SDPA cuDNN", "sdpa-cudnn", {}, ("fwd", "bwd")),
+    ("peer: SDPA flash (FlashAttention-2)", "sdpa-flash", {}, ("fwd", "bwd")),
+]
+WITHOUT_SWITCH = [
+    ("wgmma, P kept in registers for PV", "no switch: tl.dot lowers to wgmma on sm_90 and P is its "
+                                          "register operand (compiled TTGIR)"),
+    ("ping-pong between consumer warpgroups", "not implemented"),
+    ("softmax overlapped with the next QK^T in a warpgroup", "not implemented"),
+    ("persistent tile scheduler (LPT for causal)", "not implemented"),
+    ("backward: shipped v3 backward", "is v2's backward (separate dQ pass): faster than the "
+                                      "reduce-add kernel above"),
+]
+
+
+def measure(provider, env, case, repeats):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return statistics.median(bench.measure(provider, case)[0] for _ in range(repeats))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=16384, help="batch x seqlen")
+    ap.add_argument("--out", default="ablation_v3.json")
+    args = ap.parse_args()
+    env = bench.environment()
+    records, shipped = [], {}
+    print(f"v3 ablation, d128 seqlen {args.seqlen} non-causal bf16, {env['gpu']}, commit {env['commit']}, "
+          f"{env['date']}; TFLOP/s (ratio to v3 as shipped, same run)\n")
+    print("| technique switched off | fwd | bwd |\n|---|---|---|")
+    for row, provider, overrides, modes in ROWS:
+        cells = []
+        for mode in ("fwd", "bwd"):
+            if mode not in modes:
+                cells.append("(unchanged)")
+                continue
+            case = bench.Case(max(1, args.tokens // args.seqlen), 16, 16, args.seqlen, args.seqlen, 128, False, mode)
+            try:
+                ms = measure(provider, overrides, case, args.repeats)
+            except Exception as e:  # a peer missing here (no cuDNN on a CPU) is a result too
+                cells.append(f"failed: {type(e).__name__}")
+                continue
+            shipped.setdefault(mode, ms)
+            tflops = case.flops() / ms / 1e9
+            cells.append(f"{tflops:.0f} ({shipped[mode] / ms:.2f}x)")
+            records.append(dict(row=row, provider=provider, overrides=overrides, mode=mode, b=case.b, h=case.h,
+                                sq=case.sq, sk=case.sk, d=case.d, causal=False, dtype="bf16", ms=ms,
+                                tflops=tflops, **env))
+        print(f"| {row} | {cells[0]} | {cells[1]} |", flush=True)
+    for row, why in WITHOUT_SWITCH:
+        print(f"| {row} | {why} | |")
+    with open(args.out, "w") as f:
+        json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
