@@ -50,11 +50,13 @@ for stage in $stages; do
     sanitize)
       sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
       # No caching allocator: an out-of-bounds access must leave the allocation to be seen.
-      for dq in pass reduce; do  # v3's backward both ways: v2's dQ pass, TMA reduce-add
-        echo "FLASHTILE_V3_DQ=$dq"
-        FLASHTILE_V3_DQ=$dq PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck --error-exitcode 1 \
-          python scripts/sanitize_cases.py --versions "$([ $dq = pass ] && echo v1,v2,v3 || echo v3)" || status=1
-      done 2>&1 | tee "$OUT/sanitize.log" | tail -25 ;;
+      (rc=0
+       for dq in pass reduce; do  # v3's backward both ways: v2's dQ pass, TMA reduce-add
+         echo "FLASHTILE_V3_DQ=$dq"
+         FLASHTILE_V3_DQ=$dq PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck --error-exitcode 1 \
+           python scripts/sanitize_cases.py --versions "$([ $dq = pass ] && echo v1,v2,v3 || echo v3)" || rc=1
+       done
+       exit $rc) 2>&1 | tee "$OUT/sanitize.log" | tail -25 || status=1 ;;
     ablation)
       python scripts/ablation_v3.py --out "$OUT/ablation_v3.json" | tee "$OUT/ablation_v3.md" || status=1 ;;
     memory)
