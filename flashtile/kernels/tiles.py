@@ -45,16 +45,19 @@ def as_operand(x, dtype, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def online_softmax_step(s, m_i):
-    """One step of the online softmax on scaled scores ``s`` (log2 domain).
+def online_softmax_step(s, m_i, scale_log2):
+    """One step of the online softmax on raw scores ``s`` (masked entries -inf).
 
-    Returns the unnormalised probabilities, the factor that rescales what was accumulated so
-    far, and the new running max.  A row whose scores are all -inf so far keeps max -inf; its
-    reference point is taken as 0 so that no ``-inf - (-inf)`` NaN appears.
+    Works in the log2 domain: the row max is taken on the raw scores and scaled once per row
+    (the scale is positive, so the max commutes with it), and each score's exponent is one
+    fused multiply-add, s * scale_log2 - max.  Returns the unnormalised probabilities, the
+    factor that rescales what was accumulated so far, and the new running max.  A row whose
+    scores are all -inf so far keeps max -inf; its reference point is taken as 0 so that no
+    ``-inf - (-inf)`` NaN appears.
     """
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_ref[:, None])
+    p = tl.math.exp2(s * scale_log2 - m_ref[:, None])
     alpha = tl.math.exp2(m_i - m_ref)
     return p, alpha, m_new
 

@@ -30,10 +30,12 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d
         cols = n0 + offs_n
         k = load_tile(k_base + cols[:, None] * sks + offs_d[None, :], cols, seqlen_k, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
+        # The scale stays on the scores here (scale 1 below): folding it into the exponent's
+        # FMA gave v3 +2-5% on the H200 but v2 0.94-1.01x, within the run-to-run spread.
         s = tl.dot(q, tl.trans(k)) * scale_log2
         if MASK:
             s = tl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), s, float("-inf"))
-        p, alpha, m_i = online_softmax_step(s, m_i)
+        p, alpha, m_i = online_softmax_step(s, m_i, 1.0)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_tile(v_base + cols[:, None] * svs + offs_d[None, :], cols, seqlen_k, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)

@@ -47,10 +47,10 @@ def _fwd_blocks(acc, m_i, l_i, q, k_desc, v_desc, rows, offs_n, lo, hi, seqlen_k
     for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE,
                        flatten=False):
         k = _load(k_desc, n0, UPCAST)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.dot(q, tl.trans(k))
         if MASK:
             s = tl.where(band_mask(rows, n0 + offs_n, seqlen_k, dlo, dhi), s, float("-inf"))
-        p, alpha, m_i = online_softmax_step(s, m_i)
+        p, alpha, m_i = online_softmax_step(s, m_i, scale_log2)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load(v_desc, n0, UPCAST)
         acc = acc * alpha[:, None] + tl.dot(as_operand(p, v_desc.dtype, UPCAST), v)
