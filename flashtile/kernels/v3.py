@@ -33,6 +33,17 @@ from flashtile.kernels.tiles import LOG2E, as_operand, finalize_rows, load_tile,
 
 
 @triton.jit
+def _head_desc(base, seq_start, seqlen, row_stride, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+               HEAD_DIM_PAD: tl.constexpr):
+    """TMA descriptor over one sequence of one head: (seqlen, HEAD_DIM) rows from ``base``.
+
+    Its shape ends where the sequence and the head dim end, so loads past them read zeros and
+    stores past them are dropped."""
+    return tl.make_tensor_descriptor(base + seq_start * row_stride, shape=[seqlen, HEAD_DIM],
+                                     strides=[row_stride, 1], block_shape=[BLOCK, HEAD_DIM_PAD])
+
+
+@triton.jit
 def _load(desc, row, UPCAST: tl.constexpr):
     x = desc.load([row, 0])
     if UPCAST:
@@ -73,14 +84,10 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
     if IS_VARLEN:  # the grid covers the longest sequence; padded grids need no check (WS rejects it)
         if m0 >= seqlen_q:
             return
-    q_desc = tl.make_tensor_descriptor(Q + batch * sqb + q_start * sqs + head * sqh, shape=[seqlen_q, HEAD_DIM],
-                                       strides=[sqs, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
-    k_desc = tl.make_tensor_descriptor(K + batch * skb + k_start * sks + head_k * skh, shape=[seqlen_k, HEAD_DIM],
-                                       strides=[sks, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
-    v_desc = tl.make_tensor_descriptor(V + batch * svb + k_start * svs + head_k * svh, shape=[seqlen_k, HEAD_DIM],
-                                       strides=[svs, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
-    o_desc = tl.make_tensor_descriptor(O + batch * sob + q_start * sos + head * soh, shape=[seqlen_q, HEAD_DIM],
-                                       strides=[sos, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
+    q_desc = _head_desc(Q + batch * sqb + head * sqh, q_start, seqlen_q, sqs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
+    k_desc = _head_desc(K + batch * skb + head_k * skh, k_start, seqlen_k, sks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+    v_desc = _head_desc(V + batch * svb + head_k * svh, k_start, seqlen_k, svs, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+    o_desc = _head_desc(O + batch * sob + head * soh, q_start, seqlen_q, sos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     q = _load(q_desc, m0, UPCAST)
@@ -179,10 +186,8 @@ def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, CU_Q, CU_K,
         bh, heads_k, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
     if n0 >= seqlen_k:
         return
-    k_desc = tl.make_tensor_descriptor(K + batch * skb + k_start * sks + head_k * skh, shape=[seqlen_k, HEAD_DIM],
-                                       strides=[sks, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
-    v_desc = tl.make_tensor_descriptor(V + batch * svb + k_start * svs + head_k * svh, shape=[seqlen_k, HEAD_DIM],
-                                       strides=[svs, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    k_desc = _head_desc(K + batch * skb + head_k * skh, k_start, seqlen_k, sks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+    v_desc = _head_desc(V + batch * svb + head_k * svh, k_start, seqlen_k, svs, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
     k = _load(k_desc, n0, UPCAST)
     v = _load(v_desc, n0, UPCAST)
     rows_k = n0 + tl.arange(0, BLOCK_N)
@@ -194,15 +199,11 @@ def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, CU_Q, CU_K,
     lo, full_lo, full_hi, hi = visited_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, -dhi, -dlo)
     for g in range(group):
         head = head_k * group + g
-        q_desc = tl.make_tensor_descriptor(Q + batch * sqb + q_start * sqs + head * sqh, shape=[seqlen_q, HEAD_DIM],
-                                           strides=[sqs, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
-        do_desc = tl.make_tensor_descriptor(DO + batch * sdb + q_start * sds + head * sdh,
-                                            shape=[seqlen_q, HEAD_DIM], strides=[sds, 1],
-                                            block_shape=[BLOCK_M, HEAD_DIM_PAD])
-        dq_base = DQACC + batch * sab + q_start * sas + head * sah
-        dq_desc = tl.make_tensor_descriptor(dq_base, shape=[seqlen_q, HEAD_DIM], strides=[sas, 1],
-                                            block_shape=[BLOCK_M, HEAD_DIM_PAD])
-        dq_ptrs = dq_base + offs_m[:, None] * sas + offs_d[None, :]
+        q_desc = _head_desc(Q + batch * sqb + head * sqh, q_start, seqlen_q, sqs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
+        do_desc = _head_desc(DO + batch * sdb + head * sdh, q_start, seqlen_q, sds, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
+        dq_desc = _head_desc(DQACC + batch * sab + head * sah, q_start, seqlen_q, sas, BLOCK_M, HEAD_DIM,
+                             HEAD_DIM_PAD)
+        dq_ptrs = DQACC + batch * sab + head * sah + (q_start + offs_m[:, None]) * sas + offs_d[None, :]
         lse_base = LSE + batch * slb + head * slh + q_start
         delta_base = DELTA + batch * slb + head * slh + q_start
         dk, dv = _bwd_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, sas, d_ok, lse_base, delta_base,
@@ -214,12 +215,8 @@ def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, CU_Q, CU_K,
         dk, dv = _bwd_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, sas, d_ok, lse_base, delta_base,
                              rows_k, offs_m, full_hi, hi, seqlen_q, dlo, dhi, scale_log2, BLOCK_M, True,
                              UPCAST, NUM_STAGES, TMA_REDUCE)
-    dk_desc = tl.make_tensor_descriptor(DK + batch * sdkb + k_start * sdks + head_k * sdkh,
-                                        shape=[seqlen_k, HEAD_DIM], strides=[sdks, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM_PAD])
-    dv_desc = tl.make_tensor_descriptor(DV + batch * sdvb + k_start * sdvs + head_k * sdvh,
-                                        shape=[seqlen_k, HEAD_DIM], strides=[sdvs, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    dk_desc = _head_desc(DK + batch * sdkb + head_k * sdkh, k_start, seqlen_k, sdks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+    dv_desc = _head_desc(DV + batch * sdvb + head_k * sdvh, k_start, seqlen_k, sdvs, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
     dk_desc.store([n0, 0], (dk * softmax_scale).to(dk_desc.dtype))
     dv_desc.store([n0, 0], dv.to(dv_desc.dtype))
 
