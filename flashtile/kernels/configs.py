@@ -45,7 +45,7 @@ def _by_head_dim(table, head_dim_pad):
 
 # H200 sweep (scripts/sweep_configs.py, b4 h16/32 s4096 bf16), 2026-12-01.
 _V2_FWD = [(64, Config(128, 64, 4, 3)), (128, Config(128, 128, 8, 3)), (256, Config(128, 64, 8, 2))]
-_V2_BWD_KV = [(64, Config(32, 128, 4, 3)), (128, Config(64, 128, 8, 2)), (256, Config(64, 64, 8, 1))]
+_V2_BWD_KV = [(64, Config(32, 128, 4, 3)), (128, Config(64, 128, 8, 2)), (256, Config(64, 64, 8, 2))]
 # d128 dQ pass: 128x64 tiles with 8 warps, +4% over 128x32x4 at 1k and 2k (b16/b8 h16 sweep).
 _V2_BWD_Q = [(64, Config(128, 32, 4, 3)), (128, Config(128, 64, 8, 3)), (256, Config(128, 32, 8, 2))]
 # Causal/window bands: narrower K tiles waste less work on the diagonal (b16 s1024-2048 sweep).
@@ -55,7 +55,7 @@ _V2_FWD_BAND = [(64, Config(128, 64, 4, 3)), (128, Config(128, 64, 8, 3)), (256,
 # in flight; 64x32x4 is +4% at 1k, -1.5% at 2k.
 SHORT_KEYS = 1024
 _V2_FWD_BAND_SHORT = [(64, Config(128, 64, 4, 3)), (128, Config(64, 32, 4, 3)), (256, Config(128, 64, 8, 2))]
-_V2_BWD_KV_BAND = [(64, Config(32, 128, 4, 3)), (128, Config(32, 64, 4, 3)), (256, Config(64, 64, 8, 1))]
+_V2_BWD_KV_BAND = [(64, Config(32, 128, 4, 3)), (128, Config(32, 64, 4, 3)), (256, Config(64, 64, 8, 2))]
 
 
 def _banded(p) -> bool:
@@ -95,7 +95,7 @@ def v3_fwd_config(p, unmasked: bool, warp_specialize: bool = True) -> Config:
 
 # v3's K/V-stationary backward with dQ added in fp32 by TMA reduce-add; tiles from an H200 sweep
 # (b4 s4096; the fp32 dQ staging tile leaves d256 one stage).  It measured slower than v2's
-# separate dQ pass at every head dim (d64 214 vs 301, d128 309 vs 326, d256 161 vs 175 TFLOP/s),
+# separate dQ pass at every head dim (d64 214 vs 301, d128 309 vs 326, d256 161 vs >= 175 TFLOP/s),
 # so it runs only when asked for: FLASHTILE_V3_DQ=reduce, or a FLASHTILE_CONFIG_V3_BWD override.
 _V3_BWD_REDUCE = [(64, Config(128, 128, 8, 2)), (128, Config(64, 128, 8, 3)), (256, Config(64, 64, 8, 1))]
 

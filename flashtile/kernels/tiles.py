@@ -45,6 +45,18 @@ def as_operand(x, dtype, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def row_delta(o, do, DLSE, stat, rows, n_rows, HAS_DLSE: tl.constexpr):
+    """D = rowsum(dO * O) - dlse in fp32, for the backward's dS = P * (dP - D).
+
+    d lse_i / d s_ij = P_ij, so a gradient reaching the logsumexp (dlse, read at ``stat``)
+    folds into D: dS = P * (dP - D) + P * dlse = P * (dP - (D - dlse))."""
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + stat, mask=rows < n_rows, other=0.0)
+    return delta
+
+
+@triton.jit
 def online_softmax_step(s, m_i, scale_log2):
     """One step of the online softmax on raw scores ``s`` (masked entries -inf).
 

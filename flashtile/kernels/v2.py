@@ -6,19 +6,20 @@ outside the causal/window band are never visited and only boundary blocks are ma
 
 Backward: a Q-parallel pass computes dQ and, on the way, D = rowsum(dO * O); then one program
 per K/V block recomputes P from Q, K and the saved logsumexp and accumulates dK, dV on chip.
-dQ comes from its own pass instead of fp32 atomics.  That pass recomputes QK^T and dO V^T (7 matmuls instead of 5), in exchange for
-no fp32 dQ buffer, no atomic traffic, and gradients that are bitwise deterministic.  GQA heads
+dQ comes from its own pass instead of fp32 atomics.  That pass recomputes QK^T and dO V^T
+(7 matmuls instead of 5), in exchange for no fp32 dQ buffer, no atomic traffic, and gradients
+that are bitwise deterministic.  GQA heads
 sharing a K/V head are summed inside the dK/dV program, so repeated K/V is never materialised.
 """
 import torch
 import triton
 import triton.language as tl
 
-from flashtile.kernels.blocks import band_mask, program_sequence, sequence_bounds, visited_blocks
+from flashtile.kernels.blocks import band_mask, program_sequence, visited_blocks
 from flashtile.kernels.configs import v2_bwd_config, v2_fwd_config
 from flashtile.kernels.problem import Problem
 from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile,
-                                     online_softmax_step, store_tile)
+                                     online_softmax_step, row_delta, store_tile)
 
 
 @triton.jit
@@ -187,8 +188,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K,
 
     Computing D here, where dO is loaded anyway, saves the separate pass over O and dO that
     FlashAttention-2 runs first (a tenth of the backward at seqlen 1k); it is why this kernel
-    runs before the dK/dV kernel.  d lse_i / d s_ij = P_ij, so a gradient reaching the
-    logsumexp folds into D: dS = P * (dP - D) + P * dlse = P * (dP - (D - dlse)).
+    runs before the dK/dV kernel.
     """
     bh = tl.program_id(0)
     m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
@@ -205,10 +205,8 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K,
                    rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
     o = load_tile(O + batch * sob + (q_start + rows[:, None]) * sos + head * soh + offs_d[None, :],
                   rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     stat = batch * slb + head * slh + q_start + rows
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + stat, mask=rows < seqlen_q, other=0.0)
+    delta = row_delta(o, do, DLSE, stat, rows, seqlen_q, HAS_DLSE)
     tl.store(DELTA + stat, delta, mask=rows < seqlen_q)
     lse = tl.load(LSE + stat, mask=rows < seqlen_q, other=float("inf")) * LOG2E
     k_base = K + batch * skb + k_start * sks + (head // group) * skh

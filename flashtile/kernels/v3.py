@@ -26,10 +26,11 @@ import triton.language as tl
 
 from flashtile import runtime
 from flashtile.kernels import v2
-from flashtile.kernels.blocks import band_mask, program_sequence, visited_blocks
+from flashtile.kernels.blocks import band_mask, program_sequence, sequence_bounds, visited_blocks
 from flashtile.kernels.configs import v3_bwd_config, v3_fwd_config
 from flashtile.kernels.problem import Problem
-from flashtile.kernels.tiles import LOG2E, as_operand, finalize_rows, load_tile, online_softmax_step
+from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile, online_softmax_step,
+                                     row_delta)
 
 
 @triton.jit
@@ -122,11 +123,12 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
 def _bwd_preprocess_kernel(O, DO, DLSE, DELTA, CU_Q, sob, sos, soh, sdb, sds, sdh, slb, slh,
                            seqlen_q, heads_q, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                            BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr):
-    """D = rowsum(dO * O) - dlse for the rows of one block (see v2's dQ kernel for why dlse)."""
+    """D = rowsum(dO * O) - dlse for the rows of one block, before the K/V-stationary kernel."""
     bh = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
-    batch, head, q_start, seqlen_q, _, _, _, _ = program_sequence(bh, heads_q, CU_Q, CU_Q, seqlen_q, seqlen_q,
-                                                                  -1, -1, IS_VARLEN)
+    batch = (bh // heads_q).to(tl.int64)
+    head = (bh % heads_q).to(tl.int64)
+    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, IS_VARLEN)
     if m0 >= seqlen_q:
         return
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -136,10 +138,7 @@ def _bwd_preprocess_kernel(O, DO, DLSE, DELTA, CU_Q, sob, sos, soh, sdb, sds, sd
     do = load_tile(DO + batch * sdb + (q_start + rows[:, None]) * sds + head * sdh + offs_d[None, :],
                    rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, True)
     stat = batch * slb + head * slh + q_start + rows
-    delta = tl.sum(o * do, 1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + stat, mask=rows < seqlen_q, other=0.0)
-    tl.store(DELTA + stat, delta, mask=rows < seqlen_q)
+    tl.store(DELTA + stat, row_delta(o, do, DLSE, stat, rows, seqlen_q, HAS_DLSE), mask=rows < seqlen_q)
 
 
 @triton.jit
