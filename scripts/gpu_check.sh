@@ -6,7 +6,7 @@
 #           model's regime of each run (io_regimes.*), exactness, memory up to 128k
 #   bench   the default `flashtile bench` grid (BENCH_ARGS narrows or widens it), timed
 #   ws      v3's warp-specialized forward (shipped at d128): the v3 tests with it
-#           forced for every head dim, then warp-specialized vs plain config speed
+#           forced up to d128, then warp-specialized vs plain config speed
 #   sweep   tile candidates (SWEEP_ARGS: scripts/sweep_configs.py options)
 #   memory  peak memory alone
 #   sanitize  compute-sanitizer memcheck over one small case of every kernel (sanitize.log)
@@ -40,8 +40,9 @@ for stage in $stages; do
       python scripts/memory_check.py --providers standard,flashtile-v1,flashtile-v2,flashtile-v3,sdpa-flash \
         --out "$OUT/memory.json" || status=1 ;;
     ws)
+      # The forced 128x128 tiles do not fit in shared memory at d192/d256: those are left out.
       FLASHTILE_CONFIG_V3_FWD=128,128,4,2,1 timeout 300 python -m pytest tests -q -n "${TEST_WORKERS:-8}" \
-        -p no:cacheprovider -k v3 2>&1 | tee "$OUT/ws_tests.log" | tail -8 || status=1
+        -p no:cacheprovider -k "v3 and not v3-192 and not v3-256" 2>&1 | tee "$OUT/ws_tests.log" | tail -8 || status=1
       for cfg in 128,128,8,3,0 128,128,4,2,1 128,64,4,2,1; do
         echo "V3_FWD=$cfg"
         FLASHTILE_CONFIG_V3_FWD=$cfg python -m flashtile bench --head-dims 128 --seqlens 4096,16384 --causal false \
