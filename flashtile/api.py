@@ -8,7 +8,7 @@ import math
 
 from flashtile import ops, runtime
 from flashtile.reference import window_bounds
-from flashtile.validation import (check_cu_seqlens, check_options, check_qkv,
+from flashtile.validation import (check_cu_seqlens, check_options, check_qkv, check_sequence_span,
                                   last_dim_contiguous)
 
 
@@ -23,6 +23,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     else:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
     version = runtime.resolve_version(version, q.device)
+    if version != "tiled":
+        check_sequence_span(q, k, v, max_seqlen_q, max_seqlen_k, varlen)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     left, right = window_bounds(causal, window_size)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))

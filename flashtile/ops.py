@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from flashtile.kernels.problem import Problem
+from flashtile.validation import MAX_SEQUENCE_SPAN
 
 _MODULES = {"v1": "flashtile.kernels.v1", "v2": "flashtile.kernels.v2",
             "v3": "flashtile.kernels.v3", "tiled": "flashtile.tiled"}
@@ -73,7 +74,9 @@ def _backward(ctx, dout, dlse, dsaved):
     q, k, v, out, lse, saved, cu_q, cu_k = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    if dout.stride(-1) != 1:
+    # Unit stride along head_dim, and rows the kernels' 32-bit offsets reach (q passed that
+    # check with a contiguous layout, so a contiguous dout does too).
+    if dout.stride(-1) != 1 or dout.stride(-3) * dout.shape[-3] >= MAX_SEQUENCE_SPAN:
         dout = dout.contiguous()
     # A loss that uses the logsumexp contributes through dlse (folded into D by the kernels);
     # None, the usual case, costs nothing.

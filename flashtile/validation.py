@@ -44,6 +44,27 @@ def check_qkv(q, k, v, varlen: bool):
         raise ValueError(f"nheads of q ({heads_q}) must be a multiple of nheads of k/v ({heads_k})")
 
 
+# The GPU kernels address a row inside one sequence with 32-bit offsets (row x row stride).
+MAX_SEQUENCE_SPAN = 2**31
+
+
+def sequence_span(x, seqlen: int, varlen: bool) -> int:
+    """Elements between a sequence's first row and the end of its last, in ``x`` or in a
+    contiguous tensor of its shape (outputs and gradients may be allocated contiguous)."""
+    heads, head_dim = x.shape[-2], x.shape[-1]
+    return seqlen * max(x.stride(0 if varlen else 1), heads * head_dim)
+
+
+def check_sequence_span(q, k, v, seqlen_q: int, seqlen_k: int, varlen: bool):
+    """Refuse sequences the GPU kernels' 32-bit row offsets cannot address."""
+    for name, x, seqlen in (("q", q, seqlen_q), ("k", k, seqlen_k), ("v", v, seqlen_k)):
+        span = sequence_span(x, seqlen, varlen)
+        if span >= MAX_SEQUENCE_SPAN:
+            raise ValueError(f"{name}: one sequence spans {span} elements (seqlen {seqlen} x row stride), "
+                             f"beyond the GPU kernels' 32-bit row offsets (< 2**31); pass fewer heads per "
+                             f"call or version='tiled'")
+
+
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
     """Validate varlen offsets: int32, 1-D, equal length, from 0, non-decreasing, matching totals.
 

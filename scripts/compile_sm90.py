@@ -37,9 +37,9 @@ def compile_one(fn, dtype, constexprs, num_warps, num_stages):
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def cases(head_dim=128, dtype="bf16"):
+def cases(head_dim=128, varlen=False):
     p = Problem(1, 16, 16, 4096, 4096, head_dim, 0.1, -1, -1, None, None)
-    base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=False, UPCAST=False)
+    base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=varlen, UPCAST=False)
     f = configs.v2_fwd_config(p, None)
     yield "v2.fwd", v2._fwd_kernel, dict(base, BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages), f
     kv, qc = configs.v2_bwd_config(p, None)
@@ -50,7 +50,7 @@ def cases(head_dim=128, dtype="bf16"):
     yield "v1.fwd", v1._fwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), c1
     c1 = v1._config(p, "BWD")
     yield "v1.bwd", v1._bwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, HAS_DLSE=False), c1
-    for unmasked in (True, False):
+    for unmasked in ((False,) if varlen else (True, False)):  # varlen always takes the banded loop
         c3 = configs.v3_fwd_config(p, unmasked)
         yield f"v3.fwd{'' if unmasked else '_band'}", v3._fwd_kernel, dict(
             base, BLOCK_M=c3.block_m, BLOCK_N=c3.block_n, NUM_STAGES=c3.num_stages, UNMASKED=unmasked,
@@ -65,9 +65,10 @@ def main():
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--dump", type=pathlib.Path)
     ap.add_argument("--only", help="compile only the kernels with this name (e.g. v3.fwd)")
+    ap.add_argument("--varlen", action="store_true", help="the variable-length (cu_seqlens) variants")
     args = ap.parse_args()
     for d in (int(x) for x in args.head_dims.split(",")):
-        for name, fn, constexprs, cfg in cases(d):
+        for name, fn, constexprs, cfg in cases(d, args.varlen):
             if args.only and name != args.only:
                 continue
             try:

@@ -7,6 +7,7 @@ from conftest import DEVICE
 import flashtile
 from flashtile import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                        flash_attn_varlen_func)
+from flashtile.validation import check_sequence_span
 
 
 @pytest.fixture
@@ -149,3 +150,25 @@ def test_varlen_wrong_rank(qkv):
     cu = torch.tensor([0, 16], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="3-D"):
         flash_attn_varlen_func(q, k, v, cu, cu, 16, 16)
+
+
+def test_sequence_beyond_32_bit_row_offsets():
+    # Shapes only (meta tensors): 2**20 rows x 16 heads x 128 = 2**31 elements in one sequence.
+    def meta(*shape):
+        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+    q = meta(1, 2**20, 16, 128)
+    with pytest.raises(ValueError, match="32-bit row offsets"):
+        check_sequence_span(q, q, q, 2**20, 2**20, varlen=False)
+    check_sequence_span(q[:, :-1], q[:, :-1], q[:, :-1], 2**20 - 1, 2**20 - 1, varlen=False)
+    # A view whose rows are spread further apart than a contiguous tensor's counts its own stride;
+    # one packed tighter than contiguous counts the contiguous layout its outputs may take.
+    wide = meta(1, 2**19, 3, 16, 128)[:, :, 0]
+    with pytest.raises(ValueError, match="q: one sequence spans"):
+        check_sequence_span(wide, q[:, :1], q[:, :1], 2**19, 1, varlen=False)
+    heads_outer = meta(1, 16, 2**20, 128).transpose(1, 2)
+    with pytest.raises(ValueError, match="k: one sequence spans"):
+        check_sequence_span(q[:, :1], heads_outer, heads_outer, 1, 2**20, varlen=False)
+    packed = meta(2**20, 16, 128)
+    with pytest.raises(ValueError, match="32-bit"):
+        check_sequence_span(packed, packed, packed, 2**20, 2**20, varlen=True)

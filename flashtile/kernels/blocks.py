@@ -54,9 +54,11 @@ def band_mask(rows, cols, n_cols, dlo, dhi):
 def sequence_bounds(batch, cu_seqlens, seqlen, IS_VARLEN: tl.constexpr):
     """Start row and length of sequence ``batch``: from cu_seqlens (varlen) or the padded length."""
     if IS_VARLEN:
+        # The start is int64, like the batched branch's: start x row stride passes 2**31 once
+        # a packed batch holds that many elements.  The length stays int32 (loop bounds, TMA).
         start = tl.load(cu_seqlens + batch)
         end = tl.load(cu_seqlens + batch + 1)
-        return start, end - start
+        return start.to(tl.int64), end - start
     else:
         return batch * 0, seqlen  # a zero of batch's type, so both branches agree
 
