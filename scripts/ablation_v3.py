@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import statistics
+from unittest import mock
 
 from flashtile import bench
 
@@ -37,16 +38,8 @@ WITHOUT_SWITCH = [
 
 
 def measure(provider, env, case, repeats):
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):  # configs.py reads its overrides at each launch
         return statistics.median(bench.measure(provider, case)[0] for _ in range(repeats))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main():

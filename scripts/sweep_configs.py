@@ -5,6 +5,7 @@ Writes one JSON line per measurement to --out; used to fill flashtile/kernels/co
 import argparse
 import json
 import os
+from unittest import mock
 
 from flashtile import bench
 
@@ -68,17 +69,16 @@ def main():
     with open(args.out, "w") as f:
         for entry, provider, mode, d, causal, candidates in NAMED[args.only]:
             results = []
+            case = bench.Case(16384 // args.seqlen, 2048 // d, 2048 // d, args.seqlen, args.seqlen, d, causal, mode)
             for cand in candidates:
-                os.environ[f"FLASHTILE_CONFIG_{entry}"] = cand
-                case = bench.Case(16384 // args.seqlen, 2048 // d, 2048 // d, args.seqlen, args.seqlen, d, causal, mode)
                 try:
-                    ms, _ = bench.measure(provider, case)
+                    with mock.patch.dict(os.environ, {f"FLASHTILE_CONFIG_{entry}": cand}):
+                        ms, _ = bench.measure(provider, case)
                     results.append((case.flops() / ms / 1e9, cand))
                 except Exception as e:  # a config that does not fit is a result too
                     results.append((0.0, f"{cand} failed: {type(e).__name__}: {str(e)[:120]}"))
                 f.write(json.dumps(dict(entry=entry, d=d, causal=causal, mode=mode, config=cand,
                                         tflops=results[-1][0])) + "\n")
-            del os.environ[f"FLASHTILE_CONFIG_{entry}"]
             ranked = ", ".join(f"{c}: {t:.0f}" for t, c in sorted(results, reverse=True))
             print(f"{entry:10} d{d:<4} {'causal' if causal else 'full':6} {mode}: {ranked}", flush=True)
 

@@ -143,7 +143,8 @@ def _bwd_preprocess_kernel(O, DO, DLSE, DELTA, CU_Q, sob, sos, soh, sdb, sds, sd
 
 @triton.jit
 def _bwd_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, sas, d_ok, lse_base, delta_base, rows_k,
-                offs_m, lo, hi, seqlen_q, dlo, dhi, scale_log2, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+                offs_m, lo, hi, seqlen_q, dlo, dhi, softmax_scale, scale_log2, BLOCK_M: tl.constexpr,
+                MASK: tl.constexpr,
                 UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_REDUCE: tl.constexpr):
     """One K/V tile against the Q blocks [lo, hi): dK, dV on chip, dQ added to fp32 in memory."""
     for m0 in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
@@ -159,7 +160,8 @@ def _bwd_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, sas, d_ok, lse_
         delta = tl.load(delta_base + cols, mask=cols < seqlen_q, other=0.0)
         dsT = as_operand(pT * (tl.dot(v, tl.trans(do)) - delta[None, :]), do_desc.dtype, UPCAST)
         dk += tl.dot(dsT, q)
-        dq = tl.dot(tl.trans(dsT), k)
+        # Scaled here, so the fp32 sum needs only a cast afterwards, not another pass.
+        dq = tl.dot(tl.trans(dsT), k) * softmax_scale
         if TMA_REDUCE:
             # One bulk reduce-add per tile (cp.reduce.async.bulk.tensor); rows past the
             # sequence fall outside the descriptor and are dropped.
@@ -206,14 +208,14 @@ def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, CU_Q, CU_K,
         lse_base = LSE + batch * slb + head * slh + q_start
         delta_base = DELTA + batch * slb + head * slh + q_start
         dk, dv = _bwd_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, sas, d_ok, lse_base, delta_base,
-                             rows_k, offs_m, full_lo, full_hi, seqlen_q, dlo, dhi, scale_log2, BLOCK_M, False,
-                             UPCAST, NUM_STAGES, TMA_REDUCE)
+                             rows_k, offs_m, full_lo, full_hi, seqlen_q, dlo, dhi, softmax_scale, scale_log2,
+                             BLOCK_M, False, UPCAST, NUM_STAGES, TMA_REDUCE)
         dk, dv = _bwd_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, sas, d_ok, lse_base, delta_base,
-                             rows_k, offs_m, lo, full_lo, seqlen_q, dlo, dhi, scale_log2, BLOCK_M, True,
-                             UPCAST, NUM_STAGES, TMA_REDUCE)
+                             rows_k, offs_m, lo, full_lo, seqlen_q, dlo, dhi, softmax_scale, scale_log2,
+                             BLOCK_M, True, UPCAST, NUM_STAGES, TMA_REDUCE)
         dk, dv = _bwd_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, sas, d_ok, lse_base, delta_base,
-                             rows_k, offs_m, full_hi, hi, seqlen_q, dlo, dhi, scale_log2, BLOCK_M, True,
-                             UPCAST, NUM_STAGES, TMA_REDUCE)
+                             rows_k, offs_m, full_hi, hi, seqlen_q, dlo, dhi, softmax_scale, scale_log2,
+                             BLOCK_M, True, UPCAST, NUM_STAGES, TMA_REDUCE)
     dk_desc = _head_desc(DK + batch * sdkb + head_k * sdkh, k_start, seqlen_k, sdks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
     dv_desc = _head_desc(DV + batch * sdvb + head_k * sdvh, k_start, seqlen_k, sdvs, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
     dk_desc.store([n0, 0], (dk * softmax_scale).to(dk_desc.dtype))
@@ -284,4 +286,4 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
         p.window_left, p.window_right, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, UPCAST=p.upcast(q),
         NUM_STAGES=cfg.num_stages, TMA_REDUCE=not runtime.interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
-    return (dq_acc * p.softmax_scale).to(q.dtype), dk, dv
+    return dq_acc.to(q.dtype), dk, dv
