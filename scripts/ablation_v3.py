@@ -1,8 +1,8 @@
 """v3's Hopper techniques switched off one at a time: d128, seqlen 8k, non-causal, bf16 (b2 h16).
 
 Each row is v3 with one configs.py override, timed in this process next to v3 as shipped and
-the SDPA peers, --repeats passes (median).  Techniques that Triton gives no switch for, or
-that v3 does not have yet, are listed without a time.  Writes JSON records and prints Markdown.
+the SDPA peers, --repeats passes (median).  Techniques without a switch are listed without
+a time.  Writes JSON records and prints Markdown.
 """
 import argparse
 import json
@@ -14,11 +14,20 @@ from flashtile import bench
 
 # (row, provider, environment overrides, modes it changes)
 ROWS = [
-    ("v3 as shipped", "flashtile-v3", {}, ("fwd", "bwd")),
-    ("no warp specialization (best plain tiles 128x128, 8 warps, 3 stages)", "flashtile-v3",
-     {"FLASHTILE_CONFIG_V3_FWD": "128,128,8,3,0"}, ("fwd",)),
-    ("no warp specialization, no multi-stage pipeline (1 stage)", "flashtile-v3",
-     {"FLASHTILE_CONFIG_V3_FWD": "128,128,8,1,0"}, ("fwd",)),
+    ("v3 as shipped (Gluon forward)", "flashtile-v3", {}, ("fwd", "bwd")),
+    ("no ping-pong between the consumer warpgroups", "flashtile-v3", {"FLASHTILE_V3_ABLATE": "pingpong"},
+     ("fwd",)),
+    ("no softmax / GEMM overlap inside a warpgroup", "flashtile-v3", {"FLASHTILE_V3_ABLATE": "overlap"}, ("fwd",)),
+    ("no persistent scheduler (one CTA per tile, same longest-first order)", "flashtile-v3",
+     {"FLASHTILE_V3_ABLATE": "persistent"}, ("fwd",)),
+    ("none of those three (producer/consumer warp specialization, TMA, wgmma left)", "flashtile-v3",
+     {"FLASHTILE_V3_ABLATE": "pingpong,overlap,persistent"}, ("fwd",)),
+    ("no multi-stage pipeline (a one-slot K/V ring)", "flashtile-v3", {"FLASHTILE_CONFIG_V3_GLUON": "128,1"},
+     ("fwd",)),
+    ("no explicit warp specialization: plain Triton (its automatic producer/consumer split)", "flashtile-v3",
+     {"FLASHTILE_V3_FWD": "triton"}, ("fwd",)),
+    ("no warp specialization at all (plain Triton, 128x128 tiles, 8 warps, 3 stages)", "flashtile-v3",
+     {"FLASHTILE_V3_FWD": "triton", "FLASHTILE_CONFIG_V3_FWD": "128,128,8,3,0"}, ("fwd",)),
     ("no TMA: pointer loads (v2's kernel on the same plain tiles)", "flashtile-v2",
      {"FLASHTILE_CONFIG_V2_FWD": "128,128,8,3"}, ("fwd",)),
     ("backward: K/V-stationary with dQ by TMA reduce-add (not shipped)", "flashtile-v3",
@@ -27,11 +36,8 @@ ROWS = [
     ("peer: SDPA flash (FlashAttention-2)", "sdpa-flash", {}, ("fwd", "bwd")),
 ]
 WITHOUT_SWITCH = [
-    ("wgmma, P kept in registers for PV", "no switch: tl.dot lowers to wgmma on sm_90 and P is its "
-                                          "register operand (compiled TTGIR)"),
-    ("ping-pong between consumer warpgroups", "not implemented"),
-    ("softmax overlapped with the next QK^T in a warpgroup", "not implemented"),
-    ("persistent tile scheduler (LPT for causal)", "not implemented"),
+    ("wgmma, P kept in registers for PV", "no switch: the Gluon kernel issues warpgroup MMA with P as its "
+                                          "register operand (compiled PTX: wgmma m64nNk16 with register A)"),
     ("backward: shipped v3 backward", "is v2's backward (separate dQ pass): faster than the "
                                       "reduce-add kernel above"),
 ]

@@ -11,6 +11,7 @@
 #   memory  peak memory alone
 #   sanitize  compute-sanitizer memcheck over one small case of every kernel (sanitize.log)
 #   ablation  v3's techniques switched off one at a time, d128 8k (ablation_v3.*)
+#   gluon   v3's Gluon forward: the v3 tests, then its tile sweep at 1k and 16k (sweep_gluon_*.jsonl)
 #   scripts/gpu_check.sh [stage ...]    (default: tests bench)
 set -uo pipefail
 OUT=${OUT:-gpu_results}
@@ -52,14 +53,23 @@ for stage in $stages; do
       sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
       # No caching allocator: an out-of-bounds access must leave the allocation to be seen.
       (rc=0
-       for dq in pass reduce; do  # v3's backward both ways: v2's dQ pass, TMA reduce-add
-         echo "FLASHTILE_V3_DQ=$dq"
-         FLASHTILE_V3_DQ=$dq PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck --error-exitcode 1 \
-           python scripts/sanitize_cases.py --versions "$([ $dq = pass ] && echo v1,v2,v3 || echo v3)" || rc=1
+       # v3 both ways each: the Gluon and the plain-Triton forward; v2's dQ pass and TMA reduce-add
+       for run in "pass gluon v1,v2,v3" "reduce triton v3"; do
+         set -- $run
+         echo "FLASHTILE_V3_DQ=$1 FLASHTILE_V3_FWD=$2"
+         FLASHTILE_V3_DQ=$1 FLASHTILE_V3_FWD=$2 PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck \
+           --error-exitcode 1 python scripts/sanitize_cases.py --versions "$3" || rc=1
        done
        exit $rc) 2>&1 | tee "$OUT/sanitize.log" | tail -25 || status=1 ;;
     ablation)
       python scripts/ablation_v3.py --out "$OUT/ablation_v3.json" | tee "$OUT/ablation_v3.md" || status=1 ;;
+    gluon)
+      timeout 300 python -m pytest tests -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider -k v3 2>&1 \
+        | tee "$OUT/gluon_tests.log" | tail -8 || status=1
+      for seqlen in 1024 16384; do
+        python scripts/sweep_configs.py --only v3-gluon --seqlen $seqlen --out "$OUT/sweep_gluon_$seqlen.jsonl" \
+          2>&1 | tee -a "$OUT/sweep_gluon.log" || status=1
+      done ;;
     memory)
       python scripts/memory_check.py --out "$OUT/memory.json" || status=1 ;;
     sweep)

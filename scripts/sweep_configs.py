@@ -42,6 +42,13 @@ SWEEPS_V3_BWD = [  # K/V-stationary backward with TMA reduce-add dQ
                                                   "64,64,4,3"]),
     ("V3_BWD", "flashtile-v3", "bwd", 256, False, ["64,64,8,1", "32,64,4,2", "32,128,8,1", "32,64,4,1"]),
 ]
+SWEEPS_V3_GLUON = [  # v3's Gluon forward: "block_n,stages" (run at --seqlen 1024 and 16384)
+    ("V3_GLUON", "flashtile-v3", "fwd", 64, False, ["128,2", "128,3", "128,4", "64,4"]),
+    ("V3_GLUON", "flashtile-v3", "fwd", 64, True, ["128,2", "128,3", "64,4"]),
+    ("V3_GLUON", "flashtile-v3", "fwd", 128, False, ["128,2", "128,3", "64,3", "64,4"]),
+    ("V3_GLUON", "flashtile-v3", "fwd", 128, True, ["128,2", "128,3", "64,3"]),
+    ("V3_GLUON", "flashtile-v3", "fwd", 256, False, ["64,2", "32,4", "64,1"]),
+]
 SWEEPS = [
     ("V2_FWD", "flashtile-v2", "fwd", 128, False, ["128,64,8,3", "128,128,8,3", "128,64,4,3", "128,128,8,2", "64,64,4,3"]),
     ("V2_FWD", "flashtile-v2", "fwd", 64, False, ["128,64,4,3", "128,128,8,3", "128,128,4,3", "64,64,4,4"]),
@@ -57,7 +64,7 @@ SWEEPS = [
 
 NAMED = {"all": SWEEPS, "d256-bwd": SWEEPS_D256_BWD, "d128-short": SWEEPS_D128_SHORT,
          "d64-causal-short": SWEEPS_D64_CAUSAL_SHORT, "v1": SWEEPS_V1,
-         "v3-bwd": SWEEPS_V3_BWD}
+         "v3-bwd": SWEEPS_V3_BWD, "v3-gluon": SWEEPS_V3_GLUON}
 
 
 def main():

@@ -120,9 +120,11 @@ def test_varlen(version, causal):
         one = [x[None].clone().requires_grad_() for x in (q[qs], k[ks], v[ks])]
         o1 = flash_attn_func(*one, causal=causal, version=version)
         g1 = torch.autograd.grad(o1, one, dout[qs][None])
-        torch.testing.assert_close(out[qs], o1[0], atol=2e-3, rtol=0)
+        # On the GPU v3 runs varlen and batched problems on different kernels, which may round
+        # an element to the neighbouring bf16 value (2**-8 relative).
+        torch.testing.assert_close(out[qs], o1[0], atol=2e-3, rtol=2 ** -8)
         for g, gb, s in zip(grads, g1, (qs, ks, ks)):
-            torch.testing.assert_close(g[s], gb[0], atol=5e-3, rtol=0)
+            torch.testing.assert_close(g[s], gb[0], atol=5e-3, rtol=2 ** -7)
     # and the batched path is itself checked against the oracle above; one direct check here:
     b = 2
     qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])

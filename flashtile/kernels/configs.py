@@ -88,6 +88,40 @@ _V3_FWD_UNMASKED = [(64, Config(128, 128, 4, 3)), (128, Config(128, 128, 8, 3)),
 _V3_FWD_BAND = [(64, Config(128, 64, 4, 3)), (128, Config(128, 64, 8, 3)), (256, Config(128, 64, 8, 2))]
 
 
+@dataclass(frozen=True)
+class GluonSchedule:
+    """v3's Gluon forward (kernels/v3_gluon.py): K/V tile, ring depth, and its FA3 techniques."""
+    block_n: int
+    num_stages: int
+    pingpong: bool = True
+    overlap: bool = True
+    persistent: bool = True
+
+
+# Two consumer warpgroups of 64 rows each; shared memory holds Q (2 x 64 rows) and the K/V ring.
+_V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (256, GluonSchedule(64, 2))]
+GLUON_TECHNIQUES = ("pingpong", "overlap", "persistent")
+
+
+def v3_gluon_schedule(p) -> Optional[GluonSchedule]:
+    """The Gluon forward's schedule, or None where v3 runs its plain-Triton kernel instead.
+
+    FLASHTILE_V3_FWD=triton selects the plain kernel; FLASHTILE_CONFIG_V3_GLUON=block_n,stages
+    overrides the tiles; FLASHTILE_V3_ABLATE=pingpong,overlap,persistent switches techniques off."""
+    if runtime.interpreting() or os.environ.get("FLASHTILE_V3_FWD") == "triton":
+        return None
+    cfg = _by_head_dim(_V3_GLUON, p.head_dim_pad)
+    override = os.environ.get("FLASHTILE_CONFIG_V3_GLUON")
+    if override:
+        block_n, stages = (int(x) for x in override.split(","))
+        cfg = GluonSchedule(block_n, stages)
+    off = {t for t in os.environ.get("FLASHTILE_V3_ABLATE", "").split(",") if t}
+    unknown = off - set(GLUON_TECHNIQUES)
+    if unknown:
+        raise ValueError(f"FLASHTILE_V3_ABLATE: unknown techniques {sorted(unknown)}; known: {GLUON_TECHNIQUES}")
+    return GluonSchedule(cfg.block_n, cfg.num_stages, *(t not in off for t in GLUON_TECHNIQUES))
+
+
 def v3_fwd_config(p, unmasked: bool, warp_specialize: bool = True) -> Config:
     table = (_V3_FWD_WS if warp_specialize else _V3_FWD_UNMASKED) if unmasked else _V3_FWD_BAND
     return pick("V3_FWD", _by_head_dim(table, p.head_dim_pad))

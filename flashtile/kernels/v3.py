@@ -1,4 +1,9 @@
-"""FlashAttention-3-style kernels for Hopper, in plain Triton.
+"""FlashAttention-3-style kernels for Hopper.
+
+On the GPU, batched forwards run kernels/v3_gluon.py: FlashAttention-3's schedule in Gluon
+(ping-pong consumer warpgroups, softmax overlapped with the GEMMs, a persistent scheduler).
+This file holds v3's plain-Triton kernels, which run everything else (varlen, head dims TMA
+cannot address, the CPU interpreter) and the backward.
 
 What Hopper changes relative to kernels/v2.py, forward:
 - Q, K, V and O move through TMA: tensor descriptors built on the device, one per (sequence,
@@ -16,18 +21,15 @@ Backward: FlashAttention-3's K/V-stationary kernel (one program per K/V tile, Q/
 through TMA, dQ added in fp32 by TMA reduce-add, a conversion at the end) is here, but v2's
 backward with its separate dQ pass measured faster on the H200, so configs.py selects it only
 on request; ``deterministic=True`` never uses it.
-
-Not yet here (see the project's open work): explicit ping-pong between consumer warpgroups,
-intra-warpgroup softmax/GEMM overlap, a persistent scheduler.
 """
 import torch
 import triton
 import triton.language as tl
 
 from flashtile import runtime
-from flashtile.kernels import v2
+from flashtile.kernels import v2, v3_gluon
 from flashtile.kernels.blocks import band_mask, program_sequence, sequence_bounds, visited_blocks
-from flashtile.kernels.configs import v3_bwd_config, v3_fwd_config
+from flashtile.kernels.configs import v3_bwd_config, v3_fwd_config, v3_gluon_schedule
 from flashtile.kernels.problem import Problem
 from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile, online_softmax_step,
                                      row_delta)
@@ -236,6 +238,10 @@ def _set_allocator(device):
 
 def forward(p: Problem, q, k, v):
     q, k, v = (_tma_ready(x) for x in (q, k, v))
+    schedule = v3_gluon_schedule(p)
+    if schedule is not None and v3_gluon.supports(p, q):
+        out, lse = v3_gluon.forward(p, q, k, v, schedule)
+        return out, lse, lse.new_empty(0)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
     unmasked = (p.window_left < 0 and p.window_right < 0 and not p.varlen)

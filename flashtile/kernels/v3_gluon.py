@@ -1,0 +1,281 @@
+"""FlashAttention-3's forward for Hopper, written in Gluon: the scheduling plain Triton cannot express.
+
+One CTA runs three partitions (``gl.warp_specialize``) over a persistent loop of tiles:
+
+- a producer warp issues the TMA loads: the CTA's two Q halves once per tile, then K and V
+  blocks into a ``STAGES``-deep shared-memory ring (``*_ready`` / ``*_empty`` mbarriers);
+- two consumer warpgroups, each owning 64 query rows of the 128-row tile, run the GEMMs on
+  warpgroup MMA (P stays in registers as the PV product's A operand) and the online softmax.
+
+Ping-pong: the consumers take turns to issue their GEMMs (the ``turn`` mbarriers), so one
+warpgroup's softmax runs while the other's GEMMs occupy the tensor cores.
+Intra-warpgroup overlap: inside a consumer, S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued
+together and the softmax of S_j runs while the PV product is still in flight.
+Persistent scheduler: ``min(tiles, SMs)`` CTAs walk the tiles longest first (the last query
+blocks of a causal problem see the most keys), so no CTA launch or prologue is paid per tile.
+
+Batched (non-varlen) problems only: Q/K/V/O are seen by TMA as (batch, seqlen, heads, head_dim),
+so loads past a sequence or head dim read zeros and stores past them are dropped.  v3.py
+routes varlen problems to its plain-Triton kernel.  Gluon does not run under the interpreter:
+the CPU suite compiles this file for sm_90; numerics are checked on the GPU.
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from flashtile.kernels.blocks import diagonal_band, visited_blocks
+from flashtile.kernels.tiles import finalize_rows, online_softmax_step
+
+ROWS_PER_CONSUMER = gl.constexpr(64)  # one warpgroup's wgmma M; the CTA's query tile is two of them
+CONSUMER_REGS = gl.constexpr(240)     # per thread, as in FlashAttention-3: O, S and P of 64 rows live in registers
+PRODUCER_REGS = gl.constexpr(24)      # the TMA-issuing warp needs almost none
+SHARED_MEMORY = 232448 - 1024         # the H100/H200 per-block limit, less room for the mbarriers
+
+
+@gluon.jit
+def _tile(t, batch_heads, heads_q, m_blocks, seqlen_q, seqlen_k, window_left, window_right,
+          TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile ``t`` of the persistent walk: (batch, head, first query row, band, visited K/V blocks).
+
+    Query blocks run from the last to the first, so causal tiles come longest first; the heads of
+    one query block are adjacent, so CTAs running together share nothing but also stall on nothing."""
+    m0 = (m_blocks - 1 - t // batch_heads) * TILE_M
+    bh = t % batch_heads
+    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
+    lo, full_lo, full_hi, hi = visited_blocks(m0, TILE_M, BLOCK_N, seqlen_k, dlo, dhi)
+    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    return bh // heads_q, bh % heads_q, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch_heads, heads_q, group, m_blocks,
+              num_tiles, seqlen_q, seqlen_k, window_left, window_right,
+              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
+    it = 0  # K/V blocks issued so far: ring slot and mbarrier phase
+    tile_i = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(
+            t, batch_heads, heads_q, m_blocks, seqlen_q, seqlen_k, window_left, window_right, 2 * ROWS, BLOCK_N)
+        head_k = head // group
+        # Both consumers must have stored the previous tile's O (staged in their Q buffer).
+        mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, m0, head, 0], q_ready, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [batch, m0 + ROWS, head, 0], q_ready, q_smem.index(1))
+        for j in range(n_blocks):
+            n0 = lo + j * BLOCK_N
+            slot = it % STAGES
+            phase = (it // STAGES) & 1
+            mbarrier.wait(k_empty.index(slot), phase ^ 1)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [batch, n0, head_k, 0], k_ready.index(slot), k_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [batch, n0, head_k, 0], v_ready.index(slot), v_smem.index(slot))
+            it += 1
+        tile_i += 1
+
+
+@gluon.jit
+def _masked_scores(s, rows, n0, seqlen_k, dlo, dhi, BLOCK_N: gl.constexpr, col_layout: gl.constexpr):
+    cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
+    diff = cols[None, :] - rows[:, None]
+    keep = (diff >= dlo) & (diff <= dhi) & (cols[None, :] < seqlen_k)
+    return gl.where(keep, s, float("-inf"))
+
+
+@gluon.jit
+def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, bars, o_desc, LSE, slb, slh, batch_heads, heads_q,
+              m_blocks, num_tiles, seqlen_q, seqlen_k, window_left, window_right, scale_log2,
+              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
+              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_IN_Q: gl.constexpr):
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM_PAD, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    q_buf = q_smem.index(WHICH).reshape([ROWS, HEAD_DIM_PAD])
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    it = 0     # K/V blocks consumed so far: ring slot and mbarrier phase
+    turns = 0  # ping-pong turns taken so far
+    tile_i = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(
+            t, batch_heads, heads_q, m_blocks, seqlen_q, seqlen_k, window_left, window_right, 2 * ROWS, BLOCK_N)
+        rows = m0 + WHICH * ROWS + gl.arange(0, ROWS, layout=s_rows)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
+        l_i = gl.zeros([ROWS], gl.float32, s_rows)
+        acc = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, o_layout)
+        mbarrier.wait(q_ready, tile_i & 1)
+        if n_blocks > 0:
+            # First block: nothing to overlap with yet.
+            slot = it % STAGES
+            phase = (it // STAGES) & 1
+            if PINGPONG:
+                mbarrier.wait(turn.index(WHICH), (turns & 1) ^ (1 - WHICH))
+            mbarrier.wait(k_ready.index(slot), phase)
+            kT = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM_PAD]).permute((1, 0))
+            s = warpgroup_mma(q_buf, kT, s_zero, use_acc=False, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - WHICH))
+                turns += 1
+            s = warpgroup_mma_wait(0, deps=[s])
+            mbarrier.arrive(k_empty.index(slot))
+            if (lo < full_lo) | (lo >= full_hi):
+                s = _masked_scores(s, rows, lo, seqlen_k, dlo, dhi, BLOCK_N, s_cols)
+            p, alpha, m_i = online_softmax_step(s, m_i, scale_log2)
+            l_i = gl.sum(p, 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            prev_slot = slot
+            prev_phase = phase
+            it += 1
+            for j in range(1, n_blocks):
+                n0 = lo + j * BLOCK_N
+                slot = it % STAGES
+                phase = (it // STAGES) & 1
+                v_prev = v_smem.index(prev_slot).reshape([BLOCK_N, HEAD_DIM_PAD])
+                if PINGPONG:
+                    mbarrier.wait(turn.index(WHICH), (turns & 1) ^ (1 - WHICH))
+                mbarrier.wait(k_ready.index(slot), phase)
+                kT = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM_PAD]).permute((1, 0))
+                s = warpgroup_mma(q_buf, kT, s_zero, use_acc=False, is_async=True)
+                if OVERLAP:
+                    # O += P_{j-1} V_{j-1} goes out with S_j; the softmax below runs under it.
+                    mbarrier.wait(v_ready.index(prev_slot), prev_phase)
+                    acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - WHICH))
+                    turns += 1
+                if OVERLAP:
+                    s = warpgroup_mma_wait(1, deps=[s])
+                else:
+                    s = warpgroup_mma_wait(0, deps=[s])
+                    mbarrier.wait(v_ready.index(prev_slot), prev_phase)
+                    acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+                mbarrier.arrive(k_empty.index(slot))
+                if (n0 < full_lo) | (n0 >= full_hi):
+                    s = _masked_scores(s, rows, n0, seqlen_k, dlo, dhi, BLOCK_N, s_cols)
+                p, alpha, m_i = online_softmax_step(s, m_i, scale_log2)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                # p_op of the previous block is read by the in-flight wgmma: keep it alive until here.
+                acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+                mbarrier.arrive(v_empty.index(prev_slot))
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                prev_slot = slot
+                prev_phase = phase
+                it += 1
+            mbarrier.wait(v_ready.index(prev_slot), prev_phase)
+            v_prev = v_smem.index(prev_slot).reshape([BLOCK_N, HEAD_DIM_PAD])
+            acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+            acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+            mbarrier.arrive(v_empty.index(prev_slot))
+        if not O_IN_Q:
+            # Q is no longer read: the producer may load the next tile's during this epilogue.
+            mbarrier.arrive(q_empty)
+        out, lse = finalize_rows(acc, gl.convert_layout(m_i, o_rows), gl.convert_layout(l_i, o_rows))
+        if not O_IN_Q:
+            tma.store_wait(0)  # the previous tile's O store has left the staging buffer
+        # TMA stores O: rows past the sequence and lanes past the head dim are dropped.
+        o_smem.index(WHICH).reshape([ROWS, HEAD_DIM_PAD]).store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [batch, m0 + WHICH * ROWS, head, 0], o_smem.index(WHICH))
+        out_rows = m0 + WHICH * ROWS + gl.arange(0, ROWS, layout=o_rows)
+        gl.store(LSE + batch.to(gl.int64) * slb + head * slh + out_rows, lse, mask=out_rows < seqlen_q)
+        if O_IN_Q:
+            tma.store_wait(0)
+            mbarrier.arrive(q_empty)
+        tile_i += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, slb, slh, batch_heads, heads_q, group, m_blocks, num_tiles,
+                seqlen_q, seqlen_k, window_left, window_right, scale_log2,
+                ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
+                PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_IN_Q: gl.constexpr):
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    if O_IN_Q:  # no room for a separate O buffer: O is staged where Q was
+        o_smem = q_smem
+    else:
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # "ready" barriers complete when TMA has landed the bytes; "empty" ones when both consumers
+    # are done with the buffer.
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
+    gl.warp_specialize([
+        (_consumer, (0, q_smem, k_smem, v_smem, o_smem, bars, o_desc, LSE, slb, slh, batch_heads, heads_q, m_blocks,
+                     num_tiles, seqlen_q, seqlen_k, window_left, window_right, scale_log2,
+                     ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_IN_Q)),
+        (_consumer, (1, q_smem, k_smem, v_smem, o_smem, bars, o_desc, LSE, slb, slh, batch_heads, heads_q, m_blocks,
+                     num_tiles, seqlen_q, seqlen_k, window_left, window_right, scale_log2,
+                     ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_IN_Q)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch_heads, heads_q, group, m_blocks,
+                     num_tiles, seqlen_q, seqlen_k, window_left, window_right, ROWS, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def supports(p, q) -> bool:
+    """Whether this kernel runs the problem: batched, a head dim TMA can address, on a GPU."""
+    return (q.is_cuda and not p.varlen and p.head_dim_pad in (64, 128, 256) and p.head_dim % 8 == 0
+            and q.dtype in (torch.float16, torch.bfloat16))
+
+
+def _descriptor(x, rows, head_dim_pad):
+    """(batch, seqlen, heads, head_dim) as TMA sees it; one block is ``rows`` rows of one head."""
+    block = [1, rows, 1, head_dim_pad]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if x.dtype == torch.float16 else gl.bfloat16)
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+
+
+def forward(p, q, k, v, cfg):
+    """Output and logsumexp; q, k, v are TMA-ready (16-byte aligned rows)."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=q.device)
+    rows = ROWS_PER_CONSUMER.value
+    m_blocks = triton.cdiv(p.seqlen_q, 2 * rows)
+    batch_heads = p.batch * p.heads_q
+    num_tiles = m_blocks * batch_heads
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    programs = min(num_tiles, sms) if cfg.persistent else num_tiles
+    tile_bytes = rows * p.head_dim_pad * q.element_size()
+    ring_bytes = 2 * cfg.num_stages * cfg.block_n * p.head_dim_pad * q.element_size()
+    o_in_q = 4 * tile_bytes + ring_bytes > SHARED_MEMORY  # Q (two halves), the ring, O (two halves)
+    _fwd_kernel[(programs,)](
+        _descriptor(q, rows, p.head_dim_pad), _descriptor(k, cfg.block_n, p.head_dim_pad),
+        _descriptor(v, cfg.block_n, p.head_dim_pad), _descriptor(out, rows, p.head_dim_pad),
+        lse, lse.stride(0), lse.stride(1), batch_heads, p.heads_q, p.group, m_blocks, num_tiles,
+        p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.scale_log2,
+        ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
+        PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_IN_Q=o_in_q,
+        # 12 warps (two consumer warpgroups, one producer warp rounded up to a warpgroup) share
+        # the 64K registers: 168 each at launch, rebalanced to 240 / 240 / 24 by setmaxnreg.
+        num_warps=4, maxnreg=168)
+    return out, lse
