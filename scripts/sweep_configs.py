@@ -46,8 +46,9 @@ SWEEPS_V3_GLUON = [  # v3's Gluon forward: "block_n,stages" (run at --seqlen 102
     ("V3_GLUON", "flashtile-v3", "fwd", 64, False, ["128,2", "128,3", "128,4", "64,4"]),
     ("V3_GLUON", "flashtile-v3", "fwd", 64, True, ["128,2", "128,3", "64,4"]),
     ("V3_GLUON", "flashtile-v3", "fwd", 128, False, ["128,2", "128,3", "64,3", "64,4"]),
-    ("V3_GLUON", "flashtile-v3", "fwd", 128, True, ["128,2", "128,3", "64,3"]),
+    ("V3_GLUON", "flashtile-v3", "fwd", 128, True, ["128,2", "64,3", "64,4"]),
     ("V3_GLUON", "flashtile-v3", "fwd", 256, False, ["64,2", "32,4", "64,1"]),
+    ("V3_GLUON", "flashtile-v3", "fwd", 256, True, ["64,2", "32,4", "64,1"]),
 ]
 SWEEPS = [
     ("V2_FWD", "flashtile-v2", "fwd", 128, False, ["128,64,8,3", "128,128,8,3", "128,64,4,3", "128,128,8,2", "64,64,4,3"]),

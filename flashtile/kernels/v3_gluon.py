@@ -34,17 +34,23 @@ ROWS_PER_CONSUMER = gl.constexpr(64)  # one warpgroup's wgmma M; the CTA's query
 CONSUMER_REGS = gl.constexpr(240)     # per thread, as in FlashAttention-3: O, S and P of 64 rows live in registers
 PRODUCER_REGS = gl.constexpr(24)      # the TMA-issuing warp needs almost none
 SHARED_MEMORY = 232448 - 1024         # the H100/H200 per-block limit, less room for the mbarriers
+L2_BUDGET = 32 * 2**20                # K/V bytes of the heads walked together (the H200 has 50 MB of L2)
 
 
 @gluon.jit
-def _tile(t, batch_heads, heads_q, m_blocks, seqlen_q, seqlen_k, window_left, window_right,
-          TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _tile(t, walk, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Tile ``t`` of the persistent walk: (batch, head, first query row, band, visited K/V blocks).
 
-    Query blocks run from the last to the first, so causal tiles come longest first; the heads of
-    one query block are adjacent, so CTAs running together share nothing but also stall on nothing."""
-    m0 = (m_blocks - 1 - t // batch_heads) * TILE_M
-    bh = t % batch_heads
+    Heads are walked in groups of ``head_group`` whose K and V fit in L2 together, so the CTAs
+    running at one time re-read K/V from L2 rather than HBM.  Inside a group, query blocks run
+    from the last to the first (causal tiles come longest first), the group's heads adjacent."""
+    batch_heads, heads_q, head_group, m_blocks, num_tiles, seqlen_q, seqlen_k, window_left, window_right = walk
+    group_tiles = head_group * m_blocks
+    first_head = t // group_tiles * head_group
+    heads_here = gl.minimum(head_group, batch_heads - first_head)  # the last group may be smaller
+    r = t % group_tiles
+    m0 = (m_blocks - 1 - r // heads_here) * TILE_M
+    bh = first_head + r % heads_here
     dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
     lo, full_lo, full_hi, hi = visited_blocks(m0, TILE_M, BLOCK_N, seqlen_k, dlo, dhi)
     n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
@@ -52,17 +58,16 @@ def _tile(t, batch_heads, heads_q, m_blocks, seqlen_q, seqlen_k, window_left, wi
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch_heads, heads_q, group, m_blocks,
-              num_tiles, seqlen_q, seqlen_k, window_left, window_right,
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, walk, group,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
+    num_tiles = walk[4]
     it = 0  # K/V blocks issued so far: ring slot and mbarrier phase
     tile_i = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(
-            t, batch_heads, heads_q, m_blocks, seqlen_q, seqlen_k, window_left, window_right, 2 * ROWS, BLOCK_N)
+        batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(t, walk, 2 * ROWS, BLOCK_N)
         head_k = head // group
-        # Both consumers must have stored the previous tile's O (staged in their Q buffer).
+        # Both consumers are done with the previous tile's Q.
         mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [batch, m0, head, 0], q_ready, q_smem.index(0))
@@ -90,11 +95,11 @@ def _masked_scores(s, rows, n0, seqlen_k, dlo, dhi, BLOCK_N: gl.constexpr, col_l
 
 
 @gluon.jit
-def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, bars, o_desc, LSE, slb, slh, batch_heads, heads_q,
-              m_blocks, num_tiles, seqlen_q, seqlen_k, window_left, window_right, scale_log2,
+def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, bars, walk, outputs, scale_log2,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_IN_Q: gl.constexpr):
+              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
+    num_tiles, seqlen_q, seqlen_k = walk[4], walk[5], walk[6]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -110,8 +115,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, bars, o_desc,
     turns = 0  # ping-pong turns taken so far
     tile_i = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(
-            t, batch_heads, heads_q, m_blocks, seqlen_q, seqlen_k, window_left, window_right, 2 * ROWS, BLOCK_N)
+        batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(t, walk, 2 * ROWS, BLOCK_N)
         rows = m0 + WHICH * ROWS + gl.arange(0, ROWS, layout=s_rows)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
@@ -180,37 +184,47 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, bars, o_desc,
             acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             mbarrier.arrive(v_empty.index(prev_slot))
-        if not O_IN_Q:
-            # Q is no longer read: the producer may load the next tile's during this epilogue.
-            mbarrier.arrive(q_empty)
+        # Q is no longer read: the producer may load the next tile's during this epilogue.
+        mbarrier.arrive(q_empty)
         out, lse = finalize_rows(acc, gl.convert_layout(m_i, o_rows), gl.convert_layout(l_i, o_rows))
-        if not O_IN_Q:
-            tma.store_wait(0)  # the previous tile's O store has left the staging buffer
-        # TMA stores O: rows past the sequence and lanes past the head dim are dropped.
-        o_smem.index(WHICH).reshape([ROWS, HEAD_DIM_PAD]).store(out.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [batch, m0 + WHICH * ROWS, head, 0], o_smem.index(WHICH))
-        out_rows = m0 + WHICH * ROWS + gl.arange(0, ROWS, layout=o_rows)
-        gl.store(LSE + batch.to(gl.int64) * slb + head * slh + out_rows, lse, mask=out_rows < seqlen_q)
-        if O_IN_Q:
-            tma.store_wait(0)
-            mbarrier.arrive(q_empty)
+        _store_rows(out.to(dtype), lse, o_smem, WHICH, outputs, batch, head, m0 + WHICH * ROWS, seqlen_q,
+                    ROWS, HEAD_DIM_PAD, o_layout, O_VIA_SMEM)
         tile_i += 1
     tma.store_wait(0)
 
 
 @gluon.jit
-def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, slb, slh, batch_heads, heads_q, group, m_blocks, num_tiles,
+def _store_rows(out, lse, o_smem, WHICH: gl.constexpr, outputs, batch, head, row0, seqlen_q, ROWS: gl.constexpr,
+                HEAD_DIM_PAD: gl.constexpr, o_layout: gl.constexpr, O_VIA_SMEM: gl.constexpr):
+    """One consumer's O rows and their logsumexp; rows past the sequence, lanes past the head dim dropped."""
+    o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh = outputs
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    if O_VIA_SMEM:
+        o_buf = o_smem.index(WHICH)
+        tma.store_wait(0)  # the previous tile's store has left the staging buffer
+        o_buf.reshape([ROWS, HEAD_DIM_PAD]).store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_buf)
+    else:  # no shared memory left for staging (d256 with a two-slot ring): straight from registers
+        cols = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, o_layout))
+        ptrs = O + batch.to(gl.int64) * sob + rows[:, None].to(gl.int64) * sos + head * soh + cols[None, :]
+        gl.store(ptrs, out, mask=(rows[:, None] < seqlen_q) & (cols[None, :] < head_dim))
+    gl.store(LSE + batch.to(gl.int64) * slb + head * slh + rows, lse, mask=rows < seqlen_q)
+
+
+@gluon.jit
+def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh,
+                batch_heads, heads_q, group, head_group, m_blocks, num_tiles,
                 seqlen_q, seqlen_k, window_left, window_right, scale_log2,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-                PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_IN_Q: gl.constexpr):
+                PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    if O_IN_Q:  # no room for a separate O buffer: O is staged where Q was
-        o_smem = q_smem
-    else:
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    if O_VIA_SMEM:
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+    else:
+        o_smem = q_smem  # not used
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -230,15 +244,14 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, slb, slh, batch_heads, head
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
+    walk = (batch_heads, heads_q, head_group, m_blocks, num_tiles, seqlen_q, seqlen_k, window_left, window_right)
+    outputs = (o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh)
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_smem, v_smem, o_smem, bars, o_desc, LSE, slb, slh, batch_heads, heads_q, m_blocks,
-                     num_tiles, seqlen_q, seqlen_k, window_left, window_right, scale_log2,
-                     ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_IN_Q)),
-        (_consumer, (1, q_smem, k_smem, v_smem, o_smem, bars, o_desc, LSE, slb, slh, batch_heads, heads_q, m_blocks,
-                     num_tiles, seqlen_q, seqlen_k, window_left, window_right, scale_log2,
-                     ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_IN_Q)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch_heads, heads_q, group, m_blocks,
-                     num_tiles, seqlen_q, seqlen_k, window_left, window_right, ROWS, BLOCK_N, STAGES)),
+        (_consumer, (0, q_smem, k_smem, v_smem, o_smem, bars, walk, outputs, scale_log2,
+                     ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM)),
+        (_consumer, (1, q_smem, k_smem, v_smem, o_smem, bars, walk, outputs, scale_log2,
+                     ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, walk, group, ROWS, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -265,16 +278,19 @@ def forward(p, q, k, v, cfg):
     num_tiles = m_blocks * batch_heads
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     programs = min(num_tiles, sms) if cfg.persistent else num_tiles
+    kv_bytes_per_head = 2 * p.seqlen_k * p.head_dim_pad * q.element_size()
+    head_group = max(1, min(batch_heads, L2_BUDGET // kv_bytes_per_head))
     tile_bytes = rows * p.head_dim_pad * q.element_size()
     ring_bytes = 2 * cfg.num_stages * cfg.block_n * p.head_dim_pad * q.element_size()
-    o_in_q = 4 * tile_bytes + ring_bytes > SHARED_MEMORY  # Q (two halves), the ring, O (two halves)
+    o_via_smem = 4 * tile_bytes + ring_bytes <= SHARED_MEMORY  # Q and O (two halves each), the ring
     _fwd_kernel[(programs,)](
         _descriptor(q, rows, p.head_dim_pad), _descriptor(k, cfg.block_n, p.head_dim_pad),
         _descriptor(v, cfg.block_n, p.head_dim_pad), _descriptor(out, rows, p.head_dim_pad),
-        lse, lse.stride(0), lse.stride(1), batch_heads, p.heads_q, p.group, m_blocks, num_tiles,
+        out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, lse.stride(0), lse.stride(1),
+        batch_heads, p.heads_q, p.group, head_group, m_blocks, num_tiles,
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.scale_log2,
         ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
-        PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_IN_Q=o_in_q,
+        PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_VIA_SMEM=o_via_smem,
         # 12 warps (two consumer warpgroups, one producer warp rounded up to a warpgroup) share
         # the 64K registers: 168 each at launch, rebalanced to 240 / 240 / 24 by setmaxnreg.
         num_warps=4, maxnreg=168)
