@@ -34,6 +34,7 @@ ROWS_PER_CONSUMER = gl.constexpr(64)  # one warpgroup's wgmma M; the CTA's query
 CONSUMER_REGS = gl.constexpr(240)     # per thread, as in FlashAttention-3: O, S and P of 64 rows live in registers
 PRODUCER_REGS = gl.constexpr(24)      # the TMA-issuing warp needs almost none
 SHARED_MEMORY = 232448 - 1024         # the H100/H200 per-block limit, less room for the mbarriers
+DYNAMIC = False
 L2_BUDGET = 32 * 2**20                # K/V bytes of the heads walked together (the H200 has 50 MB of L2)
 
 
@@ -58,17 +59,23 @@ def _tile(t, walk, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, walk, group,
-              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
+              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DYNAMIC: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
     num_tiles = walk[4]
     it = 0  # K/V blocks issued so far: ring slot and mbarrier phase
     tile_i = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    t = gl.program_id(0)
+    while t < num_tiles:
         batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(t, walk, 2 * ROWS, BLOCK_N)
         head_k = head // group
-        # Both consumers are done with the previous tile's Q.
+        # Both consumers are done with the previous tile's Q (and have read its number).
         mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
+        _publish_tile(tile_ids, tile_i, t)
+        if DYNAMIC:  # the next tile is whichever no CTA has taken yet
+            t = gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
+        else:
+            t += gl.num_programs(0)
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [batch, m0, head, 0], q_ready, q_smem.index(0))
         tma.async_copy_global_to_shared(q_desc, [batch, m0 + ROWS, head, 0], q_ready, q_smem.index(1))
@@ -84,6 +91,23 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, walk, group,
             tma.async_copy_global_to_shared(v_desc, [batch, n0, head_k, 0], v_ready.index(slot), v_smem.index(slot))
             it += 1
         tile_i += 1
+    # No tile left: tell the consumers with a tile number past the end.
+    mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
+    _publish_tile(tile_ids, tile_i, num_tiles)
+    mbarrier.arrive(q_ready)
+
+
+@gluon.jit
+def _publish_tile(tile_ids, tile_i, t):
+    # Written before q_ready's arrival, read after its phase completes: the mbarrier orders the two.
+    tile_ids.index(tile_i & 1).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+
+
+@gluon.jit
+def _read_tile(tile_ids, tile_i, q_ready):
+    mbarrier.wait(q_ready, tile_i & 1)
+    ids = tile_ids.index(tile_i & 1).load(gl.BlockedLayout([1], [32], [4], [0]))
+    return gl.max(ids, 0)
 
 
 @gluon.jit
@@ -95,7 +119,7 @@ def _masked_scores(s, rows, n0, seqlen_k, dlo, dhi, BLOCK_N: gl.constexpr, col_l
 
 
 @gluon.jit
-def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, bars, walk, outputs, scale_log2,
+def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
               PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
@@ -114,13 +138,13 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, bars, walk, o
     it = 0     # K/V blocks consumed so far: ring slot and mbarrier phase
     turns = 0  # ping-pong turns taken so far
     tile_i = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    t = _read_tile(tile_ids, tile_i, q_ready)
+    while t < num_tiles:
         batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(t, walk, 2 * ROWS, BLOCK_N)
         rows = m0 + WHICH * ROWS + gl.arange(0, ROWS, layout=s_rows)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
         acc = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, o_layout)
-        mbarrier.wait(q_ready, tile_i & 1)
         if n_blocks > 0:
             # First block: nothing to overlap with yet.
             slot = it % STAGES
@@ -190,6 +214,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, bars, walk, o
         _store_rows(out.to(dtype), lse, o_smem, WHICH, outputs, batch, head, m0 + WHICH * ROWS, seqlen_q,
                     ROWS, HEAD_DIM_PAD, o_layout, O_VIA_SMEM)
         tile_i += 1
+        t = _read_tile(tile_ids, tile_i, q_ready)
     tma.store_wait(0)
 
 
@@ -215,9 +240,9 @@ def _store_rows(out, lse, o_smem, WHICH: gl.constexpr, outputs, batch, head, row
 @gluon.jit
 def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh,
                 batch_heads, heads_q, group, head_group, m_blocks, num_tiles,
-                seqlen_q, seqlen_k, window_left, window_right, scale_log2,
+                seqlen_q, seqlen_k, window_left, window_right, scale_log2, COUNTER,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-                PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr):
+                PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr, DYNAMIC: gl.constexpr):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -225,6 +250,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     else:
         o_smem = q_smem  # not used
+    # The producer hands each tile's number to the consumers here (two slots: tile parity).
+    tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -247,11 +274,12 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
     walk = (batch_heads, heads_q, head_group, m_blocks, num_tiles, seqlen_q, seqlen_k, window_left, window_right)
     outputs = (o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh)
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_smem, v_smem, o_smem, bars, walk, outputs, scale_log2,
+        (_consumer, (0, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
                      ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM)),
-        (_consumer, (1, q_smem, k_smem, v_smem, o_smem, bars, walk, outputs, scale_log2,
+        (_consumer, (1, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
                      ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, walk, group, ROWS, BLOCK_N, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
+                     ROWS, BLOCK_N, STAGES, DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -289,8 +317,8 @@ def forward(p, q, k, v, cfg):
         out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, lse.stride(0), lse.stride(1),
         batch_heads, p.heads_q, p.group, head_group, m_blocks, num_tiles,
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.scale_log2,
-        ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
-        PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_VIA_SMEM=o_via_smem,
+        torch.zeros(1, dtype=torch.int32, device=q.device) if DYNAMIC else lse, ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
+        PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_VIA_SMEM=o_via_smem, DYNAMIC=DYNAMIC,
         # 12 warps (two consumer warpgroups, one producer warp rounded up to a warpgroup) share
         # the 64K registers: 168 each at launch, rebalanced to 240 / 240 / 24 by setmaxnreg.
         num_warps=4, maxnreg=168)
