@@ -11,14 +11,18 @@ Ping-pong: the consumers take turns to issue their GEMMs (the ``turn`` mbarriers
 warpgroup's softmax runs while the other's GEMMs occupy the tensor cores.
 Intra-warpgroup overlap: inside a consumer, S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued
 together and the softmax of S_j runs while the PV product is still in flight.
-Persistent scheduler: ``min(tiles, SMs)`` CTAs walk the tiles longest first (the last query
-blocks of a causal problem see the most keys), so no CTA launch or prologue is paid per tile.
+Persistent scheduler: ``min(tiles, SMs)`` CTAs each take the next untaken tile from an atomic
+counter, so no CTA launch is paid per tile, a CTA's next Q and K/V loads overlap its epilogue, and
+tiles of uneven length (causal) balance themselves; tiles come longest first (the last query
+blocks of a causal problem see the most keys) in groups of heads whose K/V share L2.
 
 Batched (non-varlen) problems only: Q/K/V/O are seen by TMA as (batch, seqlen, heads, head_dim),
 so loads past a sequence or head dim read zeros and stores past them are dropped.  v3.py
 routes varlen problems to its plain-Triton kernel.  Gluon does not run under the interpreter:
 the CPU suite compiles this file for sm_90; numerics are checked on the GPU.
 """
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -34,7 +38,6 @@ ROWS_PER_CONSUMER = gl.constexpr(64)  # one warpgroup's wgmma M; the CTA's query
 CONSUMER_REGS = gl.constexpr(240)     # per thread, as in FlashAttention-3: O, S and P of 64 rows live in registers
 PRODUCER_REGS = gl.constexpr(24)      # the TMA-issuing warp needs almost none
 SHARED_MEMORY = 232448 - 1024         # the H100/H200 per-block limit, less room for the mbarriers
-DYNAMIC = False
 L2_BUDGET = 32 * 2**20                # K/V bytes of the heads walked together (the H200 has 50 MB of L2)
 
 
@@ -60,7 +63,7 @@ def _tile(t, walk, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
-              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DYNAMIC: gl.constexpr):
+              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
     num_tiles = walk[4]
     it = 0  # K/V blocks issued so far: ring slot and mbarrier phase
@@ -72,10 +75,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, wa
         # Both consumers are done with the previous tile's Q (and have read its number).
         mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
         _publish_tile(tile_ids, tile_i, t)
-        if DYNAMIC:  # the next tile is whichever no CTA has taken yet
+        if PERSISTENT:  # the next tile is the first no CTA has taken yet
             t = gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
-        else:
-            t += gl.num_programs(0)
+        else:  # one tile per CTA
+            t = num_tiles
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [batch, m0, head, 0], q_ready, q_smem.index(0))
         tma.async_copy_global_to_shared(q_desc, [batch, m0 + ROWS, head, 0], q_ready, q_smem.index(1))
@@ -99,6 +102,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, wa
 
 @gluon.jit
 def _publish_tile(tile_ids, tile_i, t):
+    """The producer's tile number for the consumers (tile_i: how many tiles this CTA has taken)."""
     # Written before q_ready's arrival, read after its phase completes: the mbarrier orders the two.
     tile_ids.index(tile_i & 1).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
 
@@ -242,7 +246,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
                 batch_heads, heads_q, group, head_group, m_blocks, num_tiles,
                 seqlen_q, seqlen_k, window_left, window_right, scale_log2, COUNTER,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-                PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr, DYNAMIC: gl.constexpr):
+                PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr, PERSISTENT: gl.constexpr):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -279,7 +283,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
         (_consumer, (1, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
                      ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
-                     ROWS, BLOCK_N, STAGES, DYNAMIC)),
+                     ROWS, BLOCK_N, STAGES, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -289,10 +293,21 @@ def supports(p, q) -> bool:
             and q.dtype in (torch.float16, torch.bfloat16))
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _block_layout(rows, head_dim_pad, dtype):
+    # Cached: computing it costs ~20 us of Python, a tenth of a short forward.
+    block = [1, rows, 1, head_dim_pad]
+    return block, gl.NVMMASharedLayout.get_default_for(block, gl.float16 if dtype == torch.float16 else gl.bfloat16)
+
+
 def _descriptor(x, rows, head_dim_pad):
     """(batch, seqlen, heads, head_dim) as TMA sees it; one block is ``rows`` rows of one head."""
-    block = [1, rows, 1, head_dim_pad]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if x.dtype == torch.float16 else gl.bfloat16)
+    block, layout = _block_layout(rows, head_dim_pad, x.dtype)
     return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
 
 
@@ -304,8 +319,7 @@ def forward(p, q, k, v, cfg):
     m_blocks = triton.cdiv(p.seqlen_q, 2 * rows)
     batch_heads = p.batch * p.heads_q
     num_tiles = m_blocks * batch_heads
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    programs = min(num_tiles, sms) if cfg.persistent else num_tiles
+    programs = min(num_tiles, _sm_count(q.device.index)) if cfg.persistent else num_tiles
     kv_bytes_per_head = 2 * p.seqlen_k * p.head_dim_pad * q.element_size()
     head_group = max(1, min(batch_heads, L2_BUDGET // kv_bytes_per_head))
     tile_bytes = rows * p.head_dim_pad * q.element_size()
@@ -317,8 +331,8 @@ def forward(p, q, k, v, cfg):
         out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, lse.stride(0), lse.stride(1),
         batch_heads, p.heads_q, p.group, head_group, m_blocks, num_tiles,
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.scale_log2,
-        torch.zeros(1, dtype=torch.int32, device=q.device) if DYNAMIC else lse, ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
-        PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_VIA_SMEM=o_via_smem, DYNAMIC=DYNAMIC,
+        torch.zeros(1, dtype=torch.int32, device=q.device), ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
+        PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_VIA_SMEM=o_via_smem, PERSISTENT=cfg.persistent,
         # 12 warps (two consumer warpgroups, one producer warp rounded up to a warpgroup) share
         # the 64K registers: 168 each at launch, rebalanced to 240 / 240 / 24 by setmaxnreg.
         num_warps=4, maxnreg=168)
