@@ -6,24 +6,30 @@ shared memory, and compile errors.  ``--dump DIR`` writes the TTGIR/PTX for read
 import argparse
 import pathlib
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
-from flashtile.kernels import configs, v1, v2, v3
+from flashtile.kernels import configs, v1, v2, v3, v3_gluon
 from flashtile.kernels.problem import Problem
 
 FP32_POINTERS = {"LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE"}
-INT_POINTERS = {"CU_Q", "CU_K"}
+INT_POINTERS = {"CU_Q", "CU_K", "COUNTER"}
 FLOAT_SCALARS = {"scale_log2", "softmax_scale"}
 
 
-def signature(fn, dtype, constexprs):
+def signature(fn, dtype, constexprs, descriptors=None):
+    """Triton signature strings; ``descriptors`` maps tensor-descriptor arguments to (block, layout)."""
     sig = {}
     for param in fn.params:
         name = param.name
         if name in constexprs:
             sig[name] = "constexpr"
+        elif descriptors and name in descriptors:
+            block, layout = descriptors[name]
+            sig[name] = f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
         elif name.isupper():
             sig[name] = "*fp32" if name in FP32_POINTERS else "*i32" if name in INT_POINTERS else f"*{dtype}"
         else:
@@ -31,33 +37,55 @@ def signature(fn, dtype, constexprs):
     return sig
 
 
-def compile_one(fn, dtype, constexprs, num_warps, num_stages):
-    src = ASTSource(fn, signature(fn, dtype, constexprs), constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+def compile_one(fn, dtype, constexprs, options, descriptors=None):
+    source = GluonASTSource if fn.is_gluon() else ASTSource
+    src = source(fn, signature(fn, dtype, constexprs, descriptors), constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def gluon_case(head_dim):
+    """v3's Gluon forward with the constants and launch options v3_gluon.forward would use
+    (FLASHTILE_V3_ABLATE and FLASHTILE_CONFIG_V3_GLUON apply)."""
+    p = Problem(1, 16, 16, 4096, 4096, head_dim, 0.1, -1, -1, None, None)
+    cfg = configs.v3_gluon_schedule(p)
+    consts = v3_gluon.kernel_constants(p, cfg, 2)
+    q_block = v3_gluon._block_layout(consts["ROWS"], p.head_dim_pad, torch.bfloat16)
+    kv_block = v3_gluon._block_layout(cfg.block_n, p.head_dim_pad, torch.bfloat16)
+    descriptors = {"q_desc": q_block, "o_desc": q_block, "k_desc": kv_block, "v_desc": kv_block}
+    return consts, dict(v3_gluon.LAUNCH_OPTIONS), descriptors
+
+
+def _options(cfg):
+    return dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def cases(head_dim=128, varlen=False):
+    """(name, kernel, constexprs, compile options, descriptor blocks) of every kernel as launched."""
     p = Problem(1, 16, 16, 4096, 4096, head_dim, 0.1, -1, -1, None, None)
     base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=varlen, UPCAST=False)
     f = configs.v2_fwd_config(p, None)
-    yield "v2.fwd", v2._fwd_kernel, dict(base, BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages), f
+    yield "v2.fwd", v2._fwd_kernel, dict(base, BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages), \
+        _options(f), None
     kv, qc = configs.v2_bwd_config(p, None)
-    yield "v2.bwd_dkdv", v2._bwd_dkdv_kernel, dict(base, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, NUM_STAGES=kv.num_stages), kv
+    yield "v2.bwd_dkdv", v2._bwd_dkdv_kernel, dict(base, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n,
+                                                   NUM_STAGES=kv.num_stages), _options(kv), None
     yield "v2.bwd_dq", v2._bwd_dq_kernel, dict(base, BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages,
-                                               HAS_DLSE=False), qc
+                                               HAS_DLSE=False), _options(qc), None
     c1 = v1._config(p, "FWD")
-    yield "v1.fwd", v1._fwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), c1
+    yield "v1.fwd", v1._fwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), _options(c1), None
     c1 = v1._config(p, "BWD")
-    yield "v1.bwd", v1._bwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, HAS_DLSE=False), c1
+    yield "v1.bwd", v1._bwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, HAS_DLSE=False), \
+        _options(c1), None
     for unmasked in ((False,) if varlen else (True, False)):  # varlen always takes the banded loop
         c3 = configs.v3_fwd_config(p, unmasked)
         yield f"v3.fwd{'' if unmasked else '_band'}", v3._fwd_kernel, dict(
             base, BLOCK_M=c3.block_m, BLOCK_N=c3.block_n, NUM_STAGES=c3.num_stages, UNMASKED=unmasked,
-            WARP_SPECIALIZE=unmasked and c3.warp_specialize), c3
+            WARP_SPECIALIZE=unmasked and c3.warp_specialize), _options(c3), None
     c3 = configs.v3_bwd_reduce_config(p)
     yield "v3.bwd", v3._bwd_kernel, dict(base, BLOCK_M=c3.block_m, BLOCK_N=c3.block_n, NUM_STAGES=c3.num_stages,
-                                         TMA_REDUCE=True), c3
+                                         TMA_REDUCE=True), _options(c3), None
+    if not varlen:  # the Gluon forward takes batched problems only
+        yield ("v3.fwd_gluon", v3_gluon._fwd_kernel, *gluon_case(head_dim))
 
 
 def main():
@@ -68,17 +96,17 @@ def main():
     ap.add_argument("--varlen", action="store_true", help="the variable-length (cu_seqlens) variants")
     args = ap.parse_args()
     for d in (int(x) for x in args.head_dims.split(",")):
-        for name, fn, constexprs, cfg in cases(d, args.varlen):
+        for name, fn, constexprs, options, descriptors in cases(d, args.varlen):
             if args.only and name != args.only:
                 continue
             try:
-                k = compile_one(fn, "bf16", constexprs, cfg.num_warps, cfg.num_stages)
+                k = compile_one(fn, "bf16", constexprs, options, descriptors)
             except Exception as e:  # report and go on: one broken kernel should not hide the rest
                 print(f"d{d:<4} {name:14} FAILED: {str(e).splitlines()[0][:200]}")
                 continue
             ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
             print(f"d{d:<4} {name:14} wgmma={'wgmma.mma_async' in ptx!s:5} tma={'cp.async.bulk.tensor' in ptx!s:5} "
-                  f"ws={'ttg.warp_specialize' in ttgir!s:5} smem={k.metadata.shared:>6} warps={cfg.num_warps}")
+                  f"ws={'ttg.warp_specialize' in ttgir!s:5} smem={k.metadata.shared:>6} warps={k.metadata.num_warps}")
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
                 (args.dump / f"{name}_d{d}.ttgir").write_text(ttgir)

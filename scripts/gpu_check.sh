@@ -11,7 +11,8 @@
 #   memory  peak memory alone
 #   sanitize  compute-sanitizer memcheck over one small case of every kernel (sanitize.log)
 #   ablation  v3's techniques switched off one at a time, d128 8k (ablation_v3.*)
-#   gluon   v3's Gluon forward: the v3 tests, then its tile sweep at 1k and 16k (sweep_gluon_*.jsonl)
+#   gluon   v3's Gluon forward: the v3 tests with it forced, then its tile sweep at 1k and 16k
+#           (sweep_gluon_*.jsonl)
 #   scripts/gpu_check.sh [stage ...]    (default: tests bench)
 set -uo pipefail
 OUT=${OUT:-gpu_results}
@@ -64,7 +65,8 @@ for stage in $stages; do
     ablation)
       python scripts/ablation_v3.py --out "$OUT/ablation_v3.json" | tee "$OUT/ablation_v3.md" || status=1 ;;
     gluon)
-      timeout 300 python -m pytest tests -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider -k v3 2>&1 \
+      # Forced everywhere it applies (short causal bands would otherwise take the plain kernel).
+      FLASHTILE_V3_FWD=gluon timeout 300 python -m pytest tests -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider -k v3 2>&1 \
         | tee "$OUT/gluon_tests.log" | tail -8 || status=1
       for seqlen in 1024 16384; do
         python scripts/sweep_configs.py --only v3-gluon --seqlen $seqlen --out "$OUT/sweep_gluon_$seqlen.jsonl" \

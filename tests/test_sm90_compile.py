@@ -45,3 +45,75 @@ def test_every_kernel_compiles_for_sm90_with_varlen():
                           "--varlen"], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0 and "FAILED" not in res.stdout, res.stdout + res.stderr[-2000:]
     assert res.stdout.count("wgmma=True") == 7
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_v3_gluon_forward_compiles_for_sm90(tmp_path, head_dim):
+    # The Gluon kernel does not run under the interpreter: its Hopper structure is checked here,
+    # its numbers on the GPU (scripts/gpu_check.sh gluon).
+    ttgir = compile_for_sm90(tmp_path, "v3.fwd_gluon", head_dim, {})
+    ptx = (tmp_path / f"v3.fwd_gluon_d{head_dim}.ptx").read_text()
+    # Three partitions: one consumer warpgroup in the default region, the other and the TMA
+    # producer as workers, registers moved from the producer to the consumers.
+    assert "ttg.warp_specialize" in ttgir and len(re.findall(r"partition\d+\(", ttgir)) == 2
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
+    assert "cp.async.bulk.tensor.4d.shared::cluster.global" in ptx  # TMA loads
+    # S = Q K^T from shared memory; O += P V with P in registers (a brace list as the A operand).
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx)
+    assert any(n == str(head_dim) and a == "{" for n, a in wgmma), "PV product without P in registers"
+    assert any(a == "%" for _, a in wgmma), "QK^T product not from shared memory"
+    if head_dim <= 128:  # O staged in shared memory and stored by TMA
+        assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
+
+
+def test_v3_gluon_ablation_switches_remove_their_technique(tmp_path):
+    def compiled(ablate):
+        ttgir = compile_for_sm90(tmp_path / (ablate or "shipped"), "v3.fwd_gluon", 128,
+                                 {"FLASHTILE_V3_ABLATE": ablate})
+        return ttgir, (tmp_path / (ablate or "shipped") / "v3.fwd_gluon_d128.ptx").read_text()
+
+    def waits(ttgir):
+        return ttgir.count("ttng.wait_barrier")
+
+    shipped, shipped_ptx = compiled("")
+    no_pingpong, _ = compiled("pingpong")
+    no_overlap, _ = compiled("overlap")
+    _, no_persistent_ptx = compiled("persistent")
+    # Ping-pong: each consumer waits for its turn before the first block's GEMM and in the loop.
+    assert waits(shipped) == waits(no_pingpong) + 4
+    # Intra-warpgroup overlap: waiting for S while the PV product stays in flight (1 pending).
+    assert "pendings = 1" in shipped and "pendings = 1" not in no_overlap
+    # Persistent CTAs take their tiles from an atomic counter; one CTA per tile needs none.
+    assert "atom.global" in shipped_ptx and "atom.global" not in no_persistent_ptx
+
+
+def test_v3_forward_routing(monkeypatch):
+    # Which v3 forward a problem gets on the GPU: the Gluon kernel for batched problems, the
+    # plain-Triton one for short causal/window bands and under the interpreter; switches work.
+    from flashtile.kernels import configs
+    from flashtile.kernels.problem import Problem
+
+    def problem(seqlen, window_right):
+        return Problem(2, 8, 8, seqlen, seqlen, 128, 0.1, -1, window_right, None, None)
+
+    monkeypatch.setattr(configs.runtime, "interpreting", lambda: False)
+    monkeypatch.delenv("FLASHTILE_V3_FWD", raising=False)
+    monkeypatch.delenv("FLASHTILE_V3_ABLATE", raising=False)
+    monkeypatch.delenv("FLASHTILE_CONFIG_V3_GLUON", raising=False)
+    full = configs.v3_gluon_schedule(problem(1024, -1))
+    assert full == configs.GluonSchedule(128, 2, pingpong=True, overlap=True, persistent=True)
+    assert configs.v3_gluon_schedule(problem(configs.SHORT_KEYS, 0)) is None
+    assert configs.v3_gluon_schedule(problem(2 * configs.SHORT_KEYS, 0)) is not None
+    monkeypatch.setenv("FLASHTILE_V3_FWD", "gluon")
+    assert configs.v3_gluon_schedule(problem(configs.SHORT_KEYS, 0)) is not None
+    monkeypatch.setenv("FLASHTILE_V3_ABLATE", "pingpong,persistent")
+    assert configs.v3_gluon_schedule(problem(4096, -1)) == configs.GluonSchedule(128, 2, False, True, False)
+    monkeypatch.setenv("FLASHTILE_V3_ABLATE", "pingpong,nonsense")
+    with pytest.raises(ValueError, match="nonsense"):
+        configs.v3_gluon_schedule(problem(4096, -1))
+    monkeypatch.setenv("FLASHTILE_V3_FWD", "triton")
+    assert configs.v3_gluon_schedule(problem(4096, -1)) is None
+    monkeypatch.setattr(configs.runtime, "interpreting", lambda: True)
+    monkeypatch.delenv("FLASHTILE_V3_FWD")
+    assert configs.v3_gluon_schedule(problem(4096, -1)) is None

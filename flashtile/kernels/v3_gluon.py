@@ -17,9 +17,11 @@ tiles of uneven length (causal) balance themselves; tiles come longest first (th
 blocks of a causal problem see the most keys) in groups of heads whose K/V share L2.
 
 Batched (non-varlen) problems only: Q/K/V/O are seen by TMA as (batch, seqlen, heads, head_dim),
-so loads past a sequence or head dim read zeros and stores past them are dropped.  v3.py
-routes varlen problems to its plain-Triton kernel.  Gluon does not run under the interpreter:
-the CPU suite compiles this file for sm_90; numerics are checked on the GPU.
+so loads past a sequence or head dim read zeros and stores past them are dropped.  O leaves by
+TMA store where shared memory has room to stage it (d64, d128), else straight from registers.
+v3.py routes varlen problems (and short causal/window bands, see configs.py) to its plain-Triton
+kernel.  Gluon does not run under the interpreter: the CPU suite compiles this file for sm_90;
+numerics are checked on the GPU.
 """
 import functools
 
@@ -311,29 +313,39 @@ def _descriptor(x, rows, head_dim_pad):
     return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
 
 
+# 12 warps (two consumer warpgroups, one producer warp rounded up to a warpgroup) share the 64K
+# registers: 168 each at launch, rebalanced to 240 / 240 / 24 by setmaxnreg.
+LAUNCH_OPTIONS = dict(num_warps=4, maxnreg=168)
+
+
+def kernel_constants(p, cfg, element_size):
+    """The kernel's compile-time arguments for problem ``p`` under schedule ``cfg``."""
+    rows = ROWS_PER_CONSUMER.value
+    tile_bytes = rows * p.head_dim_pad * element_size
+    ring_bytes = 2 * cfg.num_stages * cfg.block_n * p.head_dim_pad * element_size
+    o_via_smem = 4 * tile_bytes + ring_bytes <= SHARED_MEMORY  # Q and O (two halves each), the ring
+    return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
+                PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_VIA_SMEM=o_via_smem, PERSISTENT=cfg.persistent)
+
+
 def forward(p, q, k, v, cfg):
     """Output and logsumexp; q, k, v are TMA-ready (16-byte aligned rows)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=q.device)
-    rows = ROWS_PER_CONSUMER.value
+    consts = kernel_constants(p, cfg, q.element_size())
+    rows = consts["ROWS"]
     m_blocks = triton.cdiv(p.seqlen_q, 2 * rows)
     batch_heads = p.batch * p.heads_q
     num_tiles = m_blocks * batch_heads
     programs = min(num_tiles, _sm_count(q.device.index)) if cfg.persistent else num_tiles
     kv_bytes_per_head = 2 * p.seqlen_k * p.head_dim_pad * q.element_size()
     head_group = max(1, min(batch_heads, L2_BUDGET // kv_bytes_per_head))
-    tile_bytes = rows * p.head_dim_pad * q.element_size()
-    ring_bytes = 2 * cfg.num_stages * cfg.block_n * p.head_dim_pad * q.element_size()
-    o_via_smem = 4 * tile_bytes + ring_bytes <= SHARED_MEMORY  # Q and O (two halves each), the ring
     _fwd_kernel[(programs,)](
         _descriptor(q, rows, p.head_dim_pad), _descriptor(k, cfg.block_n, p.head_dim_pad),
         _descriptor(v, cfg.block_n, p.head_dim_pad), _descriptor(out, rows, p.head_dim_pad),
         out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, lse.stride(0), lse.stride(1),
         batch_heads, p.heads_q, p.group, head_group, m_blocks, num_tiles,
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.scale_log2,
-        torch.zeros(1, dtype=torch.int32, device=q.device), ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
-        PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_VIA_SMEM=o_via_smem, PERSISTENT=cfg.persistent,
-        # 12 warps (two consumer warpgroups, one producer warp rounded up to a warpgroup) share
-        # the 64K registers: 168 each at launch, rebalanced to 240 / 240 / 24 by setmaxnreg.
-        num_warps=4, maxnreg=168)
+        torch.zeros(1, dtype=torch.int32, device=q.device),  # the tile counter
+        **consts, **LAUNCH_OPTIONS)
     return out, lse
