@@ -100,8 +100,8 @@ class GluonSchedule:
 
 # Two consumer warpgroups of 64 rows each; shared memory holds Q (2 x 64 rows), the K/V ring and,
 # where it fits, O for the TMA store.  H200 sweep (scripts/sweep_configs.py --only v3-gluon, 1k and
-# 16k): d64 128x3 (+3% over 128x2 at 16k), d128 128x2 (a third slot leaves no room for O: -40% at
-# 1k), d256 64x2 (+39% over one slot at 16k).
+# 16k, 58d2bdc): d64 128x3 (+3% over 128x2 at 16k), d128 128x2 (a third slot left no room to stage
+# O, which then waited in Q's buffer: -40% at 1k), d256 64x2 (+39% over one slot at 16k).
 _V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (256, GluonSchedule(64, 2))]
 GLUON_TECHNIQUES = ("pingpong", "overlap", "persistent")
 
