@@ -155,9 +155,16 @@ def v3_bwd_config(p) -> Optional[Config]:
     return None
 
 
+GLUON_TILE_M = 128  # kernels/v3_gluon.py: two consumer warpgroups of 64 query rows
+
+
 def gpu_tiles(version: str, head_dim_pad: int, banded: bool, seqlen_k: int):
-    """((fwd block_m, block_n), (bwd dK/dV block_m, block_n)) used on the GPU, for the IO model."""
-    fwd = {"v2": _v2_fwd_table(banded, seqlen_k), "v3": _V3_FWD_BAND if banded else _V3_FWD_WS}[version]
-    bwd = _V2_BWD_KV_BAND if banded else _V2_BWD_KV  # v3's backward is v2's
-    f, b = _by_head_dim(fwd, head_dim_pad), _by_head_dim(bwd, head_dim_pad)
-    return (f.block_m, f.block_n), (b.block_m, b.block_n)
+    """((fwd block_m, block_n), (bwd dK/dV block_m, block_n)) used on the GPU (batched problems),
+    for the IO model."""
+    bwd = _by_head_dim(_V2_BWD_KV_BAND if banded else _V2_BWD_KV, head_dim_pad)  # v3's backward is v2's
+    if version == "v3" and not (banded and seqlen_k <= SHORT_KEYS):  # the Gluon forward
+        fwd = (GLUON_TILE_M, _by_head_dim(_V3_GLUON, head_dim_pad).block_n)
+    else:
+        f = _by_head_dim(_v2_fwd_table(banded, seqlen_k) if version == "v2" else _V3_FWD_BAND, head_dim_pad)
+        fwd = (f.block_m, f.block_n)
+    return fwd, (bwd.block_m, bwd.block_n)

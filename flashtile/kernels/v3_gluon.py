@@ -33,10 +33,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashtile.kernels.blocks import diagonal_band, visited_blocks
+from flashtile.kernels.blocks import band_mask, diagonal_band, visited_blocks
+from flashtile.kernels.configs import GLUON_TILE_M
 from flashtile.kernels.tiles import finalize_rows, online_softmax_step
 
-ROWS_PER_CONSUMER = gl.constexpr(64)  # one warpgroup's wgmma M; the CTA's query tile is two of them
+ROWS_PER_CONSUMER = gl.constexpr(GLUON_TILE_M // 2)  # one warpgroup's wgmma M; the CTA's tile is two
 CONSUMER_REGS = gl.constexpr(240)     # per thread, as in FlashAttention-3: O, S and P of 64 rows live in registers
 PRODUCER_REGS = gl.constexpr(24)      # the TMA-issuing warp needs almost none
 SHARED_MEMORY = 232448 - 1024         # the H100/H200 per-block limit, less room for the mbarriers
@@ -50,7 +51,7 @@ def _tile(t, walk, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
     Heads are walked in groups of ``head_group`` whose K and V fit in L2 together, so the CTAs
     running at one time re-read K/V from L2 rather than HBM.  Inside a group, query blocks run
     from the last to the first (causal tiles come longest first), the group's heads adjacent."""
-    batch_heads, heads_q, head_group, m_blocks, num_tiles, seqlen_q, seqlen_k, window_left, window_right = walk
+    num_tiles, batch_heads, heads_q, head_group, m_blocks, seqlen_q, seqlen_k, window_left, window_right = walk
     group_tiles = head_group * m_blocks
     first_head = t // group_tiles * head_group
     heads_here = gl.minimum(head_group, batch_heads - first_head)  # the last group may be smaller
@@ -67,7 +68,7 @@ def _tile(t, walk, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
-    num_tiles = walk[4]
+    num_tiles = walk[0]
     it = 0  # K/V blocks issued so far: ring slot and mbarrier phase
     tile_i = 0
     t = gl.program_id(0)
@@ -119,17 +120,20 @@ def _read_tile(tile_ids, tile_i, q_ready):
 @gluon.jit
 def _masked_scores(s, rows, n0, seqlen_k, dlo, dhi, BLOCK_N: gl.constexpr, col_layout: gl.constexpr):
     cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
-    diff = cols[None, :] - rows[:, None]
-    keep = (diff >= dlo) & (diff <= dhi) & (cols[None, :] < seqlen_k)
-    return gl.where(keep, s, float("-inf"))
+    return gl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), s, float("-inf"))
 
 
 @gluon.jit
 def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
               PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr):
+    """Consumer warpgroup WHICH: rows [64 * WHICH, 64 * WHICH + 64) of every tile handed over.
+
+    Per K/V block j: (wait for its turn) issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, (pass the
+    turn), wait for S_j only, softmax, wait for the PV product, rescale O.  The first block has
+    no PV product to overlap; the last one follows the loop."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
-    num_tiles, seqlen_q, seqlen_k = walk[4], walk[5], walk[6]
+    num_tiles, seqlen_q, seqlen_k = walk[0], walk[5], walk[6]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -255,7 +259,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
     if O_VIA_SMEM:
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     else:
-        o_smem = q_smem  # not used
+        o_smem = q_smem  # a placeholder: O leaves from registers
     # The producer hands each tile's number to the consumers here (two slots: tile parity).
     tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -277,7 +281,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
-    walk = (batch_heads, heads_q, head_group, m_blocks, num_tiles, seqlen_q, seqlen_k, window_left, window_right)
+    # The tile walk (see _tile) and where results go, as tuples: Gluon has no struct arguments.
+    walk = (num_tiles, batch_heads, heads_q, head_group, m_blocks, seqlen_q, seqlen_k, window_left, window_right)
     outputs = (o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh)
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
