@@ -1,5 +1,7 @@
 """Every version, forward and all three gradients, against the float64 oracle."""
 import math
+import os
+from unittest import mock
 
 import pytest
 import torch
@@ -112,19 +114,20 @@ def test_varlen(version, causal):
                                          return_attn_probs=True, version=version)
     assert lse.shape == (heads_q, sum(lengths_q))
     grads = torch.autograd.grad(out, leaves, dout)
-    # Each sequence on its own, through the batched path, must give the same numbers.
+    # Each sequence on its own, through the batched path, must give the same numbers.  On the GPU,
+    # v3's batched forward is the Gluon kernel; varlen runs the plain-Triton one, so the batched
+    # calls here take that kernel too (the Gluon kernel is checked against the oracle elsewhere).
     for b in range(len(lengths_q)):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         if lengths_q[b] == 0:
             continue
         one = [x[None].clone().requires_grad_() for x in (q[qs], k[ks], v[ks])]
-        o1 = flash_attn_func(*one, causal=causal, version=version)
+        with mock.patch.dict(os.environ, {"FLASHTILE_V3_FWD": "triton"}):
+            o1 = flash_attn_func(*one, causal=causal, version=version)
         g1 = torch.autograd.grad(o1, one, dout[qs][None])
-        # On the GPU v3 runs varlen and batched problems on different kernels, which may round
-        # an element to the neighbouring bf16 value (2**-8 relative).
-        torch.testing.assert_close(out[qs], o1[0], atol=2e-3, rtol=2 ** -8)
+        torch.testing.assert_close(out[qs], o1[0], atol=2e-3, rtol=0)
         for g, gb, s in zip(grads, g1, (qs, ks, ks)):
-            torch.testing.assert_close(g[s], gb[0], atol=5e-3, rtol=2 ** -7)
+            torch.testing.assert_close(g[s], gb[0], atol=5e-3, rtol=0)
     # and the batched path is itself checked against the oracle above; one direct check here:
     b = 2
     qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])

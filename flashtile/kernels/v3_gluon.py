@@ -124,6 +124,18 @@ def _masked_scores(s, rows, n0, seqlen_k, dlo, dhi, BLOCK_N: gl.constexpr, col_l
 
 
 @gluon.jit
+def _issue_scores(q_buf, k_smem, k_ready, turn, slot, phase, turns, s_zero, WHICH: gl.constexpr,
+                  PINGPONG: gl.constexpr):
+    """Start S = Q K^T on K/V ring slot ``slot`` once it is this consumer's turn and K has landed."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WHICH), (turns & 1) ^ (1 - WHICH))
+    mbarrier.wait(k_ready.index(slot), phase)
+    k = k_smem.index(slot)
+    kT = k.reshape([k.shape[1], k.shape[3]]).permute((1, 0))
+    return warpgroup_mma(q_buf, kT, s_zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
 def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
               PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr):
@@ -159,11 +171,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
             # First block: nothing to overlap with yet.
             slot = it % STAGES
             phase = (it // STAGES) & 1
-            if PINGPONG:
-                mbarrier.wait(turn.index(WHICH), (turns & 1) ^ (1 - WHICH))
-            mbarrier.wait(k_ready.index(slot), phase)
-            kT = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM_PAD]).permute((1, 0))
-            s = warpgroup_mma(q_buf, kT, s_zero, use_acc=False, is_async=True)
+            s = _issue_scores(q_buf, k_smem, k_ready, turn, slot, phase, turns, s_zero, WHICH, PINGPONG)
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - WHICH))
                 turns += 1
@@ -182,11 +190,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
                 slot = it % STAGES
                 phase = (it // STAGES) & 1
                 v_prev = v_smem.index(prev_slot).reshape([BLOCK_N, HEAD_DIM_PAD])
-                if PINGPONG:
-                    mbarrier.wait(turn.index(WHICH), (turns & 1) ^ (1 - WHICH))
-                mbarrier.wait(k_ready.index(slot), phase)
-                kT = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM_PAD]).permute((1, 0))
-                s = warpgroup_mma(q_buf, kT, s_zero, use_acc=False, is_async=True)
+                s = _issue_scores(q_buf, k_smem, k_ready, turn, slot, phase, turns, s_zero, WHICH, PINGPONG)
                 if OVERLAP:
                     # O += P_{j-1} V_{j-1} goes out with S_j; the softmax below runs under it.
                     mbarrier.wait(v_ready.index(prev_slot), prev_phase)
