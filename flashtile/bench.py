@@ -155,12 +155,15 @@ def _cpu_median_ms(step, reps=3):
     return statistics.median(times)
 
 
-def measure(provider: str, case: Case, device=None):
+def measure(provider: str, case: Case, device=None, cuda_graph=False):
     """(median ms, peak extra bytes) of one provider on one case.
 
     On a CPU (the Triton interpreter) the times only exercise the pipeline, and there is no
-    allocator peak to read: peak_mem_bytes is None.
+    allocator peak to read: peak_mem_bytes is None.  ``cuda_graph`` times replays of a CUDA
+    graph of the calls (forwards only): the GPU's time without the Python launch path, L2 warm.
     """
+    if cuda_graph and case.mode != "fwd":
+        raise ValueError("CUDA-graph timing covers forwards only")
     device = torch.device(device) if device else _default_device()
     fn = PROVIDERS[provider]
     q = torch.randn(case.b, case.sq, case.h, case.d, dtype=case.torch_dtype, device=device)
@@ -191,7 +194,10 @@ def measure(provider: str, case: Case, device=None):
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+    if cuda_graph:
+        ms = triton.testing.do_bench_cudagraph(step, rep=100, return_mode="median")
+    else:
+        ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
     return ms, peak
 
 
@@ -206,12 +212,13 @@ def ceilings(n=8192, copy_bytes=2**30):
     return dict(matmul_tflops=2 * n**3 / ms_mm / 1e9, copy_tbps=2 * copy_bytes / ms_copy / 1e9)
 
 
-def run(cases, providers, repeats=1, progress=True, on_error=print):
+def run(cases, providers, repeats=1, progress=True, on_error=print, cuda_graph=False):
     """Measure every (case, provider); a failure or OOM is reported and the run goes on.
 
     With ``repeats`` > 1 the whole grid is measured that many times, one pass after the other,
     so that a drift of the GPU (clocks, temperature) touches every provider alike; a record
-    keeps the median and every pass's time (``ms_runs``).
+    keeps the median and every pass's time (``ms_runs``).  ``cuda_graph`` (see measure) marks
+    each record with ``timing="cuda-graph"``.
     """
     env = environment()
     times, peaks, failed = {}, {}, set()
@@ -224,7 +231,7 @@ def run(cases, providers, repeats=1, progress=True, on_error=print):
         for i, (case, provider) in enumerate(cells):
             try:
                 if i not in failed:
-                    ms, peak = measure(provider, case)
+                    ms, peak = measure(provider, case, cuda_graph=cuda_graph)
                     times.setdefault(i, []).append(ms)
                     peaks.setdefault(i, peak)
             except torch.OutOfMemoryError:
@@ -249,6 +256,8 @@ def run(cases, providers, repeats=1, progress=True, on_error=print):
                       peak_mem_bytes=peaks[i], **env)
         if repeats > 1:
             record["ms_runs"] = times[i]
+        if cuda_graph:
+            record["timing"] = "cuda-graph"
         records.append(record)
     return records
 
@@ -262,7 +271,9 @@ def markdown_table(records, baseline=None, failures=()):
     env = {k: records[0][k] for k in ("gpu", "torch", "triton", "commit", "date")}
     lines = [f"GPU {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, "
              f"{env['date']}; TFLOP/s (forward 4*b*h*sq*sk*d, half when causal; backward 2.5x), "
-             f"{records[0]['dtype']}, (batch, seqlen, heads, headdim) storage.", ""]
+             f"{records[0]['dtype']}, (batch, seqlen, heads, headdim) storage"
+             f"{'; CUDA-graph replays (no launch cost, L2 warm)' if records[0].get('timing') == 'cuda-graph' else ''}.",
+             ""]
     providers = list(dict.fromkeys(r["provider"] for r in records))
     groups = dict.fromkeys((r["d"], r["causal"], r["mode"]) for r in records)
     for d, causal, mode in groups:

@@ -55,6 +55,9 @@ def parser():
     b.add_argument("--out", default="bench_results", help="folder for the JSON, Markdown and PNGs")
     b.add_argument("--name", default="bench")
     b.add_argument("--no-plots", action="store_true")
+    b.add_argument("--cuda-graphs", action="store_true",
+                   help="time CUDA-graph replays (forwards only, needs a GPU): the kernels' time without "
+                        "the Python launch path; set against a run without it, shows launch-bound cells")
     io = sub.add_parser("io", help="IO model: HBM bytes and FLOPs per algorithm; with --measured, "
                                    "the regime (memory- or compute-bound) of each measured run")
     io.add_argument("--head-dims", type=_choices((32, 64, 96, 128, 192, 256), int), default=[64, 128])
@@ -78,6 +81,9 @@ def cmd_bench(args):
 
     from flashtile import bench, runtime
     if not torch.cuda.is_available():
+        if args.cuda_graphs:
+            print("--cuda-graphs needs a CUDA GPU", file=sys.stderr)
+            return 2
         if not runtime.interpreting():
             print("flashtile bench needs a CUDA GPU (try `flashtile demo` on this machine); to check the "
                   "pipeline on a CPU, set TRITON_INTERPRET=1 and narrow the grid, e.g. --head-dims 32 "
@@ -97,7 +103,7 @@ def cmd_bench(args):
     def failed(msg):
         failures.append(msg)
         print(f"failed: {msg}", file=sys.stderr)
-    records = bench.run(cases, providers, args.repeats, on_error=failed)
+    records = bench.run(cases, providers, args.repeats, on_error=failed, cuda_graph=args.cuda_graphs)
     table = bench.save(records, args.out, args.name, args.baseline, plots=not args.no_plots, failures=failures)
     print(table)
     return 0
@@ -224,6 +230,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.command in ("bench", "io") and args.hidden < max(args.head_dims):
         ap.error(f"--hidden {args.hidden} is smaller than head dim {max(args.head_dims)}: no head would fit")
+    if args.command == "bench" and args.cuda_graphs and args.modes != ["fwd"]:
+        ap.error("--cuda-graphs times forwards only: add --modes fwd")
     return {"bench": cmd_bench, "io": cmd_io, "demo": cmd_demo, "info": cmd_info}[args.command](args)
 
 

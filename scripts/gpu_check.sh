@@ -11,6 +11,8 @@
 #   memory  peak memory alone
 #   sanitize  compute-sanitizer memcheck over one small case of every kernel (sanitize.log)
 #   ablation  v3's techniques switched off one at a time, d128 8k (ablation_v3.*)
+#   launch  short forwards timed as usual and as CUDA-graph replays (launch_*): which cells the
+#           Python launch path bounds
 #   gluon   v3's Gluon forward: the v3 tests with it forced, then its tile sweep at 1k and 16k
 #           (sweep_gluon_*.jsonl)
 #   scripts/gpu_check.sh [stage ...]    (default: tests bench)
@@ -64,6 +66,13 @@ for stage in $stages; do
        exit $rc) 2>&1 | tee "$OUT/sanitize.log" | tail -25 || status=1 ;;
     ablation)
       python scripts/ablation_v3.py --out "$OUT/ablation_v3.json" | tee "$OUT/ablation_v3.md" || status=1 ;;
+    launch)
+      for timing in events cuda-graphs; do
+        python -m flashtile bench --head-dims 64,128,256 --seqlens 1024,2048,4096 --modes fwd \
+          --providers flashtile-v3,flashtile-v2,sdpa-cudnn,sdpa-flash --no-plots --out "$OUT" \
+          --name "launch_$timing" $([ $timing = cuda-graphs ] && echo --cuda-graphs) 2>&1 \
+          | grep -v "bench:" | tee "$OUT/launch_$timing.log" || status=1
+      done ;;
     gluon)
       # Forced everywhere it applies (short causal bands would otherwise take the plain kernel).
       FLASHTILE_V3_FWD=gluon timeout 300 python -m pytest tests -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider -k v3 2>&1 \

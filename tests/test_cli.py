@@ -12,7 +12,8 @@ from flashtile import bench, cli
 
 @pytest.mark.parametrize("argv", [["bench", "--modes", "foo"], ["bench", "--head-dims", "100"],
                                   ["bench", "--seqlens", "0"], ["bench", "--providers", "nope"], ["frobnicate"],
-                                  ["bench", "--repeats", "0"], ["bench", "--hidden", "64"], ["io", "--tokens", "x"]])
+                                  ["bench", "--repeats", "0"], ["bench", "--hidden", "64"], ["io", "--tokens", "x"],
+                                  ["bench", "--cuda-graphs"]])  # graphs time forwards only
 def test_bad_arguments_exit_2_with_allowed_values(argv, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
@@ -86,6 +87,23 @@ def test_bench_without_gpu_or_interpreter_is_a_usage_error():
         pytest.skip("a GPU is present")
     res = _run_cli("bench")
     assert res.returncode == 2 and "TRITON_INTERPRET=1" in res.stderr
+
+
+def test_bench_cuda_graphs_need_a_gpu():
+    if ON_GPU:
+        pytest.skip("a GPU is present")
+    res = _run_cli("bench", "--cuda-graphs", "--modes", "fwd", interpret="1")
+    assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr
+
+
+def test_bench_cuda_graph_timing_on_gpu():
+    if not ON_GPU:
+        pytest.skip("CUDA graphs need a GPU")
+    case = bench.Case(2, 4, 4, 1000, 1000, 128, True, "fwd")
+    for provider in ("flashtile-v2", "flashtile-v3", "sdpa-cudnn"):
+        if provider in bench.available_providers()[0]:
+            ms, _ = bench.measure(provider, case, cuda_graph=True)
+            assert ms > 0
 
 
 def test_io_model_table_and_regimes(tmp_path, capsys):
