@@ -2,8 +2,9 @@
 
 On the GPU, batched forwards run kernels/v3_gluon.py: FlashAttention-3's schedule in Gluon
 (ping-pong consumer warpgroups, softmax overlapped with the GEMMs, a persistent scheduler).
-This file holds v3's plain-Triton kernels, which run everything else (varlen, head dims TMA
-cannot address, the CPU interpreter) and the backward.
+This file holds v3's plain-Triton kernels, which run everything else (varlen, causal/window
+bands over few keys, head dims the Gluon kernel does not take, the CPU interpreter) and the
+backward.
 
 What Hopper changes relative to kernels/v2.py, forward:
 - Q, K, V and O move through TMA: tensor descriptors built on the device, one per (sequence,
