@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,3 +118,12 @@ def test_v3_forward_routing(monkeypatch):
     monkeypatch.setattr(configs.runtime, "interpreting", lambda: True)
     monkeypatch.delenv("FLASHTILE_V3_FWD")
     assert configs.v3_gluon_schedule(problem(4096, -1)) is None
+
+
+def test_v3_gluon_takes_only_layouts_tma_can_describe():
+    from flashtile.kernels import v3_gluon
+    q = torch.randn(2, 64, 4, 64, dtype=torch.bfloat16)
+    assert v3_gluon.tma_addressable(q)
+    assert v3_gluon.tma_addressable(q.transpose(1, 2).contiguous().transpose(1, 2))  # (b, h, s, d) storage
+    assert not v3_gluon.tma_addressable(q[:1].expand(2, 64, 4, 64))  # broadcast batch: stride 0
+    assert not v3_gluon.tma_addressable(torch.randn(2, 64, 4, 68, dtype=torch.bfloat16)[..., :64])  # 136-byte heads

@@ -240,7 +240,7 @@ def _set_allocator(device):
 def forward(p: Problem, q, k, v):
     q, k, v = (_tma_ready(x) for x in (q, k, v))
     schedule = v3_gluon_schedule(p)
-    if schedule is not None and v3_gluon.supports(p, q):
+    if schedule is not None and v3_gluon.supports(p, q, k, v):
         out, lse = v3_gluon.forward(p, q, k, v, schedule)
         return out, lse, lse.new_empty(0)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

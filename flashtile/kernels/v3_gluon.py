@@ -298,10 +298,16 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def supports(p, q) -> bool:
-    """Whether this kernel runs the problem: batched, a head dim TMA can address, on a GPU."""
+def supports(p, q, k, v) -> bool:
+    """Whether this kernel runs the problem: batched, on a GPU, a head dim and layouts TMA can address."""
     return (q.is_cuda and not p.varlen and p.head_dim_pad in (64, 128, 256) and p.head_dim % 8 == 0
-            and q.dtype in (torch.float16, torch.bfloat16))
+            and q.dtype in (torch.float16, torch.bfloat16) and all(tma_addressable(x) for x in (q, k, v)))
+
+
+def tma_addressable(x) -> bool:
+    """A 4-D TMA descriptor describes ``x`` as it is: every stride positive (a broadcast batch
+    or head, stride 0, is left to the plain kernel's pointer arithmetic) and 16-byte aligned."""
+    return x.data_ptr() % 16 == 0 and all(s > 0 and s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
 
 
 @functools.lru_cache(maxsize=None)
