@@ -28,8 +28,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     left, right = window_bounds(causal, window_size)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-    out, lse, _ = ops.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                        max_seqlen_k, scale, left, right, version, bool(deterministic))
+    out, lse, _ = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, scale, left, right, version, bool(deterministic))
     return (out, lse, None) if return_attn_probs else out
 
 

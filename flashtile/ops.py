@@ -1,9 +1,12 @@
-"""torch.library custom ops for the attention forward and backward, with autograd.
+"""The attention forward and backward as autograd-aware ops: ``attention`` is the entry point.
 
-Registering them as custom ops lets ``torch.compile(fullgraph=True)`` trace through
+Registered as torch.library custom ops, they let ``torch.compile(fullgraph=True)`` trace through
 flashtile without graph breaks: the compiler sees opaque ops with fake (shape-only)
-implementations.  The ``version`` argument picks the algorithm; "tiled" is the PyTorch path
-used for CPU tensors outside the Triton interpreter.
+implementations.  Outside compilation the same two functions run under a plain
+``torch.autograd.Function``: the custom op's Python autograd wrapper costs ~80 us a call with
+gradients on (about 20 us for the Function, measured on a CPU), as much as the kernels of a short
+forward.  The ``version`` argument picks the algorithm; "tiled" is the PyTorch path used for
+CPU tensors outside the Triton interpreter.
 """
 import importlib
 from typing import Optional
@@ -27,14 +30,16 @@ def _saved_shape(version: str, lse_shape):
     return (2, *lse_shape) if version == "v1" else (0,)
 
 
-@torch.library.custom_op("flashtile::attention_forward", mutates_args=())
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
-                      cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                      softmax_scale: float, window_left: int, window_right: int,
-                      version: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
+             cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+             softmax_scale: float, window_left: int, window_right: int,
+             version: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     p = Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, window_left, window_right)
     return implementation(version).forward(p, q, k, v)
+
+
+attention_forward = torch.library.custom_op("flashtile::attention_forward", _forward, mutates_args=())
 
 
 @attention_forward.register_fake
@@ -47,15 +52,18 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
             q.new_empty(_saved_shape(version, lse_shape), dtype=torch.float32))
 
 
-@torch.library.custom_op("flashtile::attention_backward", mutates_args=())
-def attention_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                       lse: Tensor, saved: Tensor, cu_seqlens_q: Optional[Tensor],
-                       cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                       softmax_scale: float, window_left: int, window_right: int,
-                       version: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _backward_kernels(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                      lse: Tensor, saved: Tensor, cu_seqlens_q: Optional[Tensor],
+                      cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                      softmax_scale: float, window_left: int, window_right: int,
+                      version: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     p = Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, window_left, window_right, deterministic)
     return implementation(version).backward(p, dout, dlse, q, k, v, out, lse, saved)
+
+
+attention_backward = torch.library.custom_op("flashtile::attention_backward", _backward_kernels,
+                                             mutates_args=())
 
 
 @attention_backward.register_fake
@@ -70,7 +78,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, dlse, dsaved):
+def _gradients(ctx, dout, dlse, backward_op):
     q, k, v, out, lse, saved, cu_q, cu_k = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
@@ -82,8 +90,34 @@ def _backward(ctx, dout, dlse, dsaved):
     # None, the usual case, costs nothing.
     if dlse is not None:
         dlse = dlse.contiguous()
-    dq, dk, dv = attention_backward(dout, dlse, q, k, v, out, lse, saved, cu_q, cu_k, *ctx.args)
+    dq, dk, dv = backward_op(dout, dlse, q, k, v, out, lse, saved, cu_q, cu_k, *ctx.args)
     return dq, dk, dv, None, None, *(None for _ in ctx.args)
 
 
-torch.library.register_autograd("flashtile::attention_forward", _backward, setup_context=_setup_context)
+torch.library.register_autograd("flashtile::attention_forward",
+                                lambda ctx, dout, dlse, dsaved: _gradients(ctx, dout, dlse, attention_backward),
+                                setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The custom op's forward and backward, without its autograd wrapper (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):  # ctx in forward: a separate setup_context costs a signature bind per call
+        output = _forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse, dsaved):
+        return _gradients(ctx, dout, dlse, _backward_kernels)
+
+
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+              window_left, window_right, version, deterministic):
+    """(out, lse, saved) with autograd: the custom op under torch.compile, else the Function."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            window_left, window_right, version, deterministic)
+    if torch.compiler.is_compiling():
+        return attention_forward(*args)
+    return _EagerAttention.apply(*args)

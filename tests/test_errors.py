@@ -20,7 +20,7 @@ def no_launch(monkeypatch):
     """Any error must come from validation: reaching the op fails the test."""
     def launched(*a, **kw):
         raise AssertionError("a kernel was launched on bad input")
-    monkeypatch.setattr(flashtile.ops, "attention_forward", launched)
+    monkeypatch.setattr(flashtile.ops, "attention", launched)
 
 
 def test_wrong_type(qkv):
