@@ -127,3 +127,22 @@ def test_v3_gluon_takes_only_layouts_tma_can_describe():
     assert v3_gluon.tma_addressable(q.transpose(1, 2).contiguous().transpose(1, 2))  # (b, h, s, d) storage
     assert not v3_gluon.tma_addressable(q[:1].expand(2, 64, 4, 64))  # broadcast batch: stride 0
     assert not v3_gluon.tma_addressable(torch.randn(2, 64, 4, 68, dtype=torch.bfloat16)[..., :64])  # 136-byte heads
+
+
+def test_v3_gluon_launch_constants():
+    # Shared memory: O gets its own staging buffer where Q, the K/V ring and O fit (d64, d128),
+    # else it leaves from registers; the walk groups as many heads as have K/V fit in L2.
+    from flashtile.kernels import configs, v3_gluon
+    from flashtile.kernels.problem import Problem
+
+    def problem(batch, heads, seqlen, head_dim):
+        return Problem(batch, heads, heads, seqlen, seqlen, head_dim, 0.1, -1, -1, None, None)
+
+    for head_dim, via_smem in ((64, True), (128, True), (256, False)):
+        cfg = configs._by_head_dim(configs._V3_GLUON, head_dim)
+        consts = v3_gluon.kernel_constants(problem(1, 16, 4096, head_dim), cfg, 2)
+        assert consts["O_VIA_SMEM"] == via_smem and consts["ROWS"] * 2 == configs.GLUON_TILE_M
+    assert v3_gluon.heads_sharing_l2(problem(16, 16, 1024, 128), 2) == 64   # 512 KiB of K/V per head
+    assert v3_gluon.heads_sharing_l2(problem(1, 16, 16384, 128), 2) == 4    # 8 MiB per head
+    assert v3_gluon.heads_sharing_l2(problem(1, 2, 1024, 128), 2) == 2      # never more than there are
+    assert v3_gluon.heads_sharing_l2(problem(1, 4, 2 ** 20, 256), 2) == 1   # never fewer than one

@@ -343,6 +343,13 @@ def kernel_constants(p, cfg, element_size):
                 PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_VIA_SMEM=o_via_smem, PERSISTENT=cfg.persistent)
 
 
+def heads_sharing_l2(p, element_size):
+    """How many (batch, head) pairs the tile walk keeps together: as many as have K and V fit in
+    L2_BUDGET, at least one, at most all."""
+    kv_bytes_per_head = 2 * p.seqlen_k * p.head_dim_pad * element_size
+    return max(1, min(p.batch * p.heads_q, L2_BUDGET // kv_bytes_per_head))
+
+
 def forward(p, q, k, v, cfg):
     """Output and logsumexp; q, k, v are TMA-ready (16-byte aligned rows)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -353,8 +360,7 @@ def forward(p, q, k, v, cfg):
     batch_heads = p.batch * p.heads_q
     num_tiles = m_blocks * batch_heads
     programs = min(num_tiles, _sm_count(q.device.index)) if cfg.persistent else num_tiles
-    kv_bytes_per_head = 2 * p.seqlen_k * p.head_dim_pad * q.element_size()
-    head_group = max(1, min(batch_heads, L2_BUDGET // kv_bytes_per_head))
+    head_group = heads_sharing_l2(p, q.element_size())
     _fwd_kernel[(programs,)](
         _descriptor(q, rows, p.head_dim_pad), _descriptor(k, cfg.block_n, p.head_dim_pad),
         _descriptor(v, cfg.block_n, p.head_dim_pad), _descriptor(out, rows, p.head_dim_pad),
