@@ -47,6 +47,18 @@ def test_sliding_window(version, window):
                             q, k, v, window_size=window)
 
 
+@pytest.mark.parametrize("kernel", ["gluon", "triton"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_v3_both_forward_kernels_on_short_bands(monkeypatch, kernel, head_dim):
+    # On the GPU v3 routes short causal bands to its plain-Triton forward and the rest to the
+    # Gluon one (configs.v3_gluon_schedule): each kernel is checked on the other's cases too.
+    monkeypatch.setenv("FLASHTILE_V3_FWD", kernel)
+    sq, sk = (300, 1000) if ON_GPU else (40, 70)
+    q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, head_dim, DTYPES[-1], DEVICE)
+    check_against_reference(lambda a, b, c: flash_attn_func(a, b, c, causal=True, version="v3"),
+                            q, k, v, causal=True)
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_bf16(version):
     q, k, v = make_qkv(1, 77, 93, 2, 1, 32, torch.bfloat16, DEVICE)
