@@ -12,7 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from flashtile.kernels import configs, v1, v2, v3, v3_gluon
+from flashtile.kernels import configs, v1, v2, v3, v3_gluon, v3_gluon_bwd
 from flashtile.kernels.problem import Problem
 
 FP32_POINTERS = {"LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE"}
@@ -55,6 +55,17 @@ def gluon_case(head_dim):
     return consts, dict(v3_gluon.LAUNCH_OPTIONS), descriptors
 
 
+def gluon_bwd_case(head_dim_pad):
+    """v3's opt-in Gluon dK/dV kernel with its launch constants and options."""
+    b = v3_gluon_bwd
+    q_block = v3_gluon._block_layout(b.BLOCK_M, head_dim_pad, torch.bfloat16)
+    kv_block = v3_gluon._block_layout(b.BLOCK_N, head_dim_pad, torch.bfloat16)
+    descriptors = {"q_desc": q_block, "do_desc": q_block, "k_desc": kv_block, "v_desc": kv_block,
+                   "dk_desc": kv_block, "dv_desc": kv_block}
+    consts = dict(BLOCK_M=b.BLOCK_M, BLOCK_N=b.BLOCK_N, HEAD_DIM_PAD=head_dim_pad, STAGES=b.STAGES)
+    return consts, dict(b.LAUNCH_OPTIONS), descriptors
+
+
 def _options(cfg):
     return dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -84,8 +95,10 @@ def cases(head_dim=128, varlen=False):
     c3 = configs.v3_bwd_reduce_config(p)
     yield "v3.bwd", v3._bwd_kernel, dict(base, BLOCK_M=c3.block_m, BLOCK_N=c3.block_n, NUM_STAGES=c3.num_stages,
                                          TMA_REDUCE=True), _options(c3), None
-    if not varlen:  # the Gluon forward takes batched problems only
+    if not varlen:  # the Gluon kernels take batched problems only
         yield ("v3.fwd_gluon", v3_gluon._fwd_kernel, *gluon_case(head_dim))
+        if p.head_dim_pad <= 128:
+            yield ("v3.bwd_dkdv_gluon", v3_gluon_bwd._dkdv_kernel, *gluon_bwd_case(p.head_dim_pad))
 
 
 def main():
@@ -102,10 +115,10 @@ def main():
             try:
                 k = compile_one(fn, "bf16", constexprs, options, descriptors)
             except Exception as e:  # report and go on: one broken kernel should not hide the rest
-                print(f"d{d:<4} {name:14} FAILED: {str(e).splitlines()[0][:200]}")
+                print(f"d{d:<4} {name:18} FAILED: {str(e).splitlines()[0][:200]}")
                 continue
             ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
-            print(f"d{d:<4} {name:14} wgmma={'wgmma.mma_async' in ptx!s:5} tma={'cp.async.bulk.tensor' in ptx!s:5} "
+            print(f"d{d:<4} {name:18} wgmma={'wgmma.mma_async' in ptx!s:5} tma={'cp.async.bulk.tensor' in ptx!s:5} "
                   f"ws={'ttg.warp_specialize' in ttgir!s:5} smem={k.metadata.shared:>6} warps={k.metadata.num_warps}")
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)

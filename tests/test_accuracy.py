@@ -59,6 +59,18 @@ def test_v3_both_forward_kernels_on_short_bands(monkeypatch, kernel, head_dim):
                             q, k, v, causal=True)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 8)])
+def test_v3_gluon_dkdv_backward(monkeypatch, head_dim, window):
+    # v3's opt-in Gluon dK/dV kernel (on the GPU; the interpreter keeps v2's) against the oracle:
+    # GQA, seqlens that are not block multiples, causal and a sliding window.
+    monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon")
+    sq, sk = (700, 1000) if ON_GPU else (40, 70)
+    q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, head_dim, DTYPES[0], DEVICE)
+    check_against_reference(lambda a, b, c: flash_attn_func(a, b, c, window_size=window, version="v3"),
+                            q, k, v, window_size=window)
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_bf16(version):
     q, k, v = make_qkv(1, 77, 93, 2, 1, 32, torch.bfloat16, DEVICE)

@@ -68,6 +68,21 @@ def test_v3_gluon_forward_compiles_for_sm90(tmp_path, head_dim):
         assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_v3_gluon_dkdv_kernel_compiles_for_sm90(tmp_path, head_dim):
+    # The opt-in Gluon dK/dV kernel (FLASHTILE_V3_BWD=gluon): a TMA producer warp and 8 consumer
+    # warps; S^T and dP^T from shared memory, dV and dK from P^T and dS^T in registers.
+    ttgir = compile_for_sm90(tmp_path, "v3.bwd_dkdv_gluon", head_dim, {})
+    ptx = (tmp_path / f"v3.bwd_dkdv_gluon_d{head_dim}.ptx").read_text()
+    assert "ttg.warp_specialize" in ttgir and len(re.findall(r"partition\d+\(", ttgir)) == 1
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)
+    assert "cp.async.bulk.tensor.4d.shared::cluster.global" in ptx  # TMA loads
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx      # TMA stores of dK, dV
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx)
+    assert any(n == str(head_dim) and a == "{" for n, a in wgmma), "dK/dV products without registers A"
+    assert any(n == "64" and a == "%" for n, a in wgmma), "S^T / dP^T not from shared memory"
+
+
 def test_v3_gluon_ablation_switches_remove_their_technique(tmp_path):
     def compiled(ablate):
         ttgir = compile_for_sm90(tmp_path / (ablate or "shipped"), "v3.fwd_gluon", 128,

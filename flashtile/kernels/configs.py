@@ -148,6 +148,12 @@ def v3_bwd_reduce_config(p) -> Config:
     return pick("V3_BWD", _by_head_dim(_V3_BWD_REDUCE, p.head_dim_pad))
 
 
+def v3_gluon_dkdv_requested() -> bool:
+    """FLASHTILE_V3_BWD=gluon: v3's backward computes dK/dV with kernels/v3_gluon_bwd.py (opt-in
+    until measured on the GPU); dQ and D stay v2's pass."""
+    return os.environ.get("FLASHTILE_V3_BWD") == "gluon" and not runtime.interpreting()
+
+
 def v3_bwd_config(p) -> Optional[Config]:
     """Tiles of v3's reduce-add backward when it is selected, else None (v2's backward runs)."""
     if os.environ.get("FLASHTILE_V3_DQ") == "reduce" or os.environ.get("FLASHTILE_CONFIG_V3_BWD"):

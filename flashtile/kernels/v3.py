@@ -21,16 +21,18 @@ What Hopper changes relative to kernels/v2.py, forward:
 Backward: FlashAttention-3's K/V-stationary kernel (one program per K/V tile, Q/dO blocks
 through TMA, dQ added in fp32 by TMA reduce-add, a conversion at the end) is here, but v2's
 backward with its separate dQ pass measured faster on the H200, so configs.py selects it only
-on request; ``deterministic=True`` never uses it.
+on request; ``deterministic=True`` never uses it.  FLASHTILE_V3_BWD=gluon keeps v2's dQ pass
+and computes dK/dV with kernels/v3_gluon_bwd.py (warp-specialized, TMA, wgmma; opt-in).
 """
 import torch
 import triton
 import triton.language as tl
 
 from flashtile import runtime
-from flashtile.kernels import v2, v3_gluon
+from flashtile.kernels import v2, v3_gluon, v3_gluon_bwd
 from flashtile.kernels.blocks import band_mask, program_sequence, sequence_bounds, visited_blocks
-from flashtile.kernels.configs import v3_bwd_config, v3_fwd_config, v3_gluon_schedule
+from flashtile.kernels.configs import (v3_bwd_config, v3_fwd_config, v3_gluon_dkdv_requested,
+                                       v3_gluon_schedule)
 from flashtile.kernels.problem import Problem
 from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile, online_softmax_step,
                                      row_delta)
@@ -273,6 +275,10 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
     separate dQ pass is bitwise reproducible (and, on the H200, faster)."""
     cfg = v3_bwd_config(p)
     if p.deterministic or cfg is None:
+        if v3_gluon_dkdv_requested() and v3_gluon_bwd.supports(p, q):
+            q, k, v, dout = (_tma_ready(x) for x in (q, k, v, dout))
+            if all(v3_gluon.tma_addressable(x) for x in (q, k, v, dout)):
+                return v2.backward(p, dout, dlse, q, k, v, out, lse, saved, dkdv_pass=v3_gluon_bwd.dkdv)
         return v2.backward(p, dout, dlse, q, k, v, out, lse, saved)
     q, k, v, dout = (_tma_ready(x) for x in (q, k, v, dout))
     dk, dv = torch.empty_like(k), torch.empty_like(v)

@@ -1,0 +1,178 @@
+"""dK and dV for Hopper in Gluon, warp-specialized: v3's opt-in backward (FLASHTILE_V3_BWD=gluon).
+
+v2's backward runs two passes: a Q-parallel pass for dQ (it also writes D = rowsum(dO * O) - dlse)
+and a K/V-parallel pass for dK and dV.  This replaces the second with FlashAttention-3's
+K/V-stationary structure on Hopper hardware; dQ stays v2's (Gluon 3.6's Hopper TMA has no
+reduce-add, and FA3's dQ accumulation needs one):
+
+- a producer warp loads the CTA's K and V tile once, then streams Q and dO blocks (every query
+  head of the K/V head, GQA) through a ``STAGES``-deep shared-memory ring by TMA;
+- two consumer warpgroups (8 warps, 64 K/V rows each) compute S^T = K Q^T and dP^T = V dO^T on
+  warpgroup MMA, P^T and dS^T in registers, and accumulate dV += P^T dO, dK += dS^T Q with P^T
+  and dS^T as register operands; dK and dV leave by TMA store through K's and V's buffers.
+
+Batched problems with head dims up to 128 (dK and dV of 128 rows stay in registers); anything
+else keeps v2's kernel.  Not yet measured on the GPU: off unless asked for.
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+from flashtile.kernels.blocks import band_mask, diagonal_band, visited_blocks
+from flashtile.kernels.tiles import LOG2E
+from flashtile.kernels.v3_gluon import _descriptor
+
+BLOCK_M = 64    # query rows per streamed block
+BLOCK_N = 128   # K/V rows per CTA: one 64-row slice per consumer warpgroup
+STAGES = 2
+# 12 warps (8 consumer, one producer warp rounded up to a warpgroup): 168 registers each at
+# launch, moved to 240 for the consumers (dK, dV, S^T, dP^T live there) and 24 for the producer.
+LAUNCH_OPTIONS = dict(num_warps=8, maxnreg=168)
+PRODUCER_REGS = gl.constexpr(24)
+
+
+@gluon.jit
+def _q_blocks(n0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr):
+    """The query blocks that see K/V rows [n0, n0 + BLOCK_N): the band with rows and columns swapped."""
+    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
+    lo, full_lo, full_hi, hi = visited_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, -dhi, -dlo)
+    return dlo, dhi, lo, full_lo, full_hi, gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, bars, problem,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    kv_ready, q_ready, q_empty = bars
+    batch, head_k, group, n0, seqlen_q, seqlen_k, window_left, window_right = problem
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [batch, n0, head_k, 0], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [batch, n0, head_k, 0], kv_ready, v_smem)
+    dlo, dhi, lo, full_lo, full_hi, n_blocks = _q_blocks(n0, seqlen_q, seqlen_k, window_left, window_right,
+                                                         BLOCK_M, BLOCK_N)
+    it = 0
+    for g in range(group):
+        head = head_k * group + g
+        for i in range(n_blocks):
+            slot = it % STAGES
+            phase = (it // STAGES) & 1
+            mbarrier.wait(q_empty.index(slot), phase ^ 1)
+            mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            m0 = lo + i * BLOCK_M
+            tma.async_copy_global_to_shared(q_desc, [batch, m0, head, 0], q_ready.index(slot), q_smem.index(slot))
+            tma.async_copy_global_to_shared(do_desc, [batch, m0, head, 0], q_ready.index(slot),
+                                            do_smem.index(slot))
+            it += 1
+
+
+@gluon.jit
+def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc, dv_desc,
+               softmax_scale, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr):
+    """Both consumer warpgroups (the default partition's 8 warps): dK and dV of the CTA's K/V rows."""
+    kv_ready, q_ready, q_empty = bars
+    batch, head_k, group, n0, seqlen_q, seqlen_k, window_left, window_right = problem
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                         instr_shape=[16, HEAD_DIM_PAD, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, acc_layout)
+    k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM_PAD])
+    v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM_PAD])
+    dlo, dhi, lo, full_lo, full_hi, n_blocks = _q_blocks(n0, seqlen_q, seqlen_k, window_left, window_right,
+                                                         BLOCK_M, BLOCK_N)
+    mbarrier.wait(kv_ready, 0)
+    it = 0
+    for g in range(group):
+        head = head_k * group + g
+        stats = batch.to(gl.int64) * slb + head * slh
+        for i in range(n_blocks):
+            slot = it % STAGES
+            phase = (it // STAGES) & 1
+            m0 = lo + i * BLOCK_M
+            cols = m0 + offs_m
+            mbarrier.wait(q_ready.index(slot), phase)
+            q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
+            do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
+            sT = warpgroup_mma(k_tile, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dpT = warpgroup_mma(v_tile, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            # Rows past the sequence read lse = +inf: their probabilities are exactly 0.
+            lse = gl.load(LSE + stats + cols, mask=cols < seqlen_q, other=float("inf")) * LOG2E
+            delta = gl.load(DELTA + stats + cols, mask=cols < seqlen_q, other=0.0)
+            sT = warpgroup_mma_wait(1, deps=[sT])
+            pT = gl.exp2(sT * scale_log2 - lse[None, :])
+            if (m0 < full_lo) | (m0 >= full_hi):
+                pT = gl.where(band_mask(rows_k, cols, seqlen_q, -dhi, -dlo), pT, 0.0)
+            pT_op = gl.convert_layout(pT.to(dtype), op_layout)
+            dv = warpgroup_mma(pT_op, do, dv, is_async=True)
+            dpT = warpgroup_mma_wait(1, deps=[dpT])
+            dsT_op = gl.convert_layout((pT * (dpT - delta[None, :])).to(dtype), op_layout)
+            dk = warpgroup_mma(dsT_op, q, dk, is_async=True)
+            dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=[dv, dk, pT_op, dsT_op])
+            mbarrier.arrive(q_empty.index(slot))
+            it += 1
+    # K and V are no longer read: their buffers stage dK and dV for the TMA stores, which drop
+    # rows past the sequence and lanes past the head dim.
+    k_tile.store((dk * softmax_scale).to(dtype))
+    v_tile.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [batch, n0, head_k, 0], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [batch, n0, head_k, 0], v_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, slb, slh, heads_k, group,
+                 seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                 STAGES: gl.constexpr):
+    bh = gl.program_id(0)
+    n0 = gl.program_id(1) * BLOCK_N
+    batch = bh // heads_k
+    head_k = bh % heads_k
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+    bars = (kv_ready, q_ready, q_empty)
+    problem = (batch, head_k, group, n0, seqlen_q, seqlen_k, window_left, window_right)
+    gl.warp_specialize([
+        (_consumers, (q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc, dv_desc,
+                      softmax_scale, scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, bars, problem,
+                     BLOCK_M, BLOCK_N, STAGES)),
+    ], [1], [PRODUCER_REGS])
+
+
+def supports(p, q) -> bool:
+    """Batched problems on a GPU with head dims up to 128 (dK and dV must fit in registers)."""
+    return q.is_cuda and not p.varlen and p.head_dim_pad in (64, 128) and p.head_dim % 8 == 0
+
+
+def dkdv(p, q, k, v, dout, lse, delta):
+    """dK and dV; ``delta`` is D = rowsum(dO * O) - dlse from v2's dQ pass; tensors TMA-ready."""
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    _dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, BLOCK_N))](
+        _descriptor(q, BLOCK_M, p.head_dim_pad), _descriptor(k, BLOCK_N, p.head_dim_pad),
+        _descriptor(v, BLOCK_N, p.head_dim_pad), _descriptor(dout, BLOCK_M, p.head_dim_pad),
+        _descriptor(dk, BLOCK_N, p.head_dim_pad), _descriptor(dv, BLOCK_N, p.head_dim_pad),
+        lse, delta, lse.stride(0), lse.stride(1), p.heads_k, p.group, p.seqlen_q, p.seqlen_k,
+        p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM_PAD=p.head_dim_pad, STAGES=STAGES, **LAUNCH_OPTIONS)
+    return dk, dv
