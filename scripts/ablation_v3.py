@@ -32,7 +32,7 @@ ROWS = [
      {"FLASHTILE_CONFIG_V2_FWD": "128,128,8,3"}, ("fwd",)),
     ("backward: K/V-stationary with dQ by TMA reduce-add (not shipped)", "flashtile-v3",
      {"FLASHTILE_V3_DQ": "reduce"}, ("bwd",)),
-    ("backward: dK/dV by the warp-specialized Gluon kernel (opt-in), dQ by v2's pass", "flashtile-v3",
+    ("backward: v2's two passes as warp-specialized Gluon kernels (opt-in)", "flashtile-v3",
      {"FLASHTILE_V3_BWD": "gluon"}, ("bwd",)),
     ("peer: SDPA cuDNN", "sdpa-cudnn", {}, ("fwd", "bwd")),
     ("peer: SDPA flash (FlashAttention-2)", "sdpa-flash", {}, ("fwd", "bwd")),

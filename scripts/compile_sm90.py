@@ -55,14 +55,17 @@ def gluon_case(head_dim):
     return consts, dict(v3_gluon.LAUNCH_OPTIONS), descriptors
 
 
-def gluon_bwd_case(head_dim_pad):
-    """v3's opt-in Gluon dK/dV kernel with its launch constants and options."""
+def gluon_bwd_case(head_dim_pad, dq_pass):
+    """One of v3's opt-in Gluon backward kernels with its launch constants and options."""
     b = v3_gluon_bwd
-    q_block = v3_gluon._block_layout(b.BLOCK_M, head_dim_pad, torch.bfloat16)
-    kv_block = v3_gluon._block_layout(b.BLOCK_N, head_dim_pad, torch.bfloat16)
-    descriptors = {"q_desc": q_block, "do_desc": q_block, "k_desc": kv_block, "v_desc": kv_block,
-                   "dk_desc": kv_block, "dv_desc": kv_block}
-    consts = dict(BLOCK_M=b.BLOCK_M, BLOCK_N=b.BLOCK_N, HEAD_DIM_PAD=head_dim_pad, STAGES=b.STAGES)
+    block_m, block_n = (b.DQ_BLOCK_M, b.DQ_BLOCK_N) if dq_pass else (b.BLOCK_M, b.BLOCK_N)
+    q_block = v3_gluon._block_layout(block_m, head_dim_pad, torch.bfloat16)
+    kv_block = v3_gluon._block_layout(block_n, head_dim_pad, torch.bfloat16)
+    descriptors = {"q_desc": q_block, "do_desc": q_block, "dq_desc": q_block, "k_desc": kv_block,
+                   "v_desc": kv_block, "dk_desc": kv_block, "dv_desc": kv_block}
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PAD=head_dim_pad, STAGES=b.STAGES)
+    if dq_pass:
+        consts["HAS_DLSE"] = False
     return consts, dict(b.LAUNCH_OPTIONS), descriptors
 
 
@@ -98,7 +101,8 @@ def cases(head_dim=128, varlen=False):
     if not varlen:  # the Gluon kernels take batched problems only
         yield ("v3.fwd_gluon", v3_gluon._fwd_kernel, *gluon_case(head_dim))
         if p.head_dim_pad <= 128:
-            yield ("v3.bwd_dkdv_gluon", v3_gluon_bwd._dkdv_kernel, *gluon_bwd_case(p.head_dim_pad))
+            yield ("v3.bwd_dq_gluon", v3_gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, True))
+            yield ("v3.bwd_dkdv_gluon", v3_gluon_bwd._dkdv_kernel, *gluon_bwd_case(p.head_dim_pad, False))
 
 
 def main():

@@ -56,8 +56,8 @@ for stage in $stages; do
       sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
       # No caching allocator: an out-of-bounds access must leave the allocation to be seen.
       (rc=0
-       # v3 both ways each: the Gluon and the plain-Triton forward; the Gluon dK/dV kernel after
-       # v2's dQ pass, and the TMA reduce-add backward
+       # v3 both ways each: the Gluon and the plain-Triton forward; the Gluon backward and the
+       # TMA reduce-add one
        for run in "pass gluon v1,v2,v3" "reduce triton v3"; do
          set -- $run
          echo "FLASHTILE_V3_DQ=$1 FLASHTILE_V3_FWD=$2 FLASHTILE_V3_BWD=$2"

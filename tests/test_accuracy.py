@@ -61,14 +61,19 @@ def test_v3_both_forward_kernels_on_short_bands(monkeypatch, kernel, head_dim):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 8)])
-def test_v3_gluon_dkdv_backward(monkeypatch, head_dim, window):
-    # v3's opt-in Gluon dK/dV kernel (on the GPU; the interpreter keeps v2's) against the oracle:
-    # GQA, seqlens that are not block multiples, causal and a sliding window.
+def test_v3_gluon_backward(monkeypatch, head_dim, window):
+    # v3's opt-in Gluon backward kernels (on the GPU; the interpreter keeps v2's) against the
+    # oracle: GQA, seqlens that are not block multiples, causal and a sliding window.
     monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon")
     sq, sk = (700, 1000) if ON_GPU else (40, 70)
     q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, head_dim, DTYPES[0], DEVICE)
     check_against_reference(lambda a, b, c: flash_attn_func(a, b, c, window_size=window, version="v3"),
                             q, k, v, window_size=window)
+
+
+def test_v3_gluon_backward_through_logsumexp(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon")
+    test_gradient_through_logsumexp("v3", head_dim=64)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -103,9 +108,9 @@ def test_fully_masked_rows_have_zero_output_and_finite_grads(version):
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_gradient_through_logsumexp(version):
+def test_gradient_through_logsumexp(version, head_dim=32):
     """A loss that uses softmax_lse gets its gradient too (it folds into D in the backward)."""
-    q, k, v = make_qkv(1, 45, 60, 2, 2, 32, DTYPES[0], DEVICE)
+    q, k, v = make_qkv(1, 45, 60, 2, 2, head_dim, DTYPES[0], DEVICE)
     w = torch.randn(1, 2, 45, device=DEVICE)
 
     def grads(fn, dtype=None):

@@ -68,19 +68,20 @@ def test_v3_gluon_forward_compiles_for_sm90(tmp_path, head_dim):
         assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
 
 
+@pytest.mark.parametrize("kernel", ["v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_v3_gluon_dkdv_kernel_compiles_for_sm90(tmp_path, head_dim):
-    # The opt-in Gluon dK/dV kernel (FLASHTILE_V3_BWD=gluon): a TMA producer warp and 8 consumer
-    # warps; S^T and dP^T from shared memory, dV and dK from P^T and dS^T in registers.
-    ttgir = compile_for_sm90(tmp_path, "v3.bwd_dkdv_gluon", head_dim, {})
-    ptx = (tmp_path / f"v3.bwd_dkdv_gluon_d{head_dim}.ptx").read_text()
+def test_v3_gluon_backward_kernels_compile_for_sm90(tmp_path, kernel, head_dim):
+    # The opt-in Gluon backward (FLASHTILE_V3_BWD=gluon): a TMA producer warp and 8 consumer
+    # warps; S and dP from shared memory, the gradient products with P / dS in registers.
+    ttgir = compile_for_sm90(tmp_path, kernel, head_dim, {})
+    ptx = (tmp_path / f"{kernel}_d{head_dim}.ptx").read_text()
     assert "ttg.warp_specialize" in ttgir and len(re.findall(r"partition\d+\(", ttgir)) == 1
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)
     assert "cp.async.bulk.tensor.4d.shared::cluster.global" in ptx  # TMA loads
-    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx      # TMA stores of dK, dV
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx      # TMA stores of the gradients
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx)
-    assert any(n == str(head_dim) and a == "{" for n, a in wgmma), "dK/dV products without registers A"
-    assert any(n == "64" and a == "%" for n, a in wgmma), "S^T / dP^T not from shared memory"
+    assert any(n == str(head_dim) and a == "{" for n, a in wgmma), "gradient products without register A"
+    assert any(n == "64" and a == "%" for n, a in wgmma), "S / dP not from shared memory"
 
 
 def test_v3_gluon_ablation_switches_remove_their_technique(tmp_path):

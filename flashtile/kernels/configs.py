@@ -149,8 +149,8 @@ def v3_bwd_reduce_config(p) -> Config:
 
 
 def v3_gluon_dkdv_requested() -> bool:
-    """FLASHTILE_V3_BWD=gluon: v3's backward computes dK/dV with kernels/v3_gluon_bwd.py (opt-in
-    until measured on the GPU); dQ and D stay v2's pass."""
+    """FLASHTILE_V3_BWD=gluon: v3's backward runs kernels/v3_gluon_bwd.py (opt-in until measured
+    on the GPU)."""
     return os.environ.get("FLASHTILE_V3_BWD") == "gluon" and not runtime.interpreting()
 
 

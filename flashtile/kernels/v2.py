@@ -246,10 +246,9 @@ def forward(p: Problem, q, k, v):
     return out, lse, lse.new_empty(0)
 
 
-def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved, dkdv_pass=None):
-    """dq, dk, dv.  ``dlse`` (the gradient reaching the logsumexp) may be None.  ``dkdv_pass(p, q,
-    k, v, dout, lse, delta) -> (dk, dv)`` replaces this file's dK/dV kernel (v3 on Hopper)."""
-    dq = torch.empty_like(q)
+def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
+    """dq, dk, dv.  ``dlse`` (the gradient reaching the logsumexp) may be None."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
     cu_q, cu_k = p.cu_pointers(q.device)
     common = dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=p.varlen, UPCAST=p.upcast(q))
@@ -263,9 +262,6 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved, dkdv_pass=None):
         p.window_left, p.window_right, BLOCK_M=q_cfg.block_m, BLOCK_N=q_cfg.block_n,
         NUM_STAGES=q_cfg.num_stages, HAS_DLSE=dlse is not None, num_warps=q_cfg.num_warps,
         num_stages=q_cfg.num_stages, **common)
-    if dkdv_pass is not None:
-        return (dq, *dkdv_pass(p, q, k, v, dout, lse, delta))
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
     _bwd_dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, kv_cfg.block_n))](
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),

@@ -21,8 +21,8 @@ What Hopper changes relative to kernels/v2.py, forward:
 Backward: FlashAttention-3's K/V-stationary kernel (one program per K/V tile, Q/dO blocks
 through TMA, dQ added in fp32 by TMA reduce-add, a conversion at the end) is here, but v2's
 backward with its separate dQ pass measured faster on the H200, so configs.py selects it only
-on request; ``deterministic=True`` never uses it.  FLASHTILE_V3_BWD=gluon keeps v2's dQ pass
-and computes dK/dV with kernels/v3_gluon_bwd.py (warp-specialized, TMA, wgmma; opt-in).
+on request; ``deterministic=True`` never uses it.  FLASHTILE_V3_BWD=gluon runs v2's two passes
+as warp-specialized Gluon kernels instead (kernels/v3_gluon_bwd.py; opt-in, deterministic).
 """
 import torch
 import triton
@@ -278,7 +278,7 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
         if v3_gluon_dkdv_requested() and v3_gluon_bwd.supports(p, q):
             q, k, v, dout = (_tma_ready(x) for x in (q, k, v, dout))
             if all(v3_gluon.tma_addressable(x) for x in (q, k, v, dout)):
-                return v2.backward(p, dout, dlse, q, k, v, out, lse, saved, dkdv_pass=v3_gluon_bwd.dkdv)
+                return v3_gluon_bwd.backward(p, dout, dlse, q, k, v, out, lse)
         return v2.backward(p, dout, dlse, q, k, v, out, lse, saved)
     q, k, v, dout = (_tma_ready(x) for x in (q, k, v, dout))
     dk, dv = torch.empty_like(k), torch.empty_like(v)

@@ -1,18 +1,20 @@
-"""dK and dV for Hopper in Gluon, warp-specialized: v3's opt-in backward (FLASHTILE_V3_BWD=gluon).
+"""v3's backward for Hopper in Gluon, warp-specialized: opt-in (FLASHTILE_V3_BWD=gluon).
 
-v2's backward runs two passes: a Q-parallel pass for dQ (it also writes D = rowsum(dO * O) - dlse)
-and a K/V-parallel pass for dK and dV.  This replaces the second with FlashAttention-3's
-K/V-stationary structure on Hopper hardware; dQ stays v2's (Gluon 3.6's Hopper TMA has no
-reduce-add, and FA3's dQ accumulation needs one):
+Two passes, as v2's backward: deterministic, no atomics (Gluon 3.6's Hopper TMA has no
+reduce-add, which FlashAttention-3's single-pass dQ accumulation needs).  Each pass is one CTA of
+8 consumer warps (two warpgroups, 64 rows each) and a producer warp streaming tiles by TMA
+through a ``STAGES``-deep shared-memory ring, products on warpgroup MMA with the probabilities
+as register operands:
 
-- a producer warp loads the CTA's K and V tile once, then streams Q and dO blocks (every query
-  head of the K/V head, GQA) through a ``STAGES``-deep shared-memory ring by TMA;
-- two consumer warpgroups (8 warps, 64 K/V rows each) compute S^T = K Q^T and dP^T = V dO^T on
-  warpgroup MMA, P^T and dS^T in registers, and accumulate dV += P^T dO, dK += dS^T Q with P^T
-  and dS^T as register operands; dK and dV leave by TMA store through K's and V's buffers.
+- dQ pass (Q-stationary, runs first): 128 query rows against every K/V block of their band;
+  S = Q K^T and dP = dO V^T from shared memory, dQ += dS K; it also writes D = rowsum(dO * O) -
+  dlse for the second pass;
+- dK/dV pass (K/V-stationary, FlashAttention-3's structure): 128 K/V rows against every Q/dO
+  block of every query head of their K/V head; S^T = K Q^T, dP^T = V dO^T, dV += P^T dO,
+  dK += dS^T Q.  Results leave by TMA store through the buffers of operands no longer read.
 
-Batched problems with head dims up to 128 (dK and dV of 128 rows stay in registers); anything
-else keeps v2's kernel.  Not yet measured on the GPU: off unless asked for.
+Batched problems with head dims up to 128 (the accumulators of 128 rows stay in registers);
+anything else keeps v2's kernels.  Not yet measured on the GPU: off unless asked for.
 """
 import torch
 import triton
@@ -22,11 +24,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from flashtile.kernels.blocks import band_mask, diagonal_band, visited_blocks
-from flashtile.kernels.tiles import LOG2E
+from flashtile.kernels.tiles import LOG2E, row_delta
 from flashtile.kernels.v3_gluon import _descriptor
 
-BLOCK_M = 64    # query rows per streamed block
-BLOCK_N = 128   # K/V rows per CTA: one 64-row slice per consumer warpgroup
+BLOCK_M = 64    # dK/dV pass: query rows per streamed block
+BLOCK_N = 128   # dK/dV pass: K/V rows per CTA, one 64-row slice per consumer warpgroup
+DQ_BLOCK_M = 128  # dQ pass: query rows per CTA
+DQ_BLOCK_N = 64   # dQ pass: K/V rows per streamed block
 STAGES = 2
 # 12 warps (8 consumer, one producer warp rounded up to a warpgroup): 168 registers each at
 # launch, moved to 240 for the consumers (dK, dV, S^T, dP^T live there) and 24 for the producer.
@@ -160,19 +164,152 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, 
     ], [1], [PRODUCER_REGS])
 
 
+@gluon.jit
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, problem,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    q_ready, kv_ready, kv_empty = bars
+    batch, head, group, m0, seqlen_q, seqlen_k, window_left, window_right = problem
+    mbarrier.expect(q_ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [batch, m0, head, 0], q_ready, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [batch, m0, head, 0], q_ready, do_smem)
+    lo, full_lo, full_hi, n_blocks = _k_blocks(m0, seqlen_q, seqlen_k, window_left, window_right,
+                                               BLOCK_M, BLOCK_N)
+    for j in range(n_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(kv_empty.index(slot), phase ^ 1)
+        mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        n0 = lo + j * BLOCK_N
+        tma.async_copy_global_to_shared(k_desc, [batch, n0, head // group, 0], kv_ready.index(slot),
+                                        k_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [batch, n0, head // group, 0], kv_ready.index(slot),
+                                        v_smem.index(slot))
+
+
+@gluon.jit
+def _k_blocks(m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The K/V blocks query rows [m0, m0 + BLOCK_M) see: (lo, full_lo, full_hi, count)."""
+    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
+    lo, full_lo, full_hi, hi = visited_blocks(m0, BLOCK_M, BLOCK_N, seqlen_k, dlo, dhi)
+    return lo, full_lo, full_hi, gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+
+@gluon.jit
+def _dq_consumers(q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA,
+                  slb, slh,
+                  dq_desc, softmax_scale, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, HAS_DLSE: gl.constexpr):
+    """Both consumer warpgroups: dQ of the CTA's query rows, and their D."""
+    q_ready, kv_ready, kv_empty = bars
+    batch, head, group, m0, seqlen_q, seqlen_k, window_left, window_right = problem
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                         instr_shape=[16, HEAD_DIM_PAD, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # D = rowsum(dO * O) - dlse, from O in global memory and dO in shared memory, row by row.
+    tile_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    tile_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, tile_layout))
+    offs_d = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, tile_layout))
+    o_ptrs = O + batch.to(gl.int64) * sob + tile_rows[:, None].to(gl.int64) * sos + head * soh + offs_d[None, :]
+    o = gl.load(o_ptrs, mask=(tile_rows[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
+    stats = batch.to(gl.int64) * slb + head * slh
+    mbarrier.wait(q_ready, 0)
+    q = q_smem.reshape([BLOCK_M, HEAD_DIM_PAD])
+    do = do_smem.reshape([BLOCK_M, HEAD_DIM_PAD])
+    delta = row_delta(o, do.load(tile_layout), DLSE, stats + tile_rows, tile_rows, seqlen_q, HAS_DLSE)
+    gl.store(DELTA + stats + tile_rows, delta, mask=tile_rows < seqlen_q)
+    rows = m0 + gl.arange(0, BLOCK_M, layout=rows_layout)
+    delta = gl.convert_layout(delta, rows_layout)
+    # Rows past the sequence read lse = +inf: their probabilities are exactly 0.
+    lse = gl.load(LSE + stats + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    dq = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, acc_layout)
+    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
+    lo, full_lo, full_hi, n_blocks = _k_blocks(m0, seqlen_q, seqlen_k, window_left, window_right,
+                                               BLOCK_M, BLOCK_N)
+    for j in range(n_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        n0 = lo + j * BLOCK_N
+        mbarrier.wait(kv_ready.index(slot), phase)
+        k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM_PAD])
+        v = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM_PAD])
+        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s])
+        p = gl.exp2(s * scale_log2 - lse[:, None])
+        if (n0 < full_lo) | (n0 >= full_hi):
+            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=[dp])
+        ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout)
+        dq = warpgroup_mma(ds_op, k, dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
+        mbarrier.arrive(kv_empty.index(slot))
+    # Q is no longer read: its buffer stages dQ for the TMA store.
+    q.store((dq * softmax_scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [batch, m0, head, 0], q_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh,
+               heads_q,
+               group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
+               HAS_DLSE: gl.constexpr):
+    bh = gl.program_id(0)
+    m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M  # long causal rows first
+    batch = bh // heads_q
+    head = bh % heads_q
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=1)
+    bars = (q_ready, kv_ready, kv_empty)
+    problem = (batch, head, group, m0, seqlen_q, seqlen_k, window_left, window_right)
+    gl.warp_specialize([
+        (_dq_consumers, (q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA,
+                         slb, slh, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
+                         HAS_DLSE)),
+        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, problem,
+                        BLOCK_M, BLOCK_N, STAGES)),
+    ], [1], [PRODUCER_REGS])
+
+
 def supports(p, q) -> bool:
     """Batched problems on a GPU with head dims up to 128 (dK and dV must fit in registers)."""
     return q.is_cuda and not p.varlen and p.head_dim_pad in (64, 128) and p.head_dim % 8 == 0
 
 
-def dkdv(p, q, k, v, dout, lse, delta):
-    """dK and dV; ``delta`` is D = rowsum(dO * O) - dlse from v2's dQ pass; tensors TMA-ready."""
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+def backward(p, dout, dlse, q, k, v, out, lse):
+    """dq, dk, dv; q, k, v and dout TMA-ready.  ``dlse`` (gradient reaching the logsumexp) may be None."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty_like(lse)
+    pad = p.head_dim_pad
+    _dq_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, DQ_BLOCK_M))](
+        _descriptor(q, DQ_BLOCK_M, pad), _descriptor(dout, DQ_BLOCK_M, pad), _descriptor(k, DQ_BLOCK_N, pad),
+        _descriptor(v, DQ_BLOCK_N, pad), _descriptor(dq, DQ_BLOCK_M, pad),
+        out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, delta if dlse is None else dlse, delta,
+        lse.stride(0), lse.stride(1), p.heads_q, p.group, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+        p.softmax_scale, p.scale_log2, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, HEAD_DIM_PAD=pad, STAGES=STAGES,
+        HAS_DLSE=dlse is not None, **LAUNCH_OPTIONS)
+    # D, written by the dQ pass, is read here: launched after it on the same stream.
     _dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, BLOCK_N))](
-        _descriptor(q, BLOCK_M, p.head_dim_pad), _descriptor(k, BLOCK_N, p.head_dim_pad),
-        _descriptor(v, BLOCK_N, p.head_dim_pad), _descriptor(dout, BLOCK_M, p.head_dim_pad),
-        _descriptor(dk, BLOCK_N, p.head_dim_pad), _descriptor(dv, BLOCK_N, p.head_dim_pad),
+        _descriptor(q, BLOCK_M, pad), _descriptor(k, BLOCK_N, pad), _descriptor(v, BLOCK_N, pad),
+        _descriptor(dout, BLOCK_M, pad), _descriptor(dk, BLOCK_N, pad), _descriptor(dv, BLOCK_N, pad),
         lse, delta, lse.stride(0), lse.stride(1), p.heads_k, p.group, p.seqlen_q, p.seqlen_k,
         p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM_PAD=p.head_dim_pad, STAGES=STAGES, **LAUNCH_OPTIONS)
-    return dk, dv
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM_PAD=pad, STAGES=STAGES, **LAUNCH_OPTIONS)
+    return dq, dk, dv
