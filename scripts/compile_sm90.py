@@ -49,8 +49,8 @@ def gluon_case(head_dim):
     p = Problem(1, 16, 16, 4096, 4096, head_dim, 0.1, -1, -1, None, None)
     cfg = configs.v3_gluon_schedule(p)
     consts = v3_gluon.kernel_constants(p, cfg, 2)
-    q_block = v3_gluon._block_layout(consts["ROWS"], p.head_dim_pad, torch.bfloat16)
-    kv_block = v3_gluon._block_layout(cfg.block_n, p.head_dim_pad, torch.bfloat16)
+    q_block = v3_gluon.block_layout(consts["ROWS"], p.head_dim_pad, torch.bfloat16)
+    kv_block = v3_gluon.block_layout(cfg.block_n, p.head_dim_pad, torch.bfloat16)
     descriptors = {"q_desc": q_block, "o_desc": q_block, "k_desc": kv_block, "v_desc": kv_block}
     return consts, dict(v3_gluon.LAUNCH_OPTIONS), descriptors
 
@@ -59,8 +59,8 @@ def gluon_bwd_case(head_dim_pad, dq_pass):
     """One of v3's opt-in Gluon backward kernels with its launch constants and options."""
     b = v3_gluon_bwd
     block_m, block_n = (b.DQ_BLOCK_M, b.DQ_BLOCK_N) if dq_pass else (b.BLOCK_M, b.BLOCK_N)
-    q_block = v3_gluon._block_layout(block_m, head_dim_pad, torch.bfloat16)
-    kv_block = v3_gluon._block_layout(block_n, head_dim_pad, torch.bfloat16)
+    q_block = v3_gluon.block_layout(block_m, head_dim_pad, torch.bfloat16)
+    kv_block = v3_gluon.block_layout(block_n, head_dim_pad, torch.bfloat16)
     descriptors = {"q_desc": q_block, "do_desc": q_block, "dq_desc": q_block, "k_desc": kv_block,
                    "v_desc": kv_block, "dk_desc": kv_block, "dv_desc": kv_block}
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PAD=head_dim_pad, STAGES=b.STAGES)

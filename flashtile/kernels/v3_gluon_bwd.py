@@ -25,7 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from flashtile.kernels.blocks import band_mask, diagonal_band, visited_blocks
 from flashtile.kernels.tiles import LOG2E, row_delta
-from flashtile.kernels.v3_gluon import _descriptor
+from flashtile.kernels.v3_gluon import tma_descriptor
 
 BLOCK_M = 64    # dK/dV pass: query rows per streamed block
 BLOCK_N = 128   # dK/dV pass: K/V rows per CTA, one 64-row slice per consumer warpgroup
@@ -299,16 +299,16 @@ def backward(p, dout, dlse, q, k, v, out, lse):
     delta = torch.empty_like(lse)
     pad = p.head_dim_pad
     _dq_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, DQ_BLOCK_M))](
-        _descriptor(q, DQ_BLOCK_M, pad), _descriptor(dout, DQ_BLOCK_M, pad), _descriptor(k, DQ_BLOCK_N, pad),
-        _descriptor(v, DQ_BLOCK_N, pad), _descriptor(dq, DQ_BLOCK_M, pad),
+        tma_descriptor(q, DQ_BLOCK_M, pad), tma_descriptor(dout, DQ_BLOCK_M, pad), tma_descriptor(k, DQ_BLOCK_N, pad),
+        tma_descriptor(v, DQ_BLOCK_N, pad), tma_descriptor(dq, DQ_BLOCK_M, pad),
         out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, delta if dlse is None else dlse, delta,
         lse.stride(0), lse.stride(1), p.heads_q, p.group, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
         p.softmax_scale, p.scale_log2, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, HEAD_DIM_PAD=pad, STAGES=STAGES,
         HAS_DLSE=dlse is not None, **LAUNCH_OPTIONS)
     # D, written by the dQ pass, is read here: launched after it on the same stream.
     _dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, BLOCK_N))](
-        _descriptor(q, BLOCK_M, pad), _descriptor(k, BLOCK_N, pad), _descriptor(v, BLOCK_N, pad),
-        _descriptor(dout, BLOCK_M, pad), _descriptor(dk, BLOCK_N, pad), _descriptor(dv, BLOCK_N, pad),
+        tma_descriptor(q, BLOCK_M, pad), tma_descriptor(k, BLOCK_N, pad), tma_descriptor(v, BLOCK_N, pad),
+        tma_descriptor(dout, BLOCK_M, pad), tma_descriptor(dk, BLOCK_N, pad), tma_descriptor(dv, BLOCK_N, pad),
         lse, delta, lse.stride(0), lse.stride(1), p.heads_k, p.group, p.seqlen_q, p.seqlen_k,
         p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM_PAD=pad, STAGES=STAGES, **LAUNCH_OPTIONS)
