@@ -39,6 +39,24 @@ PRODUCER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
+def _pass_buffers(a_desc, b_desc, c_desc, d_desc, STAGES: gl.constexpr):
+    """Shared memory of one pass: a stationary pair of tiles (a, b), loaded once, and a ring of
+    STAGES streamed pairs (c, d); mbarriers (stationary ready, ring slot ready, ring slot empty)."""
+    a = gl.allocate_shared_memory(a_desc.dtype, a_desc.block_type.shape, a_desc.layout)
+    b = gl.allocate_shared_memory(b_desc.dtype, b_desc.block_type.shape, b_desc.layout)
+    c = gl.allocate_shared_memory(c_desc.dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
+    d = gl.allocate_shared_memory(d_desc.dtype, [STAGES] + d_desc.block_type.shape, d_desc.layout)
+    stationary_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ring_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ring_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(stationary_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ring_ready.index(i), count=1)
+        mbarrier.init(ring_empty.index(i), count=1)
+    return a, b, c, d, (stationary_ready, ring_ready, ring_empty)
+
+
+@gluon.jit
 def _q_blocks(n0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr):
     """The query blocks that see K/V rows [n0, n0 + BLOCK_N): the band with rows and columns swapped."""
@@ -143,18 +161,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, 
     n0 = gl.program_id(1) * BLOCK_N
     batch = bh // heads_k
     head_k = bh % heads_k
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=1)
-    bars = (kv_ready, q_ready, q_empty)
+    k_smem, v_smem, q_smem, do_smem, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, STAGES)
     problem = (batch, head_k, group, n0, seqlen_q, seqlen_k, window_left, window_right)
     gl.warp_specialize([
         (_consumers, (q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc, dv_desc,
@@ -266,18 +273,7 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
     m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M  # long causal rows first
     batch = bh // heads_q
     head = bh % heads_q
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=1)
-    bars = (q_ready, kv_ready, kv_empty)
+    q_smem, do_smem, k_smem, v_smem, bars = _pass_buffers(q_desc, do_desc, k_desc, v_desc, STAGES)
     problem = (batch, head, group, m0, seqlen_q, seqlen_k, window_left, window_right)
     gl.warp_specialize([
         (_dq_consumers, (q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA,
