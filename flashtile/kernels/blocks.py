@@ -44,6 +44,23 @@ def visited_blocks(r0, ROWS, COLS, n_cols, dlo, dhi):
 
 
 @triton.jit
+def band_blocks(r0, ROWS, COLS, seqlen_q, seqlen_k, window_left, window_right, KEY_ROWS: tl.constexpr):
+    """For the rows [r0, r0 + ROWS) of one sequence: the band (dlo, dhi) and the column blocks
+    to visit, (lo, full_lo, full_hi, count) as in visited_blocks with ``count`` blocks from lo.
+
+    Rows are queries and columns keys; KEY_ROWS swaps them (the K/V-stationary backward), so
+    the band is read with rows and columns swapped.  For loops that count their blocks (the
+    Gluon kernels) rather than step through [lo, hi)."""
+    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
+    if KEY_ROWS:
+        lo, full_lo, full_hi, hi = visited_blocks(r0, ROWS, COLS, seqlen_q, -dhi, -dlo)
+    else:
+        lo, full_lo, full_hi, hi = visited_blocks(r0, ROWS, COLS, seqlen_k, dlo, dhi)
+    count = (tl.maximum(hi - lo, 0) + COLS - 1) // COLS
+    return dlo, dhi, lo, full_lo, full_hi, count
+
+
+@triton.jit
 def band_mask(rows, cols, n_cols, dlo, dhi):
     """Element mask of a (rows x cols) tile: inside the band and inside the key sequence."""
     diff = cols[None, :] - rows[:, None]

@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashtile.kernels.blocks import band_mask, diagonal_band, visited_blocks
+from flashtile.kernels.blocks import band_blocks, band_mask
 from flashtile.kernels.configs import GLUON_TILE_M
 from flashtile.kernels.tiles import finalize_rows, online_softmax_step
 
@@ -58,9 +58,8 @@ def _tile(t, walk, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
     r = t % group_tiles
     m0 = (m_blocks - 1 - r // heads_here) * TILE_M
     bh = first_head + r % heads_here
-    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
-    lo, full_lo, full_hi, hi = visited_blocks(m0, TILE_M, BLOCK_N, seqlen_k, dlo, dhi)
-    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(m0, TILE_M, BLOCK_N, seqlen_q, seqlen_k, window_left,
+                                                           window_right, False)
     return bh // heads_q, bh % heads_q, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks
 
 

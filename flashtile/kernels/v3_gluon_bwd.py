@@ -23,7 +23,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from flashtile.kernels.blocks import band_mask, diagonal_band, visited_blocks
+from flashtile.kernels.blocks import band_blocks, band_mask
 from flashtile.kernels.tiles import LOG2E, row_delta
 from flashtile.kernels.v3_gluon import tma_descriptor
 
@@ -57,15 +57,6 @@ def _pass_buffers(a_desc, b_desc, c_desc, d_desc, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _q_blocks(n0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr):
-    """The query blocks that see K/V rows [n0, n0 + BLOCK_N): the band with rows and columns swapped."""
-    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
-    lo, full_lo, full_hi, hi = visited_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, -dhi, -dlo)
-    return dlo, dhi, lo, full_lo, full_hi, gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M)
-
-
-@gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, bars, problem,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     kv_ready, q_ready, q_empty = bars
@@ -73,8 +64,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, 
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [batch, n0, head_k, 0], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [batch, n0, head_k, 0], kv_ready, v_smem)
-    dlo, dhi, lo, full_lo, full_hi, n_blocks = _q_blocks(n0, seqlen_q, seqlen_k, window_left, window_right,
-                                                         BLOCK_M, BLOCK_N)
+    dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k, window_left,
+                                                           window_right, True)
     it = 0
     for g in range(group):
         head = head_k * group + g
@@ -110,8 +101,8 @@ def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, 
     dv = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, acc_layout)
     k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM_PAD])
     v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM_PAD])
-    dlo, dhi, lo, full_lo, full_hi, n_blocks = _q_blocks(n0, seqlen_q, seqlen_k, window_left, window_right,
-                                                         BLOCK_M, BLOCK_N)
+    dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k, window_left,
+                                                           window_right, True)
     mbarrier.wait(kv_ready, 0)
     it = 0
     for g in range(group):
@@ -179,8 +170,8 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sme
     mbarrier.expect(q_ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [batch, m0, head, 0], q_ready, q_smem)
     tma.async_copy_global_to_shared(do_desc, [batch, m0, head, 0], q_ready, do_smem)
-    lo, full_lo, full_hi, n_blocks = _k_blocks(m0, seqlen_q, seqlen_k, window_left, window_right,
-                                               BLOCK_M, BLOCK_N)
+    dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(m0, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left,
+                                                           window_right, False)
     for j in range(n_blocks):
         slot = j % STAGES
         phase = (j // STAGES) & 1
@@ -191,14 +182,6 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sme
                                         k_smem.index(slot))
         tma.async_copy_global_to_shared(v_desc, [batch, n0, head // group, 0], kv_ready.index(slot),
                                         v_smem.index(slot))
-
-
-@gluon.jit
-def _k_blocks(m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The K/V blocks query rows [m0, m0 + BLOCK_M) see: (lo, full_lo, full_hi, count)."""
-    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
-    lo, full_lo, full_hi, hi = visited_blocks(m0, BLOCK_M, BLOCK_N, seqlen_k, dlo, dhi)
-    return lo, full_lo, full_hi, gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
 
 
 @gluon.jit
@@ -234,9 +217,8 @@ def _dq_consumers(q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, s
     lse = gl.load(LSE + stats + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, acc_layout)
-    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
-    lo, full_lo, full_hi, n_blocks = _k_blocks(m0, seqlen_q, seqlen_k, window_left, window_right,
-                                               BLOCK_M, BLOCK_N)
+    dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(m0, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left,
+                                                           window_right, False)
     for j in range(n_blocks):
         slot = j % STAGES
         phase = (j // STAGES) & 1
