@@ -42,8 +42,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     nheads a multiple of nheads_k (GQA/MQA).  fp16 or bf16, head dim a multiple of 8 up to 256.
     window_size=(left, right) limits keys to [i - left, i + right] around the aligned
     diagonal (-1: unbounded).  ``version``: "v1", "v2", "v3", "auto" (the best this device
-    runs) or "tiled" (the PyTorch implementation).  ``deterministic=True`` makes v3's backward
-    bitwise reproducible (it otherwise adds dQ atomically; v1 and v2 always are).  Returns ``out``, or
+    runs) or "tiled" (the PyTorch implementation).  ``deterministic=True`` guarantees bitwise
+    reproducible gradients: every default backward gives them, and the flag keeps v3 off its
+    opt-in atomic-dQ kernel (FLASHTILE_V3_DQ=reduce).  Returns ``out``, or
     ``(out, softmax_lse, None)`` when ``return_attn_probs``.
     """
     return _attention(q, k, v, None, None, None, None, dropout_p, softmax_scale, causal,

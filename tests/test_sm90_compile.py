@@ -136,6 +136,28 @@ def test_v3_forward_routing(monkeypatch):
     assert configs.v3_gluon_schedule(problem(4096, -1)) is None
 
 
+def test_v3_backward_routing(monkeypatch):
+    # v2's passes by default; the opt-in kernels on request; never atomics when deterministic.
+    from dataclasses import replace
+
+    from flashtile.kernels import configs
+    from flashtile.kernels.problem import Problem
+
+    p = Problem(2, 8, 8, 1024, 1024, 128, 0.1, -1, 0, None, None)
+    monkeypatch.setattr(configs.runtime, "interpreting", lambda: False)
+    for name in ("FLASHTILE_V3_DQ", "FLASHTILE_CONFIG_V3_BWD", "FLASHTILE_V3_BWD"):
+        monkeypatch.delenv(name, raising=False)
+    assert configs.v3_backward(p) == "v2"
+    monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon")
+    assert configs.v3_backward(p) == "gluon"
+    monkeypatch.setenv("FLASHTILE_V3_DQ", "reduce")
+    assert configs.v3_backward(p) == "reduce"
+    assert configs.v3_backward(replace(p, deterministic=True)) == "gluon"
+    monkeypatch.setattr(configs.runtime, "interpreting", lambda: True)
+    monkeypatch.delenv("FLASHTILE_V3_DQ")
+    assert configs.v3_backward(p) == "v2"
+
+
 def test_v3_gluon_takes_only_layouts_tma_can_describe():
     from flashtile.kernels import v3_gluon
     q = torch.randn(2, 64, 4, 64, dtype=torch.bfloat16)
@@ -143,6 +165,13 @@ def test_v3_gluon_takes_only_layouts_tma_can_describe():
     assert v3_gluon.tma_addressable(q.transpose(1, 2).contiguous().transpose(1, 2))  # (b, h, s, d) storage
     assert not v3_gluon.tma_addressable(q[:1].expand(2, 64, 4, 64))  # broadcast batch: stride 0
     assert not v3_gluon.tma_addressable(torch.randn(2, 64, 4, 68, dtype=torch.bfloat16)[..., :64])  # 136-byte heads
+    # tma_ready copies what TMA cannot read, including a contiguous tensor on a misaligned base.
+    shifted = torch.randn(2 * 64 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 64, 4, 64)
+    assert shifted.is_contiguous() and not v3_gluon.tma_aligned(shifted)
+    for x in (shifted, torch.randn(2, 64, 4, 68, dtype=torch.bfloat16)[..., :64]):
+        ready = v3_gluon.tma_ready(x)
+        assert v3_gluon.tma_addressable(ready) and torch.equal(ready, x)
+    assert v3_gluon.tma_ready(q) is q
 
 
 def test_v3_gluon_launch_constants():

@@ -102,6 +102,7 @@ class GluonSchedule:
 # where it fits, O for the TMA store.  H200 sweep (scripts/sweep_configs.py --only v3-gluon, 1k and
 # 16k, 58d2bdc): d64 128x3 (+3% over 128x2 at 16k), d128 128x2 (a third slot left no room to stage
 # O, which then waited in Q's buffer: -40% at 1k), d256 64x2 (+39% over one slot at 16k).
+GLUON_TILE_M = 128  # query rows of a tile: two consumer warpgroups of 64
 _V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (256, GluonSchedule(64, 2))]
 GLUON_TECHNIQUES = ("pingpong", "overlap", "persistent")
 
@@ -148,20 +149,17 @@ def v3_bwd_reduce_config(p) -> Config:
     return pick("V3_BWD", _by_head_dim(_V3_BWD_REDUCE, p.head_dim_pad))
 
 
-def v3_gluon_dkdv_requested() -> bool:
-    """FLASHTILE_V3_BWD=gluon: v3's backward runs kernels/v3_gluon_bwd.py (opt-in until measured
-    on the GPU)."""
-    return os.environ.get("FLASHTILE_V3_BWD") == "gluon" and not runtime.interpreting()
-
-
-def v3_bwd_config(p) -> Optional[Config]:
-    """Tiles of v3's reduce-add backward when it is selected, else None (v2's backward runs)."""
-    if os.environ.get("FLASHTILE_V3_DQ") == "reduce" or os.environ.get("FLASHTILE_CONFIG_V3_BWD"):
-        return v3_bwd_reduce_config(p)
-    return None
-
-
-GLUON_TILE_M = 128  # kernels/v3_gluon.py: two consumer warpgroups of 64 query rows
+def v3_backward(p) -> str:
+    """Which kernels v3's backward runs: "reduce" (FLASHTILE_V3_DQ=reduce or a
+    FLASHTILE_CONFIG_V3_BWD override; never with ``deterministic``, its atomic dQ is not
+    reproducible), "gluon" (FLASHTILE_V3_BWD=gluon: kernels/v3_gluon_bwd.py, opt-in until measured
+    on the GPU), else "v2" (v2's two passes, faster on the H200 than the reduce-add kernel)."""
+    if not p.deterministic and (os.environ.get("FLASHTILE_V3_DQ") == "reduce"
+                                or os.environ.get("FLASHTILE_CONFIG_V3_BWD")):
+        return "reduce"
+    if os.environ.get("FLASHTILE_V3_BWD") == "gluon" and not runtime.interpreting():
+        return "gluon"
+    return "v2"
 
 
 def gpu_tiles(version: str, head_dim_pad: int, banded: bool, seqlen_k: int):

@@ -31,9 +31,9 @@ import triton.language as tl
 from flashtile import runtime
 from flashtile.kernels import v2, v3_gluon, v3_gluon_bwd
 from flashtile.kernels.blocks import band_mask, program_sequence, sequence_bounds, visited_blocks
-from flashtile.kernels.configs import (v3_bwd_config, v3_fwd_config, v3_gluon_dkdv_requested,
-                                       v3_gluon_schedule)
+from flashtile.kernels.configs import v3_backward, v3_bwd_reduce_config, v3_fwd_config, v3_gluon_schedule
 from flashtile.kernels.problem import Problem
+from flashtile.kernels.v3_gluon import tma_addressable, tma_ready
 from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile, online_softmax_step,
                                      row_delta)
 
@@ -227,12 +227,6 @@ def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, CU_Q, CU_K,
     dv_desc.store([n0, 0], dv.to(dv_desc.dtype))
 
 
-def _tma_ready(x):
-    """TMA needs 16-byte aligned base and row strides; copy the rare tensor that is not."""
-    aligned = x.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in x.stride()[:-1])
-    return x if aligned else x.contiguous()
-
-
 def _set_allocator(device):
     # Device-side descriptors live in a small global scratch buffer Triton asks for at launch.
     if device.type == "cuda":
@@ -240,7 +234,7 @@ def _set_allocator(device):
 
 
 def forward(p: Problem, q, k, v):
-    q, k, v = (_tma_ready(x) for x in (q, k, v))
+    q, k, v = (tma_ready(x) for x in (q, k, v))
     schedule = v3_gluon_schedule(p)
     if schedule is not None and v3_gluon.supports(p, q, k, v):
         out, lse = v3_gluon.forward(p, q, k, v, schedule)
@@ -270,17 +264,18 @@ def forward(p: Problem, q, k, v):
 
 
 def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
-    """dq, dk, dv.  The reduce-add kernel runs where configs.py selects it; its atomic dQ sums in
-    an order that varies from run to run, so ``deterministic`` always takes v2's backward, whose
-    separate dQ pass is bitwise reproducible (and, on the H200, faster)."""
-    cfg = v3_bwd_config(p)
-    if p.deterministic or cfg is None:
-        if v3_gluon_dkdv_requested() and v3_gluon_bwd.supports(p, q):
-            q, k, v, dout = (_tma_ready(x) for x in (q, k, v, dout))
-            if all(v3_gluon.tma_addressable(x) for x in (q, k, v, dout)):
-                return v3_gluon_bwd.backward(p, dout, dlse, q, k, v, out, lse)
+    """dq, dk, dv, from the kernels configs.v3_backward picks: v2's (the default: its separate dQ
+    pass is bitwise reproducible and, on the H200, faster), the Gluon ones, or the reduce-add
+    kernel, whose atomic dQ sums in an order that varies from run to run."""
+    kernels = v3_backward(p)
+    if kernels == "v2":
         return v2.backward(p, dout, dlse, q, k, v, out, lse, saved)
-    q, k, v, dout = (_tma_ready(x) for x in (q, k, v, dout))
+    q, k, v, dout = (tma_ready(x) for x in (q, k, v, dout))
+    if kernels == "gluon":
+        if v3_gluon_bwd.supports(p, q) and all(tma_addressable(x) for x in (q, k, v, dout)):
+            return v3_gluon_bwd.backward(p, dout, dlse, q, k, v, out, lse)
+        return v2.backward(p, dout, dlse, q, k, v, out, lse, saved)
+    cfg = v3_bwd_reduce_config(p)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse)

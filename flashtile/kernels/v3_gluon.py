@@ -303,10 +303,21 @@ def supports(p, q, k, v) -> bool:
             and q.dtype in (torch.float16, torch.bfloat16) and all(tma_addressable(x) for x in (q, k, v)))
 
 
+def tma_aligned(x) -> bool:
+    """TMA reads from a 16-byte aligned base with strides in 16-byte multiples (the last is 1)."""
+    return x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+
+
+def tma_ready(x):
+    """``x``, or an aligned copy of the rare tensor that is not (a fresh allocation: ``contiguous``
+    would hand back a contiguous tensor whose base is misaligned)."""
+    return x if tma_aligned(x) else x.clone(memory_format=torch.contiguous_format)
+
+
 def tma_addressable(x) -> bool:
-    """A 4-D TMA descriptor describes ``x`` as it is: every stride positive (a broadcast batch
-    or head, stride 0, is left to the plain kernel's pointer arithmetic) and 16-byte aligned."""
-    return x.data_ptr() % 16 == 0 and all(s > 0 and s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+    """The 4-D host descriptors describe ``x`` as it is: aligned, and no stride 0 (a broadcast
+    batch or head is left to the plain kernels, whose per-head descriptors do not see it)."""
+    return tma_aligned(x) and all(s > 0 for s in x.stride()[:-1])
 
 
 @functools.lru_cache(maxsize=None)
