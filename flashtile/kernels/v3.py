@@ -33,7 +33,7 @@ from flashtile.kernels import v2, v3_gluon, v3_gluon_bwd
 from flashtile.kernels.blocks import band_mask, program_sequence, sequence_bounds, visited_blocks
 from flashtile.kernels.configs import v3_backward, v3_bwd_reduce_config, v3_fwd_config, v3_gluon_schedule
 from flashtile.kernels.problem import Problem
-from flashtile.kernels.v3_gluon import tma_addressable, tma_ready
+from flashtile.kernels.v3_gluon import tma_ready
 from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile, online_softmax_step,
                                      row_delta)
 
@@ -272,7 +272,7 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
         return v2.backward(p, dout, dlse, q, k, v, out, lse, saved)
     q, k, v, dout = (tma_ready(x) for x in (q, k, v, dout))
     if kernels == "gluon":
-        if v3_gluon_bwd.supports(p, q) and all(tma_addressable(x) for x in (q, k, v, dout)):
+        if v3_gluon_bwd.supports(p, q, k, v, dout):
             return v3_gluon_bwd.backward(p, dout, dlse, q, k, v, out, lse)
         return v2.backward(p, dout, dlse, q, k, v, out, lse, saved)
     cfg = v3_bwd_reduce_config(p)

@@ -25,7 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from flashtile.kernels.blocks import band_blocks, band_mask
 from flashtile.kernels.tiles import LOG2E, row_delta
-from flashtile.kernels.v3_gluon import tma_descriptor
+from flashtile.kernels.v3_gluon import tma_addressable, tma_descriptor
 
 BLOCK_M = 64    # dK/dV pass: query rows per streamed block
 BLOCK_N = 128   # dK/dV pass: K/V rows per CTA, one 64-row slice per consumer warpgroup
@@ -266,9 +266,11 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
     ], [1], [PRODUCER_REGS])
 
 
-def supports(p, q) -> bool:
-    """Batched problems on a GPU with head dims up to 128 (dK and dV must fit in registers)."""
-    return q.is_cuda and not p.varlen and p.head_dim_pad in (64, 128) and p.head_dim % 8 == 0
+def supports(p, q, k, v, dout) -> bool:
+    """Batched problems on a GPU, head dims up to 128 (the accumulators must fit in registers),
+    layouts the 4-D descriptors describe."""
+    return (q.is_cuda and not p.varlen and p.head_dim_pad in (64, 128) and p.head_dim % 8 == 0
+            and all(tma_addressable(x) for x in (q, k, v, dout)))
 
 
 def backward(p, dout, dlse, q, k, v, out, lse):
