@@ -56,14 +56,16 @@ def gluon_case(head_dim):
 
 
 def gluon_bwd_case(head_dim_pad, dq_pass):
-    """One of v3's opt-in Gluon backward kernels with its launch constants and options."""
+    """One of v3's Gluon backward kernels with the constants and launch options
+    v3_gluon_bwd.backward would use (FLASHTILE_CONFIG_V3_GLUON_BWD applies)."""
     b = v3_gluon_bwd
-    block_m, block_n = (b.DQ_BLOCK_M, b.DQ_BLOCK_N) if dq_pass else (b.BLOCK_M, b.BLOCK_N)
+    cfg = configs.v3_gluon_bwd_config(Problem(1, 16, 16, 4096, 4096, head_dim_pad, 0.1, -1, -1, None, None))
+    block_m, block_n = (b.ROWS, cfg.dq_block_n) if dq_pass else (cfg.kv_block_m, b.ROWS)
     q_block = v3_gluon.block_layout(block_m, head_dim_pad, torch.bfloat16)
     kv_block = v3_gluon.block_layout(block_n, head_dim_pad, torch.bfloat16)
     descriptors = {"q_desc": q_block, "do_desc": q_block, "dq_desc": q_block, "k_desc": kv_block,
                    "v_desc": kv_block, "dk_desc": kv_block, "dv_desc": kv_block}
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PAD=head_dim_pad, STAGES=b.STAGES)
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PAD=head_dim_pad, STAGES=cfg.num_stages)
     if dq_pass:
         consts["HAS_DLSE"] = False
     return consts, dict(b.LAUNCH_OPTIONS), descriptors

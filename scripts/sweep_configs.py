@@ -50,6 +50,13 @@ SWEEPS_V3_GLUON = [  # v3's Gluon forward: "block_n,stages" (run at --seqlen 102
     ("V3_GLUON", "flashtile-v3", "fwd", 256, False, ["64,2", "32,4", "64,1"]),
     ("V3_GLUON", "flashtile-v3", "fwd", 256, True, ["64,2", "32,4", "64,1"]),
 ]
+SWEEPS_V3_GLUON_BWD = [  # v3's Gluon backward: "kv_block_m,dq_block_n,stages"
+    ("V3_GLUON_BWD", "flashtile-v3", "bwd", 64, False, ["64,64,2", "64,64,3", "64,64,4", "64,128,2", "64,128,3",
+                                                        "128,64,2"]),
+    ("V3_GLUON_BWD", "flashtile-v3", "bwd", 64, True, ["64,64,2", "64,64,3", "64,128,2"]),
+    ("V3_GLUON_BWD", "flashtile-v3", "bwd", 128, False, ["64,64,2", "64,64,3", "64,128,2"]),
+    ("V3_GLUON_BWD", "flashtile-v3", "bwd", 128, True, ["64,64,2", "64,64,3", "64,128,2"]),
+]
 SWEEPS = [
     ("V2_FWD", "flashtile-v2", "fwd", 128, False, ["128,64,8,3", "128,128,8,3", "128,64,4,3", "128,128,8,2", "64,64,4,3"]),
     ("V2_FWD", "flashtile-v2", "fwd", 64, False, ["128,64,4,3", "128,128,8,3", "128,128,4,3", "64,64,4,4"]),
@@ -65,7 +72,7 @@ SWEEPS = [
 
 NAMED = {"all": SWEEPS, "d256-bwd": SWEEPS_D256_BWD, "d128-short": SWEEPS_D128_SHORT,
          "d64-causal-short": SWEEPS_D64_CAUSAL_SHORT, "v1": SWEEPS_V1,
-         "v3-bwd": SWEEPS_V3_BWD, "v3-gluon": SWEEPS_V3_GLUON}
+         "v3-bwd": SWEEPS_V3_BWD, "v3-gluon": SWEEPS_V3_GLUON, "v3-gluon-bwd": SWEEPS_V3_GLUON_BWD}
 
 
 def main():

@@ -50,8 +50,8 @@ def test_sliding_window(version, window):
 @pytest.mark.parametrize("kernel", ["gluon", "triton"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_v3_both_forward_kernels_on_short_bands(monkeypatch, kernel, head_dim):
-    # On the GPU v3 routes short causal bands to its plain-Triton forward and the rest to the
-    # Gluon one (configs.v3_gluon_schedule): each kernel is checked on the other's cases too.
+    # On the GPU v3 routes short causal bands to v2's forward and the rest to the Gluon one
+    # (configs.v3_forward_kernel): each of v3's own kernels is checked on the short cases too.
     monkeypatch.setenv("FLASHTILE_V3_FWD", kernel)
     sq, sk = (300, 1000) if ON_GPU else (40, 70)
     q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, head_dim, DTYPES[-1], DEVICE)
@@ -62,8 +62,8 @@ def test_v3_both_forward_kernels_on_short_bands(monkeypatch, kernel, head_dim):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 8)])
 def test_v3_gluon_backward(monkeypatch, head_dim, window):
-    # v3's opt-in Gluon backward kernels (on the GPU; the interpreter keeps v2's) against the
-    # oracle: GQA, seqlens that are not block multiples, causal and a sliding window.
+    # v3's Gluon backward kernels (on the GPU; the interpreter keeps v2's), forced at d64 too,
+    # against the oracle: GQA, seqlens that are not block multiples, causal and a sliding window.
     monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon")
     sq, sk = (700, 1000) if ON_GPU else (40, 70)
     q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, head_dim, DTYPES[0], DEVICE)
@@ -144,16 +144,17 @@ def test_varlen(version, causal):
     assert lse.shape == (heads_q, sum(lengths_q))
     grads = torch.autograd.grad(out, leaves, dout)
     # Each sequence on its own, through the batched path, must give the same numbers.  On the GPU,
-    # v3's batched forward is the Gluon kernel; varlen runs the plain-Triton one, so the batched
-    # calls here take that kernel too (the Gluon kernel is checked against the oracle elsewhere).
+    # v3's batched problems run Gluon kernels; varlen runs the plain-Triton forward and v2's
+    # backward, so the batched calls here take those too (the Gluon kernels are checked against
+    # the oracle elsewhere).
     for b in range(len(lengths_q)):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         if lengths_q[b] == 0:
             continue
         one = [x[None].clone().requires_grad_() for x in (q[qs], k[ks], v[ks])]
-        with mock.patch.dict(os.environ, {"FLASHTILE_V3_FWD": "triton"}):
+        with mock.patch.dict(os.environ, {"FLASHTILE_V3_FWD": "triton", "FLASHTILE_V3_BWD": "v2"}):
             o1 = flash_attn_func(*one, causal=causal, version=version)
-        g1 = torch.autograd.grad(o1, one, dout[qs][None])
+            g1 = torch.autograd.grad(o1, one, dout[qs][None])
         torch.testing.assert_close(out[qs], o1[0], atol=2e-3, rtol=0)
         for g, gb, s in zip(grads, g1, (qs, ks, ks)):
             torch.testing.assert_close(g[s], gb[0], atol=5e-3, rtol=0)

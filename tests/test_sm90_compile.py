@@ -71,7 +71,7 @@ def test_v3_gluon_forward_compiles_for_sm90(tmp_path, head_dim):
 @pytest.mark.parametrize("kernel", ["v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_v3_gluon_backward_kernels_compile_for_sm90(tmp_path, kernel, head_dim):
-    # The opt-in Gluon backward (FLASHTILE_V3_BWD=gluon): a TMA producer warp and 8 consumer
+    # v3's Gluon backward (default at d128): a TMA producer warp and 8 consumer
     # warps; S and dP from shared memory, the gradient products with P / dS in registers.
     ttgir = compile_for_sm90(tmp_path, kernel, head_dim, {})
     ptx = (tmp_path / f"{kernel}_d{head_dim}.ptx").read_text()
@@ -106,8 +106,8 @@ def test_v3_gluon_ablation_switches_remove_their_technique(tmp_path):
 
 
 def test_v3_forward_routing(monkeypatch):
-    # Which v3 forward a problem gets on the GPU: the Gluon kernel for batched problems, the
-    # plain-Triton one for short causal/window bands and under the interpreter; switches work.
+    # Which v3 forward a problem gets on the GPU: the Gluon kernel for batched problems, v2's for
+    # short causal/window bands, the plain-Triton one under the interpreter; switches work.
     from flashtile.kernels import configs
     from flashtile.kernels.problem import Problem
 
@@ -115,46 +115,66 @@ def test_v3_forward_routing(monkeypatch):
         return Problem(2, 8, 8, seqlen, seqlen, 128, 0.1, -1, window_right, None, None)
 
     monkeypatch.setattr(configs.runtime, "interpreting", lambda: False)
-    monkeypatch.delenv("FLASHTILE_V3_FWD", raising=False)
-    monkeypatch.delenv("FLASHTILE_V3_ABLATE", raising=False)
-    monkeypatch.delenv("FLASHTILE_CONFIG_V3_GLUON", raising=False)
-    full = configs.v3_gluon_schedule(problem(1024, -1))
-    assert full == configs.GluonSchedule(128, 2, pingpong=True, overlap=True, persistent=True)
-    assert configs.v3_gluon_schedule(problem(configs.SHORT_KEYS, 0)) is None
-    assert configs.v3_gluon_schedule(problem(2 * configs.SHORT_KEYS, 0)) is not None
+    for name in ("FLASHTILE_V3_FWD", "FLASHTILE_V3_ABLATE", "FLASHTILE_CONFIG_V3_GLUON"):
+        monkeypatch.delenv(name, raising=False)
+    assert configs.v3_forward_kernel(problem(1024, -1)) == "gluon"
+    assert configs.v3_gluon_schedule(problem(1024, -1)) == configs.GluonSchedule(128, 2, True, True, True)
+    assert configs.v3_forward_kernel(problem(configs.SHORT_KEYS, 0)) == "v2"
+    assert configs.v3_forward_kernel(problem(2 * configs.SHORT_KEYS, 0)) == "gluon"
     monkeypatch.setenv("FLASHTILE_V3_FWD", "gluon")
-    assert configs.v3_gluon_schedule(problem(configs.SHORT_KEYS, 0)) is not None
+    assert configs.v3_forward_kernel(problem(configs.SHORT_KEYS, 0)) == "gluon"
     monkeypatch.setenv("FLASHTILE_V3_ABLATE", "pingpong,persistent")
     assert configs.v3_gluon_schedule(problem(4096, -1)) == configs.GluonSchedule(128, 2, False, True, False)
     monkeypatch.setenv("FLASHTILE_V3_ABLATE", "pingpong,nonsense")
     with pytest.raises(ValueError, match="nonsense"):
         configs.v3_gluon_schedule(problem(4096, -1))
+    monkeypatch.setenv("FLASHTILE_CONFIG_V3_GLUON", "64,4")
+    monkeypatch.delenv("FLASHTILE_V3_ABLATE")
+    assert configs.v3_gluon_schedule(problem(4096, -1)) == configs.GluonSchedule(64, 4)
     monkeypatch.setenv("FLASHTILE_V3_FWD", "triton")
-    assert configs.v3_gluon_schedule(problem(4096, -1)) is None
+    assert configs.v3_forward_kernel(problem(4096, -1)) == "triton"
+    monkeypatch.setenv("FLASHTILE_V3_FWD", "v3")
+    with pytest.raises(ValueError, match="FLASHTILE_V3_FWD"):
+        configs.v3_forward_kernel(problem(4096, -1))
     monkeypatch.setattr(configs.runtime, "interpreting", lambda: True)
     monkeypatch.delenv("FLASHTILE_V3_FWD")
-    assert configs.v3_gluon_schedule(problem(4096, -1)) is None
+    assert configs.v3_forward_kernel(problem(4096, -1)) == "triton"
+    assert configs.v3_forward_kernel(problem(configs.SHORT_KEYS, 0)) == "triton"
 
 
 def test_v3_backward_routing(monkeypatch):
-    # v2's passes by default; the opt-in kernels on request; never atomics when deterministic.
+    # The Gluon passes by default at d128 (where they measured faster), v2's at d64/d256; either on
+    # request; the reduce-add kernel only on request and never when deterministic; the
+    # interpreter keeps v2's.
     from dataclasses import replace
 
     from flashtile.kernels import configs
     from flashtile.kernels.problem import Problem
 
     p = Problem(2, 8, 8, 1024, 1024, 128, 0.1, -1, 0, None, None)
+    p64, p256 = replace(p, head_dim=64), replace(p, head_dim=256)
     monkeypatch.setattr(configs.runtime, "interpreting", lambda: False)
-    for name in ("FLASHTILE_V3_DQ", "FLASHTILE_CONFIG_V3_BWD", "FLASHTILE_V3_BWD"):
+    for name in ("FLASHTILE_V3_DQ", "FLASHTILE_CONFIG_V3_BWD", "FLASHTILE_V3_BWD", "FLASHTILE_CONFIG_V3_GLUON_BWD"):
         monkeypatch.delenv(name, raising=False)
+    assert [configs.v3_backward(x) for x in (p64, p, p256)] == ["v2", "gluon", "v2"]
+    assert configs.v3_backward(replace(p, deterministic=True)) == "gluon"
+    monkeypatch.setenv("FLASHTILE_V3_BWD", "v2")
     assert configs.v3_backward(p) == "v2"
     monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon")
-    assert configs.v3_backward(p) == "gluon"
+    assert configs.v3_backward(p64) == "gluon"
+    monkeypatch.setenv("FLASHTILE_V3_BWD", "")
+    monkeypatch.setenv("FLASHTILE_CONFIG_V3_GLUON_BWD", "128,64,3")
+    assert configs.v3_backward(p64) == "gluon"
+    assert configs.v3_gluon_bwd_config(p64) == configs.GluonBackward(128, 64, 3)
     monkeypatch.setenv("FLASHTILE_V3_DQ", "reduce")
     assert configs.v3_backward(p) == "reduce"
     assert configs.v3_backward(replace(p, deterministic=True)) == "gluon"
-    monkeypatch.setattr(configs.runtime, "interpreting", lambda: True)
+    monkeypatch.setenv("FLASHTILE_V3_BWD", "v1")
     monkeypatch.delenv("FLASHTILE_V3_DQ")
+    with pytest.raises(ValueError, match="FLASHTILE_V3_BWD"):
+        configs.v3_backward(p)
+    monkeypatch.delenv("FLASHTILE_V3_BWD")
+    monkeypatch.setattr(configs.runtime, "interpreting", lambda: True)
     assert configs.v3_backward(p) == "v2"
 
 

@@ -107,20 +107,28 @@ _V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (256, Gl
 GLUON_TECHNIQUES = ("pingpong", "overlap", "persistent")
 
 
-def v3_gluon_schedule(p) -> Optional[GluonSchedule]:
-    """The Gluon forward's schedule, or None where v3 runs its plain-Triton kernel instead.
+def v3_forward_kernel(p) -> str:
+    """Which forward v3 runs on the GPU: "gluon" (kernels/v3_gluon.py, where its supports() also
+    holds), "v2" for causal/window bands over at most SHORT_KEYS keys, or "triton" (v3's
+    plain-Triton kernel: under the interpreter, and the fallback for what the Gluon kernel does
+    not take: varlen, stride-0 layouts).  FLASHTILE_V3_FWD=gluon|triton|v2 forces one.
 
-    Causal/window bands over at most SHORT_KEYS keys run the plain kernel: their tiles hold a
-    few K/V blocks each, and there the Gluon kernel measured 0.56-0.85x the plain one on the
-    H200 (d64/d128/d256 causal 1k, c167ac1 run; at 2k it is ahead at d64 and d128).
-    FLASHTILE_V3_FWD=triton selects the plain kernel, =gluon this one wherever it applies;
-    FLASHTILE_CONFIG_V3_GLUON=block_n,stages overrides the tiles;
-    FLASHTILE_V3_ABLATE=pingpong,overlap,persistent switches techniques off."""
-    choice = os.environ.get("FLASHTILE_V3_FWD")
-    if runtime.interpreting() or choice == "triton":
-        return None
-    if choice != "gluon" and _banded(p) and p.seqlen_k <= SHORT_KEYS:
-        return None
+    Short bands hold a few K/V blocks per tile: there v2's pointer-load kernel measured
+    1.02-1.25x v3's plain one and the Gluon one 0.56-0.85x the plain one (H200, d64/d128/d256
+    causal 1k, runs at c167ac1 and 69899f7); from 2k on the Gluon kernel leads."""
+    choice = os.environ.get("FLASHTILE_V3_FWD") or None
+    if choice not in (None, "gluon", "triton", "v2"):
+        raise ValueError(f"FLASHTILE_V3_FWD={choice!r}: expected 'gluon', 'triton' or 'v2'")
+    if runtime.interpreting():
+        return "triton"
+    if choice:
+        return choice
+    return "v2" if _banded(p) and p.seqlen_k <= SHORT_KEYS else "gluon"
+
+
+def v3_gluon_schedule(p) -> GluonSchedule:
+    """The Gluon forward's schedule: FLASHTILE_CONFIG_V3_GLUON=block_n,stages overrides the
+    tiles; FLASHTILE_V3_ABLATE=pingpong,overlap,persistent switches techniques off."""
     cfg = _by_head_dim(_V3_GLUON, p.head_dim_pad)
     override = os.environ.get("FLASHTILE_CONFIG_V3_GLUON")
     if override:
@@ -149,15 +157,46 @@ def v3_bwd_reduce_config(p) -> Config:
     return pick("V3_BWD", _by_head_dim(_V3_BWD_REDUCE, p.head_dim_pad))
 
 
+@dataclass(frozen=True)
+class GluonBackward:
+    """v3's Gluon backward (kernels/v3_gluon_bwd.py): the streamed block of each pass (the
+    stationary side is always 128 rows, 64 per consumer warpgroup) and the ring depth."""
+    kv_block_m: int  # dK/dV pass: Q/dO rows per streamed block
+    dq_block_n: int  # dQ pass: K/V rows per streamed block
+    num_stages: int
+
+
+# H200 (69899f7, b16 h16, 1k-16k): at d128 the Gluon passes are 1.17-1.26x v2's backward, at d64
+# 0.88-0.98x, so v3 runs them by default at head dims 65-128 only.
+_V3_GLUON_BWD = [(64, GluonBackward(64, 64, 2)), (128, GluonBackward(64, 64, 2))]
+GLUON_BWD_DEFAULT_HEAD_DIMS = (128,)
+
+
+def v3_gluon_bwd_config(p) -> GluonBackward:
+    """FLASHTILE_CONFIG_V3_GLUON_BWD=kv_block_m,dq_block_n,stages overrides the table."""
+    override = os.environ.get("FLASHTILE_CONFIG_V3_GLUON_BWD")
+    if override:
+        return GluonBackward(*(int(x) for x in override.split(",")))
+    return _by_head_dim(_V3_GLUON_BWD, p.head_dim_pad)
+
+
 def v3_backward(p) -> str:
     """Which kernels v3's backward runs: "reduce" (FLASHTILE_V3_DQ=reduce or a
     FLASHTILE_CONFIG_V3_BWD override; never with ``deterministic``, its atomic dQ is not
-    reproducible), "gluon" (FLASHTILE_V3_BWD=gluon: kernels/v3_gluon_bwd.py, opt-in until measured
-    on the GPU), else "v2" (v2's two passes, faster on the H200 than the reduce-add kernel)."""
+    reproducible), "gluon" (kernels/v3_gluon_bwd.py: by default at the head dims where it
+    measured faster than v2's, anywhere with FLASHTILE_V3_BWD=gluon or a
+    FLASHTILE_CONFIG_V3_GLUON_BWD override; never under the interpreter), else "v2" (v2's two
+    passes; FLASHTILE_V3_BWD=v2 forces them).  Both two-pass backwards are deterministic."""
     if not p.deterministic and (os.environ.get("FLASHTILE_V3_DQ") == "reduce"
                                 or os.environ.get("FLASHTILE_CONFIG_V3_BWD")):
         return "reduce"
-    if os.environ.get("FLASHTILE_V3_BWD") == "gluon" and not runtime.interpreting():
+    choice = os.environ.get("FLASHTILE_V3_BWD")
+    if choice not in (None, "", "gluon", "v2"):
+        raise ValueError(f"FLASHTILE_V3_BWD={choice!r}: expected 'gluon' or 'v2'")
+    if runtime.interpreting() or choice == "v2":
+        return "v2"
+    if (choice == "gluon" or os.environ.get("FLASHTILE_CONFIG_V3_GLUON_BWD")
+            or p.head_dim_pad in GLUON_BWD_DEFAULT_HEAD_DIMS):
         return "gluon"
     return "v2"
 
@@ -165,10 +204,14 @@ def v3_backward(p) -> str:
 def gpu_tiles(version: str, head_dim_pad: int, banded: bool, seqlen_k: int):
     """((fwd block_m, block_n), (bwd dK/dV block_m, block_n)) used on the GPU (batched problems),
     for the IO model."""
-    bwd = _by_head_dim(_V2_BWD_KV_BAND if banded else _V2_BWD_KV, head_dim_pad)  # v3's backward is v2's
+    if version == "v3" and head_dim_pad in GLUON_BWD_DEFAULT_HEAD_DIMS:  # the Gluon dK/dV pass
+        bwd = (_by_head_dim(_V3_GLUON_BWD, head_dim_pad).kv_block_m, GLUON_TILE_M)
+    else:
+        b = _by_head_dim(_V2_BWD_KV_BAND if banded else _V2_BWD_KV, head_dim_pad)
+        bwd = (b.block_m, b.block_n)
     if version == "v3" and not (banded and seqlen_k <= SHORT_KEYS):  # the Gluon forward
         fwd = (GLUON_TILE_M, _by_head_dim(_V3_GLUON, head_dim_pad).block_n)
-    else:
-        f = _by_head_dim(_v2_fwd_table(banded, seqlen_k) if version == "v2" else _V3_FWD_BAND, head_dim_pad)
+    else:  # v3 runs v2's forward on short bands
+        f = _by_head_dim(_v2_fwd_table(banded, seqlen_k), head_dim_pad)
         fwd = (f.block_m, f.block_n)
-    return fwd, (bwd.block_m, bwd.block_n)
+    return fwd, bwd

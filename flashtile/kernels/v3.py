@@ -2,9 +2,9 @@
 
 On the GPU, batched forwards run kernels/v3_gluon.py: FlashAttention-3's schedule in Gluon
 (ping-pong consumer warpgroups, softmax overlapped with the GEMMs, a persistent scheduler).
-This file holds v3's plain-Triton kernels, which run everything else (varlen, causal/window
-bands over few keys, head dims the Gluon kernel does not take, the CPU interpreter) and the
-backward.
+Causal/window bands over few keys run v2's forward (faster there, configs.v3_forward_kernel).
+This file holds v3's plain-Triton kernels, which run everything else (varlen, layouts the
+Gluon kernel does not take, the CPU interpreter), and routes the backward.
 
 What Hopper changes relative to kernels/v2.py, forward:
 - Q, K, V and O move through TMA: tensor descriptors built on the device, one per (sequence,
@@ -18,11 +18,12 @@ What Hopper changes relative to kernels/v2.py, forward:
   single loop with 4 warps, so banded problems keep v2's three-segment loop on TMA.  The
   shipped configs use it at d128 (configs.py).
 
-Backward: FlashAttention-3's K/V-stationary kernel (one program per K/V tile, Q/dO blocks
-through TMA, dQ added in fp32 by TMA reduce-add, a conversion at the end) is here, but v2's
-backward with its separate dQ pass measured faster on the H200, so configs.py selects it only
-on request; ``deterministic=True`` never uses it.  FLASHTILE_V3_BWD=gluon runs v2's two passes
-as warp-specialized Gluon kernels instead (kernels/v3_gluon_bwd.py; opt-in, deterministic).
+Backward (configs.v3_backward): at head dims 65-128 the two passes (dQ, then dK/dV) as
+warp-specialized Gluon kernels (kernels/v3_gluon_bwd.py, deterministic), elsewhere v2's.
+FlashAttention-3's K/V-stationary kernel (one program per K/V tile, Q/dO blocks through TMA,
+dQ added in fp32 by TMA reduce-add, a conversion at the end) is here too, but measured slower
+than v2's backward on the H200, so configs.py selects it only on request; ``deterministic=True``
+never uses it.
 """
 import torch
 import triton
@@ -31,7 +32,8 @@ import triton.language as tl
 from flashtile import runtime
 from flashtile.kernels import v2, v3_gluon, v3_gluon_bwd
 from flashtile.kernels.blocks import band_mask, program_sequence, sequence_bounds, visited_blocks
-from flashtile.kernels.configs import v3_backward, v3_bwd_reduce_config, v3_fwd_config, v3_gluon_schedule
+from flashtile.kernels.configs import (v3_backward, v3_bwd_reduce_config, v3_forward_kernel, v3_fwd_config,
+                                      v3_gluon_schedule)
 from flashtile.kernels.problem import Problem
 from flashtile.kernels.v3_gluon import tma_ready
 from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile, online_softmax_step,
@@ -234,10 +236,12 @@ def _set_allocator(device):
 
 
 def forward(p: Problem, q, k, v):
+    kernel = v3_forward_kernel(p)
+    if kernel == "v2":
+        return v2.forward(p, q, k, v)
     q, k, v = (tma_ready(x) for x in (q, k, v))
-    schedule = v3_gluon_schedule(p)
-    if schedule is not None and v3_gluon.supports(p, q, k, v):
-        out, lse = v3_gluon.forward(p, q, k, v, schedule)
+    if kernel == "gluon" and v3_gluon.supports(p, q, k, v):
+        out, lse = v3_gluon.forward(p, q, k, v, v3_gluon_schedule(p))
         return out, lse, lse.new_empty(0)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
@@ -264,9 +268,9 @@ def forward(p: Problem, q, k, v):
 
 
 def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
-    """dq, dk, dv, from the kernels configs.v3_backward picks: v2's (the default: its separate dQ
-    pass is bitwise reproducible and, on the H200, faster), the Gluon ones, or the reduce-add
-    kernel, whose atomic dQ sums in an order that varies from run to run."""
+    """dq, dk, dv, from the kernels configs.v3_backward picks: the Gluon ones or v2's (two
+    passes, bitwise reproducible), or the reduce-add kernel, whose atomic dQ sums in an order
+    that varies from run to run."""
     kernels = v3_backward(p)
     if kernels == "v2":
         return v2.backward(p, dout, dlse, q, k, v, out, lse, saved)

@@ -1,4 +1,4 @@
-"""v3's backward for Hopper in Gluon, warp-specialized: opt-in (FLASHTILE_V3_BWD=gluon).
+"""v3's backward for Hopper in Gluon, warp-specialized (where configs.v3_backward picks it).
 
 Two passes, as v2's backward: deterministic, no atomics (Gluon 3.6's Hopper TMA has no
 reduce-add, which FlashAttention-3's single-pass dQ accumulation needs).  Each pass is one CTA of
@@ -14,7 +14,7 @@ as register operands:
   dK += dS^T Q.  Results leave by TMA store through the buffers of operands no longer read.
 
 Batched problems with head dims up to 128 (the accumulators of 128 rows stay in registers);
-anything else keeps v2's kernels.  Not yet measured on the GPU: off unless asked for.
+anything else keeps v2's kernels.
 """
 import torch
 import triton
@@ -24,14 +24,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from flashtile.kernels.blocks import band_blocks, band_mask
+from flashtile.kernels.configs import GLUON_TILE_M, v3_gluon_bwd_config
 from flashtile.kernels.tiles import LOG2E, row_delta
 from flashtile.kernels.v3_gluon import tma_addressable, tma_descriptor
 
-BLOCK_M = 64    # dK/dV pass: query rows per streamed block
-BLOCK_N = 128   # dK/dV pass: K/V rows per CTA, one 64-row slice per consumer warpgroup
-DQ_BLOCK_M = 128  # dQ pass: query rows per CTA
-DQ_BLOCK_N = 64   # dQ pass: K/V rows per streamed block
-STAGES = 2
+# Stationary rows per CTA in either pass (K/V rows in dK/dV, query rows in dQ), one 64-row slice
+# per consumer warpgroup; the streamed blocks and ring depth come from configs.v3_gluon_bwd_config.
+ROWS = GLUON_TILE_M
 # 12 warps (8 consumer, one producer warp rounded up to a warpgroup): 168 registers each at
 # launch, moved to 240 for the consumers (dK, dV, S^T, dP^T live there) and 24 for the producer.
 LAUNCH_OPTIONS = dict(num_warps=8, maxnreg=168)
@@ -275,21 +274,22 @@ def supports(p, q, k, v, dout) -> bool:
 
 def backward(p, dout, dlse, q, k, v, out, lse):
     """dq, dk, dv; q, k, v and dout TMA-ready.  ``dlse`` (gradient reaching the logsumexp) may be None."""
+    cfg = v3_gluon_bwd_config(p)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
     pad = p.head_dim_pad
-    _dq_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, DQ_BLOCK_M))](
-        tma_descriptor(q, DQ_BLOCK_M, pad), tma_descriptor(dout, DQ_BLOCK_M, pad), tma_descriptor(k, DQ_BLOCK_N, pad),
-        tma_descriptor(v, DQ_BLOCK_N, pad), tma_descriptor(dq, DQ_BLOCK_M, pad),
+    _dq_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, ROWS))](
+        tma_descriptor(q, ROWS, pad), tma_descriptor(dout, ROWS, pad), tma_descriptor(k, cfg.dq_block_n, pad),
+        tma_descriptor(v, cfg.dq_block_n, pad), tma_descriptor(dq, ROWS, pad),
         out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, delta if dlse is None else dlse, delta,
         lse.stride(0), lse.stride(1), p.heads_q, p.group, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
-        p.softmax_scale, p.scale_log2, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, HEAD_DIM_PAD=pad, STAGES=STAGES,
-        HAS_DLSE=dlse is not None, **LAUNCH_OPTIONS)
+        p.softmax_scale, p.scale_log2, BLOCK_M=ROWS, BLOCK_N=cfg.dq_block_n, HEAD_DIM_PAD=pad,
+        STAGES=cfg.num_stages, HAS_DLSE=dlse is not None, **LAUNCH_OPTIONS)
     # D, written by the dQ pass, is read here: launched after it on the same stream.
-    _dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, BLOCK_N))](
-        tma_descriptor(q, BLOCK_M, pad), tma_descriptor(k, BLOCK_N, pad), tma_descriptor(v, BLOCK_N, pad),
-        tma_descriptor(dout, BLOCK_M, pad), tma_descriptor(dk, BLOCK_N, pad), tma_descriptor(dv, BLOCK_N, pad),
+    _dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, ROWS))](
+        tma_descriptor(q, cfg.kv_block_m, pad), tma_descriptor(k, ROWS, pad), tma_descriptor(v, ROWS, pad),
+        tma_descriptor(dout, cfg.kv_block_m, pad), tma_descriptor(dk, ROWS, pad), tma_descriptor(dv, ROWS, pad),
         lse, delta, lse.stride(0), lse.stride(1), p.heads_k, p.group, p.seqlen_q, p.seqlen_k,
         p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM_PAD=pad, STAGES=STAGES, **LAUNCH_OPTIONS)
+        BLOCK_M=cfg.kv_block_m, BLOCK_N=ROWS, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, **LAUNCH_OPTIONS)
     return dq, dk, dv
