@@ -30,18 +30,19 @@ ROWS = [
      {"FLASHTILE_V3_FWD": "triton", "FLASHTILE_CONFIG_V3_FWD": "128,128,8,3,0"}, ("fwd",)),
     ("no TMA: pointer loads (v2's kernel on the same plain tiles)", "flashtile-v2",
      {"FLASHTILE_CONFIG_V2_FWD": "128,128,8,3"}, ("fwd",)),
-    ("backward: K/V-stationary with dQ by TMA reduce-add (not shipped)", "flashtile-v3",
-     {"FLASHTILE_V3_DQ": "reduce"}, ("bwd",)),
-    ("backward: v2's two passes as warp-specialized Gluon kernels (opt-in)", "flashtile-v3",
-     {"FLASHTILE_V3_BWD": "gluon"}, ("bwd",)),
+    ("backward: one K/V-stationary Gluon pass, dQ by TMA reduce-add (FlashAttention-3's)", "flashtile-v3",
+     {"FLASHTILE_V3_BWD": "gluon-reduce"}, ("bwd",)),
+    ("backward: the same single pass in plain Triton", "flashtile-v3", {"FLASHTILE_V3_DQ": "reduce"}, ("bwd",)),
+    ("backward: no warp specialization, no TMA (v2's two passes)", "flashtile-v3", {"FLASHTILE_V3_BWD": "v2"},
+     ("bwd",)),
     ("peer: SDPA cuDNN", "sdpa-cudnn", {}, ("fwd", "bwd")),
     ("peer: SDPA flash (FlashAttention-2)", "sdpa-flash", {}, ("fwd", "bwd")),
 ]
 WITHOUT_SWITCH = [
     ("wgmma, P kept in registers for PV", "no switch: the Gluon kernel issues warpgroup MMA with P as its "
                                           "register operand (compiled PTX: wgmma m64nNk16 with register A)"),
-    ("backward: shipped v3 backward", "is v2's backward (separate dQ pass): faster than the "
-                                      "reduce-add kernel above"),
+    ("backward: shipped v3 backward", "at d128, two warp-specialized Gluon passes (dQ, then dK/dV; "
+                                      "deterministic): the first row's bwd"),
 ]
 
 

@@ -21,15 +21,16 @@ FLOAT_SCALARS = {"scale_log2", "softmax_scale"}
 
 
 def signature(fn, dtype, constexprs, descriptors=None):
-    """Triton signature strings; ``descriptors`` maps tensor-descriptor arguments to (block, layout)."""
+    """Triton signature strings; ``descriptors`` maps tensor-descriptor arguments to (block, layout)
+    or (block, layout, element type)."""
     sig = {}
     for param in fn.params:
         name = param.name
         if name in constexprs:
             sig[name] = "constexpr"
         elif descriptors and name in descriptors:
-            block, layout = descriptors[name]
-            sig[name] = f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
+            block, layout, *element = descriptors[name]  # (block, layout[, element type if not dtype])
+            sig[name] = f"tensordesc<{element[0] if element else dtype}[{', '.join(map(str, block))}],{layout}>"
         elif name.isupper():
             sig[name] = "*fp32" if name in FP32_POINTERS else "*i32" if name in INT_POINTERS else f"*{dtype}"
         else:
@@ -55,9 +56,10 @@ def gluon_case(head_dim):
     return consts, dict(v3_gluon.LAUNCH_OPTIONS), descriptors
 
 
-def gluon_bwd_case(head_dim_pad, dq_pass):
+def gluon_bwd_case(head_dim_pad, dq_pass, dq_reduce=False):
     """One of v3's Gluon backward kernels with the constants and launch options
-    v3_gluon_bwd.backward would use (FLASHTILE_CONFIG_V3_GLUON_BWD applies)."""
+    v3_gluon_bwd.backward would use (FLASHTILE_CONFIG_V3_GLUON_BWD applies); ``dq_reduce``: the
+    dK/dV kernel adding dQ by TMA (v3_gluon_bwd.backward_reduce)."""
     b = v3_gluon_bwd
     cfg = configs.v3_gluon_bwd_config(Problem(1, 16, 16, 4096, 4096, head_dim_pad, 0.1, -1, -1, None, None))
     block_m, block_n = (b.ROWS, cfg.dq_block_n) if dq_pass else (cfg.kv_block_m, b.ROWS)
@@ -68,6 +70,10 @@ def gluon_bwd_case(head_dim_pad, dq_pass):
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PAD=head_dim_pad, STAGES=cfg.num_stages)
     if dq_pass:
         consts["HAS_DLSE"] = False
+    else:
+        consts["DQ_REDUCE"] = dq_reduce
+        descriptors["dq_desc"] = (*v3_gluon.block_layout(block_m, head_dim_pad, torch.float32), "fp32") \
+            if dq_reduce else kv_block
     return consts, dict(b.LAUNCH_OPTIONS), descriptors
 
 
@@ -105,6 +111,7 @@ def cases(head_dim=128, varlen=False):
         if p.head_dim_pad <= 128:
             yield ("v3.bwd_dq_gluon", v3_gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, True))
             yield ("v3.bwd_dkdv_gluon", v3_gluon_bwd._dkdv_kernel, *gluon_bwd_case(p.head_dim_pad, False))
+            yield ("v3.bwd_reduce_gluon", v3_gluon_bwd._dkdv_kernel, *gluon_bwd_case(p.head_dim_pad, False, True))
 
 
 def main():

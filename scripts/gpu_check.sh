@@ -56,14 +56,14 @@ for stage in $stages; do
       sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
       # No caching allocator: an out-of-bounds access must leave the allocation to be seen.
       (rc=0
-       # v3 both ways each: the Gluon and the plain-Triton forward; the Gluon backward and the
-       # TMA reduce-add one
-       for run in "pass gluon v1,v2,v3" "reduce triton v3"; do
+       # v3's kernels each: the Gluon and the plain-Triton forward; the Gluon backwards (two
+       # passes, one with TMA reduce-add), v2's and the plain-Triton reduce-add one
+       for run in "pass gluon gluon v1,v2,v3" "pass gluon gluon-reduce v3" "reduce triton v2 v3"; do
          set -- $run
-         echo "FLASHTILE_V3_DQ=$1 FLASHTILE_V3_FWD=$2 FLASHTILE_V3_BWD=$2"
-         FLASHTILE_V3_DQ=$1 FLASHTILE_V3_FWD=$2 FLASHTILE_V3_BWD=$2 PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+         echo "FLASHTILE_V3_DQ=$1 FLASHTILE_V3_FWD=$2 FLASHTILE_V3_BWD=$3"
+         FLASHTILE_V3_DQ=$1 FLASHTILE_V3_FWD=$2 FLASHTILE_V3_BWD=$3 PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
            "$sanitizer" --tool memcheck \
-           --error-exitcode 1 python scripts/sanitize_cases.py --versions "$3" || rc=1
+           --error-exitcode 1 python scripts/sanitize_cases.py --versions "$4" || rc=1
        done
        exit $rc) 2>&1 | tee "$OUT/sanitize.log" | tail -25 || status=1 ;;
     ablation)

@@ -59,20 +59,23 @@ def test_v3_both_forward_kernels_on_short_bands(monkeypatch, kernel, head_dim):
                             q, k, v, causal=True)
 
 
+@pytest.mark.parametrize("kernels", ["gluon", "gluon-reduce"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 8)])
-def test_v3_gluon_backward(monkeypatch, head_dim, window):
-    # v3's Gluon backward kernels (on the GPU; the interpreter keeps v2's), forced at d64 too,
-    # against the oracle: GQA, seqlens that are not block multiples, causal and a sliding window.
-    monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon")
+def test_v3_gluon_backward(monkeypatch, kernels, head_dim, window):
+    # v3's Gluon backwards (on the GPU; the interpreter keeps v2's), two passes or one with dQ by
+    # TMA reduce-add, at d64 and d128, against the oracle: GQA, seqlens that are not block
+    # multiples, causal and a sliding window.
+    monkeypatch.setenv("FLASHTILE_V3_BWD", kernels)
     sq, sk = (700, 1000) if ON_GPU else (40, 70)
     q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, head_dim, DTYPES[0], DEVICE)
     check_against_reference(lambda a, b, c: flash_attn_func(a, b, c, window_size=window, version="v3"),
                             q, k, v, window_size=window)
 
 
-def test_v3_gluon_backward_through_logsumexp(monkeypatch):
-    monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon")
+@pytest.mark.parametrize("kernels", ["gluon", "gluon-reduce"])
+def test_v3_gluon_backward_through_logsumexp(monkeypatch, kernels):
+    monkeypatch.setenv("FLASHTILE_V3_BWD", kernels)
     test_gradient_through_logsumexp("v3", head_dim=64)
 
 
@@ -239,6 +242,7 @@ def test_v3_reduce_add_varlen(monkeypatch):
     test_varlen("v3", causal=True)
 
 
-def test_deterministic_never_takes_reduce_add(monkeypatch):
-    monkeypatch.setenv("FLASHTILE_V3_DQ", "reduce")
+@pytest.mark.parametrize("switch", [("FLASHTILE_V3_DQ", "reduce"), ("FLASHTILE_V3_BWD", "gluon-reduce")])
+def test_deterministic_never_takes_reduce_add(monkeypatch, switch):
+    monkeypatch.setenv(*switch)
     test_backward_is_deterministic("v3")

@@ -68,7 +68,7 @@ def test_v3_gluon_forward_compiles_for_sm90(tmp_path, head_dim):
         assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
 
 
-@pytest.mark.parametrize("kernel", ["v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon"])
+@pytest.mark.parametrize("kernel", ["v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon", "v3.bwd_reduce_gluon"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_v3_gluon_backward_kernels_compile_for_sm90(tmp_path, kernel, head_dim):
     # v3's Gluon backward (default at d128): a TMA producer warp and 8 consumer
@@ -82,6 +82,8 @@ def test_v3_gluon_backward_kernels_compile_for_sm90(tmp_path, kernel, head_dim):
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx)
     assert any(n == str(head_dim) and a == "{" for n, a in wgmma), "gradient products without register A"
     assert any(n == "64" and a == "%" for n, a in wgmma), "S / dP not from shared memory"
+    reduces = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)
+    assert len(reduces) == (kernel == "v3.bwd_reduce_gluon"), "dQ by TMA reduce-add in the single pass only"
 
 
 def test_v3_gluon_ablation_switches_remove_their_technique(tmp_path):
@@ -162,6 +164,9 @@ def test_v3_backward_routing(monkeypatch):
     assert configs.v3_backward(p) == "v2"
     monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon")
     assert configs.v3_backward(p64) == "gluon"
+    monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon-reduce")
+    assert configs.v3_backward(p64) == "gluon-reduce"
+    assert configs.v3_backward(replace(p64, deterministic=True)) == "gluon"
     monkeypatch.setenv("FLASHTILE_V3_BWD", "")
     monkeypatch.setenv("FLASHTILE_CONFIG_V3_GLUON_BWD", "128,64,3")
     assert configs.v3_backward(p64) == "gluon"

@@ -181,20 +181,26 @@ def v3_gluon_bwd_config(p) -> GluonBackward:
 
 
 def v3_backward(p) -> str:
-    """Which kernels v3's backward runs: "reduce" (FLASHTILE_V3_DQ=reduce or a
-    FLASHTILE_CONFIG_V3_BWD override; never with ``deterministic``, its atomic dQ is not
-    reproducible), "gluon" (kernels/v3_gluon_bwd.py: by default at the head dims where it
-    measured faster than v2's, anywhere with FLASHTILE_V3_BWD=gluon or a
-    FLASHTILE_CONFIG_V3_GLUON_BWD override; never under the interpreter), else "v2" (v2's two
-    passes; FLASHTILE_V3_BWD=v2 forces them).  Both two-pass backwards are deterministic."""
+    """Which kernels v3's backward runs (FLASHTILE_V3_BWD=gluon|gluon-reduce|v2 forces one):
+
+    - "gluon": kernels/v3_gluon_bwd.py's two passes (dQ, then dK/dV), by default at the head
+      dims where they measured faster than v2's (or with a FLASHTILE_CONFIG_V3_GLUON_BWD override);
+    - "gluon-reduce": its single K/V-stationary pass adding dQ by TMA reduce-add;
+    - "reduce": the plain-Triton single pass (FLASHTILE_V3_DQ=reduce or a FLASHTILE_CONFIG_V3_BWD
+      override);
+    - "v2": v2's two passes.
+    The single passes sum dQ in an order that varies from run to run: never with
+    ``deterministic``.  Under the interpreter (no Gluon) only "v2" and "reduce" run."""
+    choice = os.environ.get("FLASHTILE_V3_BWD") or None
+    if choice not in (None, "gluon", "gluon-reduce", "v2"):
+        raise ValueError(f"FLASHTILE_V3_BWD={choice!r}: expected 'gluon', 'gluon-reduce' or 'v2'")
     if not p.deterministic and (os.environ.get("FLASHTILE_V3_DQ") == "reduce"
                                 or os.environ.get("FLASHTILE_CONFIG_V3_BWD")):
         return "reduce"
-    choice = os.environ.get("FLASHTILE_V3_BWD")
-    if choice not in (None, "", "gluon", "v2"):
-        raise ValueError(f"FLASHTILE_V3_BWD={choice!r}: expected 'gluon' or 'v2'")
     if runtime.interpreting() or choice == "v2":
         return "v2"
+    if choice == "gluon-reduce":
+        return "gluon" if p.deterministic else "gluon-reduce"
     if (choice == "gluon" or os.environ.get("FLASHTILE_CONFIG_V3_GLUON_BWD")
             or p.head_dim_pad in GLUON_BWD_DEFAULT_HEAD_DIMS):
         return "gluon"

@@ -267,28 +267,37 @@ def forward(p: Problem, q, k, v):
     return out, lse, lse.new_empty(0)
 
 
+def _delta(p: Problem, out, dout, dlse, lse):
+    """D = rowsum(dO * O) - dlse, for the single-pass backwards (the two-pass ones compute it in their dQ pass)."""
+    delta = torch.empty_like(lse)
+    cu_q, _ = p.cu_pointers(out.device)
+    _bwd_preprocess_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, 64))](
+        out, dout, delta if dlse is None else dlse, delta, cu_q, *p.seq_strides(out), *p.seq_strides(dout),
+        *p.row_stat_strides(lse), p.seqlen_q, p.heads_q, HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad,
+        BLOCK_M=64, IS_VARLEN=p.varlen, HAS_DLSE=dlse is not None, num_warps=4)
+    return delta
+
+
 def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
-    """dq, dk, dv, from the kernels configs.v3_backward picks: the Gluon ones or v2's (two
-    passes, bitwise reproducible), or the reduce-add kernel, whose atomic dQ sums in an order
-    that varies from run to run."""
+    """dq, dk, dv, from the kernels configs.v3_backward picks: two passes (Gluon's or v2's,
+    bitwise reproducible), or one K/V-stationary pass adding dQ by TMA reduce-add (Gluon's or the
+    plain-Triton one here), whose summation order varies from run to run."""
     kernels = v3_backward(p)
     if kernels == "v2":
         return v2.backward(p, dout, dlse, q, k, v, out, lse, saved)
     q, k, v, dout = (tma_ready(x) for x in (q, k, v, dout))
-    if kernels == "gluon":
-        if v3_gluon_bwd.supports(p, q, k, v, dout):
+    if kernels in ("gluon", "gluon-reduce"):
+        if not v3_gluon_bwd.supports(p, q, k, v, dout):
+            return v2.backward(p, dout, dlse, q, k, v, out, lse, saved)
+        if kernels == "gluon":
             return v3_gluon_bwd.backward(p, dout, dlse, q, k, v, out, lse)
-        return v2.backward(p, dout, dlse, q, k, v, out, lse, saved)
+        return v3_gluon_bwd.backward_reduce(p, dout, q, k, v, lse, _delta(p, out, dout, dlse, lse))
     cfg = v3_bwd_reduce_config(p)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    delta = torch.empty_like(lse)
+    delta = _delta(p, out, dout, dlse, lse)
     cu_q, cu_k = p.cu_pointers(q.device)
     common = dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=p.varlen)
-    _bwd_preprocess_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, 64))](
-        out, dout, delta if dlse is None else dlse, delta, cu_q, *p.seq_strides(out), *p.seq_strides(dout),
-        *p.row_stat_strides(lse), p.seqlen_q, p.heads_q, BLOCK_M=64, HAS_DLSE=dlse is not None,
-        num_warps=4, **common)
     _set_allocator(q.device)
     _bwd_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, cfg.block_n))](
         q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k,

@@ -325,11 +325,14 @@ def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+
+
 @functools.lru_cache(maxsize=None)
 def block_layout(rows, head_dim_pad, dtype):
     # Cached: computing it costs ~20 us of Python, a tenth of a short forward.
     block = [1, rows, 1, head_dim_pad]
-    return block, gl.NVMMASharedLayout.get_default_for(block, gl.float16 if dtype == torch.float16 else gl.bfloat16)
+    return block, gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[dtype])
 
 
 def tma_descriptor(x, rows, head_dim_pad):

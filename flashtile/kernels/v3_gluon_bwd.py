@@ -18,8 +18,10 @@ anything else keeps v2's kernels.
 """
 import torch
 import triton
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
@@ -35,6 +37,14 @@ ROWS = GLUON_TILE_M
 # launch, moved to 240 for the consumers (dK, dV, S^T, dP^T live there) and 24 for the producer.
 LAUNCH_OPTIONS = dict(num_warps=8, maxnreg=168)
 PRODUCER_REGS = gl.constexpr(24)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add a shared-memory block into global memory by TMA (cp.reduce.async.bulk.tensor): Gluon
+    3.6 builds the operation but its hopper.tma module exposes no function for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -82,9 +92,10 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, 
 
 @gluon.jit
 def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc, dv_desc,
-               softmax_scale, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr):
-    """Both consumer warpgroups (the default partition's 8 warps): dK and dV of the CTA's K/V rows."""
+               ds_smem, dq_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr):
+    """Both consumer warpgroups (the default partition's 8 warps): dK and dV of the CTA's K/V rows;
+    with DQ_REDUCE also each Q block's dQ share, dS K, added in fp32 to dq_desc by TMA."""
     kv_ready, q_ready, q_empty = bars
     batch, head_k, group, n0, seqlen_q, seqlen_k, window_left, window_right = problem
     dtype: gl.constexpr = q_smem.dtype
@@ -93,6 +104,9 @@ def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, 
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                          instr_shape=[16, HEAD_DIM_PAD, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    # dQ share of a Q block (BLOCK_M rows): the two warpgroups take half the head dim each.
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, HEAD_DIM_PAD // 2, 16])
     rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
@@ -127,8 +141,24 @@ def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, 
             pT_op = gl.convert_layout(pT.to(dtype), op_layout)
             dv = warpgroup_mma(pT_op, do, dv, is_async=True)
             dpT = warpgroup_mma_wait(1, deps=[dpT])
-            dsT_op = gl.convert_layout((pT * (dpT - delta[None, :])).to(dtype), op_layout)
+            dsT = (pT * (dpT - delta[None, :])).to(dtype)
+            dsT_op = gl.convert_layout(dsT, op_layout)
             dk = warpgroup_mma(dsT_op, q, dk, is_async=True)
+            if DQ_REDUCE:
+                # dQ = dS K over all BLOCK_N rows needs both warpgroups' dS: through shared memory.
+                # The barriers keep a warpgroup from overwriting dS the other still reads.
+                gl.thread_barrier()
+                ds_smem.store(dsT)
+                fence_async_shared()
+                gl.thread_barrier()
+                dq = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32,
+                                                                              dq_layout), use_acc=False)
+                tma.store_wait(0)  # the previous block's reduce has read its staging buffer
+                dq_tile = dq_smem.reshape([BLOCK_M, HEAD_DIM_PAD])
+                dq_tile.store(dq * softmax_scale)
+                fence_async_shared()
+                gl.thread_barrier()
+                _tma_reduce_add(dq_desc, [batch, m0, head, 0], dq_smem)
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=[dv, dk, pT_op, dsT_op])
             mbarrier.arrive(q_empty.index(slot))
             it += 1
@@ -143,19 +173,27 @@ def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, 
 
 
 @gluon.jit
-def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, slb, slh, heads_k, group,
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, slb, slh, heads_k, group,
                  seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                 STAGES: gl.constexpr):
+                 STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr):
     bh = gl.program_id(0)
     n0 = gl.program_id(1) * BLOCK_N
     batch = bh // heads_k
     head_k = bh % heads_k
     k_smem, v_smem, q_smem, do_smem, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, STAGES)
+    if DQ_REDUCE:  # dS of both warpgroups, and the fp32 dQ block the TMA reduce reads
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_N, BLOCK_M],
+                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+        dq_smem = gl.allocate_shared_memory(dq_desc.dtype, dq_desc.block_type.shape, dq_desc.layout)
+    else:  # not read
+        ds_smem = k_smem
+        dq_smem = k_smem
     problem = (batch, head_k, group, n0, seqlen_q, seqlen_k, window_left, window_right)
     gl.warp_specialize([
         (_consumers, (q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc, dv_desc,
-                      softmax_scale, scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES)),
+                      ds_smem, dq_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
+                      DQ_REDUCE)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, bars, problem,
                      BLOCK_M, BLOCK_N, STAGES)),
     ], [1], [PRODUCER_REGS])
@@ -273,7 +311,8 @@ def supports(p, q, k, v, dout) -> bool:
 
 
 def backward(p, dout, dlse, q, k, v, out, lse):
-    """dq, dk, dv; q, k, v and dout TMA-ready.  ``dlse`` (gradient reaching the logsumexp) may be None."""
+    """dq, dk, dv by the two passes; q, k, v and dout TMA-ready.  ``dlse`` (gradient reaching the
+    logsumexp) may be None."""
     cfg = v3_gluon_bwd_config(p)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
@@ -286,10 +325,29 @@ def backward(p, dout, dlse, q, k, v, out, lse):
         p.softmax_scale, p.scale_log2, BLOCK_M=ROWS, BLOCK_N=cfg.dq_block_n, HEAD_DIM_PAD=pad,
         STAGES=cfg.num_stages, HAS_DLSE=dlse is not None, **LAUNCH_OPTIONS)
     # D, written by the dQ pass, is read here: launched after it on the same stream.
+    _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, None)
+    return dq, dk, dv
+
+
+def backward_reduce(p, dout, q, k, v, lse, delta):
+    """dq, dk, dv in one K/V-stationary pass, FlashAttention-3's: each Q block's dQ share added
+    in fp32 by TMA reduce-add (summation order varies from run to run); ``delta`` holds
+    D = rowsum(dO * O) - dlse already."""
+    cfg = v3_gluon_bwd_config(p)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc)
+    return dq_acc.to(q.dtype), dk, dv
+
+
+def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
+    pad = p.head_dim_pad
+    dk_desc = tma_descriptor(dk, ROWS, pad)
     _dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, ROWS))](
         tma_descriptor(q, cfg.kv_block_m, pad), tma_descriptor(k, ROWS, pad), tma_descriptor(v, ROWS, pad),
-        tma_descriptor(dout, cfg.kv_block_m, pad), tma_descriptor(dk, ROWS, pad), tma_descriptor(dv, ROWS, pad),
+        tma_descriptor(dout, cfg.kv_block_m, pad), dk_desc, tma_descriptor(dv, ROWS, pad),
+        dk_desc if dq_acc is None else tma_descriptor(dq_acc, cfg.kv_block_m, pad),  # not read without dq_acc
         lse, delta, lse.stride(0), lse.stride(1), p.heads_k, p.group, p.seqlen_q, p.seqlen_k,
         p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
-        BLOCK_M=cfg.kv_block_m, BLOCK_N=ROWS, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, **LAUNCH_OPTIONS)
-    return dq, dk, dv
+        BLOCK_M=cfg.kv_block_m, BLOCK_N=ROWS, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages,
+        DQ_REDUCE=dq_acc is not None, **LAUNCH_OPTIONS)
