@@ -145,9 +145,9 @@ def test_v3_forward_routing(monkeypatch):
 
 
 def test_v3_backward_routing(monkeypatch):
-    # The Gluon passes by default at d128 (where they measured faster), v2's at d64/d256; either on
-    # request; the reduce-add kernel only on request and never when deterministic; the
-    # interpreter keeps v2's.
+    # Gluon by default at d128 (where it measured faster; one pass with TMA reduce-add on long
+    # keys, two passes otherwise), v2's at d64/d256; each on request; a reduce-add kernel never
+    # when deterministic; the interpreter keeps v2's.
     from dataclasses import replace
 
     from flashtile.kernels import configs
@@ -159,7 +159,10 @@ def test_v3_backward_routing(monkeypatch):
     for name in ("FLASHTILE_V3_DQ", "FLASHTILE_CONFIG_V3_BWD", "FLASHTILE_V3_BWD", "FLASHTILE_CONFIG_V3_GLUON_BWD"):
         monkeypatch.delenv(name, raising=False)
     assert [configs.v3_backward(x) for x in (p64, p, p256)] == ["v2", "gluon", "v2"]
-    assert configs.v3_backward(replace(p, deterministic=True)) == "gluon"
+    long = replace(p, seqlen_k=configs.GLUON_REDUCE_MIN_KEYS)
+    assert configs.v3_backward(long) == "gluon-reduce"
+    assert configs.v3_backward(replace(long, deterministic=True)) == "gluon"
+    assert configs.v3_backward(replace(long, head_dim=64)) == "v2"
     monkeypatch.setenv("FLASHTILE_V3_BWD", "v2")
     assert configs.v3_backward(p) == "v2"
     monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon")

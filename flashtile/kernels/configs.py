@@ -166,10 +166,14 @@ class GluonBackward:
     num_stages: int
 
 
-# H200 (69899f7, b16 h16, 1k-16k): at d128 the Gluon passes are 1.17-1.26x v2's backward, at d64
-# 0.88-0.98x, so v3 runs them by default at head dims 65-128 only.
+# H200 (69899f7 and 09f4e71, b16 h16, 1k-16k): at d128 the Gluon two passes are 1.16-1.26x v2's
+# backward, at d64 0.89-0.98x, so v3 runs Gluon by default at head dims 65-128 only.  There the
+# single pass with TMA reduce-add is 1.12x the two passes at 16k, 1.03-1.04x at 4k, 0.83-0.85x at
+# 1k (its extra launches and the fp32 dQ round trip weigh on short rows): it runs from
+# GLUON_REDUCE_MIN_KEYS keys on, unless ``deterministic``.
 _V3_GLUON_BWD = [(64, GluonBackward(64, 64, 2)), (128, GluonBackward(64, 64, 2))]
 GLUON_BWD_DEFAULT_HEAD_DIMS = (128,)
+GLUON_REDUCE_MIN_KEYS = 4096
 
 
 def v3_gluon_bwd_config(p) -> GluonBackward:
@@ -183,9 +187,10 @@ def v3_gluon_bwd_config(p) -> GluonBackward:
 def v3_backward(p) -> str:
     """Which kernels v3's backward runs (FLASHTILE_V3_BWD=gluon|gluon-reduce|v2 forces one):
 
-    - "gluon": kernels/v3_gluon_bwd.py's two passes (dQ, then dK/dV), by default at the head
-      dims where they measured faster than v2's (or with a FLASHTILE_CONFIG_V3_GLUON_BWD override);
-    - "gluon-reduce": its single K/V-stationary pass adding dQ by TMA reduce-add;
+    - "gluon-reduce": kernels/v3_gluon_bwd.py's single K/V-stationary pass adding dQ by TMA
+      reduce-add, by default at GLUON_BWD_DEFAULT_HEAD_DIMS with at least GLUON_REDUCE_MIN_KEYS keys;
+    - "gluon": its two passes (dQ, then dK/dV), by default at GLUON_BWD_DEFAULT_HEAD_DIMS otherwise
+      (or with a FLASHTILE_CONFIG_V3_GLUON_BWD override);
     - "reduce": the plain-Triton single pass (FLASHTILE_V3_DQ=reduce or a FLASHTILE_CONFIG_V3_BWD
       override);
     - "v2": v2's two passes.
@@ -201,10 +206,11 @@ def v3_backward(p) -> str:
         return "v2"
     if choice == "gluon-reduce":
         return "gluon" if p.deterministic else "gluon-reduce"
-    if (choice == "gluon" or os.environ.get("FLASHTILE_CONFIG_V3_GLUON_BWD")
-            or p.head_dim_pad in GLUON_BWD_DEFAULT_HEAD_DIMS):
+    if choice == "gluon" or os.environ.get("FLASHTILE_CONFIG_V3_GLUON_BWD"):
         return "gluon"
-    return "v2"
+    if p.head_dim_pad not in GLUON_BWD_DEFAULT_HEAD_DIMS:
+        return "v2"
+    return "gluon-reduce" if p.seqlen_k >= GLUON_REDUCE_MIN_KEYS and not p.deterministic else "gluon"
 
 
 def gpu_tiles(version: str, head_dim_pad: int, banded: bool, seqlen_k: int):
