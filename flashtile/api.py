@@ -43,8 +43,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     window_size=(left, right) limits keys to [i - left, i + right] around the aligned
     diagonal (-1: unbounded).  ``version``: "v1", "v2", "v3", "auto" (the best this device
     runs) or "tiled" (the PyTorch implementation).  ``deterministic=True`` guarantees bitwise
-    reproducible gradients: every default backward gives them, and the flag keeps v3 off its
-    opt-in atomic-dQ kernel (FLASHTILE_V3_DQ=reduce).  Returns ``out``, or
+    reproducible gradients: v3 then runs its two-pass backward instead of the single pass that
+    adds dQ by TMA reduce-add (its default at head dim 128 from 4k keys, as FlashAttention-3's),
+    whose summation order varies from run to run; the other backwards are reproducible
+    anyway.  Returns ``out``, or
     ``(out, softmax_lse, None)`` when ``return_attn_probs``.
     """
     return _attention(q, k, v, None, None, None, None, dropout_p, softmax_scale, causal,

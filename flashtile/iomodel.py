@@ -104,8 +104,24 @@ def v2(s: Shape, block_q: int, block_k: int, bwd_block_q: int | None = None, bwd
                 bwd_flops=matmul_flops(s, 7, bwd_block_q, bwd_block_k))
 
 
+def v3_single_pass_backward(s: Shape, block_q: int, block_k: int, bwd_block_q: int, bwd_block_k: int):
+    """v2's forward; FlashAttention-3's backward: D = rowsum(dO * O) first, then each K/V block
+    reads Q, dO, lse, D of its Q blocks and adds its share of dQ in fp32 (bytes to L2 per
+    block pair), 5 matmuls; the fp32 dQ is zeroed before and converted after."""
+    model = v2(s, block_q, block_k, bwd_block_q, bwd_block_k)
+    bh = s.b * s.h
+    bpairs = visited_pairs(s.sq, s.sk, bwd_block_q, bwd_block_k, s.causal)
+    model["bwd_bytes"] = bh * (2 * s.sq * s.d * ELEM + s.sq * F32                     # D
+                               + bpairs * bwd_block_q * (2 * s.d * ELEM + 2 * F32 + s.d * F32)
+                               + 4 * s.sk * s.d * ELEM                                 # K, V in; dK, dV out
+                               + s.sq * s.d * (2 * F32 + ELEM))                        # dQ zeroed, converted
+    model["bwd_flops"] = matmul_flops(s, 5, bwd_block_q, bwd_block_k)
+    return model
+
+
 # v3 keeps v2's tiling (with its own tile sizes): TMA and warp specialization change when bytes
-# move, not how many.
+# move, not how many; its single-pass backward (head dim 128, long keys) trades the second
+# pass's matmuls for fp32 dQ traffic.
 
 
 def summary(s: Shape):
@@ -117,7 +133,9 @@ def summary(s: Shape):
     model = {"standard": standard(s), "v1": v1(s, *fwd, *bwd)}
     for version in ("v2", "v3"):
         fwd, bwd = configs.gpu_tiles(version, pad, s.causal, s.sk)
-        model[version] = v2(s, *fwd, *bwd)
+        single_pass = (version == "v3" and pad in configs.GLUON_BWD_DEFAULT_HEAD_DIMS
+                       and s.sk >= configs.GLUON_REDUCE_MIN_KEYS)
+        model[version] = (v3_single_pass_backward if single_pass else v2)(s, *fwd, *bwd)
     return model
 
 

@@ -60,3 +60,17 @@ def test_regime_rows_use_the_model_of_each_provider():
     assert [r["provider"] for r in rows] == ["flashtile-v2"]
     model = iomodel.summary(Shape(4, 16, 4096, 4096, 128))["v2"]
     assert rows[0]["model_bytes"] == model["bwd_bytes"] and rows[0]["model_flops"] == model["bwd_flops"]
+
+
+def test_v3_single_pass_backward_counts():
+    # 128 x 128 at d64 with 64 x 64 tiles: 4 block pairs; D reads O and dO, writes one fp32 per
+    # row; each pair reads a Q and a dO block, their lse and D, and adds a 64 x d fp32 dQ share;
+    # K, V read and dK, dV written once; the fp32 dQ zeroed, read back and converted.  5 matmuls.
+    m = iomodel.v3_single_pass_backward(Shape(1, 1, 128, 128, 64), 64, 64, 64, 64)
+    assert m["bwd_bytes"] == (2 * 128 * 64 * 2 + 128 * 4 + 4 * 64 * (2 * 64 * 2 + 2 * 4 + 64 * 4)
+                              + 4 * 128 * 64 * 2 + 128 * 64 * (2 * 4 + 2))
+    assert m["bwd_flops"] == 5 * 2 * 128 * 128 * 64
+    # v3 takes it at head dim 128 from 4k keys on, v2's two passes (7 matmuls) otherwise
+    long, short = Shape(1, 16, 8192, 8192, 128), Shape(1, 16, 2048, 2048, 128)
+    assert iomodel.summary(long)["v3"]["bwd_flops"] == 5 / 7 * iomodel.summary(long)["v2"]["bwd_flops"]
+    assert iomodel.summary(short)["v3"]["bwd_flops"] == iomodel.summary(short)["v2"]["bwd_flops"]

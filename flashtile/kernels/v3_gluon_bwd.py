@@ -1,17 +1,19 @@
 """v3's backward for Hopper in Gluon, warp-specialized (where configs.v3_backward picks it).
 
-Two passes, as v2's backward: deterministic, no atomics (Gluon 3.6's Hopper TMA has no
-reduce-add, which FlashAttention-3's single-pass dQ accumulation needs).  Each pass is one CTA of
-8 consumer warps (two warpgroups, 64 rows each) and a producer warp streaming tiles by TMA
-through a ``STAGES``-deep shared-memory ring, products on warpgroup MMA with the probabilities
-as register operands:
+Each kernel is one CTA of 8 consumer warps (two warpgroups, 64 rows each) and a producer warp
+streaming tiles by TMA through a ``STAGES``-deep shared-memory ring, products on warpgroup MMA
+with the probabilities as register operands.
 
-- dQ pass (Q-stationary, runs first): 128 query rows against every K/V block of their band;
-  S = Q K^T and dP = dO V^T from shared memory, dQ += dS K; it also writes D = rowsum(dO * O) -
-  dlse for the second pass;
 - dK/dV pass (K/V-stationary, FlashAttention-3's structure): 128 K/V rows against every Q/dO
   block of every query head of their K/V head; S^T = K Q^T, dP^T = V dO^T, dV += P^T dO,
   dK += dS^T Q.  Results leave by TMA store through the buffers of operands no longer read.
+- Single pass (``backward_reduce``, FlashAttention-3's): the dK/dV pass also writes dS to shared
+  memory and computes each Q block's share of dQ, dS K (each warpgroup half the head dim),
+  which a TMA reduce-add adds to an fp32 dQ in global memory.  5 matmuls per block pair, but
+  the summation order of dQ varies from run to run.
+- Two passes (``backward``, deterministic): first a dQ pass (Q-stationary: 128 query rows
+  against every K/V block of their band; S = Q K^T, dP = dO V^T, dQ += dS K), which also writes
+  D = rowsum(dO * O) - dlse, then the dK/dV pass.  7 matmuls per block pair, no atomics.
 
 Batched problems with head dims up to 128 (the accumulators of 128 rows stay in registers);
 anything else keeps v2's kernels.
