@@ -7,7 +7,6 @@ overrides one entry, for sweeps.
 """
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 from flashtile import runtime
 
@@ -114,7 +113,7 @@ def v3_forward_kernel(p) -> str:
     not take: varlen, stride-0 layouts).  FLASHTILE_V3_FWD=gluon|triton|v2 forces one.
 
     Short bands hold a few K/V blocks per tile: there v2's pointer-load kernel measured
-    1.02-1.25x v3's plain one and the Gluon one 0.56-0.85x the plain one (H200, d64/d128/d256
+    1.03-1.25x v3's plain one and the Gluon one 0.56-0.85x the plain one (H200, d64/d128/d256
     causal 1k, runs at c167ac1 and 69899f7); from 2k on the Gluon kernel leads."""
     choice = os.environ.get("FLASHTILE_V3_FWD") or None
     if choice not in (None, "gluon", "triton", "v2"):
@@ -166,11 +165,12 @@ class GluonBackward:
     num_stages: int
 
 
-# H200 (69899f7 and 09f4e71, b16 h16, 1k-16k): at d128 the Gluon two passes are 1.16-1.26x v2's
+# H200 (69899f7 and 09f4e71, b16 h16, 1k-16k): at d128 the Gluon two passes are 1.15-1.26x v2's
 # backward, at d64 0.89-0.98x, so v3 runs Gluon by default at head dims 65-128 only.  There the
 # single pass with TMA reduce-add is 1.12x the two passes at 16k, 1.03-1.04x at 4k, 0.83-0.85x at
 # 1k (its extra launches and the fp32 dQ round trip weigh on short rows): it runs from
-# GLUON_REDUCE_MIN_KEYS keys on, unless ``deterministic``.
+# GLUON_REDUCE_MIN_KEYS keys on, unless ``deterministic``.  Tiles: the 4k sweep (e943ac5) put
+# every candidate within 2% of 64,64,2 except 128-row Q blocks at d64 (they spill: -22%).
 _V3_GLUON_BWD = [(64, GluonBackward(64, 64, 2)), (128, GluonBackward(64, 64, 2))]
 GLUON_BWD_DEFAULT_HEAD_DIMS = (128,)
 GLUON_REDUCE_MIN_KEYS = 4096

@@ -18,12 +18,13 @@ What Hopper changes relative to kernels/v2.py, forward:
   single loop with 4 warps, so banded problems keep v2's three-segment loop on TMA.  The
   shipped configs use it at d128 (configs.py).
 
-Backward (configs.v3_backward): at head dims 65-128 the two passes (dQ, then dK/dV) as
-warp-specialized Gluon kernels (kernels/v3_gluon_bwd.py, deterministic), elsewhere v2's.
-FlashAttention-3's K/V-stationary kernel (one program per K/V tile, Q/dO blocks through TMA,
-dQ added in fp32 by TMA reduce-add, a conversion at the end) is here too, but measured slower
-than v2's backward on the H200, so configs.py selects it only on request; ``deterministic=True``
-never uses it.
+Backward (configs.v3_backward): at head dims 65-128 Gluon kernels (kernels/v3_gluon_bwd.py):
+FlashAttention-3's single K/V-stationary pass with dQ added in fp32 by TMA reduce-add on long
+keys, two deterministic passes (dQ, then dK/dV) on short ones and under ``deterministic=True``;
+elsewhere v2's backward.  The same single pass written in plain Triton is here too (one program
+per K/V tile, Q/dO blocks through device TMA descriptors, a conversion at the end), but measured
+slower than v2's backward on the H200: it runs only on request (FLASHTILE_V3_DQ=reduce), and
+never with ``deterministic=True``.
 """
 import torch
 import triton
@@ -268,7 +269,8 @@ def forward(p: Problem, q, k, v):
 
 
 def _delta(p: Problem, out, dout, dlse, lse):
-    """D = rowsum(dO * O) - dlse, for the single-pass backwards (the two-pass ones compute it in their dQ pass)."""
+    """D = rowsum(dO * O) - dlse, for the single-pass backwards (the two-pass ones compute it in
+    their dQ pass)."""
     delta = torch.empty_like(lse)
     cu_q, _ = p.cu_pointers(out.device)
     _bwd_preprocess_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, 64))](
