@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import time
 from dataclasses import asdict, dataclass
+from unittest import mock
 
 import torch
 import triton
@@ -155,13 +156,20 @@ def _cpu_median_ms(step, reps=3):
     return statistics.median(times)
 
 
-def measure(provider: str, case: Case, device=None, cuda_graph=False):
+def measure(provider: str, case: Case, device=None, cuda_graph=False, env=None):
     """(median ms, peak extra bytes) of one provider on one case.
 
     On a CPU (the Triton interpreter) the times only exercise the pipeline, and there is no
     allocator peak to read: peak_mem_bytes is None.  ``cuda_graph`` times replays of a CUDA
     graph of the calls (forwards only): the GPU's time without the Python launch path, L2 warm.
+    ``env``: environment variables set for this measurement only (the FLASHTILE_* kernel
+    switches and tile overrides, which the kernels read at each launch).
     """
+    with mock.patch.dict(os.environ, env or {}):
+        return _measure(provider, case, device, cuda_graph)
+
+
+def _measure(provider, case, device, cuda_graph):
     if cuda_graph and case.mode != "fwd":
         raise ValueError("CUDA-graph timing covers forwards only")
     device = torch.device(device) if device else _default_device()

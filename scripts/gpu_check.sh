@@ -11,6 +11,8 @@
 #   memory  peak memory alone
 #   sanitize  compute-sanitizer memcheck over one small case of every kernel (sanitize.log)
 #   ablation  v3's techniques switched off one at a time, d128 8k (ablation_v3.*)
+#   backward  v3's backward kernels: their GPU tests, then each forced, side by side with
+#           cuDNN (backward_variants.*)
 #   launch  short forwards timed as usual and as CUDA-graph replays (launch_*): which cells the
 #           Python launch path bounds
 #   gluon   v3's Gluon forward: the v3 tests with it forced, then its tile sweep at 1k and 16k
@@ -66,6 +68,11 @@ for stage in $stages; do
            --error-exitcode 1 python scripts/sanitize_cases.py --versions "$4" || rc=1
        done
        exit $rc) 2>&1 | tee "$OUT/sanitize.log" | tail -25 || status=1 ;;
+    backward)
+      timeout 200 python -m pytest tests -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider \
+        -k "gluon_backward or deterministic or reduce_add" 2>&1 | tee "$OUT/backward_tests.log" | tail -4 || status=1
+      python scripts/backward_variants.py --out "$OUT/backward_variants.json" | tee "$OUT/backward_variants.md" \
+        || status=1 ;;
     ablation)
       python scripts/ablation_v3.py --out "$OUT/ablation_v3.json" | tee "$OUT/ablation_v3.md" || status=1 ;;
     launch)

@@ -137,3 +137,13 @@ def test_bench_repeats_keep_every_pass_and_report_failures(monkeypatch):
     assert "second line" not in errors[0]
     table = bench.markdown_table(records, failures=errors)
     assert "| 40 |" in table and table.rstrip().endswith(f"- {errors[0]}")
+
+
+def test_bench_measure_sets_kernel_switches_for_one_measurement(monkeypatch):
+    # The ablation, sweep and backward-variant scripts force kernels through ``env``: it must
+    # reach the kernels (an unknown backward is refused) and be gone after the call.
+    monkeypatch.delenv("FLASHTILE_V3_BWD", raising=False)
+    case = bench.Case(1, 2, 2, 40, 40, 32, False, "bwd")
+    with pytest.raises(ValueError, match="FLASHTILE_V3_BWD"):
+        bench.measure("flashtile-v3", case, device="cuda" if ON_GPU else "cpu", env={"FLASHTILE_V3_BWD": "v7"})
+    assert "FLASHTILE_V3_BWD" not in os.environ
