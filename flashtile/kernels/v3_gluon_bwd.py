@@ -68,27 +68,29 @@ def _pass_buffers(a_desc, b_desc, c_desc, d_desc, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, bars, problem,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    kv_ready, q_ready, q_empty = bars
-    batch, head_k, group, n0, seqlen_q, seqlen_k, window_left, window_right = problem
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [batch, n0, head_k, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [batch, n0, head_k, 0], kv_ready, v_smem)
-    dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k, window_left,
-                                                           window_right, True)
+def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_smem, bars, batch, r0, stationary_head,
+              first_head, heads, seqlen_q, seqlen_k, window_left, window_right, ROWS: gl.constexpr,
+              BLOCK: gl.constexpr, STAGES: gl.constexpr, KEY_ROWS: gl.constexpr):
+    """The producer warp of either pass: the stationary pair (a, b), ROWS rows from r0 of
+    ``stationary_head``, loaded once; then the streamed pairs (c, d), BLOCK rows at a time, of
+    each of ``heads`` heads from ``first_head``, over the band of the stationary rows (KEY_ROWS:
+    they are key rows, as in the dK/dV pass), through the STAGES-slot ring."""
+    stationary_ready, ring_ready, ring_empty = bars
+    mbarrier.expect(stationary_ready, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [batch, r0, stationary_head, 0], stationary_ready, a_smem)
+    tma.async_copy_global_to_shared(b_desc, [batch, r0, stationary_head, 0], stationary_ready, b_smem)
+    dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(r0, ROWS, BLOCK, seqlen_q, seqlen_k, window_left,
+                                                           window_right, KEY_ROWS)
     it = 0
-    for g in range(group):
-        head = head_k * group + g
+    for g in range(heads):
         for i in range(n_blocks):
             slot = it % STAGES
             phase = (it // STAGES) & 1
-            mbarrier.wait(q_empty.index(slot), phase ^ 1)
-            mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            m0 = lo + i * BLOCK_M
-            tma.async_copy_global_to_shared(q_desc, [batch, m0, head, 0], q_ready.index(slot), q_smem.index(slot))
-            tma.async_copy_global_to_shared(do_desc, [batch, m0, head, 0], q_ready.index(slot),
-                                            do_smem.index(slot))
+            mbarrier.wait(ring_empty.index(slot), phase ^ 1)
+            mbarrier.expect(ring_ready.index(slot), c_desc.block_type.nbytes + d_desc.block_type.nbytes)
+            coord = [batch, lo + i * BLOCK, first_head + g, 0]
+            tma.async_copy_global_to_shared(c_desc, coord, ring_ready.index(slot), c_smem.index(slot))
+            tma.async_copy_global_to_shared(d_desc, coord, ring_ready.index(slot), d_smem.index(slot))
             it += 1
 
 
@@ -196,31 +198,10 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
         (_consumers, (q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc, dv_desc,
                       ds_smem, dq_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
                       DQ_REDUCE)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, bars, problem,
-                     BLOCK_M, BLOCK_N, STAGES)),
+        (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, batch, n0, head_k,
+                     head_k * group, group, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N, BLOCK_M, STAGES,
+                     True)),
     ], [1], [PRODUCER_REGS])
-
-
-@gluon.jit
-def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, problem,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    q_ready, kv_ready, kv_empty = bars
-    batch, head, group, m0, seqlen_q, seqlen_k, window_left, window_right = problem
-    mbarrier.expect(q_ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [batch, m0, head, 0], q_ready, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [batch, m0, head, 0], q_ready, do_smem)
-    dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(m0, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left,
-                                                           window_right, False)
-    for j in range(n_blocks):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        mbarrier.wait(kv_empty.index(slot), phase ^ 1)
-        mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        n0 = lo + j * BLOCK_N
-        tma.async_copy_global_to_shared(k_desc, [batch, n0, head // group, 0], kv_ready.index(slot),
-                                        k_smem.index(slot))
-        tma.async_copy_global_to_shared(v_desc, [batch, n0, head // group, 0], kv_ready.index(slot),
-                                        v_smem.index(slot))
 
 
 @gluon.jit
@@ -300,8 +281,9 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
         (_dq_consumers, (q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA,
                          slb, slh, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
                          HAS_DLSE)),
-        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, problem,
-                        BLOCK_M, BLOCK_N, STAGES)),
+        (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, batch, m0, head,
+                     head // group, 1, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, STAGES,
+                     False)),
     ], [1], [PRODUCER_REGS])
 
 
