@@ -120,7 +120,7 @@ def v3_single_pass_backward(s: Shape, block_q: int, block_k: int, bwd_block_q: i
 
 
 # v3 keeps v2's tiling (with its own tile sizes): TMA and warp specialization change when bytes
-# move, not how many; its single-pass backward (head dim 128, long keys) trades the second
+# move, not how many; its single-pass backward (head dims 64 and 128, long keys) trades the second
 # pass's matmuls for fp32 dQ traffic.
 
 
@@ -133,8 +133,7 @@ def summary(s: Shape):
     model = {"standard": standard(s), "v1": v1(s, *fwd, *bwd)}
     for version in ("v2", "v3"):
         fwd, bwd = configs.gpu_tiles(version, pad, s.causal, s.sk)
-        single_pass = (version == "v3" and pad in configs.GLUON_BWD_DEFAULT_HEAD_DIMS
-                       and s.sk >= configs.GLUON_REDUCE_MIN_KEYS)
+        single_pass = version == "v3" and configs.v3_default_backward(pad, s.sk) == "gluon-reduce"
         model[version] = (v3_single_pass_backward if single_pass else v2)(s, *fwd, *bwd)
     return model
 

@@ -16,6 +16,12 @@ VARIANTS = [("one Gluon pass, TMA reduce-add", "flashtile-v3", {"FLASHTILE_V3_BW
             ("SDPA cuDNN", "sdpa-cudnn", {})]
 
 
+def _variant(spec):
+    """"NAME:KEY=VALUE;KEY=VALUE" -> (NAME, "flashtile-v3", {KEY: VALUE, ...})."""
+    name, _, switches = spec.partition(":")
+    return name, "flashtile-v3", dict(kv.split("=", 1) for kv in switches.split(";") if kv)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--head-dims", default="64,128")
@@ -23,19 +29,22 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE;...",
+                    help="one more column: flashtile-v3 under these kernel switches (repeatable)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    variants = VARIANTS[:-1] + [_variant(v) for v in args.variant] + VARIANTS[-1:]
     env = bench.environment()
     print(f"v3 backward kernels, bf16, {env['gpu']}, commit {env['commit']}, {env['date']}; TFLOP/s\n")
-    print("| d | causal | seqlen | " + " | ".join(name for name, _, _ in VARIANTS) + " |")
-    print("|---" * (3 + len(VARIANTS)) + "|")
+    print("| d | causal | seqlen | " + " | ".join(name for name, _, _ in variants) + " |")
+    print("|---" * (3 + len(variants)) + "|")
     records = []
     for d in (int(x) for x in args.head_dims.split(",")):
         for causal in (False, True):
             for s in (int(x) for x in args.seqlens.split(",")):
                 case = bench.Case(max(1, args.tokens // s), args.hidden // d, args.hidden // d, s, s, d, causal, "bwd")
                 cells = []
-                for name, provider, overrides in VARIANTS:
+                for name, provider, overrides in variants:
                     try:
                         ms = min(bench.measure(provider, case, env=overrides)[0] for _ in range(args.repeats))
                     except Exception as e:  # a peer missing here (no cuDNN on a CPU) is a result too

@@ -44,10 +44,10 @@ def compile_one(fn, dtype, constexprs, options, descriptors=None):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def gluon_case(head_dim):
+def gluon_case(head_dim, causal=False):
     """v3's Gluon forward with the constants and launch options v3_gluon.forward would use
     (FLASHTILE_V3_ABLATE and FLASHTILE_CONFIG_V3_GLUON apply)."""
-    p = Problem(1, 16, 16, 4096, 4096, head_dim, 0.1, -1, -1, None, None)
+    p = Problem(1, 16, 16, 4096, 4096, head_dim, 0.1, -1, 0 if causal else -1, None, None)
     cfg = configs.v3_gluon_schedule(p)
     consts = v3_gluon.kernel_constants(p, cfg, 2)
     q_block = v3_gluon.block_layout(consts["ROWS"], p.head_dim_pad, torch.bfloat16)
@@ -72,6 +72,7 @@ def gluon_bwd_case(head_dim_pad, dq_pass, dq_reduce=False):
         consts["HAS_DLSE"] = False
     else:
         consts["DQ_REDUCE"] = dq_reduce
+        consts["DEFER_DQ"] = dq_reduce and cfg.defer_dq
         descriptors["dq_desc"] = (*v3_gluon.block_layout(block_m, head_dim_pad, torch.float32), "fp32") \
             if dq_reduce else kv_block
     return consts, dict(b.LAUNCH_OPTIONS), descriptors
@@ -108,6 +109,7 @@ def cases(head_dim=128, varlen=False):
                                          TMA_REDUCE=True), _options(c3), None
     if not varlen:  # the Gluon kernels take batched problems only
         yield ("v3.fwd_gluon", v3_gluon._fwd_kernel, *gluon_case(head_dim))
+        yield ("v3.fwd_gluon_causal", v3_gluon._fwd_kernel, *gluon_case(head_dim, causal=True))
         if p.head_dim_pad <= 128:
             yield ("v3.bwd_dq_gluon", v3_gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, True))
             yield ("v3.bwd_dkdv_gluon", v3_gluon_bwd._dkdv_kernel, *gluon_bwd_case(p.head_dim_pad, False))

@@ -87,10 +87,9 @@ def test_v3_gluon_backward_kernels_compile_for_sm90(tmp_path, kernel, head_dim):
 
 
 def test_v3_gluon_ablation_switches_remove_their_technique(tmp_path):
-    def compiled(ablate):
-        ttgir = compile_for_sm90(tmp_path / (ablate or "shipped"), "v3.fwd_gluon", 128,
-                                 {"FLASHTILE_V3_ABLATE": ablate})
-        return ttgir, (tmp_path / (ablate or "shipped") / "v3.fwd_gluon_d128.ptx").read_text()
+    def compiled(ablate, kernel="v3.fwd_gluon"):
+        ttgir = compile_for_sm90(tmp_path / (ablate or "shipped"), kernel, 128, {"FLASHTILE_V3_ABLATE": ablate})
+        return ttgir, (tmp_path / (ablate or "shipped") / f"{kernel}_d128.ptx").read_text()
 
     def waits(ttgir):
         return ttgir.count("ttng.wait_barrier")
@@ -99,12 +98,17 @@ def test_v3_gluon_ablation_switches_remove_their_technique(tmp_path):
     no_pingpong, _ = compiled("pingpong")
     no_overlap, _ = compiled("overlap")
     _, no_persistent_ptx = compiled("persistent")
+    _, causal_ptx = compiled("", "v3.fwd_gluon_causal")
+    _, causal_no_persistent_ptx = compiled("persistent", "v3.fwd_gluon_causal")
     # Ping-pong: each consumer waits for its turn before the first block's GEMM and in the loop.
     assert waits(shipped) == waits(no_pingpong) + 4
     # Intra-warpgroup overlap: waiting for S while the PV product stays in flight (1 pending).
     assert "pendings = 1" in shipped and "pendings = 1" not in no_overlap
-    # Persistent CTAs take their tiles from an atomic counter; one CTA per tile needs none.
-    assert "atom.global" in shipped_ptx and "atom.global" not in no_persistent_ptx
+    # Persistent CTAs take causal tiles (uneven lengths) from an atomic counter and stride over
+    # equal ones; one CTA per tile needs no counter.
+    assert "atom.global" in causal_ptx and "atom.global" not in causal_no_persistent_ptx
+    assert "atom.global" not in shipped_ptx
+    assert shipped_ptx.count("%nctaid.x") > no_persistent_ptx.count("%nctaid.x")
 
 
 def test_v3_forward_routing(monkeypatch):
@@ -121,6 +125,7 @@ def test_v3_forward_routing(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert configs.v3_forward_kernel(problem(1024, -1)) == "gluon"
     assert configs.v3_gluon_schedule(problem(1024, -1)) == configs.GluonSchedule(128, 2, True, True, True)
+    assert configs.v3_gluon_schedule(problem(4096, 0)).dynamic  # causal tiles of uneven length
     assert configs.v3_forward_kernel(problem(configs.SHORT_KEYS, 0)) == "v2"
     assert configs.v3_forward_kernel(problem(2 * configs.SHORT_KEYS, 0)) == "gluon"
     monkeypatch.setenv("FLASHTILE_V3_FWD", "gluon")
@@ -145,9 +150,9 @@ def test_v3_forward_routing(monkeypatch):
 
 
 def test_v3_backward_routing(monkeypatch):
-    # Gluon by default at d128 (where it measured faster; one pass with TMA reduce-add on long
-    # keys, two passes otherwise), v2's at d64/d256; each on request; a reduce-add kernel never
-    # when deterministic; the interpreter keeps v2's.
+    # Gluon by default at d128 (one pass with TMA reduce-add on long keys, two passes otherwise)
+    # and at d64 on long keys (one pass), v2's otherwise and at d256; each on request; a
+    # reduce-add kernel never when deterministic; the interpreter keeps v2's.
     from dataclasses import replace
 
     from flashtile.kernels import configs
@@ -159,10 +164,14 @@ def test_v3_backward_routing(monkeypatch):
     for name in ("FLASHTILE_V3_DQ", "FLASHTILE_CONFIG_V3_BWD", "FLASHTILE_V3_BWD", "FLASHTILE_CONFIG_V3_GLUON_BWD"):
         monkeypatch.delenv(name, raising=False)
     assert [configs.v3_backward(x) for x in (p64, p, p256)] == ["v2", "gluon", "v2"]
-    long = replace(p, seqlen_k=configs.GLUON_REDUCE_MIN_KEYS)
+    long = replace(p, seqlen_k=configs.GLUON_REDUCE_MIN_KEYS[128])
     assert configs.v3_backward(long) == "gluon-reduce"
     assert configs.v3_backward(replace(long, deterministic=True)) == "gluon"
-    assert configs.v3_backward(replace(long, head_dim=64)) == "v2"
+    assert configs.v3_backward(replace(long, head_dim=64)) == "v2"  # d64 takes the single pass later
+    long64 = replace(p64, seqlen_k=configs.GLUON_REDUCE_MIN_KEYS[64])
+    assert configs.v3_backward(long64) == "gluon-reduce"
+    assert configs.v3_backward(replace(long64, deterministic=True)) == "v2"
+    assert configs.v3_backward(replace(long64, head_dim=256)) == "v2"
     monkeypatch.setenv("FLASHTILE_V3_BWD", "v2")
     assert configs.v3_backward(p) == "v2"
     monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon")

@@ -95,6 +95,9 @@ class GluonSchedule:
     pingpong: bool = True
     overlap: bool = True
     persistent: bool = True
+    # Persistent CTAs take tiles from an atomic counter (tiles of uneven length balance
+    # themselves) rather than striding over them (no counter to clear: one launch fewer).
+    dynamic: bool = False
 
 
 # Two consumer warpgroups of 64 rows each; shared memory holds Q (2 x 64 rows), the K/V ring and,
@@ -137,7 +140,9 @@ def v3_gluon_schedule(p) -> GluonSchedule:
     unknown = off - set(GLUON_TECHNIQUES)
     if unknown:
         raise ValueError(f"FLASHTILE_V3_ABLATE: unknown techniques {sorted(unknown)}; known: {GLUON_TECHNIQUES}")
-    return GluonSchedule(cfg.block_n, cfg.num_stages, *(t not in off for t in GLUON_TECHNIQUES))
+    pingpong, overlap, persistent = (t not in off for t in GLUON_TECHNIQUES)
+    return GluonSchedule(cfg.block_n, cfg.num_stages, pingpong, overlap, persistent,
+                         dynamic=persistent and _banded(p))
 
 
 def v3_fwd_config(p, unmasked: bool, warp_specialize: bool = True) -> Config:
@@ -159,38 +164,54 @@ def v3_bwd_reduce_config(p) -> Config:
 @dataclass(frozen=True)
 class GluonBackward:
     """v3's Gluon backward (kernels/v3_gluon_bwd.py): the streamed block of each pass (the
-    stationary side is always 128 rows, 64 per consumer warpgroup) and the ring depth."""
+    stationary side is always 128 rows, 64 per consumer warpgroup), the ring depth, and whether
+    the single pass leaves each block's dQ product in flight until the next block's S^T and
+    dP^T are issued."""
     kv_block_m: int  # dK/dV pass: Q/dO rows per streamed block
     dq_block_n: int  # dQ pass: K/V rows per streamed block
     num_stages: int
+    defer_dq: bool = False
 
 
 # H200 (69899f7 and 09f4e71, b16 h16, 1k-16k): at d128 the Gluon two passes are 1.15-1.26x v2's
-# backward, at d64 0.89-0.98x, so v3 runs Gluon by default at head dims 65-128 only.  There the
-# single pass with TMA reduce-add is 1.12x the two passes at 16k, 1.03-1.04x at 4k, 0.83-0.85x at
-# 1k (its extra launches and the fp32 dQ round trip weigh on short rows): it runs from
-# GLUON_REDUCE_MIN_KEYS keys on, unless ``deterministic``.  Tiles: the 4k sweep (e943ac5) put
-# every candidate within 2% of 64,64,2 except 128-row Q blocks at d64 (they spill: -22%).
-_V3_GLUON_BWD = [(64, GluonBackward(64, 64, 2)), (128, GluonBackward(64, 64, 2))]
-GLUON_BWD_DEFAULT_HEAD_DIMS = (128,)
-GLUON_REDUCE_MIN_KEYS = 4096
+# backward, at d64 0.89-0.98x.  The single pass with TMA reduce-add, dS and the dQ staging
+# double-buffered, against the two passes at d128: 1.13x at 4k, 1.17x at 8k, 1.19x at 16k, 0.91x
+# at 1k and 0.96x at 2k non-causal (its fp32 dQ round trip and extra launches weigh on short
+# rows); against v2's at d64 with a three-slot ring: 0.98-0.99x at 1k-4k, 1.08x at 8k, 1.11x at 16k
+# (wip run of 2026-12-01, see benchmarks/results).  So by default: the single pass from
+# GLUON_REDUCE_MIN_KEYS keys on (never when ``deterministic``), below that the two Gluon passes
+# at GLUON_TWO_PASS_HEAD_DIMS and v2's elsewhere.  Tiles: the 4k sweep (e943ac5) put every
+# candidate within 2% of 64,64,2 except 128-row Q blocks at d64 (they spill: -22%); d128 has no
+# shared memory for a third ring slot next to the two dS and dQ staging buffers.
+_V3_GLUON_BWD = [(64, GluonBackward(64, 64, 3)), (128, GluonBackward(64, 64, 2))]
+GLUON_REDUCE_MIN_KEYS = {64: 8192, 128: 4096}  # by padded head dim
+GLUON_TWO_PASS_HEAD_DIMS = (128,)
 
 
 def v3_gluon_bwd_config(p) -> GluonBackward:
-    """FLASHTILE_CONFIG_V3_GLUON_BWD=kv_block_m,dq_block_n,stages overrides the table."""
+    """FLASHTILE_CONFIG_V3_GLUON_BWD=kv_block_m,dq_block_n,stages[,defer_dq] overrides the table."""
     override = os.environ.get("FLASHTILE_CONFIG_V3_GLUON_BWD")
     if override:
-        return GluonBackward(*(int(x) for x in override.split(",")))
+        kv_block_m, dq_block_n, stages, *defer = (int(x) for x in override.split(","))
+        return GluonBackward(kv_block_m, dq_block_n, stages, *(bool(x) for x in defer))
     return _by_head_dim(_V3_GLUON_BWD, p.head_dim_pad)
+
+
+def v3_default_backward(head_dim_pad: int, seqlen_k: int, deterministic: bool = False) -> str:
+    """v3's backward kernels on the GPU when nothing is forced (see v3_backward)."""
+    single_from = GLUON_REDUCE_MIN_KEYS.get(head_dim_pad)
+    if single_from is not None and seqlen_k >= single_from and not deterministic:
+        return "gluon-reduce"
+    return "gluon" if head_dim_pad in GLUON_TWO_PASS_HEAD_DIMS else "v2"
 
 
 def v3_backward(p) -> str:
     """Which kernels v3's backward runs (FLASHTILE_V3_BWD=gluon|gluon-reduce|v2 forces one):
 
     - "gluon-reduce": kernels/v3_gluon_bwd.py's single K/V-stationary pass adding dQ by TMA
-      reduce-add, by default at GLUON_BWD_DEFAULT_HEAD_DIMS with at least GLUON_REDUCE_MIN_KEYS keys;
-    - "gluon": its two passes (dQ, then dK/dV), by default at GLUON_BWD_DEFAULT_HEAD_DIMS otherwise
-      (or with a FLASHTILE_CONFIG_V3_GLUON_BWD override);
+      reduce-add, by default from GLUON_REDUCE_MIN_KEYS keys on (d64, d128);
+    - "gluon": its two passes (dQ, then dK/dV), by default at GLUON_TWO_PASS_HEAD_DIMS below
+      that (or with a FLASHTILE_CONFIG_V3_GLUON_BWD override);
     - "reduce": the plain-Triton single pass (FLASHTILE_V3_DQ=reduce or a FLASHTILE_CONFIG_V3_BWD
       override);
     - "v2": v2's two passes.
@@ -208,15 +229,13 @@ def v3_backward(p) -> str:
         return "gluon" if p.deterministic else "gluon-reduce"
     if choice == "gluon" or os.environ.get("FLASHTILE_CONFIG_V3_GLUON_BWD"):
         return "gluon"
-    if p.head_dim_pad not in GLUON_BWD_DEFAULT_HEAD_DIMS:
-        return "v2"
-    return "gluon-reduce" if p.seqlen_k >= GLUON_REDUCE_MIN_KEYS and not p.deterministic else "gluon"
+    return v3_default_backward(p.head_dim_pad, p.seqlen_k, p.deterministic)
 
 
 def gpu_tiles(version: str, head_dim_pad: int, banded: bool, seqlen_k: int):
     """((fwd block_m, block_n), (bwd dK/dV block_m, block_n)) used on the GPU (batched problems),
     for the IO model."""
-    if version == "v3" and head_dim_pad in GLUON_BWD_DEFAULT_HEAD_DIMS:  # the Gluon dK/dV pass
+    if version == "v3" and v3_default_backward(head_dim_pad, seqlen_k) != "v2":  # the Gluon dK/dV pass
         bwd = (_by_head_dim(_V3_GLUON_BWD, head_dim_pad).kv_block_m, GLUON_TILE_M)
     else:
         b = _by_head_dim(_V2_BWD_KV_BAND if banded else _V2_BWD_KV, head_dim_pad)

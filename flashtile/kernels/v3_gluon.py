@@ -11,10 +11,12 @@ Ping-pong: the consumers take turns to issue their GEMMs (the ``turn`` mbarriers
 warpgroup's softmax runs while the other's GEMMs occupy the tensor cores.
 Intra-warpgroup overlap: inside a consumer, S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued
 together and the softmax of S_j runs while the PV product is still in flight.
-Persistent scheduler: ``min(tiles, SMs)`` CTAs each take the next untaken tile from an atomic
-counter, so no CTA launch is paid per tile, a CTA's next Q and K/V loads overlap its epilogue, and
-tiles of uneven length (causal) balance themselves; tiles come longest first (the last query
-blocks of a causal problem see the most keys) in groups of heads whose K/V share L2.
+Persistent scheduler: ``min(tiles, SMs)`` CTAs loop over tiles, so no CTA launch is paid per
+tile and a CTA's next Q and K/V loads overlap its epilogue.  Tiles of uneven length (causal,
+window) are taken from an atomic counter so they balance themselves, longest first (the last
+query blocks of a causal problem see the most keys); tiles of equal length are strided over
+(every SMs-th: no counter to clear, one launch fewer).  Either walk goes in groups of heads
+whose K/V share L2.
 
 Batched (non-varlen) problems only: Q/K/V/O are seen by TMA as (batch, seqlen, heads, head_dim),
 so loads past a sequence or head dim read zeros and stores past them are dropped.  O leaves by
@@ -65,7 +67,8 @@ def _tile(t, walk, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
-              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+              DYNAMIC: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
     num_tiles = walk[0]
     it = 0  # K/V blocks issued so far: ring slot and mbarrier phase
@@ -77,8 +80,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, wa
         # Both consumers are done with the previous tile's Q (and have read its number).
         mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
         _publish_tile(tile_ids, tile_i, t)
-        if PERSISTENT:  # the next tile is the first no CTA has taken yet
+        if DYNAMIC:  # the next tile is the first no CTA has taken yet
             t = gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
+        elif PERSISTENT:  # tiles of equal length: every num_programs-th
+            t += gl.num_programs(0)
         else:  # one tile per CTA
             t = num_tiles
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
@@ -255,7 +260,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
                 batch_heads, heads_q, group, head_group, m_blocks, num_tiles,
                 seqlen_q, seqlen_k, window_left, window_right, scale_log2, COUNTER,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-                PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr, PERSISTENT: gl.constexpr):
+                PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
+                DYNAMIC: gl.constexpr):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -293,7 +299,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
         (_consumer, (1, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
                      ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
-                     ROWS, BLOCK_N, STAGES, PERSISTENT)),
+                     ROWS, BLOCK_N, STAGES, PERSISTENT, DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -353,7 +359,8 @@ def kernel_constants(p, cfg, element_size):
     ring_bytes = 2 * cfg.num_stages * cfg.block_n * p.head_dim_pad * element_size
     o_via_smem = 4 * tile_bytes + ring_bytes <= SHARED_MEMORY  # Q and O (two halves each), the ring
     return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
-                PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_VIA_SMEM=o_via_smem, PERSISTENT=cfg.persistent)
+                PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_VIA_SMEM=o_via_smem, PERSISTENT=cfg.persistent,
+                DYNAMIC=cfg.persistent and cfg.dynamic)
 
 
 def heads_sharing_l2(p, element_size):
@@ -380,6 +387,7 @@ def forward(p, q, k, v, cfg):
         out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, lse.stride(0), lse.stride(1),
         batch_heads, p.heads_q, p.group, head_group, m_blocks, num_tiles,
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.scale_log2,
-        torch.zeros(1, dtype=torch.int32, device=q.device),  # the tile counter
+        # The tile counter; a static walk reads none (lse's first word stands in, untouched).
+        torch.zeros(1, dtype=torch.int32, device=q.device) if consts["DYNAMIC"] else lse.view(torch.int32),
         **consts, **LAUNCH_OPTIONS)
     return out, lse
