@@ -72,7 +72,6 @@ def gluon_bwd_case(head_dim_pad, dq_pass, dq_reduce=False):
         consts["HAS_DLSE"] = False
     else:
         consts["DQ_REDUCE"] = dq_reduce
-        consts["DEFER_DQ"] = dq_reduce and cfg.defer_dq
         descriptors["dq_desc"] = (*v3_gluon.block_layout(block_m, head_dim_pad, torch.float32), "fp32") \
             if dq_reduce else kv_block
     return consts, dict(b.LAUNCH_OPTIONS), descriptors

@@ -164,13 +164,10 @@ def v3_bwd_reduce_config(p) -> Config:
 @dataclass(frozen=True)
 class GluonBackward:
     """v3's Gluon backward (kernels/v3_gluon_bwd.py): the streamed block of each pass (the
-    stationary side is always 128 rows, 64 per consumer warpgroup), the ring depth, and whether
-    the single pass leaves each block's dQ product in flight until the next block's S^T and
-    dP^T are issued."""
+    stationary side is always 128 rows, 64 per consumer warpgroup) and the ring depth."""
     kv_block_m: int  # dK/dV pass: Q/dO rows per streamed block
     dq_block_n: int  # dQ pass: K/V rows per streamed block
     num_stages: int
-    defer_dq: bool = False
 
 
 # H200 (69899f7 and 09f4e71, b16 h16, 1k-16k): at d128 the Gluon two passes are 1.15-1.26x v2's
@@ -189,11 +186,10 @@ GLUON_TWO_PASS_HEAD_DIMS = (128,)
 
 
 def v3_gluon_bwd_config(p) -> GluonBackward:
-    """FLASHTILE_CONFIG_V3_GLUON_BWD=kv_block_m,dq_block_n,stages[,defer_dq] overrides the table."""
+    """FLASHTILE_CONFIG_V3_GLUON_BWD=kv_block_m,dq_block_n,stages overrides the table."""
     override = os.environ.get("FLASHTILE_CONFIG_V3_GLUON_BWD")
     if override:
-        kv_block_m, dq_block_n, stages, *defer = (int(x) for x in override.split(","))
-        return GluonBackward(kv_block_m, dq_block_n, stages, *(bool(x) for x in defer))
+        return GluonBackward(*(int(x) for x in override.split(",")))
     return _by_head_dim(_V3_GLUON_BWD, p.head_dim_pad)
 
 

@@ -25,7 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_init, warpgroup_mma_wait)
+                                                               warpgroup_mma_wait)
 
 from flashtile.kernels.blocks import band_blocks, band_mask
 from flashtile.kernels.configs import GLUON_TILE_M, v3_gluon_bwd_config
@@ -106,8 +106,7 @@ def _add_dq(dq, staging, dq_desc, batch, m0, head, BLOCK_M: gl.constexpr, HEAD_D
 @gluon.jit
 def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc, dv_desc,
                ds_smem, dq_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr,
-               DEFER_DQ: gl.constexpr):
+               HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr):
     """Both consumer warpgroups (the default partition's 8 warps): dK and dV of the CTA's K/V rows;
     with DQ_REDUCE also each Q block's dQ share, dS K, added in fp32 to dq_desc by TMA."""
     kv_ready, q_ready, q_empty = bars
@@ -131,12 +130,6 @@ def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, 
     dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k, window_left,
                                                            window_right, True)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, dq_layout)
-    if DEFER_DQ:  # the dQ product in flight across iterations: carried as an accumulator token
-        dq = warpgroup_mma_init(dq_zero)
-    else:
-        dq = dq_zero
-    dq_m0 = 0
-    dq_head = 0
     mbarrier.wait(kv_ready, 0)
     it = 0
     for g in range(group):
@@ -152,11 +145,6 @@ def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, 
             do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
             sT = warpgroup_mma(k_tile, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dpT = warpgroup_mma(v_tile, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if DEFER_DQ:
-                if it > 0:  # the previous block's dQ product, staged and added under S^T and dP^T
-                    dq_done = warpgroup_mma_wait(2, deps=[dq])
-                    _add_dq(dq_done * softmax_scale, dq_smem.index((it - 1) % 2), dq_desc, batch, dq_m0, dq_head,
-                            BLOCK_M, HEAD_DIM_PAD)
             # Rows past the sequence read lse = +inf: their probabilities are exactly 0.
             lse = gl.load(LSE + stats + cols, mask=cols < seqlen_q, other=float("inf")) * LOG2E
             delta = gl.load(DELTA + stats + cols, mask=cols < seqlen_q, other=0.0)
@@ -180,24 +168,11 @@ def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, 
                 fence_async_shared()
                 tma.store_wait(1)
                 gl.thread_barrier()  # dS written by both warpgroups; the staging buffer free
-                dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_tile, dq_zero, use_acc=False,
-                                   is_async=DEFER_DQ)
-                if DEFER_DQ:
-                    dq_m0 = m0
-                    dq_head = head
-                else:
-                    _add_dq(dq * softmax_scale, dq_smem.index(buf), dq_desc, batch, m0, head, BLOCK_M, HEAD_DIM_PAD)
-            if DEFER_DQ:  # dV and dK done, the dQ product left in flight
-                dv, dk, pT_op, dsT_op = warpgroup_mma_wait(1, deps=[dv, dk, pT_op, dsT_op])
-            else:
-                dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=[dv, dk, pT_op, dsT_op])
+                dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_tile, dq_zero, use_acc=False)
+                _add_dq(dq * softmax_scale, dq_smem.index(buf), dq_desc, batch, m0, head, BLOCK_M, HEAD_DIM_PAD)
+            dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=[dv, dk, pT_op, dsT_op])
             mbarrier.arrive(q_empty.index(slot))
             it += 1
-    if DEFER_DQ:
-        if it > 0:
-            dq_done = warpgroup_mma_wait(0, deps=[dq])
-            _add_dq(dq_done * softmax_scale, dq_smem.index((it - 1) % 2), dq_desc, batch, dq_m0, dq_head, BLOCK_M,
-                    HEAD_DIM_PAD)
     # K and V are no longer read: their buffers stage dK and dV for the TMA stores, which drop
     # rows past the sequence and lanes past the head dim.
     k_tile.store((dk * softmax_scale).to(dtype))
@@ -212,7 +187,7 @@ def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, 
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, slb, slh, heads_k, group,
                  seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                 STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr, DEFER_DQ: gl.constexpr):
+                 STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr):
     bh = gl.program_id(0)
     n0 = gl.program_id(1) * BLOCK_N
     batch = bh // heads_k
@@ -229,7 +204,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
     gl.warp_specialize([
         (_consumers, (q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc, dv_desc,
                       ds_smem, dq_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
-                      DQ_REDUCE, DEFER_DQ)),
+                      DQ_REDUCE)),
         (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, batch, n0, head_k,
                      head_k * group, group, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N, BLOCK_M, STAGES,
                      True)),
@@ -366,4 +341,4 @@ def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
         lse, delta, lse.stride(0), lse.stride(1), p.heads_k, p.group, p.seqlen_q, p.seqlen_k,
         p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
         BLOCK_M=cfg.kv_block_m, BLOCK_N=ROWS, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages,
-        DQ_REDUCE=dq_acc is not None, DEFER_DQ=dq_acc is not None and cfg.defer_dq, **LAUNCH_OPTIONS)
+        DQ_REDUCE=dq_acc is not None, **LAUNCH_OPTIONS)
