@@ -43,10 +43,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     window_size=(left, right) limits keys to [i - left, i + right] around the aligned
     diagonal (-1: unbounded).  ``version``: "v1", "v2", "v3", "auto" (the best this device
     runs) or "tiled" (the PyTorch implementation).  ``deterministic=True`` guarantees bitwise
-    reproducible gradients: v3 then runs its two-pass backward instead of the single pass that
-    adds dQ by TMA reduce-add (its default at head dim 128 from 4k keys, as FlashAttention-3's),
-    whose summation order varies from run to run; the other backwards are reproducible
-    anyway.  Returns ``out``, or
+    reproducible gradients: v3 then runs a two-pass backward instead of the single pass that
+    adds dQ by TMA reduce-add (its default at head dims 64 and 128 on long keys, as
+    FlashAttention-3's), whose summation order varies from run to run; the other backwards are
+    reproducible anyway.  Returns ``out``, or
     ``(out, softmax_lse, None)`` when ``return_attn_probs``.
     """
     return _attention(q, k, v, None, None, None, None, dropout_p, softmax_scale, causal,

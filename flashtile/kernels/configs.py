@@ -175,7 +175,7 @@ class GluonBackward:
 # double-buffered, against the two passes at d128: 1.13x at 4k, 1.17x at 8k, 1.19x at 16k, 0.91x
 # at 1k and 0.96x at 2k non-causal (its fp32 dQ round trip and extra launches weigh on short
 # rows); against v2's at d64 with a three-slot ring: 0.98-0.99x at 1k-4k, 1.08x at 8k, 1.11x at 16k
-# (wip run of 2026-12-01, see benchmarks/results).  So by default: the single pass from
+# (benchmarks/results/2026-12-01_H200_8cddb94/experiments).  So by default: the single pass from
 # GLUON_REDUCE_MIN_KEYS keys on (never when ``deterministic``), below that the two Gluon passes
 # at GLUON_TWO_PASS_HEAD_DIMS and v2's elsewhere.  Tiles: the 4k sweep (e943ac5) put every
 # candidate within 2% of 64,64,2 except 128-row Q blocks at d64 (they spill: -22%); d128 has no
