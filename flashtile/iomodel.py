@@ -120,8 +120,8 @@ def v3_single_pass_backward(s: Shape, block_q: int, block_k: int, bwd_block_q: i
 
 
 # v3 keeps v2's tiling (with its own tile sizes): TMA and warp specialization change when bytes
-# move, not how many; its single-pass backward (head dims 64 and 128, long keys) trades the second
-# pass's matmuls for fp32 dQ traffic.
+# move, not how many; its single-pass backward (head dims 64 and 128, long keys) trades the
+# second pass's matmuls for fp32 dQ traffic.
 
 
 def summary(s: Shape):

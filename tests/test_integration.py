@@ -42,6 +42,23 @@ def test_eager_function_and_custom_op_agree(version):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
+def test_calls_without_gradients_build_no_autograd_node():
+    # Under no_grad, or with inputs that need no gradient, ops.attention skips the autograd
+    # Function (ops.py): the outputs must match the ones with gradients, bit for bit, and
+    # carry no autograd node.
+    q, k, v = make_qkv(1, 40, 48, 2, 1, 32, torch.float16, DEVICE)
+    args = (None, None, 40, 48, 32 ** -0.5, -1, 0, "v2", False)
+    with_grad = ops.attention(*(x.clone().requires_grad_() for x in (q, k, v)), *args)
+    assert with_grad[0].grad_fn is not None
+    with torch.no_grad():
+        no_grad = ops.attention(*(x.clone().requires_grad_() for x in (q, k, v)), *args)
+    plain = ops.attention(q, k, v, *args)
+    for out in (no_grad, plain):
+        assert out[0].grad_fn is None and not out[0].requires_grad
+        for a, b in zip(out, with_grad):
+            torch.testing.assert_close(a, b.detach(), atol=0, rtol=0)
+
+
 def test_packed_layouts_match_separate_tensors():
     qkv = torch.randn(1, 33, 3, 2, 32, dtype=torch.float16, device=DEVICE)
     q, k, v = qkv.unbind(2)
