@@ -59,13 +59,13 @@ def test_v3_both_forward_kernels_on_short_bands(monkeypatch, kernel, head_dim):
                             q, k, v, causal=True)
 
 
-@pytest.mark.parametrize("kernels", ["gluon", "gluon-reduce"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kernels, head_dim", [("gluon", 64), ("gluon", 128), ("gluon", 256),
+                                               ("gluon-reduce", 64), ("gluon-reduce", 128)])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 8)])
 def test_v3_gluon_backward(monkeypatch, kernels, head_dim, window):
     # v3's Gluon backwards (on the GPU; the interpreter keeps v2's), two passes or one with dQ by
-    # TMA reduce-add, at d64 and d128, against the oracle: GQA, seqlens that are not block
-    # multiples, causal and a sliding window.
+    # TMA reduce-add (d64 and d128; the two passes split the head dim at d256), against the
+    # oracle: GQA, seqlens that are not block multiples, causal and a sliding window.
     monkeypatch.setenv("FLASHTILE_V3_BWD", kernels)
     sq, sk = (700, 1000) if ON_GPU else (40, 70)
     q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, head_dim, DTYPES[0], DEVICE)

@@ -86,6 +86,20 @@ def test_v3_gluon_backward_kernels_compile_for_sm90(tmp_path, kernel, head_dim):
     assert len(reduces) == (kernel == "v3.bwd_reduce_gluon"), "dQ by TMA reduce-add in the single pass only"
 
 
+@pytest.mark.parametrize("kernel", ["v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon"])
+def test_v3_gluon_backward_splits_the_head_dim_at_d256(tmp_path, kernel):
+    # At d256 the two passes split the work between the consumer warpgroups (32-column halves
+    # of S / dP, 128-column halves of the gradients), every product from shared memory.
+    ttgir = compile_for_sm90(tmp_path, kernel, 256, {})
+    ptx = (tmp_path / f"{kernel}_d256.ptx").read_text()
+    assert "ttg.warp_specialize" in ttgir
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)
+    assert "cp.async.bulk.tensor.4d.shared::cluster.global" in ptx  # TMA loads
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx      # TMA stores of the gradients
+    wgmma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx))
+    assert wgmma == {("32", "%"), ("128", "%")}
+
+
 def test_v3_gluon_ablation_switches_remove_their_technique(tmp_path):
     def compiled(ablate, kernel="v3.fwd_gluon"):
         ttgir = compile_for_sm90(tmp_path / (ablate or "shipped"), kernel, 128, {"FLASHTILE_V3_ABLATE": ablate})
@@ -179,6 +193,7 @@ def test_v3_backward_routing(monkeypatch):
     monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon-reduce")
     assert configs.v3_backward(p64) == "gluon-reduce"
     assert configs.v3_backward(replace(p64, deterministic=True)) == "gluon"
+    assert configs.v3_backward(p256) == "gluon"  # the single pass stops at d128
     monkeypatch.setenv("FLASHTILE_V3_BWD", "")
     monkeypatch.setenv("FLASHTILE_CONFIG_V3_GLUON_BWD", "128,64,3")
     assert configs.v3_backward(p64) == "gluon"

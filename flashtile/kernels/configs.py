@@ -180,7 +180,8 @@ class GluonBackward:
 # at GLUON_TWO_PASS_HEAD_DIMS and v2's elsewhere.  Tiles: the 4k sweep (e943ac5) put every
 # candidate within 2% of 64,64,2 except 128-row Q blocks at d64 (they spill: -22%); d128 has no
 # shared memory for a third ring slot next to the two dS and dQ staging buffers.
-_V3_GLUON_BWD = [(64, GluonBackward(64, 64, 3)), (128, GluonBackward(64, 64, 2))]
+_V3_GLUON_BWD = [(64, GluonBackward(64, 64, 3)), (128, GluonBackward(64, 64, 2)),
+                 (256, GluonBackward(64, 64, 2))]  # d256: 64-row blocks both ways (shared memory)
 GLUON_REDUCE_MIN_KEYS = {64: 8192, 128: 4096}  # by padded head dim
 GLUON_TWO_PASS_HEAD_DIMS = (128,)
 
@@ -207,7 +208,8 @@ def v3_backward(p) -> str:
     - "gluon-reduce": kernels/v3_gluon_bwd.py's single K/V-stationary pass adding dQ by TMA
       reduce-add, by default from GLUON_REDUCE_MIN_KEYS keys on (d64, d128);
     - "gluon": its two passes (dQ, then dK/dV), by default at GLUON_TWO_PASS_HEAD_DIMS below
-      that (or with a FLASHTILE_CONFIG_V3_GLUON_BWD override);
+      that (or with a FLASHTILE_CONFIG_V3_GLUON_BWD override); at d256 (head dim split between
+      the warpgroups) only when forced, unmeasured so far;
     - "reduce": the plain-Triton single pass (FLASHTILE_V3_DQ=reduce or a FLASHTILE_CONFIG_V3_BWD
       override);
     - "v2": v2's two passes.
@@ -221,8 +223,8 @@ def v3_backward(p) -> str:
         return "reduce"
     if runtime.interpreting() or choice == "v2":
         return "v2"
-    if choice == "gluon-reduce":
-        return "gluon" if p.deterministic else "gluon-reduce"
+    if choice == "gluon-reduce":  # the single pass stops at d128
+        return "gluon" if p.deterministic or p.head_dim_pad > 128 else "gluon-reduce"
     if choice == "gluon" or os.environ.get("FLASHTILE_CONFIG_V3_GLUON_BWD"):
         return "gluon"
     return v3_default_backward(p.head_dim_pad, p.seqlen_k, p.deterministic)

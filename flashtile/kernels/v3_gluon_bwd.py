@@ -2,7 +2,7 @@
 
 Each kernel is one CTA of 8 consumer warps (two warpgroups, 64 rows each) and a producer warp
 streaming tiles by TMA through a ``STAGES``-deep shared-memory ring, products on warpgroup MMA
-with the probabilities as register operands.
+with the probabilities as register operands (up to d128).
 
 - dK/dV pass (K/V-stationary, FlashAttention-3's structure): 128 K/V rows against every Q/dO
   block of every query head of their K/V head; S^T = K Q^T, dP^T = V dO^T, dV += P^T dO,
@@ -16,8 +16,12 @@ with the probabilities as register operands.
   against every K/V block of their band; S = Q K^T, dP = dO V^T, dQ += dS K), which also writes
   D = rowsum(dO * O) - dlse, then the dK/dV pass.  7 matmuls per block pair, no atomics.
 
-Batched problems with head dims up to 128 (the accumulators of 128 rows stay in registers);
-anything else keeps v2's kernels.
+Batched problems with head dims up to 128 (the accumulators of 128 rows stay in registers),
+and at d256 the two passes with SPLIT_D: 64 stationary rows shared by both warpgroups, each
+holding half the head dim of the gradients, S / dP split by streamed rows, P and dS through
+shared memory (every product from shared memory).  The d256 kernels run only when asked for
+(FLASHTILE_V3_BWD=gluon): they compile for sm_90 in the CPU suite and have GPU tests, but have
+not been measured.  Anything else keeps v2's kernels.
 """
 import torch
 import triton
@@ -36,10 +40,23 @@ from flashtile.kernels.v3_gluon import tma_addressable, tma_descriptor
 # Stationary rows per CTA in either pass (K/V rows in dK/dV, query rows in dQ), one 64-row slice
 # per consumer warpgroup; the streamed blocks and ring depth come from configs.v3_gluon_bwd_config.
 ROWS = GLUON_TILE_M
+# Above d128 (SPLIT_D) both warpgroups share 64 stationary rows and split the head dim instead.
+SPLIT_D_ROWS = 64
 # 12 warps (8 consumer, one producer warp rounded up to a warpgroup): 168 registers each at
 # launch, moved to 240 for the consumers (dK, dV, S^T, dP^T live there) and 24 for the producer.
 LAUNCH_OPTIONS = dict(num_warps=8, maxnreg=168)
 PRODUCER_REGS = gl.constexpr(24)
+# Probabilities and dS shared between the consumer warpgroups (16-bit, rows of 64 elements).
+_SCORES_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+
+
+def split_head_dim(head_dim_pad) -> bool:
+    """Whether the kernels split the head dim between the warpgroups (SPLIT_D)."""
+    return head_dim_pad > 128
+
+
+def stationary_rows(head_dim_pad) -> int:
+    return SPLIT_D_ROWS if split_head_dim(head_dim_pad) else ROWS
 
 
 @builtin
@@ -104,23 +121,66 @@ def _add_dq(dq, staging, dq_desc, batch, m0, head, BLOCK_M: gl.constexpr, HEAD_D
     _tma_reduce_add(dq_desc, [batch, m0, head, 0], staging)
 
 
+@gluon.constexpr_function
+def _wgmma_layout(columns, split_d):
+    """The consumer partition's accumulator layout for a tile of ``columns`` columns: the two
+    warpgroups stack 64-row slices, or with ``split_d`` share the rows and take half the columns each."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2] if split_d else [8, 1],
+                                     instr_shape=[16, columns // 2 if split_d else columns, 16])
+
+
+@gluon.jit
+def _column_stats(LSE, DELTA, stats, cols, seqlen_q):
+    """lse (log2 units) and D of the query rows a dK/dV block sees as its columns.  Rows past
+    the sequence read lse = +inf: their probabilities are exactly 0."""
+    lse = gl.load(LSE + stats + cols, mask=cols < seqlen_q, other=float("inf")) * LOG2E
+    delta = gl.load(DELTA + stats + cols, mask=cols < seqlen_q, other=0.0)
+    return lse, delta
+
+
+@gluon.jit
+def _probs_t(sT, lse, rows_k, cols, m0, band, seqlen_q, scale_log2):
+    """P^T of one block from S^T, masked where the block crosses an edge of the band."""
+    dlo, dhi, full_lo, full_hi = band
+    pT = gl.exp2(sT * scale_log2 - lse[None, :])
+    if (m0 < full_lo) | (m0 >= full_hi):
+        pT = gl.where(band_mask(rows_k, cols, seqlen_q, -dhi, -dlo), pT, 0.0)
+    return pT
+
+
+@gluon.jit
+def _store_dkdv(dk, dv, k_tile, v_tile, k_smem, v_smem, dk_desc, dv_desc, batch, n0, head_k, softmax_scale):
+    """K and V are no longer read: their buffers stage dK and dV for the TMA stores, which drop
+    rows past the sequence and lanes past the head dim."""
+    k_tile.store((dk * softmax_scale).to(k_tile.dtype))
+    v_tile.store(dv.to(v_tile.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [batch, n0, head_k, 0], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [batch, n0, head_k, 0], v_smem)
+    tma.store_wait(0)
+
+
 @gluon.jit
 def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc, dv_desc,
-               ds_smem, dq_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr):
+               ds_smem, dq_smem, p_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr,
+               SPLIT_D: gl.constexpr):
     """Both consumer warpgroups (the default partition's 8 warps): dK and dV of the CTA's K/V rows;
-    with DQ_REDUCE also each Q block's dQ share, dS K, added in fp32 to dq_desc by TMA."""
+    with DQ_REDUCE also each Q block's dQ share, dS K, added in fp32 to dq_desc by TMA.
+
+    Each warpgroup owns 64 K/V rows.  With SPLIT_D (d256, where one warpgroup's registers do not
+    hold dK and dV of 64 rows) both own the same 64 rows and half the head dim each; each
+    computes S^T and dP^T for half of the Q block's rows, and P^T and dS^T meet in shared memory
+    (two buffers each: one written here was last read two blocks ago), where both read them
+    whole for their half of dV and dK: one barrier per block."""
     kv_ready, q_ready, q_empty = bars
     batch, head_k, group, n0, seqlen_q, seqlen_k, window_left, window_right = problem
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                         instr_shape=[16, HEAD_DIM_PAD, 16])
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, SPLIT_D)
+    acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_PAD, SPLIT_D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     # dQ share of a Q block (BLOCK_M rows): the two warpgroups take half the head dim each.
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                        instr_shape=[16, HEAD_DIM_PAD // 2, 16])
+    dq_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_PAD, True)
     rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
@@ -146,66 +206,70 @@ def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, 
             do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
             sT = warpgroup_mma(k_tile, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dpT = warpgroup_mma(v_tile, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            # Rows past the sequence read lse = +inf: their probabilities are exactly 0.
-            lse = gl.load(LSE + stats + cols, mask=cols < seqlen_q, other=float("inf")) * LOG2E
-            delta = gl.load(DELTA + stats + cols, mask=cols < seqlen_q, other=0.0)
+            lse, delta = _column_stats(LSE, DELTA, stats, cols, seqlen_q)
             sT = warpgroup_mma_wait(1, deps=[sT])
-            pT = gl.exp2(sT * scale_log2 - lse[None, :])
-            if (m0 < full_lo) | (m0 >= full_hi):
-                pT = gl.where(band_mask(rows_k, cols, seqlen_q, -dhi, -dlo), pT, 0.0)
-            pT_op = gl.convert_layout(pT.to(dtype), op_layout)
-            dv = warpgroup_mma(pT_op, do, dv, is_async=True)
-            dpT = warpgroup_mma_wait(1, deps=[dpT])
-            dsT = (pT * (dpT - delta[None, :])).to(dtype)
-            dsT_op = gl.convert_layout(dsT, op_layout)
-            dk = warpgroup_mma(dsT_op, q, dk, is_async=True)
-            if DQ_REDUCE:
-                # dQ = dS K over all BLOCK_N rows needs both warpgroups' dS: through shared memory.
-                # dS and the fp32 dQ staging have two buffers each: one written here was last
-                # read two blocks ago (dS by that block's dQ product, the staging by its reduce,
-                # which store_wait(1) leaves done), so two barriers per block order it all.
+            pT = _probs_t(sT, lse, rows_k, cols, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2)
+            if SPLIT_D:
+                dpT = warpgroup_mma_wait(0, deps=[dpT])
                 buf = it % 2
-                ds_smem.index(buf).store(dsT)
+                p_smem.index(buf).store(pT.to(dtype))
+                ds_smem.index(buf).store((pT * (dpT - delta[None, :])).to(dtype))
                 fence_async_shared()
-                tma.store_wait(1)
-                gl.thread_barrier()  # dS written by both warpgroups; the staging buffer free
-                dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_tile, dq_zero, use_acc=False)
-                _add_dq(dq * softmax_scale, dq_smem.index(buf), dq_desc, batch, m0, head, BLOCK_M, HEAD_DIM_PAD)
-            dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=[dv, dk, pT_op, dsT_op])
+                gl.thread_barrier()  # both warpgroups' halves of P^T and dS^T written
+                dv = warpgroup_mma(p_smem.index(buf), do, dv, is_async=True)
+                dk = warpgroup_mma(ds_smem.index(buf), q, dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+            else:
+                pT_op = gl.convert_layout(pT.to(dtype), op_layout)
+                dv = warpgroup_mma(pT_op, do, dv, is_async=True)
+                dpT = warpgroup_mma_wait(1, deps=[dpT])
+                dsT = (pT * (dpT - delta[None, :])).to(dtype)
+                dsT_op = gl.convert_layout(dsT, op_layout)
+                dk = warpgroup_mma(dsT_op, q, dk, is_async=True)
+                if DQ_REDUCE:
+                    # dQ = dS K over all BLOCK_N rows needs both warpgroups' dS: through shared memory.
+                    # dS and the fp32 dQ staging have two buffers each: one written here was last
+                    # read two blocks ago (dS by that block's dQ product, the staging by its reduce,
+                    # which store_wait(1) leaves done), so two barriers per block order it all.
+                    buf = it % 2
+                    ds_smem.index(buf).store(dsT)
+                    fence_async_shared()
+                    tma.store_wait(1)
+                    gl.thread_barrier()  # dS written by both warpgroups; the staging buffer free
+                    dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_tile, dq_zero, use_acc=False)
+                    _add_dq(dq * softmax_scale, dq_smem.index(buf), dq_desc, batch, m0, head, BLOCK_M, HEAD_DIM_PAD)
+                dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=[dv, dk, pT_op, dsT_op])
             mbarrier.arrive(q_empty.index(slot))
             it += 1
-    # K and V are no longer read: their buffers stage dK and dV for the TMA stores, which drop
-    # rows past the sequence and lanes past the head dim.
-    k_tile.store((dk * softmax_scale).to(dtype))
-    v_tile.store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [batch, n0, head_k, 0], k_smem)
-    tma.async_copy_shared_to_global(dv_desc, [batch, n0, head_k, 0], v_smem)
-    tma.store_wait(0)
+    _store_dkdv(dk, dv, k_tile, v_tile, k_smem, v_smem, dk_desc, dv_desc, batch, n0, head_k, softmax_scale)
 
 
 @gluon.jit
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, slb, slh, heads_k, group,
                  seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                 STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr):
+                 STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr, SPLIT_D: gl.constexpr):
     bh = gl.program_id(0)
     n0 = gl.program_id(1) * BLOCK_N
     batch = bh // heads_k
     head_k = bh % heads_k
     k_smem, v_smem, q_smem, do_smem, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, STAGES)
-    if DQ_REDUCE:  # dS of both warpgroups, and the fp32 dQ block the TMA reduce reads
-        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M],
-                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-        dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [2] + dq_desc.block_type.shape, dq_desc.layout)
-    else:  # not read
-        ds_smem = k_smem
-        dq_smem = k_smem
     problem = (batch, head_k, group, n0, seqlen_q, seqlen_k, window_left, window_right)
+    # dS of both warpgroups (DQ_REDUCE, SPLIT_D), the fp32 dQ block the TMA reduce reads
+    # (DQ_REDUCE), P^T of both warpgroups (SPLIT_D); two buffers each.  Placeholders are not read.
+    ds_smem = k_smem
+    dq_smem = k_smem
+    p_smem = k_smem
+    if DQ_REDUCE or SPLIT_D:
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
+    if DQ_REDUCE:
+        dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    if SPLIT_D:
+        p_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
     gl.warp_specialize([
         (_consumers, (q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc, dv_desc,
-                      ds_smem, dq_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
-                      DQ_REDUCE)),
+                      ds_smem, dq_smem, p_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD,
+                      STAGES, DQ_REDUCE, SPLIT_D)),
         (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, batch, n0, head_k,
                      head_k * group, group, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N, BLOCK_M, STAGES,
                      True)),
@@ -213,21 +277,11 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
 
 
 @gluon.jit
-def _dq_consumers(q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA,
-                  slb, slh,
-                  dq_desc, softmax_scale, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, HAS_DLSE: gl.constexpr):
-    """Both consumer warpgroups: dQ of the CTA's query rows, and their D."""
-    q_ready, kv_ready, kv_empty = bars
-    batch, head, group, m0, seqlen_q, seqlen_k, window_left, window_right = problem
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                         instr_shape=[16, HEAD_DIM_PAD, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    # D = rowsum(dO * O) - dlse, from O in global memory and dO in shared memory, row by row.
+def _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, m0, seqlen_q, q_ready, do,
+                  rows_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                  HAS_DLSE: gl.constexpr):
+    """The query rows of the dQ pass, their lse (log2 units) and D = rowsum(dO * O) - dlse, also
+    written for the dK/dV pass.  O is loaded while the stationary Q and dO land (``q_ready``)."""
     tile_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     tile_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, tile_layout))
     offs_d = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, tile_layout))
@@ -235,14 +289,55 @@ def _dq_consumers(q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, s
     o = gl.load(o_ptrs, mask=(tile_rows[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
     stats = batch.to(gl.int64) * slb + head * slh
     mbarrier.wait(q_ready, 0)
-    q = q_smem.reshape([BLOCK_M, HEAD_DIM_PAD])
-    do = do_smem.reshape([BLOCK_M, HEAD_DIM_PAD])
     delta = row_delta(o, do.load(tile_layout), DLSE, stats + tile_rows, tile_rows, seqlen_q, HAS_DLSE)
     gl.store(DELTA + stats + tile_rows, delta, mask=tile_rows < seqlen_q)
     rows = m0 + gl.arange(0, BLOCK_M, layout=rows_layout)
     delta = gl.convert_layout(delta, rows_layout)
     # Rows past the sequence read lse = +inf: their probabilities are exactly 0.
     lse = gl.load(LSE + stats + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
+    return rows, lse, delta
+
+
+@gluon.jit
+def _probs(s, lse, rows, n0, band, seqlen_k, scale_log2, BLOCK_N: gl.constexpr, col_layout: gl.constexpr):
+    """P of one K/V block in the dQ pass from S, masked where the block crosses an edge of the band."""
+    dlo, dhi, full_lo, full_hi = band
+    p = gl.exp2(s * scale_log2 - lse[:, None])
+    if (n0 < full_lo) | (n0 >= full_hi):
+        cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
+        p = gl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), p, 0.0)
+    return p
+
+
+@gluon.jit
+def _store_dq(dq, q, q_smem, dq_desc, batch, m0, head, softmax_scale):
+    """Q is no longer read: its buffer stages dQ for the TMA store."""
+    q.store((dq * softmax_scale).to(q.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [batch, m0, head, 0], q_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _dq_consumers(q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA,
+                  slb, slh, ds_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, HAS_DLSE: gl.constexpr,
+                  SPLIT_D: gl.constexpr):
+    """Both consumer warpgroups: dQ of the CTA's query rows, and their D.  Each warpgroup owns 64
+    query rows; with SPLIT_D (d256) both own the same 64 rows and half the head dim of dQ each,
+    S and dP are split by K/V rows and dS meets in shared memory (two buffers, one barrier per
+    block)."""
+    q_ready, kv_ready, kv_empty = bars
+    batch, head, group, m0, seqlen_q, seqlen_k, window_left, window_right = problem
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N, SPLIT_D)
+    acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_PAD, SPLIT_D)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    q = q_smem.reshape([BLOCK_M, HEAD_DIM_PAD])
+    do = do_smem.reshape([BLOCK_M, HEAD_DIM_PAD])
+    rows, lse, delta = _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, m0,
+                                     seqlen_q, q_ready, do, gl.SliceLayout(1, s_layout), BLOCK_M, HEAD_DIM_PAD,
+                                     HAS_DLSE)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, acc_layout)
     dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(m0, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left,
@@ -257,20 +352,23 @@ def _dq_consumers(q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, s
         s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s])
-        p = gl.exp2(s * scale_log2 - lse[:, None])
-        if (n0 < full_lo) | (n0 >= full_hi):
-            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            p = gl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), p, 0.0)
+        p = _probs(s, lse, rows, n0, (dlo, dhi, full_lo, full_hi), seqlen_k, scale_log2, BLOCK_N,
+                   gl.SliceLayout(0, s_layout))
         dp = warpgroup_mma_wait(0, deps=[dp])
-        ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout)
-        dq = warpgroup_mma(ds_op, k, dq, is_async=True)
-        dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
+        ds = (p * (dp - delta[:, None])).to(dtype)
+        if SPLIT_D:
+            buf = j % 2
+            ds_smem.index(buf).store(ds)
+            fence_async_shared()
+            gl.thread_barrier()  # both warpgroups' halves of dS written
+            dq = warpgroup_mma(ds_smem.index(buf), k, dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=[dq])
+        else:
+            ds_op = gl.convert_layout(ds, op_layout)
+            dq = warpgroup_mma(ds_op, k, dq, is_async=True)
+            dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
         mbarrier.arrive(kv_empty.index(slot))
-    # Q is no longer read: its buffer stages dQ for the TMA store.
-    q.store((dq * softmax_scale).to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [batch, m0, head, 0], q_smem)
-    tma.store_wait(0)
+    _store_dq(dq, q, q_smem, dq_desc, batch, m0, head, softmax_scale)
 
 
 @gluon.jit
@@ -278,17 +376,21 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
                heads_q,
                group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-               HAS_DLSE: gl.constexpr):
+               HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr):
     bh = gl.program_id(0)
     m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M  # long causal rows first
     batch = bh // heads_q
     head = bh % heads_q
     q_smem, do_smem, k_smem, v_smem, bars = _pass_buffers(q_desc, do_desc, k_desc, v_desc, STAGES)
+    if SPLIT_D:  # dS of both warpgroups, two buffers
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], _SCORES_LAYOUT)
+    else:  # not read
+        ds_smem = q_smem
     problem = (batch, head, group, m0, seqlen_q, seqlen_k, window_left, window_right)
     gl.warp_specialize([
         (_dq_consumers, (q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA,
-                         slb, slh, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
-                         HAS_DLSE)),
+                         slb, slh, ds_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD,
+                         STAGES, HAS_DLSE, SPLIT_D)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, batch, m0, head,
                      head // group, 1, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, STAGES,
                      False)),
@@ -296,9 +398,9 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
 
 
 def supports(p, q, k, v, dout) -> bool:
-    """Batched problems on a GPU, head dims up to 128 (the accumulators must fit in registers),
-    layouts the 4-D descriptors describe."""
-    return (q.is_cuda and not p.varlen and p.head_dim_pad in (64, 128) and p.head_dim % 8 == 0
+    """Batched problems on a GPU, head dims 64, 128 and (two passes only) 256, layouts the 4-D
+    descriptors describe."""
+    return (q.is_cuda and not p.varlen and p.head_dim_pad in (64, 128, 256) and p.head_dim % 8 == 0
             and all(tma_addressable(x) for x in (q, k, v, dout)))
 
 
@@ -309,13 +411,14 @@ def backward(p, dout, dlse, q, k, v, out, lse):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
     pad = p.head_dim_pad
-    _dq_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, ROWS))](
-        tma_descriptor(q, ROWS, pad), tma_descriptor(dout, ROWS, pad), tma_descriptor(k, cfg.dq_block_n, pad),
-        tma_descriptor(v, cfg.dq_block_n, pad), tma_descriptor(dq, ROWS, pad),
+    rows = stationary_rows(pad)
+    _dq_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, rows))](
+        tma_descriptor(q, rows, pad), tma_descriptor(dout, rows, pad), tma_descriptor(k, cfg.dq_block_n, pad),
+        tma_descriptor(v, cfg.dq_block_n, pad), tma_descriptor(dq, rows, pad),
         out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, delta if dlse is None else dlse, delta,
         lse.stride(0), lse.stride(1), p.heads_q, p.group, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
-        p.softmax_scale, p.scale_log2, BLOCK_M=ROWS, BLOCK_N=cfg.dq_block_n, HEAD_DIM_PAD=pad,
-        STAGES=cfg.num_stages, HAS_DLSE=dlse is not None, **LAUNCH_OPTIONS)
+        p.softmax_scale, p.scale_log2, BLOCK_M=rows, BLOCK_N=cfg.dq_block_n, HEAD_DIM_PAD=pad,
+        STAGES=cfg.num_stages, HAS_DLSE=dlse is not None, SPLIT_D=split_head_dim(pad), **LAUNCH_OPTIONS)
     # D, written by the dQ pass, is read here: launched after it on the same stream.
     _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, None)
     return dq, dk, dv
@@ -324,7 +427,10 @@ def backward(p, dout, dlse, q, k, v, out, lse):
 def backward_reduce(p, dout, q, k, v, lse, delta):
     """dq, dk, dv in one K/V-stationary pass, FlashAttention-3's: each Q block's dQ share added
     in fp32 by TMA reduce-add (summation order varies from run to run); ``delta`` holds
-    D = rowsum(dO * O) - dlse already."""
+    D = rowsum(dO * O) - dlse already.  Head dims up to 128 (the fp32 dQ staging of SPLIT_D's
+    64-row blocks does not fit in shared memory next to its operands)."""
+    if split_head_dim(p.head_dim_pad):
+        raise ValueError("the single-pass Gluon backward takes head dims up to 128")
     cfg = v3_gluon_bwd_config(p)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -334,12 +440,13 @@ def backward_reduce(p, dout, q, k, v, lse, delta):
 
 def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
     pad = p.head_dim_pad
-    dk_desc = tma_descriptor(dk, ROWS, pad)
-    _dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, ROWS))](
-        tma_descriptor(q, cfg.kv_block_m, pad), tma_descriptor(k, ROWS, pad), tma_descriptor(v, ROWS, pad),
-        tma_descriptor(dout, cfg.kv_block_m, pad), dk_desc, tma_descriptor(dv, ROWS, pad),
+    rows = stationary_rows(pad)
+    dk_desc = tma_descriptor(dk, rows, pad)
+    _dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, rows))](
+        tma_descriptor(q, cfg.kv_block_m, pad), tma_descriptor(k, rows, pad), tma_descriptor(v, rows, pad),
+        tma_descriptor(dout, cfg.kv_block_m, pad), dk_desc, tma_descriptor(dv, rows, pad),
         dk_desc if dq_acc is None else tma_descriptor(dq_acc, cfg.kv_block_m, pad),  # not read without dq_acc
         lse, delta, lse.stride(0), lse.stride(1), p.heads_k, p.group, p.seqlen_q, p.seqlen_k,
         p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
-        BLOCK_M=cfg.kv_block_m, BLOCK_N=ROWS, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages,
-        DQ_REDUCE=dq_acc is not None, **LAUNCH_OPTIONS)
+        BLOCK_M=cfg.kv_block_m, BLOCK_N=rows, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages,
+        DQ_REDUCE=dq_acc is not None, SPLIT_D=split_head_dim(pad), **LAUNCH_OPTIONS)
