@@ -11,7 +11,7 @@
 #   memory  peak memory alone
 #   sanitize  compute-sanitizer memcheck over one small case of every kernel (sanitize.log)
 #   ablation  v3's techniques switched off one at a time, d128 8k (ablation_v3.*)
-#   backward  v3's backward kernels: their GPU tests, then each forced, side by side with
+#   backward  v3's backward kernels: their GPU tests, then each forced (d64/d128/d256), side by side with
 #           cuDNN (backward_variants.*)
 #   launch  short forwards timed as usual and as CUDA-graph replays (launch_*): which cells the
 #           Python launch path bounds
@@ -71,7 +71,8 @@ for stage in $stages; do
     backward)
       timeout 200 python -m pytest tests -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider \
         -k "gluon_backward or deterministic or reduce_add" 2>&1 | tee "$OUT/backward_tests.log" | tail -4 || status=1
-      python scripts/backward_variants.py --out "$OUT/backward_variants.json" | tee "$OUT/backward_variants.md" \
+      python scripts/backward_variants.py --head-dims 64,128,256 --out "$OUT/backward_variants.json" \
+        | tee "$OUT/backward_variants.md" \
         || status=1 ;;
     ablation)
       python scripts/ablation_v3.py --out "$OUT/ablation_v3.json" | tee "$OUT/ablation_v3.md" || status=1 ;;
