@@ -62,14 +62,14 @@ def gluon_bwd_case(head_dim_pad, dq_pass, dq_reduce=False):
     dK/dV kernel adding dQ by TMA (v3_gluon_bwd.backward_reduce)."""
     b = v3_gluon_bwd
     cfg = configs.v3_gluon_bwd_config(Problem(1, 16, 16, 4096, 4096, head_dim_pad, 0.1, -1, -1, None, None))
-    rows = b.stationary_rows(head_dim_pad)
+    rows = configs.gluon_bwd_stationary_rows(head_dim_pad)
     block_m, block_n = (rows, cfg.dq_block_n) if dq_pass else (cfg.kv_block_m, rows)
     q_block = v3_gluon.block_layout(block_m, head_dim_pad, torch.bfloat16)
     kv_block = v3_gluon.block_layout(block_n, head_dim_pad, torch.bfloat16)
     descriptors = {"q_desc": q_block, "do_desc": q_block, "dq_desc": q_block, "k_desc": kv_block,
                    "v_desc": kv_block, "dk_desc": kv_block, "dv_desc": kv_block}
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PAD=head_dim_pad, STAGES=cfg.num_stages,
-                  SPLIT_D=b.split_head_dim(head_dim_pad))
+                  SPLIT_D=configs.split_head_dim(head_dim_pad))
     if dq_pass:
         consts["HAS_DLSE"] = False
     else:
@@ -113,7 +113,7 @@ def cases(head_dim=128, varlen=False):
         yield ("v3.fwd_gluon_causal", v3_gluon._fwd_kernel, *gluon_case(head_dim, causal=True))
         yield ("v3.bwd_dq_gluon", v3_gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, True))
         yield ("v3.bwd_dkdv_gluon", v3_gluon_bwd._dkdv_kernel, *gluon_bwd_case(p.head_dim_pad, False))
-        if not v3_gluon_bwd.split_head_dim(p.head_dim_pad):  # the single pass stops at d128
+        if not configs.split_head_dim(p.head_dim_pad):  # the single pass does not split the head dim
             yield ("v3.bwd_reduce_gluon", v3_gluon_bwd._dkdv_kernel, *gluon_bwd_case(p.head_dim_pad, False, True))
 
 

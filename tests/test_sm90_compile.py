@@ -139,7 +139,6 @@ def test_v3_forward_routing(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert configs.v3_forward_kernel(problem(1024, -1)) == "gluon"
     assert configs.v3_gluon_schedule(problem(1024, -1)) == configs.GluonSchedule(128, 2, True, True, True)
-    assert configs.v3_gluon_schedule(problem(4096, 0)).dynamic  # causal tiles of uneven length
     assert configs.v3_forward_kernel(problem(configs.SHORT_KEYS, 0)) == "v2"
     assert configs.v3_forward_kernel(problem(2 * configs.SHORT_KEYS, 0)) == "gluon"
     monkeypatch.setenv("FLASHTILE_V3_FWD", "gluon")
@@ -228,7 +227,10 @@ def test_v3_gluon_takes_only_layouts_tma_can_describe():
 
 def test_v3_gluon_launch_constants():
     # Shared memory: O gets its own staging buffer where Q, the K/V ring and O fit (d64, d128),
-    # else it leaves from registers; the walk groups as many heads as have K/V fit in L2.
+    # else it leaves from registers; the walk groups as many heads as have K/V fit in L2;
+    # persistent CTAs take banded (uneven) tiles from the counter and stride over equal ones.
+    from dataclasses import replace
+
     from flashtile.kernels import configs, v3_gluon
     from flashtile.kernels.problem import Problem
 
@@ -239,6 +241,11 @@ def test_v3_gluon_launch_constants():
         cfg = configs._by_head_dim(configs._V3_GLUON, head_dim)
         consts = v3_gluon.kernel_constants(problem(1, 16, 4096, head_dim), cfg, 2)
         assert consts["O_VIA_SMEM"] == via_smem and consts["ROWS"] * 2 == configs.GLUON_TILE_M
+        assert not consts["DYNAMIC"]
+    causal = Problem(1, 16, 16, 4096, 4096, 128, 0.1, -1, 0, None, None)
+    cfg = configs._by_head_dim(configs._V3_GLUON, 128)
+    assert v3_gluon.kernel_constants(causal, cfg, 2)["DYNAMIC"]
+    assert not v3_gluon.kernel_constants(causal, replace(cfg, persistent=False), 2)["DYNAMIC"]
     assert v3_gluon.heads_sharing_l2(problem(16, 16, 1024, 128), 2) == 64   # 512 KiB of K/V per head
     assert v3_gluon.heads_sharing_l2(problem(1, 16, 16384, 128), 2) == 4    # 8 MiB per head
     assert v3_gluon.heads_sharing_l2(problem(1, 2, 1024, 128), 2) == 2      # never more than there are

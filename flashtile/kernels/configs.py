@@ -57,10 +57,6 @@ _V2_FWD_BAND_SHORT = [(64, Config(128, 64, 4, 3)), (128, Config(64, 32, 4, 3)), 
 _V2_BWD_KV_BAND = [(64, Config(32, 128, 4, 3)), (128, Config(32, 64, 4, 3)), (256, Config(64, 64, 8, 2))]
 
 
-def _banded(p) -> bool:
-    return p.window_left >= 0 or p.window_right >= 0
-
-
 def _v2_fwd_table(banded: bool, seqlen_k: int):
     if not banded:
         return _V2_FWD
@@ -68,12 +64,12 @@ def _v2_fwd_table(banded: bool, seqlen_k: int):
 
 
 def v2_fwd_config(p, dtype) -> Config:
-    return pick("V2_FWD", _by_head_dim(_v2_fwd_table(_banded(p), p.seqlen_k), p.head_dim_pad))
+    return pick("V2_FWD", _by_head_dim(_v2_fwd_table(p.banded, p.seqlen_k), p.head_dim_pad))
 
 
 def v2_bwd_config(p, dtype):
     """(dK/dV kernel config, dQ kernel config)."""
-    return (pick("V2_BWD_KV", _by_head_dim(_V2_BWD_KV_BAND if _banded(p) else _V2_BWD_KV, p.head_dim_pad)),
+    return (pick("V2_BWD_KV", _by_head_dim(_V2_BWD_KV_BAND if p.banded else _V2_BWD_KV, p.head_dim_pad)),
             pick("V2_BWD_Q", _by_head_dim(_V2_BWD_Q, p.head_dim_pad)))
 
 
@@ -95,9 +91,6 @@ class GluonSchedule:
     pingpong: bool = True
     overlap: bool = True
     persistent: bool = True
-    # Persistent CTAs take tiles from an atomic counter (tiles of uneven length balance
-    # themselves) rather than striding over them (no counter to clear: one launch fewer).
-    dynamic: bool = False
 
 
 # Two consumer warpgroups of 64 rows each; shared memory holds Q (2 x 64 rows), the K/V ring and,
@@ -105,6 +98,19 @@ class GluonSchedule:
 # 16k, 58d2bdc): d64 128x3 (+3% over 128x2 at 16k), d128 128x2 (a third slot left no room to stage
 # O, which then waited in Q's buffer: -40% at 1k), d256 64x2 (+39% over one slot at 16k).
 GLUON_TILE_M = 128  # query rows of a tile: two consumer warpgroups of 64
+# The Gluon backward's stationary rows per CTA (K/V rows in dK/dV, query rows in dQ): one 64-row
+# slice per consumer warpgroup, or above d128 (SPLIT_D) 64 rows the two warpgroups share,
+# splitting the head dim instead (one warpgroup's registers do not hold d256 accumulators).
+SPLIT_D_ROWS = 64
+
+
+def split_head_dim(head_dim_pad: int) -> bool:
+    """Whether the Gluon backward splits the head dim between its consumer warpgroups."""
+    return head_dim_pad > 128
+
+
+def gluon_bwd_stationary_rows(head_dim_pad: int) -> int:
+    return SPLIT_D_ROWS if split_head_dim(head_dim_pad) else GLUON_TILE_M
 _V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (256, GluonSchedule(64, 2))]
 GLUON_TECHNIQUES = ("pingpong", "overlap", "persistent")
 
@@ -125,7 +131,7 @@ def v3_forward_kernel(p) -> str:
         return "triton"
     if choice:
         return choice
-    return "v2" if _banded(p) and p.seqlen_k <= SHORT_KEYS else "gluon"
+    return "v2" if p.banded and p.seqlen_k <= SHORT_KEYS else "gluon"
 
 
 def v3_gluon_schedule(p) -> GluonSchedule:
@@ -140,9 +146,7 @@ def v3_gluon_schedule(p) -> GluonSchedule:
     unknown = off - set(GLUON_TECHNIQUES)
     if unknown:
         raise ValueError(f"FLASHTILE_V3_ABLATE: unknown techniques {sorted(unknown)}; known: {GLUON_TECHNIQUES}")
-    pingpong, overlap, persistent = (t not in off for t in GLUON_TECHNIQUES)
-    return GluonSchedule(cfg.block_n, cfg.num_stages, pingpong, overlap, persistent,
-                         dynamic=persistent and _banded(p))
+    return GluonSchedule(cfg.block_n, cfg.num_stages, *(t not in off for t in GLUON_TECHNIQUES))
 
 
 def v3_fwd_config(p, unmasked: bool, warp_specialize: bool = True) -> Config:
@@ -164,7 +168,7 @@ def v3_bwd_reduce_config(p) -> Config:
 @dataclass(frozen=True)
 class GluonBackward:
     """v3's Gluon backward (kernels/v3_gluon_bwd.py): the streamed block of each pass (the
-    stationary side is always 128 rows, 64 per consumer warpgroup) and the ring depth."""
+    stationary side: gluon_bwd_stationary_rows) and the ring depth."""
     kv_block_m: int  # dK/dV pass: Q/dO rows per streamed block
     dq_block_n: int  # dQ pass: K/V rows per streamed block
     num_stages: int
@@ -223,8 +227,8 @@ def v3_backward(p) -> str:
         return "reduce"
     if runtime.interpreting() or choice == "v2":
         return "v2"
-    if choice == "gluon-reduce":  # the single pass stops at d128
-        return "gluon" if p.deterministic or p.head_dim_pad > 128 else "gluon-reduce"
+    if choice == "gluon-reduce":  # the single pass does not split the head dim
+        return "gluon" if p.deterministic or split_head_dim(p.head_dim_pad) else "gluon-reduce"
     if choice == "gluon" or os.environ.get("FLASHTILE_CONFIG_V3_GLUON_BWD"):
         return "gluon"
     return v3_default_backward(p.head_dim_pad, p.seqlen_k, p.deterministic)
@@ -234,7 +238,8 @@ def gpu_tiles(version: str, head_dim_pad: int, banded: bool, seqlen_k: int):
     """((fwd block_m, block_n), (bwd dK/dV block_m, block_n)) used on the GPU (batched problems),
     for the IO model."""
     if version == "v3" and v3_default_backward(head_dim_pad, seqlen_k) != "v2":  # the Gluon dK/dV pass
-        bwd = (_by_head_dim(_V3_GLUON_BWD, head_dim_pad).kv_block_m, GLUON_TILE_M)
+        cfg = _by_head_dim(_V3_GLUON_BWD, head_dim_pad)
+        bwd = (cfg.kv_block_m, gluon_bwd_stationary_rows(head_dim_pad))
     else:
         b = _by_head_dim(_V2_BWD_KV_BAND if banded else _V2_BWD_KV, head_dim_pad)
         bwd = (b.block_m, b.block_n)

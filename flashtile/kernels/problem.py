@@ -52,6 +52,11 @@ class Problem:
         return self.cu_seqlens_q is not None
 
     @property
+    def banded(self) -> bool:
+        """Causal or windowed: each query row sees a band of keys, not all of them."""
+        return self.window_left >= 0 or self.window_right >= 0
+
+    @property
     def group(self) -> int:
         return self.heads_q // self.heads_k
 

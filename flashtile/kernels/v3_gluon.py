@@ -22,8 +22,8 @@ Batched (non-varlen) problems only: Q/K/V/O are seen by TMA as (batch, seqlen, h
 so loads past a sequence or head dim read zeros and stores past them are dropped.  O leaves by
 TMA store where shared memory has room to stage it (d64, d128), else straight from registers.
 v3.py routes varlen problems to its plain-Triton kernel and short causal/window bands to v2's
-(configs.v3_forward_kernel).  Gluon does not run under the interpreter: the CPU suite compiles this file for sm_90;
-numerics are checked on the GPU.
+(configs.v3_forward_kernel).  Gluon does not run under the interpreter: the CPU suite compiles
+this file for sm_90; numerics are checked on the GPU.
 """
 import functools
 
@@ -360,7 +360,8 @@ def kernel_constants(p, cfg, element_size):
     o_via_smem = 4 * tile_bytes + ring_bytes <= SHARED_MEMORY  # Q and O (two halves each), the ring
     return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
                 PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_VIA_SMEM=o_via_smem, PERSISTENT=cfg.persistent,
-                DYNAMIC=cfg.persistent and cfg.dynamic)
+                # Tiles of uneven length (a band) from the atomic counter; equal ones strided over.
+                DYNAMIC=cfg.persistent and p.banded)
 
 
 def heads_sharing_l2(p, element_size):

@@ -33,30 +33,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from flashtile.kernels.blocks import band_blocks, band_mask
-from flashtile.kernels.configs import GLUON_TILE_M, v3_gluon_bwd_config
+from flashtile.kernels.configs import gluon_bwd_stationary_rows, split_head_dim, v3_gluon_bwd_config
 from flashtile.kernels.tiles import LOG2E, row_delta
 from flashtile.kernels.v3_gluon import tma_addressable, tma_descriptor
 
-# Stationary rows per CTA in either pass (K/V rows in dK/dV, query rows in dQ), one 64-row slice
-# per consumer warpgroup; the streamed blocks and ring depth come from configs.v3_gluon_bwd_config.
-ROWS = GLUON_TILE_M
-# Above d128 (SPLIT_D) both warpgroups share 64 stationary rows and split the head dim instead.
-SPLIT_D_ROWS = 64
 # 12 warps (8 consumer, one producer warp rounded up to a warpgroup): 168 registers each at
 # launch, moved to 240 for the consumers (dK, dV, S^T, dP^T live there) and 24 for the producer.
 LAUNCH_OPTIONS = dict(num_warps=8, maxnreg=168)
 PRODUCER_REGS = gl.constexpr(24)
 # Probabilities and dS shared between the consumer warpgroups (16-bit, rows of 64 elements).
 _SCORES_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-
-
-def split_head_dim(head_dim_pad) -> bool:
-    """Whether the kernels split the head dim between the warpgroups (SPLIT_D)."""
-    return head_dim_pad > 128
-
-
-def stationary_rows(head_dim_pad) -> int:
-    return SPLIT_D_ROWS if split_head_dim(head_dim_pad) else ROWS
 
 
 @builtin
@@ -411,7 +397,7 @@ def backward(p, dout, dlse, q, k, v, out, lse):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
     pad = p.head_dim_pad
-    rows = stationary_rows(pad)
+    rows = gluon_bwd_stationary_rows(pad)
     _dq_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, rows))](
         tma_descriptor(q, rows, pad), tma_descriptor(dout, rows, pad), tma_descriptor(k, cfg.dq_block_n, pad),
         tma_descriptor(v, cfg.dq_block_n, pad), tma_descriptor(dq, rows, pad),
@@ -440,7 +426,7 @@ def backward_reduce(p, dout, q, k, v, lse, delta):
 
 def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
     pad = p.head_dim_pad
-    rows = stationary_rows(pad)
+    rows = gluon_bwd_stationary_rows(pad)
     dk_desc = tma_descriptor(dk, rows, pad)
     _dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, rows))](
         tma_descriptor(q, cfg.kv_block_m, pad), tma_descriptor(k, rows, pad), tma_descriptor(v, rows, pad),
