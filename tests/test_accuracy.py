@@ -50,8 +50,8 @@ def test_sliding_window(version, window):
 @pytest.mark.parametrize("kernel", ["gluon", "triton"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_v3_both_forward_kernels_on_short_bands(monkeypatch, kernel, head_dim):
-    # On the GPU v3 routes short causal bands to v2's forward and the rest to the Gluon one
-    # (configs.v3_forward_kernel): each of v3's own kernels is checked on the short cases too.
+    # v3's two forwards, the Gluon one (its default on the GPU) and the plain-Triton fallback
+    # (varlen, stride-0 layouts), each on short causal bands.
     monkeypatch.setenv("FLASHTILE_V3_FWD", kernel)
     sq, sk = (300, 1000) if ON_GPU else (40, 70)
     q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, head_dim, DTYPES[-1], DEVICE)
@@ -59,7 +59,7 @@ def test_v3_both_forward_kernels_on_short_bands(monkeypatch, kernel, head_dim):
                             q, k, v, causal=True)
 
 
-@pytest.mark.parametrize("kernels, head_dim", [("gluon", 64), ("gluon", 128), ("gluon", 256),
+@pytest.mark.parametrize("kernels, head_dim", [("gluon", 64), ("gluon", 128), ("gluon", 192), ("gluon", 256),
                                                ("gluon-reduce", 64), ("gluon-reduce", 128)])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 8)])
 def test_v3_gluon_backward(monkeypatch, kernels, head_dim, window):

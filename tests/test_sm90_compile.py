@@ -112,6 +112,7 @@ def test_v3_gluon_ablation_switches_remove_their_technique(tmp_path):
     no_pingpong, _ = compiled("pingpong")
     no_overlap, _ = compiled("overlap")
     _, no_persistent_ptx = compiled("persistent")
+    no_next_q, _ = compiled("next_q")
     _, causal_ptx = compiled("", "v3.fwd_gluon_causal")
     _, causal_no_persistent_ptx = compiled("persistent", "v3.fwd_gluon_causal")
     # Ping-pong: each consumer waits for its turn before the first block's GEMM and in the loop.
@@ -123,11 +124,13 @@ def test_v3_gluon_ablation_switches_remove_their_technique(tmp_path):
     assert "atom.global" in causal_ptx and "atom.global" not in causal_no_persistent_ptx
     assert "atom.global" not in shipped_ptx
     assert shipped_ptx.count("%nctaid.x") > no_persistent_ptx.count("%nctaid.x")
+    # The next tile's Q: two tiles' Q halves (4 x 64 rows) in shared memory instead of one's.
+    assert "memdesc<4x1x64x1x128xbf16" in shipped and "memdesc<4x1x64x1x128xbf16" not in no_next_q
 
 
 def test_v3_forward_routing(monkeypatch):
-    # Which v3 forward a problem gets on the GPU: the Gluon kernel for batched problems, v2's for
-    # short causal/window bands, the plain-Triton one under the interpreter; switches work.
+    # Which v3 forward a problem gets on the GPU: the Gluon kernel for batched problems (short
+    # causal/window bands too), the plain-Triton one under the interpreter; switches work.
     from flashtile.kernels import configs
     from flashtile.kernels.problem import Problem
 
@@ -138,13 +141,12 @@ def test_v3_forward_routing(monkeypatch):
     for name in ("FLASHTILE_V3_FWD", "FLASHTILE_V3_ABLATE", "FLASHTILE_CONFIG_V3_GLUON"):
         monkeypatch.delenv(name, raising=False)
     assert configs.v3_forward_kernel(problem(1024, -1)) == "gluon"
-    assert configs.v3_gluon_schedule(problem(1024, -1)) == configs.GluonSchedule(128, 2, True, True, True)
+    assert configs.v3_gluon_schedule(problem(1024, -1)) == configs.GluonSchedule(128, 2, True, True, True, True)
+    assert configs.v3_forward_kernel(problem(configs.SHORT_KEYS, 0)) == "gluon"  # short bands too
+    monkeypatch.setenv("FLASHTILE_V3_FWD", "v2")
     assert configs.v3_forward_kernel(problem(configs.SHORT_KEYS, 0)) == "v2"
-    assert configs.v3_forward_kernel(problem(2 * configs.SHORT_KEYS, 0)) == "gluon"
-    monkeypatch.setenv("FLASHTILE_V3_FWD", "gluon")
-    assert configs.v3_forward_kernel(problem(configs.SHORT_KEYS, 0)) == "gluon"
     monkeypatch.setenv("FLASHTILE_V3_ABLATE", "pingpong,persistent")
-    assert configs.v3_gluon_schedule(problem(4096, -1)) == configs.GluonSchedule(128, 2, False, True, False)
+    assert configs.v3_gluon_schedule(problem(4096, -1)) == configs.GluonSchedule(128, 2, False, True, False, True)
     monkeypatch.setenv("FLASHTILE_V3_ABLATE", "pingpong,nonsense")
     with pytest.raises(ValueError, match="nonsense"):
         configs.v3_gluon_schedule(problem(4096, -1))
@@ -163,8 +165,8 @@ def test_v3_forward_routing(monkeypatch):
 
 
 def test_v3_backward_routing(monkeypatch):
-    # Gluon by default at d128 (one pass with TMA reduce-add on long keys, two passes otherwise)
-    # and at d64 on long keys (one pass), v2's otherwise and at d256; each on request; a
+    # Gluon by default at d128 (one pass with TMA reduce-add on long keys, two passes otherwise),
+    # at d256 (two passes) and at d64 on long keys (one pass), v2's otherwise; each on request; a
     # reduce-add kernel never when deterministic; the interpreter keeps v2's.
     from dataclasses import replace
 
@@ -176,7 +178,8 @@ def test_v3_backward_routing(monkeypatch):
     monkeypatch.setattr(configs.runtime, "interpreting", lambda: False)
     for name in ("FLASHTILE_V3_DQ", "FLASHTILE_CONFIG_V3_BWD", "FLASHTILE_V3_BWD", "FLASHTILE_CONFIG_V3_GLUON_BWD"):
         monkeypatch.delenv(name, raising=False)
-    assert [configs.v3_backward(x) for x in (p64, p, p256)] == ["v2", "gluon", "v2"]
+    assert [configs.v3_backward(x) for x in (p64, p, p256)] == ["v2", "gluon", "gluon"]
+    assert configs.v3_backward(replace(p, head_dim=192)) == "gluon"  # padded to 256
     long = replace(p, seqlen_k=configs.GLUON_REDUCE_MIN_KEYS[128])
     assert configs.v3_backward(long) == "gluon-reduce"
     assert configs.v3_backward(replace(long, deterministic=True)) == "gluon"
@@ -184,7 +187,7 @@ def test_v3_backward_routing(monkeypatch):
     long64 = replace(p64, seqlen_k=configs.GLUON_REDUCE_MIN_KEYS[64])
     assert configs.v3_backward(long64) == "gluon-reduce"
     assert configs.v3_backward(replace(long64, deterministic=True)) == "v2"
-    assert configs.v3_backward(replace(long64, head_dim=256)) == "v2"
+    assert configs.v3_backward(replace(long64, head_dim=256)) == "gluon"  # no single pass at d256
     monkeypatch.setenv("FLASHTILE_V3_BWD", "v2")
     assert configs.v3_backward(p) == "v2"
     monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon")
@@ -227,7 +230,7 @@ def test_v3_gluon_takes_only_layouts_tma_can_describe():
 
 def test_v3_gluon_launch_constants():
     # Shared memory: O gets its own staging buffer where Q, the K/V ring and O fit (d64, d128),
-    # else it leaves from registers; the walk groups as many heads as have K/V fit in L2;
+    # else it leaves from registers; a second Q buffer where that fits too; the walk groups as many heads as have K/V fit in L2;
     # persistent CTAs take banded (uneven) tiles from the counter and stride over equal ones.
     from dataclasses import replace
 
@@ -242,6 +245,9 @@ def test_v3_gluon_launch_constants():
         consts = v3_gluon.kernel_constants(problem(1, 16, 4096, head_dim), cfg, 2)
         assert consts["O_VIA_SMEM"] == via_smem and consts["ROWS"] * 2 == configs.GLUON_TILE_M
         assert not consts["DYNAMIC"]
+        assert consts["Q_SLOTS"] == (2 if via_smem else 1)
+        without = v3_gluon.kernel_constants(problem(1, 16, 4096, head_dim), replace(cfg, next_q=False), 2)
+        assert without["Q_SLOTS"] == 1
     causal = Problem(1, 16, 16, 4096, 4096, 128, 0.1, -1, 0, None, None)
     cfg = configs._by_head_dim(configs._V3_GLUON, 128)
     assert v3_gluon.kernel_constants(causal, cfg, 2)["DYNAMIC"]

@@ -91,6 +91,7 @@ class GluonSchedule:
     pingpong: bool = True
     overlap: bool = True
     persistent: bool = True
+    next_q: bool = True  # a second Q buffer: the next tile's Q and K/V load under this tile's tail
 
 
 # Two consumer warpgroups of 64 rows each; shared memory holds Q (2 x 64 rows), the K/V ring and,
@@ -112,18 +113,18 @@ def split_head_dim(head_dim_pad: int) -> bool:
 def gluon_bwd_stationary_rows(head_dim_pad: int) -> int:
     return SPLIT_D_ROWS if split_head_dim(head_dim_pad) else GLUON_TILE_M
 _V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (256, GluonSchedule(64, 2))]
-GLUON_TECHNIQUES = ("pingpong", "overlap", "persistent")
+GLUON_TECHNIQUES = ("pingpong", "overlap", "persistent", "next_q")
 
 
 def v3_forward_kernel(p) -> str:
     """Which forward v3 runs on the GPU: "gluon" (kernels/v3_gluon.py, where its supports() also
-    holds), "v2" for causal/window bands over at most SHORT_KEYS keys, or "triton" (v3's
-    plain-Triton kernel: under the interpreter, and the fallback for what the Gluon kernel does
-    not take: varlen, stride-0 layouts).  FLASHTILE_V3_FWD=gluon|triton|v2 forces one.
+    holds) or "triton" (v3's plain-Triton kernel: under the interpreter, and the fallback for
+    what the Gluon kernel does not take: varlen, stride-0 layouts).  FLASHTILE_V3_FWD=gluon|
+    triton|v2 forces one (v2: v2's forward).
 
-    Short bands hold a few K/V blocks per tile: there v2's pointer-load kernel measured
-    1.03-1.25x v3's plain one and the Gluon one 0.56-0.85x the plain one (H200, d64/d128/d256
-    causal 1k, runs at c167ac1 and 69899f7); from 2k on the Gluon kernel leads."""
+    With its next tile's Q loaded under the current one (GluonSchedule.next_q) the Gluon kernel
+    leads v2's on short causal bands too: 1.21x at d64, 1.58x at d128, 1.41x at d256 causal 1k
+    (H200, benchmarks/results/2026-12-01_H200_*/fwd_next_q.md)."""
     choice = os.environ.get("FLASHTILE_V3_FWD") or None
     if choice not in (None, "gluon", "triton", "v2"):
         raise ValueError(f"FLASHTILE_V3_FWD={choice!r}: expected 'gluon', 'triton' or 'v2'")
@@ -131,12 +132,12 @@ def v3_forward_kernel(p) -> str:
         return "triton"
     if choice:
         return choice
-    return "v2" if p.banded and p.seqlen_k <= SHORT_KEYS else "gluon"
+    return "gluon"
 
 
 def v3_gluon_schedule(p) -> GluonSchedule:
     """The Gluon forward's schedule: FLASHTILE_CONFIG_V3_GLUON=block_n,stages overrides the
-    tiles; FLASHTILE_V3_ABLATE=pingpong,overlap,persistent switches techniques off."""
+    tiles; FLASHTILE_V3_ABLATE=pingpong,overlap,persistent,next_q switches techniques off."""
     cfg = _by_head_dim(_V3_GLUON, p.head_dim_pad)
     override = os.environ.get("FLASHTILE_CONFIG_V3_GLUON")
     if override:
@@ -183,11 +184,13 @@ class GluonBackward:
 # GLUON_REDUCE_MIN_KEYS keys on (never when ``deterministic``), below that the two Gluon passes
 # at GLUON_TWO_PASS_HEAD_DIMS and v2's elsewhere.  Tiles: the 4k sweep (e943ac5) put every
 # candidate within 2% of 64,64,2 except 128-row Q blocks at d64 (they spill: -22%); d128 has no
-# shared memory for a third ring slot next to the two dS and dQ staging buffers.
+# shared memory for a third ring slot next to the two dS and dQ staging buffers.  At d256 the two
+# passes split the head dim between the warpgroups: 1.29-1.58x v2's backward at 1k-16k, 0.81-1.02x
+# cuDNN (edd6c34, benchmarks/results/2026-12-01_H200_edd6c34/backward_variants.md).
 _V3_GLUON_BWD = [(64, GluonBackward(64, 64, 3)), (128, GluonBackward(64, 64, 2)),
                  (256, GluonBackward(64, 64, 2))]  # d256: 64-row blocks both ways (shared memory)
 GLUON_REDUCE_MIN_KEYS = {64: 8192, 128: 4096}  # by padded head dim
-GLUON_TWO_PASS_HEAD_DIMS = (128,)
+GLUON_TWO_PASS_HEAD_DIMS = (128, 256)
 
 
 def v3_gluon_bwd_config(p) -> GluonBackward:
@@ -212,8 +215,8 @@ def v3_backward(p) -> str:
     - "gluon-reduce": kernels/v3_gluon_bwd.py's single K/V-stationary pass adding dQ by TMA
       reduce-add, by default from GLUON_REDUCE_MIN_KEYS keys on (d64, d128);
     - "gluon": its two passes (dQ, then dK/dV), by default at GLUON_TWO_PASS_HEAD_DIMS below
-      that (or with a FLASHTILE_CONFIG_V3_GLUON_BWD override); at d256 (head dim split between
-      the warpgroups) only when forced, unmeasured so far;
+      that (at d256 the head dim split between the warpgroups), or with a
+      FLASHTILE_CONFIG_V3_GLUON_BWD override;
     - "reduce": the plain-Triton single pass (FLASHTILE_V3_DQ=reduce or a FLASHTILE_CONFIG_V3_BWD
       override);
     - "v2": v2's two passes.
@@ -243,9 +246,9 @@ def gpu_tiles(version: str, head_dim_pad: int, banded: bool, seqlen_k: int):
     else:
         b = _by_head_dim(_V2_BWD_KV_BAND if banded else _V2_BWD_KV, head_dim_pad)
         bwd = (b.block_m, b.block_n)
-    if version == "v3" and not (banded and seqlen_k <= SHORT_KEYS):  # the Gluon forward
+    if version == "v3":  # the Gluon forward
         fwd = (GLUON_TILE_M, _by_head_dim(_V3_GLUON, head_dim_pad).block_n)
-    else:  # v3 runs v2's forward on short bands
+    else:
         f = _by_head_dim(_v2_fwd_table(banded, seqlen_k), head_dim_pad)
         fwd = (f.block_m, f.block_n)
     return fwd, bwd

@@ -2,8 +2,9 @@
 
 One CTA runs three partitions (``gl.warp_specialize``) over a persistent loop of tiles:
 
-- a producer warp issues the TMA loads: the CTA's two Q halves once per tile, then K and V
-  blocks into a ``STAGES``-deep shared-memory ring (``*_ready`` / ``*_empty`` mbarriers);
+- a producer warp issues the TMA loads: the CTA's two Q halves once per tile, into one of
+  ``Q_SLOTS`` buffers, then K and V blocks into a ``STAGES``-deep shared-memory ring
+  (``*_ready`` / ``*_empty`` mbarriers);
 - two consumer warpgroups, each owning 64 query rows of the 128-row tile, run the GEMMs on
   warpgroup MMA (P stays in registers as the PV product's A operand) and the online softmax.
 
@@ -12,7 +13,9 @@ warpgroup's softmax runs while the other's GEMMs occupy the tensor cores.
 Intra-warpgroup overlap: inside a consumer, S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued
 together and the softmax of S_j runs while the PV product is still in flight.
 Persistent scheduler: ``min(tiles, SMs)`` CTAs loop over tiles, so no CTA launch is paid per
-tile and a CTA's next Q and K/V loads overlap its epilogue.  Tiles of uneven length (causal,
+tile.  With two Q buffers (where shared memory has room: d64, d128) the producer loads the next
+tile's Q and first K/V blocks while the consumers finish this one, so a tile starts on data
+already landed.  Tiles of uneven length (causal,
 window) are taken from an atomic counter so they balance themselves, longest first (the last
 query blocks of a causal problem see the most keys); tiles of equal length are strided over
 (every SMs-th: no counter to clear, one launch fewer).  Either walk goes in groups of heads
@@ -71,14 +74,16 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, wa
               DYNAMIC: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
     num_tiles = walk[0]
+    Q_SLOTS: gl.constexpr = q_smem.shape[0] // 2
     it = 0  # K/V blocks issued so far: ring slot and mbarrier phase
     tile_i = 0
     t = gl.program_id(0)
     while t < num_tiles:
         batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(t, walk, 2 * ROWS, BLOCK_N)
         head_k = head // group
-        # Both consumers are done with the previous tile's Q (and have read its number).
-        mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
+        # Both consumers are done with the Q this slot held (and have read that tile's number).
+        q_slot = tile_i % Q_SLOTS
+        mbarrier.wait(q_empty.index(q_slot), (tile_i // Q_SLOTS & 1) ^ 1)
         _publish_tile(tile_ids, tile_i, t)
         if DYNAMIC:  # the next tile is the first no CTA has taken yet
             t = gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
@@ -86,9 +91,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, wa
             t += gl.num_programs(0)
         else:  # one tile per CTA
             t = num_tiles
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, m0, head, 0], q_ready, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [batch, m0 + ROWS, head, 0], q_ready, q_smem.index(1))
+        q_bar = q_ready.index(q_slot)
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, m0, head, 0], q_bar, q_smem.index(2 * q_slot))
+        tma.async_copy_global_to_shared(q_desc, [batch, m0 + ROWS, head, 0], q_bar, q_smem.index(2 * q_slot + 1))
         for j in range(n_blocks):
             n0 = lo + j * BLOCK_N
             slot = it % STAGES
@@ -102,21 +108,24 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, wa
             it += 1
         tile_i += 1
     # No tile left: tell the consumers with a tile number past the end.
-    mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
+    q_slot = tile_i % Q_SLOTS
+    mbarrier.wait(q_empty.index(q_slot), (tile_i // Q_SLOTS & 1) ^ 1)
     _publish_tile(tile_ids, tile_i, num_tiles)
-    mbarrier.arrive(q_ready)
+    mbarrier.arrive(q_ready.index(q_slot))
 
 
 @gluon.jit
 def _publish_tile(tile_ids, tile_i, t):
     """The producer's tile number for the consumers (tile_i: how many tiles this CTA has taken)."""
     # Written before q_ready's arrival, read after its phase completes: the mbarrier orders the two.
+    # Two slots: the producer runs at most one tile ahead of a consumer still reading its number.
     tile_ids.index(tile_i & 1).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
 
 
 @gluon.jit
-def _read_tile(tile_ids, tile_i, q_ready):
-    mbarrier.wait(q_ready, tile_i & 1)
+def _read_tile(tile_ids, tile_i, q_ready, Q_SLOTS: gl.constexpr):
+    """Wait for tile ``tile_i``'s Q to land; its tile number."""
+    mbarrier.wait(q_ready.index(tile_i % Q_SLOTS), tile_i // Q_SLOTS & 1)
     ids = tile_ids.index(tile_i & 1).load(gl.BlockedLayout([1], [32], [4], [0]))
     return gl.max(ids, 0)
 
@@ -159,14 +168,16 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
-    q_buf = q_smem.index(WHICH).reshape([ROWS, HEAD_DIM_PAD])
+    Q_SLOTS: gl.constexpr = q_smem.shape[0] // 2
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     it = 0     # K/V blocks consumed so far: ring slot and mbarrier phase
     turns = 0  # ping-pong turns taken so far
     tile_i = 0
-    t = _read_tile(tile_ids, tile_i, q_ready)
+    t = _read_tile(tile_ids, tile_i, q_ready, Q_SLOTS)
     while t < num_tiles:
         batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(t, walk, 2 * ROWS, BLOCK_N)
+        q_slot = tile_i % Q_SLOTS
+        q_buf = q_smem.index(2 * q_slot + WHICH).reshape([ROWS, HEAD_DIM_PAD])
         rows = m0 + WHICH * ROWS + gl.arange(0, ROWS, layout=s_rows)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
@@ -226,13 +237,13 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
             acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             mbarrier.arrive(v_empty.index(prev_slot))
-        # Q is no longer read: the producer may load the next tile's during this epilogue.
-        mbarrier.arrive(q_empty)
+        # Q is no longer read: the producer may load a tile into its buffer during this epilogue.
+        mbarrier.arrive(q_empty.index(q_slot))
         out, lse = finalize_rows(acc, gl.convert_layout(m_i, o_rows), gl.convert_layout(l_i, o_rows))
         _store_rows(out.to(dtype), lse, o_smem, WHICH, outputs, batch, head, m0 + WHICH * ROWS, seqlen_q,
                     ROWS, HEAD_DIM_PAD, o_layout, O_VIA_SMEM)
         tile_i += 1
-        t = _read_tile(tile_ids, tile_i, q_ready)
+        t = _read_tile(tile_ids, tile_i, q_ready, Q_SLOTS)
     tma.store_wait(0)
 
 
@@ -261,8 +272,9 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
                 seqlen_q, seqlen_k, window_left, window_right, scale_log2, COUNTER,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
-                DYNAMIC: gl.constexpr):
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+                DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr):
+    # Q_SLOTS tiles' Q, two halves each (slot s: buffers 2s and 2s + 1).
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_SLOTS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     if O_VIA_SMEM:
@@ -271,8 +283,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
         o_smem = q_smem  # a placeholder: O leaves from registers
     # The producer hands each tile's number to the consumers here (two slots: tile parity).
     tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -280,8 +292,9 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # "ready" barriers complete when TMA has landed the bytes; "empty" ones when both consumers
     # are done with the buffer.
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)
+    for i in gl.static_range(Q_SLOTS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
@@ -355,13 +368,15 @@ LAUNCH_OPTIONS = dict(num_warps=4, maxnreg=168)
 def kernel_constants(p, cfg, element_size):
     """The kernel's compile-time arguments for problem ``p`` under schedule ``cfg``."""
     rows = ROWS_PER_CONSUMER.value
-    tile_bytes = rows * p.head_dim_pad * element_size
+    tile_bytes = 2 * rows * p.head_dim_pad * element_size  # Q or O of one tile (two halves)
     ring_bytes = 2 * cfg.num_stages * cfg.block_n * p.head_dim_pad * element_size
-    o_via_smem = 4 * tile_bytes + ring_bytes <= SHARED_MEMORY  # Q and O (two halves each), the ring
+    # O staged for its TMA store, then a second Q buffer, where shared memory holds them.
+    o_via_smem = 2 * tile_bytes + ring_bytes <= SHARED_MEMORY
+    next_q = cfg.next_q and cfg.persistent and o_via_smem and 3 * tile_bytes + ring_bytes <= SHARED_MEMORY
     return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
                 PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_VIA_SMEM=o_via_smem, PERSISTENT=cfg.persistent,
                 # Tiles of uneven length (a band) from the atomic counter; equal ones strided over.
-                DYNAMIC=cfg.persistent and p.banded)
+                DYNAMIC=cfg.persistent and p.banded, Q_SLOTS=2 if next_q else 1)
 
 
 def heads_sharing_l2(p, element_size):
