@@ -84,7 +84,7 @@ for stage in $stages; do
           | grep -v "bench:" | tee "$OUT/launch_$timing.log" || status=1
       done ;;
     gluon)
-      # Forced everywhere it applies (short causal bands would otherwise take the plain kernel).
+      # Forced everywhere it applies (what the plain kernel would otherwise run, e.g. stride-0 layouts).
       FLASHTILE_V3_FWD=gluon timeout 300 python -m pytest tests -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider -k v3 2>&1 \
         | tee "$OUT/gluon_tests.log" | tail -8 || status=1
       for seqlen in 1024 16384; do

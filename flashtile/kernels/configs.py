@@ -123,8 +123,8 @@ def v3_forward_kernel(p) -> str:
     triton|v2 forces one (v2: v2's forward).
 
     With its next tile's Q loaded under the current one (GluonSchedule.next_q) the Gluon kernel
-    leads v2's on short causal bands too: 1.21x at d64, 1.58x at d128, 1.41x at d256 causal 1k
-    (H200, benchmarks/results/2026-12-01_H200_*/fwd_next_q.md)."""
+    leads v2's on short causal bands too: 1.22x at d64, 1.58x at d128, 1.40x at d256 causal 1k
+    (H200, benchmarks/results/2026-12-01_H200_94a4a11/experiments/fwd_next_q_wip.md)."""
     choice = os.environ.get("FLASHTILE_V3_FWD") or None
     if choice not in (None, "gluon", "triton", "v2"):
         raise ValueError(f"FLASHTILE_V3_FWD={choice!r}: expected 'gluon', 'triton' or 'v2'")
@@ -185,8 +185,8 @@ class GluonBackward:
 # at GLUON_TWO_PASS_HEAD_DIMS and v2's elsewhere.  Tiles: the 4k sweep (e943ac5) put every
 # candidate within 2% of 64,64,2 except 128-row Q blocks at d64 (they spill: -22%); d128 has no
 # shared memory for a third ring slot next to the two dS and dQ staging buffers.  At d256 the two
-# passes split the head dim between the warpgroups: 1.29-1.58x v2's backward at 1k-16k, 0.81-1.02x
-# cuDNN (edd6c34, benchmarks/results/2026-12-01_H200_edd6c34/backward_variants.md).
+# passes split the head dim between the warpgroups: 1.31-1.58x v2's backward at 1k-16k, 0.81-1.02x
+# cuDNN (benchmarks/results/2026-12-01_H200_94a4a11/backward_variants_edd6c34.md).
 _V3_GLUON_BWD = [(64, GluonBackward(64, 64, 3)), (128, GluonBackward(64, 64, 2)),
                  (256, GluonBackward(64, 64, 2))]  # d256: 64-row blocks both ways (shared memory)
 GLUON_REDUCE_MIN_KEYS = {64: 8192, 128: 4096}  # by padded head dim

@@ -24,9 +24,9 @@ whose K/V share L2.
 Batched (non-varlen) problems only: Q/K/V/O are seen by TMA as (batch, seqlen, heads, head_dim),
 so loads past a sequence or head dim read zeros and stores past them are dropped.  O leaves by
 TMA store where shared memory has room to stage it (d64, d128), else straight from registers.
-v3.py routes varlen problems to its plain-Triton kernel and short causal/window bands to v2's
-(configs.v3_forward_kernel).  Gluon does not run under the interpreter: the CPU suite compiles
-this file for sm_90; numerics are checked on the GPU.
+v3.py routes varlen problems to its plain-Triton kernel (configs.v3_forward_kernel).  Gluon
+does not run under the interpreter: the CPU suite compiles this file for sm_90; numerics are
+checked on the GPU.
 """
 import functools
 
