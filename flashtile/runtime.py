@@ -1,4 +1,5 @@
 """Facts about where flashtile runs: interpreter or GPU, which versions this device supports."""
+import functools
 import os
 
 import torch
@@ -22,12 +23,17 @@ def why_not(version: str, device: torch.device) -> str | None:
                 "flashtile to run them on CPU tensors; version='auto' uses the PyTorch tiled path on CPU")
     if device.type != "cuda":
         return f"device type {device.type!r} is not supported"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _capability(device.index)
     if version == "v3" and major != 9:
         return f"v3 uses Hopper TMA and warp specialization (compute capability 9.0); this GPU is {major}.{minor}"
     if major < 8:
         return f"flashtile needs compute capability >= 8.0; this GPU is {major}.{minor}"
     return None
+
+
+@functools.lru_cache(maxsize=None)  # asked at every call; a device's capability does not change
+def _capability(index):
+    return torch.cuda.get_device_capability(index)
 
 
 def resolve_version(version: str, device: torch.device) -> str:

@@ -59,6 +59,27 @@ def test_v3_both_forward_kernels_on_short_bands(monkeypatch, kernel, head_dim):
                             q, k, v, causal=True)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
+def test_v3_tile_counter_resets_itself_per_stream(monkeypatch):
+    # Causal tiles come from a counter per stream that each launch's last CTA sets back to 0:
+    # launches back to back, on the default and a side stream, give the same output bit for bit
+    # and leave every counter at 0.
+    from flashtile.kernels import v3_gluon
+    monkeypatch.setenv("FLASHTILE_V3_FWD", "gluon")
+    q, k, v = make_qkv(BATCH, 1000, 1000, 2 * HEADS, HEADS, 128, DTYPES[0], DEVICE)
+    first = flash_attn_func(q, k, v, causal=True, version="v3")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        again = [flash_attn_func(q, k, v, causal=True, version="v3") for _ in range(3)]
+        side_counter = v3_gluon.tile_counter(q.device)
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, first) for out in again)
+    counter = v3_gluon.tile_counter(q.device)
+    assert side_counter is not counter
+    assert side_counter.tolist() == [0, 0] and counter.tolist() == [0, 0]
+
+
 @pytest.mark.parametrize("kernels, head_dim", [("gluon", 64), ("gluon", 128), ("gluon", 192), ("gluon", 256),
                                                ("gluon-reduce", 64), ("gluon-reduce", 128)])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 8)])

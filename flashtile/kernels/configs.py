@@ -5,6 +5,7 @@ Chosen by hand from sweeps on the H200 (scripts/gpu_check.sh can rerun one) rath
 fixed table keeps every launch reproducible.  ``FLASHTILE_CONFIG_<NAME>=bm,bn,warps,stages``
 overrides one entry, for sweeps.
 """
+import functools
 import os
 from dataclasses import dataclass
 
@@ -138,12 +139,17 @@ def v3_forward_kernel(p) -> str:
 def v3_gluon_schedule(p) -> GluonSchedule:
     """The Gluon forward's schedule: FLASHTILE_CONFIG_V3_GLUON=block_n,stages overrides the
     tiles; FLASHTILE_V3_ABLATE=pingpong,overlap,persistent,next_q switches techniques off."""
-    cfg = _by_head_dim(_V3_GLUON, p.head_dim_pad)
-    override = os.environ.get("FLASHTILE_CONFIG_V3_GLUON")
+    return _gluon_schedule(p.head_dim_pad, os.environ.get("FLASHTILE_CONFIG_V3_GLUON"),
+                           os.environ.get("FLASHTILE_V3_ABLATE", ""))
+
+
+@functools.lru_cache(maxsize=None)  # parsed once per setting: this runs at every forward
+def _gluon_schedule(head_dim_pad, override, ablate) -> GluonSchedule:
+    cfg = _by_head_dim(_V3_GLUON, head_dim_pad)
     if override:
         block_n, stages = (int(x) for x in override.split(","))
         cfg = GluonSchedule(block_n, stages)
-    off = {t for t in os.environ.get("FLASHTILE_V3_ABLATE", "").split(",") if t}
+    off = {t for t in ablate.split(",") if t}
     unknown = off - set(GLUON_TECHNIQUES)
     if unknown:
         raise ValueError(f"FLASHTILE_V3_ABLATE: unknown techniques {sorted(unknown)}; known: {GLUON_TECHNIQUES}")

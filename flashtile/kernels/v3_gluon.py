@@ -112,6 +112,12 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, wa
     mbarrier.wait(q_empty.index(q_slot), (tile_i // Q_SLOTS & 1) ^ 1)
     _publish_tile(tile_ids, tile_i, num_tiles)
     mbarrier.arrive(q_ready.index(q_slot))
+    if DYNAMIC:
+        # COUNTER[1] counts the CTAs past their last take from COUNTER[0]; the last of them
+        # sets both back to 0, ready for the next launch on this stream (no fill per call).
+        if gl.atomic_add(COUNTER + 1, 1) == gl.num_programs(0) - 1:
+            gl.atomic_xchg(COUNTER, 0)
+            gl.atomic_xchg(COUNTER + 1, 0)
 
 
 @gluon.jit
@@ -317,9 +323,10 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
 
 
 def supports(p, q, k, v) -> bool:
-    """Whether this kernel runs the problem: batched, on a GPU, a head dim and layouts TMA can address."""
+    """Whether this kernel runs the problem: batched, on a GPU, a head dim and layouts TMA can
+    address; q, k, v as tma_ready returns them (aligned: only a broadcast is left to refuse)."""
     return (q.is_cuda and not p.varlen and p.head_dim_pad in (64, 128, 256) and p.head_dim % 8 == 0
-            and q.dtype in (torch.float16, torch.bfloat16) and all(tma_addressable(x) for x in (q, k, v)))
+            and q.dtype in (torch.float16, torch.bfloat16) and not any(map(broadcast, (q, k, v))))
 
 
 def tma_aligned(x) -> bool:
@@ -333,10 +340,15 @@ def tma_ready(x):
     return x if tma_aligned(x) else x.clone(memory_format=torch.contiguous_format)
 
 
+def broadcast(x) -> bool:
+    """A stride 0 (a broadcast batch or head): left to the plain kernels, whose per-head
+    descriptors do not see it."""
+    return 0 in x.stride()[:-1]
+
+
 def tma_addressable(x) -> bool:
-    """The 4-D host descriptors describe ``x`` as it is: aligned, and no stride 0 (a broadcast
-    batch or head is left to the plain kernels, whose per-head descriptors do not see it)."""
-    return tma_aligned(x) and all(s > 0 for s in x.stride()[:-1])
+    """The 4-D host descriptors describe ``x`` as it is: aligned, and no stride 0."""
+    return tma_aligned(x) and not broadcast(x)
 
 
 @functools.lru_cache(maxsize=None)
@@ -379,6 +391,18 @@ def kernel_constants(p, cfg, element_size):
                 DYNAMIC=cfg.persistent and p.banded, Q_SLOTS=2 if next_q else 1)
 
 
+def tile_counter(device):
+    """The dynamic walk's counters (next tile, CTAs done) for launches on the current stream: one
+    buffer per stream, zeroed once and set back to zero by each launch's last CTA, so a call
+    allocates and fills nothing.  Launches on one stream run in order, never sharing it."""
+    return _tile_counter(device.index, torch.cuda.current_stream(device).cuda_stream)
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_counter(device_index, stream):
+    return torch.zeros(2, dtype=torch.int32, device=torch.device("cuda", device_index))
+
+
 def heads_sharing_l2(p, element_size):
     """How many (batch, head) pairs the tile walk keeps together: as many as have K and V fit in
     L2_BUDGET, at least one, at most all."""
@@ -404,6 +428,6 @@ def forward(p, q, k, v, cfg):
         batch_heads, p.heads_q, p.group, head_group, m_blocks, num_tiles,
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.scale_log2,
         # The tile counter; a static walk reads none (lse's first word stands in, untouched).
-        torch.zeros(1, dtype=torch.int32, device=q.device) if consts["DYNAMIC"] else lse.view(torch.int32),
+        tile_counter(q.device) if consts["DYNAMIC"] else lse.view(torch.int32),
         **consts, **LAUNCH_OPTIONS)
     return out, lse

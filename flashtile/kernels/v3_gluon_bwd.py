@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from flashtile.kernels.blocks import band_blocks, band_mask
 from flashtile.kernels.configs import gluon_bwd_stationary_rows, split_head_dim, v3_gluon_bwd_config
 from flashtile.kernels.tiles import LOG2E, row_delta
-from flashtile.kernels.v3_gluon import tma_addressable, tma_descriptor
+from flashtile.kernels.v3_gluon import broadcast, tma_descriptor
 
 # 12 warps (8 consumer, one producer warp rounded up to a warpgroup): 168 registers each at
 # launch, moved to 240 for the consumers (dK, dV, S^T, dP^T live there) and 24 for the producer.
@@ -385,9 +385,9 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
 
 def supports(p, q, k, v, dout) -> bool:
     """Batched problems on a GPU, head dims 64, 128 and (two passes only) 256, layouts the 4-D
-    descriptors describe."""
+    descriptors describe (the tensors as tma_ready returns them)."""
     return (q.is_cuda and not p.varlen and p.head_dim_pad in (64, 128, 256) and p.head_dim % 8 == 0
-            and all(tma_addressable(x) for x in (q, k, v, dout)))
+            and not any(map(broadcast, (q, k, v, dout))))
 
 
 def backward(p, dout, dlse, q, k, v, out, lse):
