@@ -2,8 +2,9 @@
 
 On the GPU, batched forwards run kernels/v3_gluon.py: FlashAttention-3's schedule in Gluon
 (ping-pong consumer warpgroups, softmax overlapped with the GEMMs, a persistent scheduler;
-configs.v3_forward_kernel).  This file holds v3's plain-Triton kernels, which run everything else (varlen, layouts the
-Gluon kernel does not take, the CPU interpreter), and routes the backward.
+configs.v3_forward_kernel).  This file holds v3's plain-Triton kernels, which run everything
+else (varlen, layouts the Gluon kernel does not take, the CPU interpreter), and routes the
+backward.
 
 What Hopper changes relative to kernels/v2.py, forward:
 - Q, K, V and O move through TMA: tensor descriptors built on the device, one per (sequence,
@@ -21,10 +22,10 @@ Backward (configs.v3_backward): Gluon kernels (kernels/v3_gluon_bwd.py): FlashAt
 single K/V-stationary pass with dQ added in fp32 by TMA reduce-add on long keys (d64, d128),
 two deterministic passes (dQ, then dK/dV) at d128 on short ones, at d256 (the head dim split
 between the warpgroups) and under ``deterministic=True``; elsewhere (d64 short, varlen) v2's
-backward.  The same single pass written in plain Triton
-is here too (one program per K/V tile, Q/dO blocks through device TMA descriptors, a conversion
-at the end), but measured slower than v2's backward on the H200: it runs only on request
-(FLASHTILE_V3_DQ=reduce), and never with ``deterministic=True``.
+backward.  The same single pass written in plain Triton is here too (one program per K/V tile,
+Q/dO blocks through device TMA descriptors, a conversion at the end), but measured slower than
+v2's backward on the H200: it runs only on request (FLASHTILE_V3_DQ=reduce), and never with
+``deterministic=True``.
 """
 import torch
 import triton

@@ -15,11 +15,11 @@ together and the softmax of S_j runs while the PV product is still in flight.
 Persistent scheduler: ``min(tiles, SMs)`` CTAs loop over tiles, so no CTA launch is paid per
 tile.  With two Q buffers (where shared memory has room: d64, d128) the producer loads the next
 tile's Q and first K/V blocks while the consumers finish this one, so a tile starts on data
-already landed.  Tiles of uneven length (causal,
-window) are taken from an atomic counter so they balance themselves, longest first (the last
-query blocks of a causal problem see the most keys); tiles of equal length are strided over
-(every SMs-th: no counter to clear, one launch fewer).  Either walk goes in groups of heads
-whose K/V share L2.
+already landed.  Tiles of uneven length (causal, window) are taken from an atomic counter so
+they balance themselves, longest first (the last query blocks of a causal problem see the most
+keys); the launch's last CTA sets the counter back to zero, so one buffer per stream serves every
+launch (tile_counter).  Tiles of equal length are strided over (every SMs-th).  Either walk goes
+in groups of heads whose K/V share L2.
 
 Batched (non-varlen) problems only: Q/K/V/O are seen by TMA as (batch, seqlen, heads, head_dim),
 so loads past a sequence or head dim read zeros and stores past them are dropped.  O leaves by
