@@ -122,6 +122,7 @@ def test_v3_gluon_ablation_switches_remove_their_technique(tmp_path):
     # Persistent CTAs take causal tiles (uneven lengths) from an atomic counter and stride over
     # equal ones; one CTA per tile needs no counter.
     assert "atom.global" in causal_ptx and "atom.global" not in causal_no_persistent_ptx
+    assert causal_ptx.count(".exch.") == 2  # the last CTA sets the counter pair back to zero
     assert "atom.global" not in shipped_ptx
     assert shipped_ptx.count("%nctaid.x") > no_persistent_ptx.count("%nctaid.x")
     # The next tile's Q: two tiles' Q halves (4 x 64 rows) in shared memory instead of one's.

@@ -394,7 +394,11 @@ def kernel_constants(p, cfg, element_size):
 def tile_counter(device):
     """The dynamic walk's counters (next tile, CTAs done) for launches on the current stream: one
     buffer per stream, zeroed once and set back to zero by each launch's last CTA, so a call
-    allocates and fills nothing.  Launches on one stream run in order, never sharing it."""
+    allocates and fills nothing.  Launches on one stream run in order, never sharing it.  A CUDA
+    graph being captured gets a buffer of its own (allocated and zeroed in the graph), so its
+    replays never share memory the eager launches or the graph's allocator reuse."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
     return _tile_counter(device.index, torch.cuda.current_stream(device).cuda_stream)
 
 
