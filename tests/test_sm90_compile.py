@@ -165,6 +165,29 @@ def test_v3_forward_routing(monkeypatch):
     assert configs.v3_forward_kernel(problem(configs.SHORT_KEYS, 0)) == "triton"
 
 
+def test_v3_forward_falls_back_where_the_gluon_kernel_does_not_run(monkeypatch):
+    # What the Gluon forward does not take (here: CPU tensors; on the GPU varlen, d <= 32)
+    # runs v2's forward on short causal/window bands and v3's plain-Triton kernel otherwise.
+    from flashtile.kernels import configs, v3
+    from flashtile.kernels.problem import Problem
+
+    def problem(seqlen, window_right):
+        return Problem(1, 2, 2, seqlen, seqlen, 64, 0.125, -1, window_right, None, None)
+
+    assert configs.v3_fallback_forward(problem(configs.SHORT_KEYS, 0)) == "v2"
+    assert configs.v3_fallback_forward(problem(2 * configs.SHORT_KEYS, 0)) == "triton"
+    assert configs.v3_fallback_forward(problem(configs.SHORT_KEYS, -1)) == "triton"
+    ran = []
+    monkeypatch.setattr(v3, "v3_forward_kernel", lambda p: "gluon")
+    monkeypatch.setattr(v3.v2, "forward", lambda p, q, k, v: ran.append("v2"))
+    q = torch.randn(1, 40, 2, 64, dtype=torch.float16)
+    v3.forward(problem(40, 0), q, q, q)
+    assert ran == ["v2"]
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the plain kernel runs under the interpreter
+        out, lse, _ = v3.forward(problem(40, -1), q, q, q)
+        assert ran == ["v2"] and out.shape == q.shape and torch.isfinite(out).all()
+
+
 def test_v3_backward_routing(monkeypatch):
     # Gluon by default at d128 (one pass with TMA reduce-add on long keys, two passes otherwise),
     # at d256 (two passes) and at d64 on long keys (one pass), v2's otherwise; each on request; a

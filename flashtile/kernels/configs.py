@@ -119,9 +119,8 @@ GLUON_TECHNIQUES = ("pingpong", "overlap", "persistent", "next_q")
 
 def v3_forward_kernel(p) -> str:
     """Which forward v3 runs on the GPU: "gluon" (kernels/v3_gluon.py, where its supports() also
-    holds) or "triton" (v3's plain-Triton kernel: under the interpreter, and the fallback for
-    what the Gluon kernel does not take: varlen, stride-0 layouts).  FLASHTILE_V3_FWD=gluon|
-    triton|v2 forces one (v2: v2's forward).
+    holds, else v3_fallback_forward) or "triton" (v3's plain-Triton kernel) under the
+    interpreter.  FLASHTILE_V3_FWD=gluon|triton|v2 forces one (v2: v2's forward).
 
     With its next tile's Q loaded under the current one (GluonSchedule.next_q) the Gluon kernel
     leads v2's on short causal bands too: 1.22x at d64, 1.58x at d128, 1.40x at d256 causal 1k
@@ -134,6 +133,14 @@ def v3_forward_kernel(p) -> str:
     if choice:
         return choice
     return "gluon"
+
+
+def v3_fallback_forward(p) -> str:
+    """What runs a problem the Gluon forward does not take (varlen, head dims up to 32, stride-0
+    layouts): v2's forward on causal/window bands over at most SHORT_KEYS keys, where it measured
+    1.03-1.25x v3's plain-Triton kernel (H200, d64-d256 causal 1k, c167ac1 and 69899f7), that
+    plain kernel otherwise."""
+    return "v2" if p.banded and p.seqlen_k <= SHORT_KEYS else "triton"
 
 
 def v3_gluon_schedule(p) -> GluonSchedule:

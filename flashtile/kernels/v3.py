@@ -34,8 +34,8 @@ import triton.language as tl
 from flashtile import runtime
 from flashtile.kernels import v2, v3_gluon, v3_gluon_bwd
 from flashtile.kernels.blocks import band_mask, program_sequence, sequence_bounds, visited_blocks
-from flashtile.kernels.configs import (v3_backward, v3_bwd_reduce_config, v3_forward_kernel, v3_fwd_config,
-                                      v3_gluon_schedule)
+from flashtile.kernels.configs import (v3_backward, v3_bwd_reduce_config, v3_fallback_forward, v3_forward_kernel,
+                                       v3_fwd_config, v3_gluon_schedule)
 from flashtile.kernels.problem import Problem
 from flashtile.kernels.v3_gluon import tma_ready
 from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile, online_softmax_step,
@@ -239,12 +239,15 @@ def _set_allocator(device):
 
 def forward(p: Problem, q, k, v):
     kernel = v3_forward_kernel(p)
+    if kernel == "gluon":
+        ready = tuple(tma_ready(x) for x in (q, k, v))
+        if v3_gluon.supports(p, *ready):
+            out, lse = v3_gluon.forward(p, *ready, v3_gluon_schedule(p))
+            return out, lse, lse.new_empty(0)
+        kernel = v3_fallback_forward(p)
     if kernel == "v2":
         return v2.forward(p, q, k, v)
     q, k, v = (tma_ready(x) for x in (q, k, v))
-    if kernel == "gluon" and v3_gluon.supports(p, q, k, v):
-        out, lse = v3_gluon.forward(p, q, k, v, v3_gluon_schedule(p))
-        return out, lse, lse.new_empty(0)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
     unmasked = (p.window_left < 0 and p.window_right < 0 and not p.varlen)
