@@ -19,9 +19,8 @@ with the probabilities as register operands (up to d128).
 Batched problems with head dims up to 128 (the accumulators of 128 rows stay in registers),
 and at d256 the two passes with SPLIT_D: 64 stationary rows shared by both warpgroups, each
 holding half the head dim of the gradients, S / dP split by streamed rows, P and dS through
-shared memory (every product from shared memory).  The d256 kernels run only when asked for
-(FLASHTILE_V3_BWD=gluon): they compile for sm_90 in the CPU suite and have GPU tests, but have
-not been measured.  Anything else keeps v2's kernels.
+shared memory (every product from shared memory): v3's backward at d256 (and d192).  Anything
+else keeps v2's kernels.
 """
 import torch
 import triton
