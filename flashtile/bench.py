@@ -169,10 +169,9 @@ def measure(provider: str, case: Case, device=None, cuda_graph=False, env=None):
         return _measure(provider, case, device, cuda_graph)
 
 
-def _measure(provider, case, device, cuda_graph):
-    if cuda_graph and case.mode != "fwd":
-        raise ValueError("CUDA-graph timing covers forwards only")
-    device = torch.device(device) if device else _default_device()
+def _step(provider, case, device):
+    """One call of ``provider`` on fresh inputs of ``case``: the forward without gradients, the
+    backward alone (autograd.grad of one forward's output), or both."""
     fn = PROVIDERS[provider]
     q = torch.randn(case.b, case.sq, case.h, case.d, dtype=case.torch_dtype, device=device)
     k = torch.randn(case.b, case.sk, case.h_k, case.d, dtype=case.torch_dtype, device=device)
@@ -193,6 +192,14 @@ def _measure(provider, case, device, cuda_graph):
     else:
         def step():
             torch.autograd.grad(fn(q, k, v, case.causal), (q, k, v), dout)
+    return step
+
+
+def _measure(provider, case, device, cuda_graph):
+    if cuda_graph and case.mode != "fwd":
+        raise ValueError("CUDA-graph timing covers forwards only")
+    device = torch.device(device) if device else _default_device()
+    step = _step(provider, case, device)
     step()  # compile / autotune outside the timing and the memory peak
     if device.type != "cuda":
         return _cpu_median_ms(step), None
@@ -207,6 +214,27 @@ def _measure(provider, case, device, cuda_graph):
     else:
         ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
     return ms, peak
+
+
+def host_cost(provider: str, case: Case, calls=300, device=None, env=None):
+    """(host ms, wall ms) per call: ``calls`` calls enqueued back to back, timed when the last is
+    enqueued (the CPU's time: Python and launch) and when the GPU has finished.  Host >= wall
+    means the GPU waited on the CPU: an event-timed measurement of that case times the launch
+    path, not the kernels."""
+    with mock.patch.dict(os.environ, env or {}):
+        device = torch.device(device) if device else _default_device()
+        step = _step(provider, case, device)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        for _ in range(min(calls, 20)):  # compile, warm the allocator and the clocks
+            step()
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        enqueued = time.perf_counter()
+        sync()
+        done = time.perf_counter()
+    return 1e3 * (enqueued - start) / calls, 1e3 * (done - start) / calls
 
 
 def ceilings(n=8192, copy_bytes=2**30):

@@ -13,8 +13,8 @@
 #   ablation  v3's techniques switched off one at a time, d128 8k (ablation_v3.*)
 #   backward  v3's backward kernels: their GPU tests, then each forced (d64/d128/d256), side by side with
 #           cuDNN (backward_variants.*)
-#   launch  short forwards timed as usual and as CUDA-graph replays (launch_*): which cells the
-#           Python launch path bounds
+#   launch  short forwards timed as usual and as CUDA-graph replays (launch_*), and the host
+#           time per call against the GPU's at 1k (host_cost.md): which cells the launch path bounds
 #   gluon   v3's Gluon forward: the v3 tests with it forced, then its tile sweep at 1k and 16k
 #           (sweep_gluon_*.jsonl)
 #   scripts/gpu_check.sh [stage ...]    (default: tests bench)
@@ -82,7 +82,10 @@ for stage in $stages; do
           --providers flashtile-v3,flashtile-v2,sdpa-cudnn,sdpa-flash --no-plots --out "$OUT" \
           --name "launch_$timing" $([ $timing = cuda-graphs ] && echo --cuda-graphs) 2>&1 \
           | grep -v "bench:" | tee "$OUT/launch_$timing.log" || status=1
-      done ;;
+      done
+      for d in 64 128 256; do
+        python scripts/host_cost.py --head-dim $d --seqlen 1024 || status=1
+      done 2>&1 | tee "$OUT/host_cost.md" ;;
     gluon)
       # Forced everywhere it applies (what the plain kernel would otherwise run, e.g. stride-0 layouts).
       FLASHTILE_V3_FWD=gluon timeout 300 python -m pytest tests -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider -k v3 2>&1 \

@@ -59,23 +59,31 @@ def test_v3_both_forward_kernels_on_short_bands(monkeypatch, kernel, head_dim):
                             q, k, v, causal=True)
 
 
+def _causal_gluon_forward(monkeypatch):
+    """A causal v3 forward on the Gluon kernel (tiles from its counter): the call and its eager output."""
+    monkeypatch.setenv("FLASHTILE_V3_FWD", "gluon")
+    q, k, v = make_qkv(BATCH, 1000, 1000, 2 * HEADS, HEADS, 128, DTYPES[0], DEVICE)
+
+    def call():
+        return flash_attn_func(q, k, v, causal=True, version="v3")
+    return call, call()
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
 def test_v3_tile_counter_resets_itself_per_stream(monkeypatch):
     # Causal tiles come from a counter per stream that each launch's last CTA sets back to 0:
     # launches back to back, on the default and a side stream, give the same output bit for bit
     # and leave every counter at 0.
     from flashtile.kernels import v3_gluon
-    monkeypatch.setenv("FLASHTILE_V3_FWD", "gluon")
-    q, k, v = make_qkv(BATCH, 1000, 1000, 2 * HEADS, HEADS, 128, DTYPES[0], DEVICE)
-    first = flash_attn_func(q, k, v, causal=True, version="v3")
+    call, first = _causal_gluon_forward(monkeypatch)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        again = [flash_attn_func(q, k, v, causal=True, version="v3") for _ in range(3)]
-        side_counter = v3_gluon.tile_counter(q.device)
+        again = [call() for _ in range(3)]
+        side_counter = v3_gluon.tile_counter(first.device)
     torch.cuda.synchronize()
     assert all(torch.equal(out, first) for out in again)
-    counter = v3_gluon.tile_counter(q.device)
+    counter = v3_gluon.tile_counter(first.device)
     assert side_counter is not counter
     assert side_counter.tolist() == [0, 0] and counter.tolist() == [0, 0]
 
@@ -84,12 +92,10 @@ def test_v3_tile_counter_resets_itself_per_stream(monkeypatch):
 def test_v3_causal_forward_replays_in_a_cuda_graph(monkeypatch):
     # A captured launch takes a tile counter of its own, zeroed at each replay: replays of the
     # causal Gluon forward overwrite a poisoned output with the eager result, bit for bit.
-    monkeypatch.setenv("FLASHTILE_V3_FWD", "gluon")
-    q, k, v = make_qkv(BATCH, 1000, 1000, 2 * HEADS, HEADS, 128, DTYPES[0], DEVICE)
-    eager = flash_attn_func(q, k, v, causal=True, version="v3")
+    call, eager = _causal_gluon_forward(monkeypatch)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = flash_attn_func(q, k, v, causal=True, version="v3")
+        out = call()
     for _ in range(2):
         out.fill_(float("nan"))
         graph.replay()

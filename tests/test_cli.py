@@ -147,3 +147,15 @@ def test_bench_measure_sets_kernel_switches_for_one_measurement(monkeypatch):
     with pytest.raises(ValueError, match="FLASHTILE_V3_BWD"):
         bench.measure("flashtile-v3", case, device="cuda" if ON_GPU else "cpu", env={"FLASHTILE_V3_BWD": "v7"})
     assert "FLASHTILE_V3_BWD" not in os.environ
+
+
+def test_host_cost_times_the_calls_enqueued_and_finished(monkeypatch):
+    # Host time (calls enqueued) never exceeds wall time (calls finished); switches in ``env``
+    # reach the kernels for those calls only.
+    case = bench.Case(1, 2, 2, 40, 40, 32, True, "fwd")
+    host, wall = bench.host_cost("flashtile-v2", case, calls=3)
+    assert 0 < host <= wall
+    monkeypatch.delenv("FLASHTILE_V3_FWD", raising=False)
+    with pytest.raises(ValueError, match="FLASHTILE_V3_FWD"):
+        bench.host_cost("flashtile-v3", case, calls=1, env={"FLASHTILE_V3_FWD": "v7"})
+    assert "FLASHTILE_V3_FWD" not in os.environ
