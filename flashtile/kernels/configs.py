@@ -100,6 +100,8 @@ class GluonSchedule:
 # 16k, 58d2bdc): d64 128x3 (+3% over 128x2 at 16k), d128 128x2 (a third slot left no room to stage
 # O, which then waited in Q's buffer: -40% at 1k), d256 64x2 (+39% over one slot at 16k).
 GLUON_TILE_M = 128  # query rows of a tile: two consumer warpgroups of 64
+_V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (256, GluonSchedule(64, 2))]
+GLUON_TECHNIQUES = ("pingpong", "overlap", "persistent", "next_q")
 # The Gluon backward's stationary rows per CTA (K/V rows in dK/dV, query rows in dQ): one 64-row
 # slice per consumer warpgroup, or above d128 (SPLIT_D) 64 rows the two warpgroups share,
 # splitting the head dim instead (one warpgroup's registers do not hold d256 accumulators).
@@ -113,8 +115,6 @@ def split_head_dim(head_dim_pad: int) -> bool:
 
 def gluon_bwd_stationary_rows(head_dim_pad: int) -> int:
     return SPLIT_D_ROWS if split_head_dim(head_dim_pad) else GLUON_TILE_M
-_V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (256, GluonSchedule(64, 2))]
-GLUON_TECHNIQUES = ("pingpong", "overlap", "persistent", "next_q")
 
 
 def v3_forward_kernel(p) -> str:

@@ -239,15 +239,15 @@ def _set_allocator(device):
 
 def forward(p: Problem, q, k, v):
     kernel = v3_forward_kernel(p)
+    if kernel != "v2":  # both v3 kernels read through TMA
+        q, k, v = (tma_ready(x) for x in (q, k, v))
     if kernel == "gluon":
-        ready = tuple(tma_ready(x) for x in (q, k, v))
-        if v3_gluon.supports(p, *ready):
-            out, lse = v3_gluon.forward(p, *ready, v3_gluon_schedule(p))
+        if v3_gluon.supports(p, q, k, v):
+            out, lse = v3_gluon.forward(p, q, k, v, v3_gluon_schedule(p))
             return out, lse, lse.new_empty(0)
         kernel = v3_fallback_forward(p)
     if kernel == "v2":
         return v2.forward(p, q, k, v)
-    q, k, v = (tma_ready(x) for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
     unmasked = (p.window_left < 0 and p.window_right < 0 and not p.varlen)

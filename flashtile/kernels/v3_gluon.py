@@ -346,11 +346,6 @@ def broadcast(x) -> bool:
     return 0 in x.stride()[:-1]
 
 
-def tma_addressable(x) -> bool:
-    """The 4-D host descriptors describe ``x`` as it is: aligned, and no stride 0."""
-    return tma_aligned(x) and not broadcast(x)
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
