@@ -202,15 +202,15 @@ def test_v3_backward_routing(monkeypatch):
     monkeypatch.setattr(configs.runtime, "interpreting", lambda: False)
     for name in ("FLASHTILE_V3_DQ", "FLASHTILE_CONFIG_V3_BWD", "FLASHTILE_V3_BWD", "FLASHTILE_CONFIG_V3_GLUON_BWD"):
         monkeypatch.delenv(name, raising=False)
-    assert [configs.v3_backward(x) for x in (p64, p, p256)] == ["v2", "gluon", "gluon"]
+    assert [configs.v3_backward(x) for x in (p64, p, p256)] == ["gluon-reduce", "gluon", "gluon"]
     assert configs.v3_backward(replace(p, head_dim=192)) == "gluon"  # padded to 256
     long = replace(p, seqlen_k=configs.GLUON_REDUCE_MIN_KEYS[128])
     assert configs.v3_backward(long) == "gluon-reduce"
     assert configs.v3_backward(replace(long, deterministic=True)) == "gluon"
-    assert configs.v3_backward(replace(long, head_dim=64)) == "v2"  # d64 takes the single pass later
     long64 = replace(p64, seqlen_k=configs.GLUON_REDUCE_MIN_KEYS[64])
     assert configs.v3_backward(long64) == "gluon-reduce"
-    assert configs.v3_backward(replace(long64, deterministic=True)) == "v2"
+    assert configs.v3_backward(replace(long64, seqlen_k=long64.seqlen_k - 1)) == "gluon"
+    assert configs.v3_backward(replace(long64, deterministic=True)) == "gluon"
     assert configs.v3_backward(replace(long64, head_dim=256)) == "gluon"  # no single pass at d256
     monkeypatch.setenv("FLASHTILE_V3_BWD", "v2")
     assert configs.v3_backward(p) == "v2"

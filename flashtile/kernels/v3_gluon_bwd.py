@@ -7,6 +7,8 @@ with the probabilities as register operands (up to d128).
 - dK/dV pass (K/V-stationary, FlashAttention-3's structure): 128 K/V rows against every Q/dO
   block of every query head of their K/V head; S^T = K Q^T, dP^T = V dO^T, dV += P^T dO,
   dK += dS^T Q.  Results leave by TMA store through the buffers of operands no longer read.
+  The producer also copies each Q block's lse and D into the ring beside it (cp.async), so
+  that no block waits on global memory for them.
 - Single pass (``backward_reduce``, FlashAttention-3's): the dK/dV pass also writes dS to shared
   memory and computes each Q block's share of dQ, dS K (each warpgroup half the head dim),
   which a TMA reduce-add adds to an fp32 dQ in global memory; dS and the fp32 staging have two
@@ -28,6 +30,7 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
@@ -42,6 +45,8 @@ LAUNCH_OPTIONS = dict(num_warps=8, maxnreg=168)
 PRODUCER_REGS = gl.constexpr(24)
 # Probabilities and dS shared between the consumer warpgroups (16-bit, rows of 64 elements).
 _SCORES_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+# Per-row statistics (lse, D) of the streamed blocks, one fp32 row per ring slot.
+_STATS_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
 
 @builtin
@@ -72,8 +77,8 @@ def _pass_buffers(a_desc, b_desc, c_desc, d_desc, STAGES: gl.constexpr):
 
 @gluon.jit
 def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_smem, bars, batch, r0, stationary_head,
-              first_head, heads, seqlen_q, seqlen_k, window_left, window_right, ROWS: gl.constexpr,
-              BLOCK: gl.constexpr, STAGES: gl.constexpr, KEY_ROWS: gl.constexpr):
+              first_head, heads, seqlen_q, seqlen_k, window_left, window_right, column_stats, ROWS: gl.constexpr,
+              BLOCK: gl.constexpr, STAGES: gl.constexpr, KEY_ROWS: gl.constexpr, STATS_IN_RING: gl.constexpr):
     """The producer warp of either pass: the stationary pair (a, b), ROWS rows from r0 of
     ``stationary_head``, loaded once; then the streamed pairs (c, d), BLOCK rows at a time, of
     each of ``heads`` heads from ``first_head``, over the band of the stationary rows (KEY_ROWS:
@@ -84,12 +89,24 @@ def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_smem, ba
     tma.async_copy_global_to_shared(b_desc, [batch, r0, stationary_head, 0], stationary_ready, b_smem)
     dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(r0, ROWS, BLOCK, seqlen_q, seqlen_k, window_left,
                                                            window_right, KEY_ROWS)
+    LSE, DELTA, lse_smem, delta_smem, slb, slh = column_stats
+    stats_layout: gl.constexpr = gl.BlockedLayout([BLOCK // 32], [32], [1], [0])
+    offs = gl.arange(0, BLOCK, layout=stats_layout)
     it = 0
     for g in range(heads):
         for i in range(n_blocks):
             slot = it % STAGES
             phase = (it // STAGES) & 1
             mbarrier.wait(ring_empty.index(slot), phase ^ 1)
+            if STATS_IN_RING:
+                # lse and D of the block's query rows beside it, by cp.async: the slot's barrier
+                # also waits for them (each lane's arrive counts once its copies land).  Rows past
+                # the sequence read 0: their Q and dO rows are zero and the band mask drops them.
+                rows = lo + i * BLOCK + offs
+                stats = batch.to(gl.int64) * slb + (first_head + g) * slh + rows
+                async_copy.async_copy_global_to_shared(lse_smem.index(slot), LSE + stats, mask=rows < seqlen_q)
+                async_copy.async_copy_global_to_shared(delta_smem.index(slot), DELTA + stats, mask=rows < seqlen_q)
+                async_copy.mbarrier_arrive(ring_ready.index(slot))
             mbarrier.expect(ring_ready.index(slot), c_desc.block_type.nbytes + d_desc.block_type.nbytes)
             coord = [batch, lo + i * BLOCK, first_head + g, 0]
             tma.async_copy_global_to_shared(c_desc, coord, ring_ready.index(slot), c_smem.index(slot))
@@ -115,11 +132,13 @@ def _wgmma_layout(columns, split_d):
 
 
 @gluon.jit
-def _column_stats(LSE, DELTA, stats, cols, seqlen_q):
+def _column_stats(LSE, DELTA, stats, cols, seqlen_q, valid=True):
     """lse (log2 units) and D of the query rows a dK/dV block sees as its columns.  Rows past
-    the sequence read lse = +inf: their probabilities are exactly 0."""
-    lse = gl.load(LSE + stats + cols, mask=cols < seqlen_q, other=float("inf")) * LOG2E
-    delta = gl.load(DELTA + stats + cols, mask=cols < seqlen_q, other=0.0)
+    the sequence (or of no block: ``valid`` false) read lse = +inf: their probabilities are
+    exactly 0."""
+    inside = (cols < seqlen_q) & valid
+    lse = gl.load(LSE + stats + cols, mask=inside, other=float("inf")) * LOG2E
+    delta = gl.load(DELTA + stats + cols, mask=inside, other=0.0)
     return lse, delta
 
 
@@ -149,7 +168,7 @@ def _store_dkdv(dk, dv, k_tile, v_tile, k_smem, v_smem, dk_desc, dv_desc, batch,
 def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc, dv_desc,
                ds_smem, dq_smem, p_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr,
-               SPLIT_D: gl.constexpr):
+               SPLIT_D: gl.constexpr, lse_smem, delta_smem):
     """Both consumer warpgroups (the default partition's 8 warps): dK and dV of the CTA's K/V rows;
     with DQ_REDUCE also each Q block's dQ share, dS K, added in fp32 to dq_desc by TMA.
 
@@ -176,11 +195,17 @@ def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, 
     dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k, window_left,
                                                            window_right, True)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, dq_layout)
+    # lse and D of each Q block's rows (this pass's columns) live in global memory, and loading
+    # them as a block starts stalls P^T on their latency.  The producer copies them into the
+    # ring beside the block; with SPLIT_D they are loaded here one block ahead instead (no
+    # register room for that up to d128; at d256 it measured ~4% faster than the ring at 4k-16k).
+    if SPLIT_D:
+        stats = batch.to(gl.int64) * slb + head_k * group * slh
+        lse, delta = _column_stats(LSE, DELTA, stats, lo + offs_m, seqlen_q, n_blocks > 0)
     mbarrier.wait(kv_ready, 0)
     it = 0
     for g in range(group):
         head = head_k * group + g
-        stats = batch.to(gl.int64) * slb + head * slh
         for i in range(n_blocks):
             slot = it % STAGES
             phase = (it // STAGES) & 1
@@ -191,7 +216,15 @@ def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, 
             do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
             sT = warpgroup_mma(k_tile, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dpT = warpgroup_mma(v_tile, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            lse, delta = _column_stats(LSE, DELTA, stats, cols, seqlen_q)
+            if SPLIT_D:  # the next block's: this head's next one, or the next head's first
+                next_head = (i + 1) // n_blocks
+                next_stats = stats + next_head * slh
+                next_cols = lo + (i + 1 - next_head * n_blocks) * BLOCK_M + offs_m
+                lse_next, delta_next = _column_stats(LSE, DELTA, next_stats, next_cols, seqlen_q,
+                                                     g + next_head < group)
+            else:
+                lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * LOG2E
+                delta = delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
             sT = warpgroup_mma_wait(1, deps=[sT])
             pT = _probs_t(sT, lse, rows_k, cols, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2)
             if SPLIT_D:
@@ -225,6 +258,8 @@ def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, 
                     _add_dq(dq * softmax_scale, dq_smem.index(buf), dq_desc, batch, m0, head, BLOCK_M, HEAD_DIM_PAD)
                 dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=[dv, dk, pT_op, dsT_op])
             mbarrier.arrive(q_empty.index(slot))
+            if SPLIT_D:
+                lse, delta, stats = lse_next, delta_next, next_stats
             it += 1
     _store_dkdv(dk, dv, k_tile, v_tile, k_smem, v_smem, dk_desc, dv_desc, batch, n0, head_k, softmax_scale)
 
@@ -251,13 +286,19 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
         dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [2] + dq_desc.block_type.shape, dq_desc.layout)
     if SPLIT_D:
         p_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
+    # lse and D of each streamed block, in the ring beside it (not with SPLIT_D: see _consumers).
+    lse_smem = k_smem
+    delta_smem = k_smem
+    if not SPLIT_D:
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], _STATS_LAYOUT)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], _STATS_LAYOUT)
     gl.warp_specialize([
         (_consumers, (q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc, dv_desc,
                       ds_smem, dq_smem, p_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD,
-                      STAGES, DQ_REDUCE, SPLIT_D)),
+                      STAGES, DQ_REDUCE, SPLIT_D, lse_smem, delta_smem)),
         (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, batch, n0, head_k,
-                     head_k * group, group, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N, BLOCK_M, STAGES,
-                     True)),
+                     head_k * group, group, seqlen_q, seqlen_k, window_left, window_right,
+                     (LSE, DELTA, lse_smem, delta_smem, slb, slh), BLOCK_N, BLOCK_M, STAGES, True, not SPLIT_D)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -377,8 +418,8 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
                          slb, slh, ds_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD,
                          STAGES, HAS_DLSE, SPLIT_D)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, batch, m0, head,
-                     head // group, 1, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, STAGES,
-                     False)),
+                     head // group, 1, seqlen_q, seqlen_k, window_left, window_right,
+                     (LSE, DELTA, q_smem, q_smem, slb, slh), BLOCK_M, BLOCK_N, STAGES, False, False)),
     ], [1], [PRODUCER_REGS])
 
 
