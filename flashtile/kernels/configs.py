@@ -194,16 +194,16 @@ class GluonBackward:
 # non-causal (its fp32 dQ round trip and extra launches weigh on short rows)
 # (benchmarks/results/2026-12-01_H200_8cddb94/experiments).  With each block's lse and D in the
 # ring beside it (the dK/dV pass read them from global memory as the block started, stalling on
-# their latency) the single pass gained 14-20% at d64 and 3-12% at d128, the two passes 4-9% at
-# d64 and 1-8% at d128 (benchmarks/results/2026-12-01_H200_1a56c88/bwd_stats.md): at d64 the single
-# pass now leads v2's backward 1.05-1.21x from 512 keys, the two passes lead it 1.00-1.09x (not
-# at causal 512).  So by default: the single pass from GLUON_REDUCE_MIN_KEYS keys on (never when
-# ``deterministic``), below that (and when ``deterministic``) the two Gluon passes.  Tiles: the
-# 4k sweep (e943ac5) put every candidate within 2% of 64,64,2 except 128-row Q blocks at d64
-# (they spill: -22%); d128 has no shared memory for a third ring slot next to the two dS and dQ
-# staging buffers.  At d256 the two passes split the head dim between the warpgroups: 1.31-1.58x
-# v2's backward at 1k-16k, 0.81-1.02x cuDNN
-# (benchmarks/results/2026-12-01_H200_94a4a11/backward_variants_edd6c34.md).
+# their latency) the single pass gained 8-20% at d64 and 3-12% at d128, the two passes 4-9% at
+# d64 and 0-10% at d128 (benchmarks/results/2026-12-01_H200_6312519/experiments/bwd_stats_ring_1a56c88.md):
+# at d64 the single pass now leads v2's backward 1.03-1.24x from 512 keys and the two passes
+# lead it 1.00-1.07x (0.95x at causal 512).  So by default: the single pass from
+# GLUON_REDUCE_MIN_KEYS keys on (never when ``deterministic``), below that (and when
+# ``deterministic``) the two Gluon passes.  Tiles: the 4k sweep (e943ac5) put every candidate
+# within 2% of 64,64,2 except 128-row Q blocks at d64 (they spill: -22%); d128 has no shared
+# memory for a third ring slot next to the two dS and dQ staging buffers.  At d256 the two
+# passes split the head dim between the warpgroups: 1.39-1.62x v2's backward at 1k-16k,
+# 0.87-1.05x cuDNN (benchmarks/results/2026-12-01_H200_6312519/backward_variants_6312519.md).
 _V3_GLUON_BWD = [(64, GluonBackward(64, 64, 3)), (128, GluonBackward(64, 64, 2)),
                  (256, GluonBackward(64, 64, 2))]  # d256: 64-row blocks both ways (shared memory)
 GLUON_REDUCE_MIN_KEYS = {64: 512, 128: 4096}  # by padded head dim
