@@ -84,6 +84,9 @@ def test_v3_gluon_backward_kernels_compile_for_sm90(tmp_path, kernel, head_dim):
     assert any(n == "64" and a == "%" for n, a in wgmma), "S / dP not from shared memory"
     reduces = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)
     assert len(reduces) == (kernel == "v3.bwd_reduce_gluon"), "dQ by TMA reduce-add in the single pass only"
+    # The K/V-stationary pass gets each Q block's lse and D through the ring (cp.async counted on
+    # the slot's mbarrier); the dQ pass reads its rows' once.
+    assert ("cp.async.mbarrier.arrive" in ptx) == (kernel != "v3.bwd_dq_gluon")
 
 
 @pytest.mark.parametrize("kernel", ["v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon"])
@@ -98,6 +101,7 @@ def test_v3_gluon_backward_splits_the_head_dim_at_d256(tmp_path, kernel):
     assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx      # TMA stores of the gradients
     wgmma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx))
     assert wgmma == {("32", "%"), ("128", "%")}
+    assert "cp.async.mbarrier.arrive" not in ptx  # lse and D loaded a block ahead into registers here
 
 
 def test_v3_gluon_ablation_switches_remove_their_technique(tmp_path):
