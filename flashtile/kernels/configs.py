@@ -100,6 +100,7 @@ class GluonSchedule:
 # 16k, 58d2bdc): d64 128x3 (+3% over 128x2 at 16k), d128 128x2 (a third slot left no room to stage
 # O, which then waited in Q's buffer: -40% at 1k), d256 64x2 (+39% over one slot at 16k).
 GLUON_TILE_M = 128  # query rows of a tile: two consumer warpgroups of 64
+GLUON_HEAD_DIMS = (64, 128, 256)  # padded head dims the Gluon kernels (forward and backward) take
 _V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (256, GluonSchedule(64, 2))]
 GLUON_TECHNIQUES = ("pingpong", "overlap", "persistent", "next_q")
 # The Gluon backward's stationary rows per CTA (K/V rows in dK/dV, query rows in dQ): one 64-row
@@ -207,7 +208,6 @@ class GluonBackward:
 _V3_GLUON_BWD = [(64, GluonBackward(64, 64, 3)), (128, GluonBackward(64, 64, 2)),
                  (256, GluonBackward(64, 64, 2))]  # d256: 64-row blocks both ways (shared memory)
 GLUON_REDUCE_MIN_KEYS = {64: 512, 128: 4096}  # by padded head dim
-GLUON_TWO_PASS_HEAD_DIMS = (64, 128, 256)
 
 
 def v3_gluon_bwd_config(p) -> GluonBackward:
@@ -223,7 +223,7 @@ def v3_default_backward(head_dim_pad: int, seqlen_k: int, deterministic: bool = 
     single_from = GLUON_REDUCE_MIN_KEYS.get(head_dim_pad)
     if single_from is not None and seqlen_k >= single_from and not deterministic:
         return "gluon-reduce"
-    return "gluon" if head_dim_pad in GLUON_TWO_PASS_HEAD_DIMS else "v2"
+    return "gluon" if head_dim_pad in GLUON_HEAD_DIMS else "v2"
 
 
 def v3_backward(p) -> str:
@@ -231,7 +231,7 @@ def v3_backward(p) -> str:
 
     - "gluon-reduce": kernels/v3_gluon_bwd.py's single K/V-stationary pass adding dQ by TMA
       reduce-add, by default from GLUON_REDUCE_MIN_KEYS keys on (d64, d128);
-    - "gluon": its two passes (dQ, then dK/dV), by default at GLUON_TWO_PASS_HEAD_DIMS below
+    - "gluon": its two passes (dQ, then dK/dV), by default at GLUON_HEAD_DIMS below
       that (at d256 the head dim split between the warpgroups), or with a
       FLASHTILE_CONFIG_V3_GLUON_BWD override;
     - "reduce": the plain-Triton single pass (FLASHTILE_V3_DQ=reduce or a FLASHTILE_CONFIG_V3_BWD

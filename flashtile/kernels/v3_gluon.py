@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.kernels.blocks import band_blocks, band_mask
-from flashtile.kernels.configs import GLUON_TILE_M
+from flashtile.kernels.configs import GLUON_HEAD_DIMS, GLUON_TILE_M
 from flashtile.kernels.tiles import finalize_rows, online_softmax_step
 
 ROWS_PER_CONSUMER = gl.constexpr(GLUON_TILE_M // 2)  # one warpgroup's wgmma M; the CTA's tile is two
@@ -325,7 +325,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
 def supports(p, q, k, v) -> bool:
     """Whether this kernel runs the problem: batched, on a GPU, a head dim and layouts TMA can
     address; q, k, v as tma_ready returns them (aligned: only a broadcast is left to refuse)."""
-    return (q.is_cuda and not p.varlen and p.head_dim_pad in (64, 128, 256) and p.head_dim % 8 == 0
+    return (q.is_cuda and not p.varlen and p.head_dim_pad in GLUON_HEAD_DIMS and p.head_dim % 8 == 0
             and q.dtype in (torch.float16, torch.bfloat16) and not any(map(broadcast, (q, k, v))))
 
 

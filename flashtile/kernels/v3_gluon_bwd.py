@@ -35,7 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from flashtile.kernels.blocks import band_blocks, band_mask
-from flashtile.kernels.configs import gluon_bwd_stationary_rows, split_head_dim, v3_gluon_bwd_config
+from flashtile.kernels.configs import (GLUON_HEAD_DIMS, gluon_bwd_stationary_rows, split_head_dim,
+                                       v3_gluon_bwd_config)
 from flashtile.kernels.tiles import LOG2E, row_delta
 from flashtile.kernels.v3_gluon import broadcast, tma_descriptor
 
@@ -132,7 +133,7 @@ def _wgmma_layout(columns, split_d):
 
 
 @gluon.jit
-def _column_stats(LSE, DELTA, stats, cols, seqlen_q, valid=True):
+def _column_stats(LSE, DELTA, stats, cols, seqlen_q, valid):
     """lse (log2 units) and D of the query rows a dK/dV block sees as its columns.  Rows past
     the sequence (or of no block: ``valid`` false) read lse = +inf: their probabilities are
     exactly 0."""
@@ -426,7 +427,7 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
 def supports(p, q, k, v, dout) -> bool:
     """Batched problems on a GPU, head dims 64, 128 and (two passes only) 256, layouts the 4-D
     descriptors describe (the tensors as tma_ready returns them)."""
-    return (q.is_cuda and not p.varlen and p.head_dim_pad in (64, 128, 256) and p.head_dim % 8 == 0
+    return (q.is_cuda and not p.varlen and p.head_dim_pad in GLUON_HEAD_DIMS and p.head_dim % 8 == 0
             and not any(map(broadcast, (q, k, v, dout))))
 
 
