@@ -71,11 +71,16 @@ def test_v3_gluon_forward_compiles_for_sm90(tmp_path, head_dim):
 @pytest.mark.parametrize("kernel", ["v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon", "v3.bwd_reduce_gluon"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_v3_gluon_backward_kernels_compile_for_sm90(tmp_path, kernel, head_dim):
-    # v3's Gluon backward (default at d128): a TMA producer warp and 8 consumer
-    # warps; S and dP from shared memory, the gradient products with P / dS in registers.
+    # v3's Gluon backward: a TMA producer warp and two consumer warpgroups, in the two passes a
+    # partition each (no barrier spans both), in the single pass one partition (both
+    # warpgroups' dS^T meet for the dQ product); S and dP from shared memory, the gradient
+    # products with P / dS in registers.
     ttgir = compile_for_sm90(tmp_path, kernel, head_dim, {})
     ptx = (tmp_path / f"{kernel}_d{head_dim}.ptx").read_text()
-    assert "ttg.warp_specialize" in ttgir and len(re.findall(r"partition\d+\(", ttgir)) == 1
+    single_pass = kernel == "v3.bwd_reduce_gluon"
+    assert "ttg.warp_specialize" in ttgir
+    assert len(re.findall(r"partition\d+\(", ttgir)) == (1 if single_pass else 2)
+    assert bool(re.search(r"bar\.sync\s+\d+, 256;", ptx)) == single_pass
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)
     assert "cp.async.bulk.tensor.4d.shared::cluster.global" in ptx  # TMA loads
     assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx      # TMA stores of the gradients
@@ -83,7 +88,7 @@ def test_v3_gluon_backward_kernels_compile_for_sm90(tmp_path, kernel, head_dim):
     assert any(n == str(head_dim) and a == "{" for n, a in wgmma), "gradient products without register A"
     assert any(n == "64" and a == "%" for n, a in wgmma), "S / dP not from shared memory"
     reduces = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)
-    assert len(reduces) == (kernel == "v3.bwd_reduce_gluon"), "dQ by TMA reduce-add in the single pass only"
+    assert len(reduces) == single_pass, "dQ by TMA reduce-add in the single pass only"
     # The K/V-stationary pass gets each Q block's lse and D through the ring (cp.async counted on
     # the slot's mbarrier); the dQ pass reads its rows' once.
     assert ("cp.async.mbarrier.arrive" in ptx) == (kernel != "v3.bwd_dq_gluon")
@@ -206,7 +211,7 @@ def test_v3_backward_routing(monkeypatch):
     monkeypatch.setattr(configs.runtime, "interpreting", lambda: False)
     for name in ("FLASHTILE_V3_DQ", "FLASHTILE_CONFIG_V3_BWD", "FLASHTILE_V3_BWD", "FLASHTILE_CONFIG_V3_GLUON_BWD"):
         monkeypatch.delenv(name, raising=False)
-    assert [configs.v3_backward(x) for x in (p64, p, p256)] == ["gluon-reduce", "gluon", "gluon"]
+    assert [configs.v3_backward(x) for x in (p64, p, p256)] == ["gluon", "gluon", "gluon"]
     assert configs.v3_backward(replace(p, head_dim=192)) == "gluon"  # padded to 256
     long = replace(p, seqlen_k=configs.GLUON_REDUCE_MIN_KEYS[128])
     assert configs.v3_backward(long) == "gluon-reduce"

@@ -198,16 +198,20 @@ class GluonBackward:
 # their latency) the single pass gained 8-20% at d64 and 3-12% at d128, the two passes 4-9% at
 # d64 and 0-10% at d128 (benchmarks/results/2026-12-01_H200_6312519/experiments/bwd_stats_ring_1a56c88.md):
 # at d64 the single pass now leads v2's backward 1.03-1.24x from 512 keys and the two passes
-# lead it 1.00-1.07x (0.95x at causal 512).  So by default: the single pass from
-# GLUON_REDUCE_MIN_KEYS keys on (never when ``deterministic``), below that (and when
-# ``deterministic``) the two Gluon passes.  Tiles: the 4k sweep (e943ac5) put every candidate
+# lead it 1.00-1.07x (0.95x at causal 512).  With each consumer warpgroup a partition of its
+# own the two passes gained 0-25% (mostly 5-11%; d64, d128, 1k-16k) and match the single pass
+# at d64 up to 4k (0.94-1.03x), which still leads at 16k (1.03-1.09x); at d128 the single pass
+# leads from 4k (1.04-1.14x) and the two passes below (1.11-1.35x)
+# (benchmarks/results/2026-12-01_H200_80c027d/experiments/bwd_split_partitions.md).  So by
+# default: the single pass from GLUON_REDUCE_MIN_KEYS keys on (never when ``deterministic``),
+# below that (and when ``deterministic``) the two Gluon passes.  Tiles: the 4k sweep (e943ac5) put every candidate
 # within 2% of 64,64,2 except 128-row Q blocks at d64 (they spill: -22%); d128 has no shared
 # memory for a third ring slot next to the two dS and dQ staging buffers.  At d256 the two
 # passes split the head dim between the warpgroups: 1.39-1.62x v2's backward at 1k-16k,
 # 0.87-1.05x cuDNN (benchmarks/results/2026-12-01_H200_6312519/backward_variants_6312519.md).
 _V3_GLUON_BWD = [(64, GluonBackward(64, 64, 3)), (128, GluonBackward(64, 64, 2)),
                  (256, GluonBackward(64, 64, 2))]  # d256: 64-row blocks both ways (shared memory)
-GLUON_REDUCE_MIN_KEYS = {64: 512, 128: 4096}  # by padded head dim
+GLUON_REDUCE_MIN_KEYS = {64: 8192, 128: 4096}  # by padded head dim
 
 
 def v3_gluon_bwd_config(p) -> GluonBackward:

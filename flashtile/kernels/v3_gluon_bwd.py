@@ -1,8 +1,11 @@
 """v3's backward for Hopper in Gluon, warp-specialized (where configs.v3_backward picks it).
 
-Each kernel is one CTA of 8 consumer warps (two warpgroups, 64 rows each) and a producer warp
-streaming tiles by TMA through a ``STAGES``-deep shared-memory ring, products on warpgroup MMA
-with the probabilities as register operands (up to d128).
+Each kernel is one CTA of two consumer warpgroups (64 rows each) and a producer warp streaming
+tiles by TMA through a ``STAGES``-deep shared-memory ring, products on warpgroup MMA with the
+probabilities as register operands (up to d128).  In the two passes up to d128 each consumer
+warpgroup is a partition of its own, so no barrier spans both and they drift apart (as the
+forward's consumers do): 0-25% (mostly 5-11%) faster than one 8-warp partition at 1k-16k,
+both passes contributing.  The single pass and d256, whose warpgroups share each block's dS, keep one.
 
 - dK/dV pass (K/V-stationary, FlashAttention-3's structure): 128 K/V rows against every Q/dO
   block of every query head of their K/V head; S^T = K Q^T, dP^T = V dO^T, dV += P^T dO,
@@ -42,8 +45,13 @@ from flashtile.kernels.v3_gluon import broadcast, tma_descriptor
 
 # 12 warps (8 consumer, one producer warp rounded up to a warpgroup): 168 registers each at
 # launch, moved to 240 for the consumers (dK, dV, S^T, dP^T live there) and 24 for the producer.
+# The consumers are two partitions of a warpgroup each (TWO_PARTITION_OPTIONS: 4 warps at
+# launch), or with SPLIT_D and in the single pass one of 8 warps (LAUNCH_OPTIONS).
 LAUNCH_OPTIONS = dict(num_warps=8, maxnreg=168)
+TWO_PARTITION_OPTIONS = dict(num_warps=4, maxnreg=168)
+CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
+WARPGROUP_ROWS = gl.constexpr(64)  # the rows of an accumulator one warpgroup's MMA covers
 # Probabilities and dS shared between the consumer warpgroups (16-bit, rows of 64 elements).
 _SCORES_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 # Per-row statistics (lse, D) of the streamed blocks, one fp32 row per ring slot.
@@ -59,9 +67,10 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _pass_buffers(a_desc, b_desc, c_desc, d_desc, STAGES: gl.constexpr):
+def _pass_buffers(a_desc, b_desc, c_desc, d_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     """Shared memory of one pass: a stationary pair of tiles (a, b), loaded once, and a ring of
-    STAGES streamed pairs (c, d); mbarriers (stationary ready, ring slot ready, ring slot empty)."""
+    STAGES streamed pairs (c, d); mbarriers (stationary ready, ring slot ready, ring slot empty:
+    one arrival from each of CONSUMERS consumer partitions)."""
     a = gl.allocate_shared_memory(a_desc.dtype, a_desc.block_type.shape, a_desc.layout)
     b = gl.allocate_shared_memory(b_desc.dtype, b_desc.block_type.shape, b_desc.layout)
     c = gl.allocate_shared_memory(c_desc.dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
@@ -72,7 +81,7 @@ def _pass_buffers(a_desc, b_desc, c_desc, d_desc, STAGES: gl.constexpr):
     mbarrier.init(stationary_ready, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ring_ready.index(i), count=1)
-        mbarrier.init(ring_empty.index(i), count=1)
+        mbarrier.init(ring_empty.index(i), count=CONSUMERS)
     return a, b, c, d, (stationary_ready, ring_ready, ring_empty)
 
 
@@ -116,20 +125,20 @@ def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_smem, ba
 
 
 @gluon.jit
-def _add_dq(dq, staging, dq_desc, batch, m0, head, BLOCK_M: gl.constexpr, HEAD_DIM_PAD: gl.constexpr):
+def _add_dq(dq, staging, dq_desc, batch, m0, head):
     """A Q block's dQ share (fp32, both warpgroups' halves) staged and added by TMA reduce-add."""
-    staging.reshape([BLOCK_M, HEAD_DIM_PAD]).store(dq)
+    staging.reshape(dq.shape).store(dq)
     fence_async_shared()
     gl.thread_barrier()  # staged by both warpgroups
     _tma_reduce_add(dq_desc, [batch, m0, head, 0], staging)
 
 
 @gluon.constexpr_function
-def _wgmma_layout(columns, split_d):
-    """The consumer partition's accumulator layout for a tile of ``columns`` columns: the two
-    warpgroups stack 64-row slices, or with ``split_d`` share the rows and take half the columns each."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2] if split_d else [8, 1],
-                                     instr_shape=[16, columns // 2 if split_d else columns, 16])
+def _wgmma_layout(columns, row_groups, col_groups):
+    """The accumulator layout of a consumer partition's tile of ``columns`` columns: its
+    warpgroups stack ``row_groups`` 64-row slices, or take 1/``col_groups`` of the columns each."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * row_groups, col_groups],
+                                     instr_shape=[16, columns // col_groups, 16])
 
 
 @gluon.jit
@@ -166,26 +175,112 @@ def _store_dkdv(dk, dv, k_tile, v_tile, k_smem, v_smem, dk_desc, dv_desc, batch,
 
 
 @gluon.jit
-def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc, dv_desc,
-               ds_smem, dq_smem, p_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr,
-               SPLIT_D: gl.constexpr, lse_smem, delta_smem):
-    """Both consumer warpgroups (the default partition's 8 warps): dK and dV of the CTA's K/V rows;
-    with DQ_REDUCE also each Q block's dQ share, dS K, added in fp32 to dq_desc by TMA.
+def _dkdv_products(k_rows, v_rows, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, cols, m0, band, seqlen_q,
+                   scale_log2, op_layout: gl.constexpr):
+    """One streamed Q block's products against a consumer partition's K/V rows: S^T = K Q^T and
+    dP^T = V dO^T from shared memory, then dV += P^T dO and dK += dS^T Q with P^T and dS^T as
+    register operands; lse and D from the block's ring slot.  dV and dK are left in flight
+    (with the operands they read): the caller waits for them."""
+    sT = warpgroup_mma(k_rows, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v_rows, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    lse = lse_ref.load(gl.SliceLayout(0, s_zero.type.layout)) * LOG2E
+    delta = delta_ref.load(gl.SliceLayout(0, s_zero.type.layout))
+    sT = warpgroup_mma_wait(1, deps=[sT])
+    pT = _probs_t(sT, lse, rows_k, cols, m0, band, seqlen_q, scale_log2)
+    pT_op = gl.convert_layout(pT.to(q.dtype), op_layout)
+    dv = warpgroup_mma(pT_op, do, dv, is_async=True)
+    dpT = warpgroup_mma_wait(1, deps=[dpT])
+    dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+    dsT_op = gl.convert_layout(dsT, op_layout)
+    dk = warpgroup_mma(dsT_op, q, dk, is_async=True)
+    return dk, dv, dsT, pT_op, dsT_op
 
-    Each warpgroup owns 64 K/V rows.  With SPLIT_D (d256, where one warpgroup's registers do not
-    hold dK and dV of 64 rows) both own the same 64 rows and half the head dim each; each
-    computes S^T and dP^T for half of the Q block's rows, and P^T and dS^T meet in shared memory
-    (two buffers each: one written here was last read two blocks ago), where both read them
-    whole for their half of dV and dK: one barrier per block."""
+
+@gluon.jit
+def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, v_smem, do_smem, bars, problem,
+                 dk_desc, dv_desc, ds_smem, dq_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
+                 DQ_REDUCE: gl.constexpr):
+    """dK and dV of a consumer partition's K/V rows: of WARPGROUPS warpgroups (64 rows each),
+    partition WHICH of the CTA's.
+
+    The two passes run a partition per warpgroup (WARPGROUPS 1), which share nothing but the
+    ring, so the two drift apart instead of meeting at every barrier.  The single pass
+    (DQ_REDUCE) runs one partition of both (WARPGROUPS 2): each Q block's dQ share, dS K, needs
+    both warpgroups' dS^T, which meet in shared memory, and the two add the block's fp32 dQ by
+    one TMA reduce-add.  (A partition per warpgroup measured up to 17% slower there at d128:
+    it spilled 356 bytes against 60.)"""
+    kv_ready, q_ready, q_empty = bars
+    batch, head_k, group, n0, seqlen_q, seqlen_k, window_left, window_right = problem
+    ROWS: gl.constexpr = WARPGROUP_ROWS * WARPGROUPS
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, WARPGROUPS, 1)
+    acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_PAD, WARPGROUPS, 1)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    r0 = n0 + WHICH * ROWS
+    rows_k = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
+    dk = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
+    dv = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
+    k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM_PAD])
+    k_rows = k_tile.slice(WHICH * ROWS, ROWS)
+    v_rows = v_smem.reshape([BLOCK_N, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
+    # The band of the whole CTA's rows: every partition steps through the same blocks.
+    dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k, window_left,
+                                                           window_right, True)
+    mbarrier.wait(kv_ready, 0)
+    it = 0
+    for g in range(group):
+        head = head_k * group + g
+        for i in range(n_blocks):
+            slot = it % STAGES
+            phase = (it // STAGES) & 1
+            m0 = lo + i * BLOCK_M
+            mbarrier.wait(q_ready.index(slot), phase)
+            q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
+            do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
+            dk, dv, dsT, pT_op, dsT_op = _dkdv_products(k_rows, v_rows, q, do, lse_smem.index(slot),
+                                                        delta_smem.index(slot), dk, dv, s_zero, rows_k,
+                                                        m0 + offs_m, m0, (dlo, dhi, full_lo, full_hi), seqlen_q,
+                                                        scale_log2, op_layout)
+            if DQ_REDUCE:
+                # dS and the fp32 dQ staging have two buffers each: one written here was last
+                # read two blocks ago (dS by that block's dQ product, the staging by its reduce,
+                # which store_wait(1) leaves done), so two barriers per block order it all.
+                buf = it % 2
+                ds_smem.index(buf).store(dsT)
+                fence_async_shared()
+                tma.store_wait(1)
+                gl.thread_barrier()  # dS written by both warpgroups; the staging buffer free
+                # The block's dQ share: the two warpgroups take half the head dim each.
+                dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, _wgmma_layout(HEAD_DIM_PAD, 1, 2))
+                dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_tile, dq_zero, use_acc=False)
+                _add_dq(dq * softmax_scale, dq_smem.index(buf), dq_desc, batch, m0, head)
+            dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=[dv, dk, pT_op, dsT_op])
+            mbarrier.arrive(q_empty.index(slot))
+            it += 1
+    # The partition's rows of K and V stage its dK and dV (as 2-D tiles, and as TMA sees them).
+    _store_dkdv(dk, dv, k_rows, v_rows, k_smem.slice(WHICH * ROWS, ROWS, dim=1),
+                v_smem.slice(WHICH * ROWS, ROWS, dim=1), dk_desc, dv_desc, batch, r0, head_k, softmax_scale)
+
+
+@gluon.jit
+def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc, dv_desc,
+                          ds_smem, p_smem, softmax_scale, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr):
+    """SPLIT_D (d256, where one warpgroup's registers do not hold dK and dV of 64 rows): both
+    consumer warpgroups, one partition of 8 warps, own the same 64 K/V rows and half the head
+    dim each; each computes S^T and dP^T for half of the Q block's rows, and P^T and dS^T meet
+    in shared memory (two buffers each: one written here was last read two blocks ago), where
+    both read them whole for their half of dV and dK: one barrier per block.
+
+    Each Q block's lse and D are loaded from global memory one block ahead (the registers have
+    room for them here, and it measured ~4% faster than through the ring at 4k-16k)."""
     kv_ready, q_ready, q_empty = bars
     batch, head_k, group, n0, seqlen_q, seqlen_k, window_left, window_right = problem
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, SPLIT_D)
-    acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_PAD, SPLIT_D)
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    # dQ share of a Q block (BLOCK_M rows): the two warpgroups take half the head dim each.
-    dq_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_PAD, True)
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, 1, 2)
+    acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_PAD, 1, 2)
     rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
@@ -195,18 +290,11 @@ def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, 
     v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM_PAD])
     dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k, window_left,
                                                            window_right, True)
-    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, dq_layout)
-    # lse and D of each Q block's rows (this pass's columns) live in global memory, and loading
-    # them as a block starts stalls P^T on their latency.  The producer copies them into the
-    # ring beside the block; with SPLIT_D they are loaded here one block ahead instead (no
-    # register room for that up to d128; at d256 it measured ~4% faster than the ring at 4k-16k).
-    if SPLIT_D:
-        stats = batch.to(gl.int64) * slb + head_k * group * slh
-        lse, delta = _column_stats(LSE, DELTA, stats, lo + offs_m, seqlen_q, n_blocks > 0)
+    stats = batch.to(gl.int64) * slb + head_k * group * slh
+    lse, delta = _column_stats(LSE, DELTA, stats, lo + offs_m, seqlen_q, n_blocks > 0)
     mbarrier.wait(kv_ready, 0)
     it = 0
     for g in range(group):
-        head = head_k * group + g
         for i in range(n_blocks):
             slot = it % STAGES
             phase = (it // STAGES) & 1
@@ -217,50 +305,24 @@ def _consumers(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, 
             do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
             sT = warpgroup_mma(k_tile, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dpT = warpgroup_mma(v_tile, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if SPLIT_D:  # the next block's: this head's next one, or the next head's first
-                next_head = (i + 1) // n_blocks
-                next_stats = stats + next_head * slh
-                next_cols = lo + (i + 1 - next_head * n_blocks) * BLOCK_M + offs_m
-                lse_next, delta_next = _column_stats(LSE, DELTA, next_stats, next_cols, seqlen_q,
-                                                     g + next_head < group)
-            else:
-                lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * LOG2E
-                delta = delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+            # The next block's: this head's next one, or the next head's first.
+            next_head = (i + 1) // n_blocks
+            next_stats = stats + next_head * slh
+            next_cols = lo + (i + 1 - next_head * n_blocks) * BLOCK_M + offs_m
+            lse_next, delta_next = _column_stats(LSE, DELTA, next_stats, next_cols, seqlen_q, g + next_head < group)
             sT = warpgroup_mma_wait(1, deps=[sT])
             pT = _probs_t(sT, lse, rows_k, cols, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2)
-            if SPLIT_D:
-                dpT = warpgroup_mma_wait(0, deps=[dpT])
-                buf = it % 2
-                p_smem.index(buf).store(pT.to(dtype))
-                ds_smem.index(buf).store((pT * (dpT - delta[None, :])).to(dtype))
-                fence_async_shared()
-                gl.thread_barrier()  # both warpgroups' halves of P^T and dS^T written
-                dv = warpgroup_mma(p_smem.index(buf), do, dv, is_async=True)
-                dk = warpgroup_mma(ds_smem.index(buf), q, dk, is_async=True)
-                dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
-            else:
-                pT_op = gl.convert_layout(pT.to(dtype), op_layout)
-                dv = warpgroup_mma(pT_op, do, dv, is_async=True)
-                dpT = warpgroup_mma_wait(1, deps=[dpT])
-                dsT = (pT * (dpT - delta[None, :])).to(dtype)
-                dsT_op = gl.convert_layout(dsT, op_layout)
-                dk = warpgroup_mma(dsT_op, q, dk, is_async=True)
-                if DQ_REDUCE:
-                    # dQ = dS K over all BLOCK_N rows needs both warpgroups' dS: through shared memory.
-                    # dS and the fp32 dQ staging have two buffers each: one written here was last
-                    # read two blocks ago (dS by that block's dQ product, the staging by its reduce,
-                    # which store_wait(1) leaves done), so two barriers per block order it all.
-                    buf = it % 2
-                    ds_smem.index(buf).store(dsT)
-                    fence_async_shared()
-                    tma.store_wait(1)
-                    gl.thread_barrier()  # dS written by both warpgroups; the staging buffer free
-                    dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_tile, dq_zero, use_acc=False)
-                    _add_dq(dq * softmax_scale, dq_smem.index(buf), dq_desc, batch, m0, head, BLOCK_M, HEAD_DIM_PAD)
-                dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=[dv, dk, pT_op, dsT_op])
+            dpT = warpgroup_mma_wait(0, deps=[dpT])
+            buf = it % 2
+            p_smem.index(buf).store(pT.to(dtype))
+            ds_smem.index(buf).store((pT * (dpT - delta[None, :])).to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()  # both warpgroups' halves of P^T and dS^T written
+            dv = warpgroup_mma(p_smem.index(buf), do, dv, is_async=True)
+            dk = warpgroup_mma(ds_smem.index(buf), q, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
             mbarrier.arrive(q_empty.index(slot))
-            if SPLIT_D:
-                lse, delta, stats = lse_next, delta_next, next_stats
+            lse, delta, stats = lse_next, delta_next, next_stats
             it += 1
     _store_dkdv(dk, dv, k_tile, v_tile, k_smem, v_smem, dk_desc, dv_desc, batch, n0, head_k, softmax_scale)
 
@@ -274,42 +336,61 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
     n0 = gl.program_id(1) * BLOCK_N
     batch = bh // heads_k
     head_k = bh % heads_k
-    k_smem, v_smem, q_smem, do_smem, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, STAGES)
+    # The two passes: a partition per consumer warpgroup; SPLIT_D and DQ_REDUCE: one of both.
+    ONE_PARTITION: gl.constexpr = SPLIT_D or DQ_REDUCE
+    k_smem, v_smem, q_smem, do_smem, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, STAGES,
+                                                          1 if ONE_PARTITION else 2)
     problem = (batch, head_k, group, n0, seqlen_q, seqlen_k, window_left, window_right)
-    # dS of both warpgroups (DQ_REDUCE, SPLIT_D), the fp32 dQ block the TMA reduce reads
-    # (DQ_REDUCE), P^T of both warpgroups (SPLIT_D); two buffers each.  Placeholders are not read.
-    ds_smem = k_smem
-    dq_smem = k_smem
-    p_smem = k_smem
-    if DQ_REDUCE or SPLIT_D:
-        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
-    if DQ_REDUCE:
-        dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [2] + dq_desc.block_type.shape, dq_desc.layout)
     if SPLIT_D:
+        # dS^T and P^T of both warpgroups, two buffers each.
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
         p_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
-    # lse and D of each streamed block, in the ring beside it (not with SPLIT_D: see _consumers).
-    lse_smem = k_smem
-    delta_smem = k_smem
-    if not SPLIT_D:
+        gl.warp_specialize([
+            (_kv_consumers_split_d, (q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc,
+                                     dv_desc, ds_smem, p_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
+                                     HEAD_DIM_PAD, STAGES)),
+            (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, batch, n0, head_k,
+                         head_k * group, group, seqlen_q, seqlen_k, window_left, window_right,
+                         (LSE, DELTA, k_smem, k_smem, slb, slh), BLOCK_N, BLOCK_M, STAGES, True, False)),
+        ], [1], [PRODUCER_REGS])
+    else:
+        # lse and D of each streamed block, in the ring beside it (SPLIT_D's: _kv_consumers_split_d).
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], _STATS_LAYOUT)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], _STATS_LAYOUT)
-    gl.warp_specialize([
-        (_consumers, (q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc, dv_desc,
-                      ds_smem, dq_smem, p_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD,
-                      STAGES, DQ_REDUCE, SPLIT_D, lse_smem, delta_smem)),
-        (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, batch, n0, head_k,
-                     head_k * group, group, seqlen_q, seqlen_k, window_left, window_right,
-                     (LSE, DELTA, lse_smem, delta_smem, slb, slh), BLOCK_N, BLOCK_M, STAGES, True, not SPLIT_D)),
-    ], [1], [PRODUCER_REGS])
+        if DQ_REDUCE:
+            # dS^T of both warpgroups and the fp32 dQ block the TMA reduce reads, two buffers each.
+            ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
+            dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [2] + dq_desc.block_type.shape, dq_desc.layout)
+            gl.warp_specialize([
+                (_kv_consumer, (0, 2, q_smem, k_smem, v_smem, do_smem, bars, problem, dk_desc, dv_desc, ds_smem,
+                                dq_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
+                                HEAD_DIM_PAD, STAGES, True)),
+                (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, batch, n0,
+                             head_k, head_k * group, group, seqlen_q, seqlen_k, window_left, window_right,
+                             (LSE, DELTA, lse_smem, delta_smem, slb, slh), BLOCK_N, BLOCK_M, STAGES, True, True)),
+            ], [1], [PRODUCER_REGS])
+        else:  # (k_smem stands for the buffers only DQ_REDUCE reads)
+            gl.warp_specialize([
+                (_kv_consumer, (0, 1, q_smem, k_smem, v_smem, do_smem, bars, problem, dk_desc, dv_desc, k_smem,
+                                k_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
+                                HEAD_DIM_PAD, STAGES, False)),
+                (_kv_consumer, (1, 1, q_smem, k_smem, v_smem, do_smem, bars, problem, dk_desc, dv_desc, k_smem,
+                                k_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
+                                HEAD_DIM_PAD, STAGES, False)),
+                (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, batch, n0,
+                             head_k, head_k * group, group, seqlen_q, seqlen_k, window_left, window_right,
+                             (LSE, DELTA, lse_smem, delta_smem, slb, slh), BLOCK_N, BLOCK_M, STAGES, True, True)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
 def _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, m0, seqlen_q, q_ready, do,
                   rows_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                  HAS_DLSE: gl.constexpr):
-    """The query rows of the dQ pass, their lse (log2 units) and D = rowsum(dO * O) - dlse, also
-    written for the dK/dV pass.  O is loaded while the stationary Q and dO land (``q_ready``)."""
-    tile_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+                  HAS_DLSE: gl.constexpr, WARPS: gl.constexpr):
+    """BLOCK_M query rows of the dQ pass from m0, their lse (log2 units) and D = rowsum(dO * O) -
+    dlse, also written for the dK/dV pass, by a partition of WARPS warps.  O is loaded while the
+    stationary Q and dO land (``q_ready``)."""
+    tile_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     tile_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, tile_layout))
     offs_d = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, tile_layout))
     o_ptrs = O + batch.to(gl.int64) * sob + tile_rows[:, None].to(gl.int64) * sos + head * soh + offs_d[None, :]
@@ -346,27 +427,30 @@ def _store_dq(dq, q, q_smem, dq_desc, batch, m0, head, softmax_scale):
 
 
 @gluon.jit
-def _dq_consumers(q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA,
-                  slb, slh, ds_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M: gl.constexpr,
+def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim,
+                  LSE, DLSE, DELTA, slb, slh, ds_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, HAS_DLSE: gl.constexpr,
                   SPLIT_D: gl.constexpr):
-    """Both consumer warpgroups: dQ of the CTA's query rows, and their D.  Each warpgroup owns 64
-    query rows; with SPLIT_D (d256) both own the same 64 rows and half the head dim of dQ each,
-    S and dP are split by K/V rows and dS meets in shared memory (two buffers, one barrier per
-    block)."""
+    """Consumer warpgroup WHICH, a partition of its own: dQ of query rows [64 * WHICH, 64 * WHICH +
+    64) of the CTA's, and their D.  With SPLIT_D (d256) both warpgroups are one partition (WHICH
+    0) and own the CTA's 64 rows, half the head dim of dQ each; S and dP are split by K/V rows
+    and dS meets in shared memory (two buffers, one barrier per block)."""
     q_ready, kv_ready, kv_empty = bars
     batch, head, group, m0, seqlen_q, seqlen_k, window_left, window_right = problem
+    ROWS: gl.constexpr = WARPGROUP_ROWS
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N, SPLIT_D)
-    acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_PAD, SPLIT_D)
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N, 1, 2 if SPLIT_D else 1)
+    acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_PAD, 1, 2 if SPLIT_D else 1)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    q = q_smem.reshape([BLOCK_M, HEAD_DIM_PAD])
-    do = do_smem.reshape([BLOCK_M, HEAD_DIM_PAD])
-    rows, lse, delta = _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, m0,
-                                     seqlen_q, q_ready, do, gl.SliceLayout(1, s_layout), BLOCK_M, HEAD_DIM_PAD,
-                                     HAS_DLSE)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    dq = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, acc_layout)
+    r0 = m0 + WHICH * ROWS
+    q = q_smem.reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
+    do = do_smem.reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
+    rows, lse, delta = _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, r0,
+                                     seqlen_q, q_ready, do, gl.SliceLayout(1, s_layout), ROWS, HEAD_DIM_PAD,
+                                     HAS_DLSE, 8 if SPLIT_D else 4)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    dq = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
+    # The band of the whole CTA's rows: both warpgroups step through the same blocks.
     dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(m0, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left,
                                                            window_right, False)
     for j in range(n_blocks):
@@ -395,7 +479,7 @@ def _dq_consumers(q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, s
             dq = warpgroup_mma(ds_op, k, dq, is_async=True)
             dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
         mbarrier.arrive(kv_empty.index(slot))
-    _store_dq(dq, q, q_smem, dq_desc, batch, m0, head, softmax_scale)
+    _store_dq(dq, q, q_smem.slice(WHICH * ROWS, ROWS, dim=1), dq_desc, batch, r0, head, softmax_scale)
 
 
 @gluon.jit
@@ -408,20 +492,32 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
     m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M  # long causal rows first
     batch = bh // heads_q
     head = bh % heads_q
-    q_smem, do_smem, k_smem, v_smem, bars = _pass_buffers(q_desc, do_desc, k_desc, v_desc, STAGES)
-    if SPLIT_D:  # dS of both warpgroups, two buffers
-        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], _SCORES_LAYOUT)
-    else:  # not read
-        ds_smem = q_smem
+    # With SPLIT_D both consumer warpgroups are one partition; else each is its own.
+    q_smem, do_smem, k_smem, v_smem, bars = _pass_buffers(q_desc, do_desc, k_desc, v_desc, STAGES,
+                                                          1 if SPLIT_D else 2)
     problem = (batch, head, group, m0, seqlen_q, seqlen_k, window_left, window_right)
-    gl.warp_specialize([
-        (_dq_consumers, (q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA,
-                         slb, slh, ds_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD,
-                         STAGES, HAS_DLSE, SPLIT_D)),
-        (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, batch, m0, head,
-                     head // group, 1, seqlen_q, seqlen_k, window_left, window_right,
-                     (LSE, DELTA, q_smem, q_smem, slb, slh), BLOCK_M, BLOCK_N, STAGES, False, False)),
-    ], [1], [PRODUCER_REGS])
+    if SPLIT_D:
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], _SCORES_LAYOUT)  # both halves
+        gl.warp_specialize([
+            (_dq_consumers, (0, q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim, LSE,
+                             DLSE, DELTA, slb, slh, ds_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
+                             HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, batch, m0, head,
+                         head // group, 1, seqlen_q, seqlen_k, window_left, window_right,
+                         (LSE, DELTA, q_smem, q_smem, slb, slh), BLOCK_M, BLOCK_N, STAGES, False, False)),
+        ], [1], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_dq_consumers, (0, q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim, LSE,
+                             DLSE, DELTA, slb, slh, q_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
+                             HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D)),
+            (_dq_consumers, (1, q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim, LSE,
+                             DLSE, DELTA, slb, slh, q_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
+                             HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, batch, m0, head,
+                         head // group, 1, seqlen_q, seqlen_k, window_left, window_right,
+                         (LSE, DELTA, q_smem, q_smem, slb, slh), BLOCK_M, BLOCK_N, STAGES, False, False)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def supports(p, q, k, v, dout) -> bool:
@@ -441,11 +537,11 @@ def backward(p, dout, dlse, q, k, v, out, lse):
     rows = gluon_bwd_stationary_rows(pad)
     _dq_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, rows))](
         tma_descriptor(q, rows, pad), tma_descriptor(dout, rows, pad), tma_descriptor(k, cfg.dq_block_n, pad),
-        tma_descriptor(v, cfg.dq_block_n, pad), tma_descriptor(dq, rows, pad),
+        tma_descriptor(v, cfg.dq_block_n, pad), tma_descriptor(dq, WARPGROUP_ROWS.value, pad),
         out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, delta if dlse is None else dlse, delta,
         lse.stride(0), lse.stride(1), p.heads_q, p.group, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
         p.softmax_scale, p.scale_log2, BLOCK_M=rows, BLOCK_N=cfg.dq_block_n, HEAD_DIM_PAD=pad,
-        STAGES=cfg.num_stages, HAS_DLSE=dlse is not None, SPLIT_D=split_head_dim(pad), **LAUNCH_OPTIONS)
+        STAGES=cfg.num_stages, HAS_DLSE=dlse is not None, SPLIT_D=split_head_dim(pad), **launch_options(pad))
     # D, written by the dQ pass, is read here: launched after it on the same stream.
     _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, None)
     return dq, dk, dv
@@ -468,12 +564,24 @@ def backward_reduce(p, dout, q, k, v, lse, delta):
 def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
     pad = p.head_dim_pad
     rows = gluon_bwd_stationary_rows(pad)
-    dk_desc = tma_descriptor(dk, rows, pad)
+    # dK and dV leave a consumer partition's rows at a time.
+    out_rows = rows if one_consumer_partition(pad, dq_acc is not None) else WARPGROUP_ROWS.value
+    dk_desc = tma_descriptor(dk, out_rows, pad)
     _dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, rows))](
         tma_descriptor(q, cfg.kv_block_m, pad), tma_descriptor(k, rows, pad), tma_descriptor(v, rows, pad),
-        tma_descriptor(dout, cfg.kv_block_m, pad), dk_desc, tma_descriptor(dv, rows, pad),
+        tma_descriptor(dout, cfg.kv_block_m, pad), dk_desc, tma_descriptor(dv, out_rows, pad),
         dk_desc if dq_acc is None else tma_descriptor(dq_acc, cfg.kv_block_m, pad),  # not read without dq_acc
         lse, delta, lse.stride(0), lse.stride(1), p.heads_k, p.group, p.seqlen_q, p.seqlen_k,
         p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
         BLOCK_M=cfg.kv_block_m, BLOCK_N=rows, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages,
-        DQ_REDUCE=dq_acc is not None, SPLIT_D=split_head_dim(pad), **LAUNCH_OPTIONS)
+        DQ_REDUCE=dq_acc is not None, SPLIT_D=split_head_dim(pad), **launch_options(pad, dq_acc is not None))
+
+
+def one_consumer_partition(head_dim_pad, dq_reduce=False) -> bool:
+    """Whether both consumer warpgroups are one partition (SPLIT_D, and the single pass), not one
+    each."""
+    return split_head_dim(head_dim_pad) or dq_reduce
+
+
+def launch_options(head_dim_pad, dq_reduce=False):
+    return LAUNCH_OPTIONS if one_consumer_partition(head_dim_pad, dq_reduce) else TWO_PARTITION_OPTIONS
