@@ -202,7 +202,7 @@ class GluonBackward:
 # own the two passes gained 0-25% (mostly 5-11%; d64, d128, 1k-16k) and match the single pass
 # at d64 up to 4k (0.94-1.03x), which still leads at 16k (1.03-1.09x); at d128 the single pass
 # leads from 4k (1.04-1.14x) and the two passes below (1.11-1.35x)
-# (benchmarks/results/2026-12-01_H200_80c027d/experiments/bwd_split_partitions.md).  So by
+# (benchmarks/results/2026-12-01_H200_e802256/experiments/bwd_split_partitions.md).  So by
 # default: the single pass from GLUON_REDUCE_MIN_KEYS keys on (never when ``deterministic``),
 # below that (and when ``deterministic``) the two Gluon passes.  Tiles: the 4k sweep (e943ac5) put every candidate
 # within 2% of 64,64,2 except 128-row Q blocks at d64 (they spill: -22%); d128 has no shared

@@ -5,7 +5,8 @@ tiles by TMA through a ``STAGES``-deep shared-memory ring, products on warpgroup
 probabilities as register operands (up to d128).  In the two passes up to d128 each consumer
 warpgroup is a partition of its own, so no barrier spans both and they drift apart (as the
 forward's consumers do): 0-25% (mostly 5-11%) faster than one 8-warp partition at 1k-16k,
-both passes contributing.  The single pass and d256, whose warpgroups share each block's dS, keep one.
+both passes contributing.  The single pass and d256, whose warpgroups share each block's dS,
+keep one partition of both.
 
 - dK/dV pass (K/V-stationary, FlashAttention-3's structure): 128 K/V rows against every Q/dO
   block of every query head of their K/V head; S^T = K Q^T, dP^T = V dO^T, dV += P^T dO,
