@@ -216,11 +216,12 @@ def _measure(provider, case, device, cuda_graph):
     return ms, peak
 
 
-def host_cost(provider: str, case: Case, calls=300, device=None, env=None):
+def host_cost(provider: str, case: Case, calls=300, device=None, env=None, profiler=None):
     """(host ms, wall ms) per call: ``calls`` calls enqueued back to back, timed when the last is
     enqueued (the CPU's time: Python and launch) and when the GPU has finished.  Host >= wall
     means the GPU waited on the CPU: an event-timed measurement of that case times the launch
-    path, not the kernels."""
+    path, not the kernels.  ``profiler`` (a cProfile.Profile) runs over the timed calls only
+    (its own overhead inflates the host time)."""
     with mock.patch.dict(os.environ, env or {}):
         device = torch.device(device) if device else _default_device()
         step = _step(provider, case, device)
@@ -228,10 +229,14 @@ def host_cost(provider: str, case: Case, calls=300, device=None, env=None):
         for _ in range(min(calls, 20)):  # compile, warm the allocator and the clocks
             step()
         sync()
+        if profiler:
+            profiler.enable()
         start = time.perf_counter()
         for _ in range(calls):
             step()
         enqueued = time.perf_counter()
+        if profiler:
+            profiler.disable()
         sync()
         done = time.perf_counter()
     return 1e3 * (enqueued - start) / calls, 1e3 * (done - start) / calls

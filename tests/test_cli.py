@@ -1,6 +1,8 @@
 """The flashtile command: usage errors, info, demo, and the report writers."""
+import cProfile
 import json
 import os
+import pstats
 import subprocess
 import sys
 
@@ -155,6 +157,11 @@ def test_host_cost_times_the_calls_enqueued_and_finished(monkeypatch):
     case = bench.Case(1, 2, 2, 40, 40, 32, True, "fwd")
     host, wall = bench.host_cost("flashtile-v2", case, calls=3)
     assert 0 < host <= wall
+    # A profiler sees the timed calls (not the warm-up ones): each reaches v2's forward once.
+    profiler = cProfile.Profile()
+    bench.host_cost("flashtile-v2", case, calls=3, profiler=profiler)
+    calls = {fn[2]: count for fn, (count, *_) in pstats.Stats(profiler).stats.items() if fn[0].endswith("v2.py")}
+    assert calls.get("forward") == 3
     monkeypatch.delenv("FLASHTILE_V3_FWD", raising=False)
     with pytest.raises(ValueError, match="FLASHTILE_V3_FWD"):
         bench.host_cost("flashtile-v3", case, calls=1, env={"FLASHTILE_V3_FWD": "v7"})
