@@ -370,7 +370,9 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
                              head_k, head_k * group, group, seqlen_q, seqlen_k, window_left, window_right,
                              (LSE, DELTA, lse_smem, delta_smem, slb, slh), BLOCK_N, BLOCK_M, STAGES, True, True)),
             ], [1], [PRODUCER_REGS])
-        else:  # (k_smem stands for the buffers only DQ_REDUCE reads)
+        # (Each call spells out the producer's arguments: a tuple bound to a name would lose its
+        # constexprs.)  k_smem stands for the buffers only DQ_REDUCE reads.
+        else:
             gl.warp_specialize([
                 (_kv_consumer, (0, 1, q_smem, k_smem, v_smem, do_smem, bars, problem, dk_desc, dv_desc, k_smem,
                                 k_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
