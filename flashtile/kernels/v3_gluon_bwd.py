@@ -487,8 +487,7 @@ def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, bars, pr
 
 @gluon.jit
 def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh,
-               heads_q,
-               group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
+               heads_q, group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
                HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr):
     bh = gl.program_id(0)
