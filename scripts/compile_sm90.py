@@ -70,10 +70,7 @@ def gluon_bwd_case(head_dim_pad, dq_pass, dq_reduce=False):
                    "v_desc": kv_block, "dk_desc": kv_block, "dv_desc": kv_block}
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PAD=head_dim_pad, STAGES=cfg.num_stages,
                   SPLIT_D=configs.split_head_dim(head_dim_pad))
-    # The gradients leave a consumer partition's rows at a time.
-    one_partition = b.one_consumer_partition(head_dim_pad, dq_reduce)
-    out_rows = (block_m if dq_pass else block_n) if one_partition else b.WARPGROUP_ROWS.value
-    out_block = v3_gluon.block_layout(out_rows, head_dim_pad, torch.bfloat16)
+    out_block = v3_gluon.block_layout(b.partition_rows(head_dim_pad, dq_reduce), head_dim_pad, torch.bfloat16)
     if dq_pass:
         consts["HAS_DLSE"] = False
         descriptors["dq_desc"] = out_block

@@ -22,10 +22,10 @@ Backward (configs.v3_backward): Gluon kernels (kernels/v3_gluon_bwd.py): FlashAt
 single K/V-stationary pass with dQ added in fp32 by TMA reduce-add on long keys (d64, d128),
 two deterministic passes (dQ, then dK/dV) on short ones, at d256 (the head dim split between
 the warpgroups) and under ``deterministic=True``; elsewhere (varlen, head dims up to 32,
-stride-0 layouts) v2's backward.  The same single pass written in plain Triton is here too (one program per K/V tile,
-Q/dO blocks through device TMA descriptors, a conversion at the end), but measured slower than
-v2's backward on the H200: it runs only on request (FLASHTILE_V3_DQ=reduce), and never with
-``deterministic=True``.
+stride-0 layouts) v2's backward.  The same single pass written in plain Triton is here too
+(one program per K/V tile, Q/dO blocks through device TMA descriptors, a conversion at the
+end), but measured slower than v2's backward on the H200: it runs only on request
+(FLASHTILE_V3_DQ=reduce), and never with ``deterministic=True``.
 """
 import torch
 import triton

@@ -539,7 +539,7 @@ def backward(p, dout, dlse, q, k, v, out, lse):
     rows = gluon_bwd_stationary_rows(pad)
     _dq_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, rows))](
         tma_descriptor(q, rows, pad), tma_descriptor(dout, rows, pad), tma_descriptor(k, cfg.dq_block_n, pad),
-        tma_descriptor(v, cfg.dq_block_n, pad), tma_descriptor(dq, WARPGROUP_ROWS.value, pad),
+        tma_descriptor(v, cfg.dq_block_n, pad), tma_descriptor(dq, partition_rows(pad), pad),
         out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, delta if dlse is None else dlse, delta,
         lse.stride(0), lse.stride(1), p.heads_q, p.group, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
         p.softmax_scale, p.scale_log2, BLOCK_M=rows, BLOCK_N=cfg.dq_block_n, HEAD_DIM_PAD=pad,
@@ -566,8 +566,7 @@ def backward_reduce(p, dout, q, k, v, lse, delta):
 def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
     pad = p.head_dim_pad
     rows = gluon_bwd_stationary_rows(pad)
-    # dK and dV leave a consumer partition's rows at a time.
-    out_rows = rows if one_consumer_partition(pad, dq_acc is not None) else WARPGROUP_ROWS.value
+    out_rows = partition_rows(pad, dq_acc is not None)
     dk_desc = tma_descriptor(dk, out_rows, pad)
     _dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, rows))](
         tma_descriptor(q, cfg.kv_block_m, pad), tma_descriptor(k, rows, pad), tma_descriptor(v, rows, pad),
@@ -581,8 +580,16 @@ def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
 
 def one_consumer_partition(head_dim_pad, dq_reduce=False) -> bool:
     """Whether both consumer warpgroups are one partition (SPLIT_D, and the single pass), not one
-    each."""
+    each: the host's side of the choice the kernels make from SPLIT_D and DQ_REDUCE."""
     return split_head_dim(head_dim_pad) or dq_reduce
+
+
+def partition_rows(head_dim_pad, dq_reduce=False) -> int:
+    """The stationary rows one consumer partition owns, and so the block its gradients (dQ in the
+    dQ pass, dK and dV in the other) leave in by TMA store."""
+    if one_consumer_partition(head_dim_pad, dq_reduce):
+        return gluon_bwd_stationary_rows(head_dim_pad)
+    return WARPGROUP_ROWS.value
 
 
 def launch_options(head_dim_pad, dq_reduce=False):
