@@ -36,10 +36,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.kernels.blocks import band_blocks, band_mask
 from flashtile.kernels.configs import GLUON_HEAD_DIMS, GLUON_TILE_M
+from flashtile.kernels.launch import Descriptor, descriptor_spec, launch
 from flashtile.kernels.tiles import finalize_rows, online_softmax_step
 
 ROWS_PER_CONSUMER = gl.constexpr(GLUON_TILE_M // 2)  # one warpgroup's wgmma M; the CTA's tile is two
@@ -361,10 +361,15 @@ def block_layout(rows, head_dim_pad, dtype):
     return block, gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[dtype])
 
 
+@functools.lru_cache(maxsize=None)
+def _block_spec(rows, head_dim_pad, dtype):
+    block, layout = block_layout(rows, head_dim_pad, dtype)
+    return block, layout, descriptor_spec(dtype, block, layout)
+
+
 def tma_descriptor(x, rows, head_dim_pad):
     """(batch, seqlen, heads, head_dim) as TMA sees it; one block is ``rows`` rows of one head."""
-    block, layout = block_layout(rows, head_dim_pad, x.dtype)
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+    return Descriptor(x, *_block_spec(rows, head_dim_pad, x.dtype))
 
 
 # 12 warps (two consumer warpgroups, one producer warp rounded up to a warpgroup) share the 64K
@@ -420,9 +425,11 @@ def forward(p, q, k, v, cfg):
     num_tiles = m_blocks * batch_heads
     programs = min(num_tiles, _sm_count(q.device.index)) if cfg.persistent else num_tiles
     head_group = heads_sharing_l2(p, q.element_size())
-    _fwd_kernel[(programs,)](
-        tma_descriptor(q, rows, p.head_dim_pad), tma_descriptor(k, cfg.block_n, p.head_dim_pad),
-        tma_descriptor(v, cfg.block_n, p.head_dim_pad), tma_descriptor(out, rows, p.head_dim_pad),
+    pad = p.head_dim_pad
+    launch(
+        _fwd_kernel, (programs,),
+        tma_descriptor(q, rows, pad), tma_descriptor(k, cfg.block_n, pad), tma_descriptor(v, cfg.block_n, pad),
+        tma_descriptor(out, rows, pad),
         out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, lse.stride(0), lse.stride(1),
         batch_heads, p.heads_q, p.group, head_group, m_blocks, num_tiles,
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.scale_log2,

@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from flashtile.kernels.blocks import band_blocks, band_mask
 from flashtile.kernels.configs import (GLUON_HEAD_DIMS, gluon_bwd_stationary_rows, split_head_dim,
                                        v3_gluon_bwd_config)
+from flashtile.kernels.launch import launch
 from flashtile.kernels.tiles import LOG2E, row_delta
 from flashtile.kernels.v3_gluon import broadcast, tma_descriptor
 
@@ -537,7 +538,8 @@ def backward(p, dout, dlse, q, k, v, out, lse):
     delta = torch.empty_like(lse)
     pad = p.head_dim_pad
     rows = gluon_bwd_stationary_rows(pad)
-    _dq_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, rows))](
+    launch(
+        _dq_kernel, (p.batch * p.heads_q, triton.cdiv(p.seqlen_q, rows)),
         tma_descriptor(q, rows, pad), tma_descriptor(dout, rows, pad), tma_descriptor(k, cfg.dq_block_n, pad),
         tma_descriptor(v, cfg.dq_block_n, pad), tma_descriptor(dq, partition_rows(pad), pad),
         out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, delta if dlse is None else dlse, delta,
@@ -568,7 +570,8 @@ def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
     rows = gluon_bwd_stationary_rows(pad)
     out_rows = partition_rows(pad, dq_acc is not None)
     dk_desc = tma_descriptor(dk, out_rows, pad)
-    _dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, rows))](
+    launch(
+        _dkdv_kernel, (p.batch * p.heads_k, triton.cdiv(p.seqlen_k, rows)),
         tma_descriptor(q, cfg.kv_block_m, pad), tma_descriptor(k, rows, pad), tma_descriptor(v, rows, pad),
         tma_descriptor(dout, cfg.kv_block_m, pad), dk_desc, tma_descriptor(dv, out_rows, pad),
         dk_desc if dq_acc is None else tma_descriptor(dq_acc, cfg.kv_block_m, pad),  # not read without dq_acc

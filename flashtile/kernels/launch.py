@@ -1,0 +1,112 @@
+"""Launching a compiled kernel again without triton's per-call argument binding.
+
+``kernel[grid](...)`` (JITFunction.run) spends tens of microseconds of Python before the driver
+sees a launch: it specializes every argument (a tensor descriptor's type string is built from
+its layout's repr, ~5 us each), hashes the result to find the compiled kernel and checks the
+kernel's globals; a Gluon TensorDescriptor checks itself on construction (~7 us each).  Where the
+kernels are short (causal 1k) that host path, not the GPU, is what a call costs: the two-pass
+backward launches two kernels with twelve descriptors.
+
+``launch`` keeps each compiled kernel under a key made of everything triton specializes on (the
+constexprs and launch options; each descriptor's dtype, block and layout; each tensor's dtype
+and 16-byte alignment; whether each integer is 1, a multiple of 16, 32-bit), compiles and
+launches through JITFunction.run the first time it meets a key, and afterwards hands the
+arguments to the compiled kernel's launcher, as ``CompiledKernel.__getitem__`` does.  The key
+may tell apart arguments triton would not (a second compile of the same kernel, served by
+triton's own cache), never the reverse.  ``Descriptor`` carries what that launcher reads of a
+tensor descriptor; the first launch of a key converts it to the checked TensorDescriptor.
+Under the interpreter every launch goes through ``kernel[grid]``.
+"""
+import torch
+from triton import knobs
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.driver import driver
+
+from flashtile import runtime
+
+
+class Descriptor:
+    """A TMA descriptor's arguments: ``base`` as laid out, read and written ``block_shape`` at a
+    time in the shared-memory ``layout``.  Unchecked (tma_aligned states the rules).  ``spec``
+    is what triton specializes on (descriptor_spec: pass it where it is cached)."""
+    __slots__ = ("base", "shape", "strides", "block_shape", "layout", "padding", "spec")
+
+    def __init__(self, base, block_shape, layout, spec=None):
+        self.base = base
+        self.shape = list(base.shape)
+        self.strides = list(base.stride())
+        self.block_shape = block_shape
+        self.layout = layout
+        self.padding = "zero"
+        self.spec = spec or descriptor_spec(base.dtype, block_shape, layout)
+
+    def checked(self) -> TensorDescriptor:
+        return TensorDescriptor(self.base, self.shape, self.strides, list(self.block_shape), self.layout)
+
+
+def descriptor_spec(dtype, block_shape, layout) -> str:
+    # A string, as triton's own type string for it: hashed once, where a layout rehashes its fields.
+    return f"{dtype}{list(block_shape)}{layout!r}"
+
+
+def _integer_class(x):
+    # triton: 1 becomes a constant, multiples of 16 are marked divisible, the range picks i32/i64.
+    return (x == 1, x % 16 == 0, -2**31 <= x < 2**31)
+
+
+def _tensor_class(x):
+    return (x.dtype, x.data_ptr() % 16 == 0)
+
+
+_ARGUMENT_CLASS = {  # by exact type: one dict lookup an argument
+    Descriptor: lambda x: x.spec,
+    torch.Tensor: _tensor_class,
+    int: _integer_class,
+    bool: lambda x: (bool, x),
+    float: lambda x: float,
+    type(None): lambda x: None,
+}
+
+
+def _argument_class(x):
+    classify = _ARGUMENT_CLASS.get(type(x))
+    if classify is not None:
+        return classify(x)
+    if isinstance(x, torch.Tensor):  # a subclass (Parameter, ...)
+        return _tensor_class(x)
+    raise TypeError(f"no launch key for a {type(x).__name__} argument")
+
+
+def specialization_key(args) -> tuple:
+    """What triton's specialization of the runtime ``args`` depends on, as a hashable tuple."""
+    return tuple(map(_argument_class, args))
+
+
+# Per kernel: {key: (compiled kernel, constexpr values in signature order)}.
+_COMPILED = {}
+
+
+def launch(kernel, grid, *args, **constants):
+    """``kernel[grid](*args, **constants)``; ``args`` are the runtime arguments in signature
+    order (Descriptor for a tensor descriptor), ``constants`` the constexprs (which follow them
+    in the signature) and launch options."""
+    if runtime.interpreting():
+        return kernel[grid](*(a.checked() if isinstance(a, Descriptor) else a for a in args), **constants)
+    device = driver.active.get_current_device()
+    key = (device, specialization_key(args), *constants.items())
+    compiled = _COMPILED.setdefault(kernel, {})
+    entry = compiled.get(key)
+    if entry is None:
+        checked = [a.checked() if isinstance(a, Descriptor) else a for a in args]
+        constexprs = tuple(constants[name] for name in kernel.arg_names[len(args):])
+        entry = compiled[key] = (kernel[grid](*checked, **constants), constexprs)
+        return
+    binary, constexprs = entry
+    stream = driver.active.get_current_stream(device)
+    full = (*args, *constexprs)
+    grid = (*grid, 1, 1)
+    # The hooks a profiler installs are read at each launch, as triton does.
+    hooks = knobs.runtime
+    binary.run(grid[0], grid[1], grid[2], stream, binary.function, binary.packed_metadata,
+               binary.launch_metadata(grid, stream, *full), hooks.launch_enter_hook,
+               hooks.launch_exit_hook, *full)

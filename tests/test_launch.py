@@ -1,0 +1,122 @@
+"""The launch path that skips triton's per-call binding once a kernel is compiled (kernels/launch.py)."""
+import itertools
+import types
+
+import pytest
+import torch
+from attention_check import make_qkv
+from conftest import DEVICE, ON_GPU
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from flashtile import flash_attn_func, runtime
+from flashtile.kernels import launch
+from flashtile.kernels.v3_gluon import block_layout
+
+
+def _descriptor(dtype=torch.bfloat16, rows=64, offset=0):
+    base = torch.empty(2 * 64 * 2 * 64 + offset, dtype=dtype)[offset:].view(2, 64, 2, 64)
+    return launch.Descriptor(base, *block_layout(rows, 64, dtype))
+
+
+def _triton_specialization(x):
+    if isinstance(x, launch.Descriptor):
+        x = x.checked()
+    return native_specialize_impl(BaseBackend, x, False, True, True)
+
+
+def test_specialization_key_separates_what_triton_specializes():
+    storage = torch.empty(64, dtype=torch.float32)
+    args = [0, 1, 2, 16, 17, 48, -16, -1, 2**31 - 16, 2**31, -2**31, -2**31 - 16, 2**40, True, False, 0.5, 1.0,
+            None, storage, storage[1:], storage[4:], storage.to(torch.float16), storage.to(torch.float16)[8:],
+            _descriptor(), _descriptor(rows=128), _descriptor(torch.float16), torch.nn.Parameter(storage)]
+    for a, b in itertools.combinations(args, 2):
+        if _triton_specialization(a) != _triton_specialization(b):
+            assert launch.specialization_key([a]) != launch.specialization_key([b]), (a, b)
+    with pytest.raises(TypeError, match="no launch key"):
+        launch.specialization_key(["a string"])
+
+
+def test_descriptor_checks_itself_when_converted():
+    assert isinstance(_descriptor().checked(), TensorDescriptor)
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        _descriptor(offset=1).checked()
+
+
+class _FakeKernel:
+    """Stands for a JIT function: ``kernel[grid](...)`` records a compile and returns a binary."""
+    arg_names = ["desc", "x", "n", "scale", "BLOCK", "FLAG"]
+
+    def __init__(self):
+        self.compiles = []
+
+    def __getitem__(self, grid):
+        def compile_and_launch(*args, **constants):
+            self.compiles.append((grid, args, constants))
+            return _FakeBinary()
+        return compile_and_launch
+
+
+class _FakeBinary:
+    function, packed_metadata = "function", "packed metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+def test_launch_compiles_once_per_class_of_arguments(monkeypatch):
+    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 7)
+    monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=active))
+    kernel, x, desc = _FakeKernel(), torch.empty(8), _descriptor()
+    launch.launch(kernel, (3,), desc, x, 32, 0.5, BLOCK=64, FLAG=True, num_warps=4)
+    (grid, args, constants), = kernel.compiles
+    assert grid == (3,) and isinstance(args[0], TensorDescriptor) and args[1:] == (x, 32, 0.5)
+    assert constants == dict(BLOCK=64, FLAG=True, num_warps=4)
+
+    # Same classes (another multiple of 16): the compiled binary runs, constexprs appended in order.
+    launch.launch(kernel, (5, 2), desc, x, 64, 0.25, BLOCK=64, FLAG=True, num_warps=4)
+    assert len(kernel.compiles) == 1
+    binary = launch._COMPILED[kernel][next(iter(launch._COMPILED[kernel]))][0]
+    (launched,) = binary.launches
+    assert launched[:7] == (5, 2, 1, 7, "function", "packed metadata", None)
+    assert launched[9:] == (desc, x, 64, 0.25, 64, True)
+
+    # An integer no longer a multiple of 16, another constexpr, another option: each compiles again.
+    launch.launch(kernel, (5,), desc, x, 65, 0.25, BLOCK=64, FLAG=True, num_warps=4)
+    launch.launch(kernel, (5,), desc, x, 64, 0.25, BLOCK=128, FLAG=True, num_warps=4)
+    launch.launch(kernel, (5,), desc, x, 64, 0.25, BLOCK=64, FLAG=True, num_warps=8)
+    assert len(kernel.compiles) == 4
+
+
+def test_launch_under_the_interpreter_goes_through_the_kernel(monkeypatch):
+    monkeypatch.setattr(runtime, "interpreting", lambda: True)
+    kernel = _FakeKernel()
+    launch.launch(kernel, (1,), _descriptor(), 1, BLOCK=64, FLAG=False)
+    launch.launch(kernel, (1,), _descriptor(), 1, BLOCK=64, FLAG=False)
+    assert len(kernel.compiles) == 2 and kernel not in launch._COMPILED
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernels run on the GPU only")
+@pytest.mark.parametrize("causal", [False, True])
+def test_cached_launches_match_the_compiling_launch(monkeypatch, causal):
+    # The first call of each kernel goes through JITFunction.run, the second through the
+    # compiled binary with unchecked descriptors: bitwise the same (both backwards here are
+    # the two deterministic passes).
+    monkeypatch.setattr(launch, "_COMPILED", {})
+    q, k, v = (x.requires_grad_() for x in make_qkv(2, 300, 300, 4, 2, 128, torch.bfloat16, DEVICE))
+    dout = torch.randn_like(q)
+    results = []
+    for _ in range(2):
+        out = flash_attn_func(q, k, v, causal=causal, deterministic=True, version="v3")
+        results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    assert len(launch._COMPILED) == 3  # the forward, the dQ pass, the dK/dV pass
+    for first, second in zip(*results):
+        assert torch.equal(first, second)
