@@ -4,7 +4,7 @@
 sees a launch: it specializes every argument (a tensor descriptor's type string is built from
 its layout's repr, ~5 us each), hashes the result to find the compiled kernel and checks the
 kernel's globals; a Gluon TensorDescriptor checks itself on construction (~7 us each).  Where the
-kernels are short (causal 1k) that host path, not the GPU, is what a call costs: the two-pass
+kernels are short (causal 1k) that host path, not the GPU, is what a call costs: v3's two-pass
 backward launches two kernels with twelve descriptors.
 
 ``launch`` keeps each compiled kernel under a key made of everything triton specializes on (the
@@ -15,7 +15,8 @@ arguments to the compiled kernel's launcher, as ``CompiledKernel.__getitem__`` d
 may tell apart arguments triton would not (a second compile of the same kernel, served by
 triton's own cache), never the reverse.  ``Descriptor`` carries what that launcher reads of a
 tensor descriptor; the first launch of a key converts it to the checked TensorDescriptor.
-Under the interpreter every launch goes through ``kernel[grid]``.
+Every kernel of every version launches through here; under the interpreter each launch goes
+through ``kernel[grid]``.
 """
 import torch
 from triton import knobs

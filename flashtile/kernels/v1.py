@@ -24,6 +24,7 @@ import triton.language as tl
 from flashtile import runtime
 from flashtile.kernels.blocks import band_mask, program_sequence, visited_blocks
 from flashtile.kernels.configs import Config, pick
+from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import Problem
 from flashtile.kernels.tiles import as_operand, load_tile, store_tile
 
@@ -218,7 +219,8 @@ def forward(p: Problem, q, k, v):
     cu_q, cu_k = p.cu_pointers(q.device)
     n_blocks = triton.cdiv(p.seqlen_q, cfg.block_m)
     n_splits = splits(p.batch * p.heads_q, n_blocks, q.device, cap=n_blocks)
-    _fwd_kernel[(p.batch * p.heads_q, n_splits)](
+    launch(
+        _fwd_kernel, (p.batch * p.heads_q, n_splits),
         q, k, v, o_acc, m, l, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(o_acc),
         *p.row_stat_strides(m),
@@ -236,7 +238,8 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
     dq_acc = torch.zeros((n_splits, *q.shape), dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     cu_q, cu_k = p.cu_pointers(q.device)
-    _bwd_kernel[(p.batch * p.heads_k, n_splits)](
+    launch(
+        _bwd_kernel, (p.batch * p.heads_k, n_splits),
         q, k, v, out, dout, m if dlse is None else dlse, m, l, dq_acc, dk, dv, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
         *p.seq_strides(dout), *p.seq_strides(dq_acc[0]), *p.seq_strides(dk), *p.seq_strides(dv),

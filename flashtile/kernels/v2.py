@@ -17,6 +17,7 @@ import triton.language as tl
 
 from flashtile.kernels.blocks import band_mask, program_sequence, visited_blocks
 from flashtile.kernels.configs import v2_bwd_config, v2_fwd_config
+from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import Problem
 from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile,
                                      online_softmax_step, row_delta, store_tile)
@@ -235,7 +236,8 @@ def forward(p: Problem, q, k, v):
     cfg = v2_fwd_config(p, q.dtype)
     cu_q, cu_k = p.cu_pointers(q.device)
     grid = (p.batch * p.heads_q, triton.cdiv(p.seqlen_q, cfg.block_m))
-    _fwd_kernel[grid](
+    launch(
+        _fwd_kernel, grid,
         q, k, v, out, lse, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
         *p.row_stat_strides(lse),
@@ -254,7 +256,8 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
     common = dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=p.varlen, UPCAST=p.upcast(q))
     kv_cfg, q_cfg = v2_bwd_config(p, q.dtype)
     # The dQ pass writes D, which the dK/dV pass reads: launched first, on the same stream.
-    _bwd_dq_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, q_cfg.block_m))](
+    launch(
+        _bwd_dq_kernel, (p.batch * p.heads_q, triton.cdiv(p.seqlen_q, q_cfg.block_m)),
         q, k, v, out, dout, lse, delta if dlse is None else dlse, delta, dq, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
         *p.seq_strides(dout), *p.seq_strides(dq), *p.row_stat_strides(lse),
@@ -262,7 +265,8 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
         p.window_left, p.window_right, BLOCK_M=q_cfg.block_m, BLOCK_N=q_cfg.block_n,
         NUM_STAGES=q_cfg.num_stages, HAS_DLSE=dlse is not None, num_warps=q_cfg.num_warps,
         num_stages=q_cfg.num_stages, **common)
-    _bwd_dkdv_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, kv_cfg.block_n))](
+    launch(
+        _bwd_dkdv_kernel, (p.batch * p.heads_k, triton.cdiv(p.seqlen_k, kv_cfg.block_n)),
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),
         *p.seq_strides(dk), *p.seq_strides(dv), *p.row_stat_strides(lse),

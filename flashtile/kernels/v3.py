@@ -36,6 +36,7 @@ from flashtile.kernels import v2, v3_gluon, v3_gluon_bwd
 from flashtile.kernels.blocks import band_mask, program_sequence, sequence_bounds, visited_blocks
 from flashtile.kernels.configs import (v3_backward, v3_bwd_reduce_config, v3_fallback_forward, v3_forward_kernel,
                                        v3_fwd_config, v3_gluon_schedule)
+from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import Problem
 from flashtile.kernels.v3_gluon import tma_ready
 from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile, online_softmax_step,
@@ -260,7 +261,8 @@ def forward(p: Problem, q, k, v):
     cu_q, cu_k = p.cu_pointers(q.device)
     _set_allocator(q.device)
     grid = (p.batch * p.heads_q, triton.cdiv(p.seqlen_q, cfg.block_m))
-    _fwd_kernel[grid](
+    launch(
+        _fwd_kernel, grid,
         q, k, v, out, lse, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
         *p.row_stat_strides(lse),
@@ -277,7 +279,8 @@ def _delta(p: Problem, out, dout, dlse, lse):
     their dQ pass)."""
     delta = torch.empty_like(lse)
     cu_q, _ = p.cu_pointers(out.device)
-    _bwd_preprocess_kernel[(p.batch * p.heads_q, triton.cdiv(p.seqlen_q, 64))](
+    launch(
+        _bwd_preprocess_kernel, (p.batch * p.heads_q, triton.cdiv(p.seqlen_q, 64)),
         out, dout, delta if dlse is None else dlse, delta, cu_q, *p.seq_strides(out), *p.seq_strides(dout),
         *p.row_stat_strides(lse), p.seqlen_q, p.heads_q, HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad,
         BLOCK_M=64, IS_VARLEN=p.varlen, HAS_DLSE=dlse is not None, num_warps=4)
@@ -305,7 +308,8 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
     cu_q, cu_k = p.cu_pointers(q.device)
     common = dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=p.varlen)
     _set_allocator(q.device)
-    _bwd_kernel[(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, cfg.block_n))](
+    launch(
+        _bwd_kernel, (p.batch * p.heads_k, triton.cdiv(p.seqlen_k, cfg.block_n)),
         q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),
         *p.seq_strides(dk), *p.seq_strides(dv), *p.seq_strides(dq_acc), *p.row_stat_strides(lse),
