@@ -330,12 +330,24 @@ def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, D
 
 
 @gluon.jit
+def _program_tile(seqlen, ROWS: gl.constexpr):
+    """(batch x head, row block, row blocks per head) of this program.  The grid is 1-D with one
+    head's row blocks adjacent, so the CTAs resident together stream the same head's blocks
+    through L2 (and, in the single pass, add dQ into lines L2 holds); with a head per program
+    (the head index varying fastest) each resident CTA read its own head from HBM, as many
+    heads at once as there are SMs at short sequences."""
+    blocks = gl.cdiv(seqlen, ROWS)
+    program = gl.program_id(0)
+    return program // blocks, program % blocks, blocks
+
+
+@gluon.jit
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, slb, slh, heads_k, group,
                  seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                  STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr, SPLIT_D: gl.constexpr):
-    bh = gl.program_id(0)
-    n0 = gl.program_id(1) * BLOCK_N
+    bh, block, _ = _program_tile(seqlen_k, BLOCK_N)
+    n0 = block * BLOCK_N
     batch = bh // heads_k
     head_k = bh % heads_k
     # The two passes: a partition per consumer warpgroup; SPLIT_D and DQ_REDUCE: one of both.
@@ -491,8 +503,8 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
                heads_q, group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
                HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr):
-    bh = gl.program_id(0)
-    m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M  # long causal rows first
+    bh, block, blocks = _program_tile(seqlen_q, BLOCK_M)
+    m0 = (blocks - 1 - block) * BLOCK_M  # long causal rows first
     batch = bh // heads_q
     head = bh % heads_q
     # With SPLIT_D both consumer warpgroups are one partition; else each is its own.
@@ -539,7 +551,7 @@ def backward(p, dout, dlse, q, k, v, out, lse):
     pad = p.head_dim_pad
     rows = gluon_bwd_stationary_rows(pad)
     launch(
-        _dq_kernel, (p.batch * p.heads_q, triton.cdiv(p.seqlen_q, rows)),
+        _dq_kernel, (p.batch * p.heads_q * triton.cdiv(p.seqlen_q, rows),),
         tma_descriptor(q, rows, pad), tma_descriptor(dout, rows, pad), tma_descriptor(k, cfg.dq_block_n, pad),
         tma_descriptor(v, cfg.dq_block_n, pad), tma_descriptor(dq, partition_rows(pad), pad),
         out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, delta if dlse is None else dlse, delta,
@@ -571,7 +583,7 @@ def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
     out_rows = partition_rows(pad, dq_acc is not None)
     dk_desc = tma_descriptor(dk, out_rows, pad)
     launch(
-        _dkdv_kernel, (p.batch * p.heads_k, triton.cdiv(p.seqlen_k, rows)),
+        _dkdv_kernel, (p.batch * p.heads_k * triton.cdiv(p.seqlen_k, rows),),
         tma_descriptor(q, cfg.kv_block_m, pad), tma_descriptor(k, rows, pad), tma_descriptor(v, rows, pad),
         tma_descriptor(dout, cfg.kv_block_m, pad), dk_desc, tma_descriptor(dv, out_rows, pad),
         dk_desc if dq_acc is None else tma_descriptor(dq_acc, cfg.kv_block_m, pad),  # not read without dq_acc
