@@ -288,7 +288,9 @@ def test_v3_gluon_launch_constants():
     cfg = configs._by_head_dim(configs._V3_GLUON, 128)
     assert v3_gluon.kernel_constants(causal, cfg, 2)["DYNAMIC"]
     assert not v3_gluon.kernel_constants(causal, replace(cfg, persistent=False), 2)["DYNAMIC"]
-    assert v3_gluon.heads_sharing_l2(problem(16, 16, 1024, 128), 2) == 64   # 512 KiB of K/V per head
-    assert v3_gluon.heads_sharing_l2(problem(1, 16, 16384, 128), 2) == 4    # 8 MiB per head
-    assert v3_gluon.heads_sharing_l2(problem(1, 2, 1024, 128), 2) == 2      # never more than there are
-    assert v3_gluon.heads_sharing_l2(problem(1, 4, 2 ** 20, 256), 2) == 1   # never fewer than one
+    # Banded walks interleave the heads whose K/V fit in L2; equal tiles go one head at a time.
+    assert v3_gluon.heads_sharing_l2(replace(causal, batch=16, seqlen_q=1024, seqlen_k=1024), 2) == 64  # 512 KiB
+    assert v3_gluon.heads_sharing_l2(replace(causal, seqlen_q=16384, seqlen_k=16384), 2) == 4  # 8 MiB per head
+    assert v3_gluon.heads_sharing_l2(replace(causal, heads_q=2, heads_k=2, seqlen_q=1024, seqlen_k=1024), 2) == 2
+    assert v3_gluon.heads_sharing_l2(replace(causal, seqlen_q=2 ** 20, seqlen_k=2 ** 20, head_dim=256), 2) == 1
+    assert v3_gluon.heads_sharing_l2(problem(16, 16, 1024, 128), 2) == 1

@@ -18,8 +18,8 @@ tile's Q and first K/V blocks while the consumers finish this one, so a tile sta
 already landed.  Tiles of uneven length (causal, window) are taken from an atomic counter so
 they balance themselves, longest first (the last query blocks of a causal problem see the most
 keys); the launch's last CTA sets the counter back to zero, so one buffer per stream serves every
-launch (tile_counter).  Tiles of equal length are strided over (every SMs-th).  Either walk goes
-in groups of heads whose K/V share L2.
+launch (tile_counter).  Tiles of equal length are strided over (every SMs-th), one head's after
+another's; the banded walk interleaves groups of heads whose K/V share L2 (heads_sharing_l2).
 
 Batched (non-varlen) problems only: Q/K/V/O are seen by TMA as (batch, seqlen, heads, head_dim),
 so loads past a sequence or head dim read zeros and stores past them are dropped.  O leaves by
@@ -408,8 +408,14 @@ def _tile_counter(device_index, stream):
 
 
 def heads_sharing_l2(p, element_size):
-    """How many (batch, head) pairs the tile walk keeps together: as many as have K and V fit in
-    L2_BUDGET, at least one, at most all."""
+    """How many (batch, head) pairs the tile walk keeps together.  Tiles of equal length: one,
+    its row blocks adjacent, so the CTAs resident together read the same K/V blocks at about the
+    same time (1.00-1.08x interleaving 32 MB of heads, d64-d256 1k-16k).  A band's tiles, taken
+    longest first: as many as have K and V fit in L2_BUDGET, at least one, at most all (one at a
+    time lost 2-13% there: the tail of each head's short tiles ends the walk unbalanced) (H200,
+    benchmarks/results/2026-12-01_H200_86cee91/experiments/fwd_walk.md)."""
+    if not p.banded:
+        return 1
     kv_bytes_per_head = 2 * p.seqlen_k * p.head_dim_pad * element_size
     return max(1, min(p.batch * p.heads_q, L2_BUDGET // kv_bytes_per_head))
 
