@@ -61,6 +61,18 @@ def band_blocks(r0, ROWS, COLS, seqlen_q, seqlen_k, window_left, window_right, K
 
 
 @triton.jit
+def program_tile(seqlen, ROWS: tl.constexpr):
+    """(batch x head, row block, row blocks per head) of this program in a 1-D grid of
+    batch x heads x cdiv(seqlen, ROWS) programs, one head's row blocks adjacent: the programs
+    resident together stream the same head's blocks through L2.  With the head varying fastest
+    (a (heads, blocks) grid) each resident program read its own head from HBM at short sequences:
+    v3's Gluon backward ran 1.02-1.34x faster for the change (H200, d64-d256, 1k-16k)."""
+    blocks = tl.cdiv(seqlen, ROWS)
+    program = tl.program_id(0)
+    return program // blocks, program % blocks, blocks
+
+
+@triton.jit
 def band_mask(rows, cols, n_cols, dlo, dhi):
     """Element mask of a (rows x cols) tile: inside the band and inside the key sequence."""
     diff = cols[None, :] - rows[:, None]

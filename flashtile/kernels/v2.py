@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile.kernels.blocks import band_mask, program_sequence, visited_blocks
+from flashtile.kernels.blocks import band_mask, program_sequence, program_tile, visited_blocks
 from flashtile.kernels.configs import v2_bwd_config, v2_fwd_config
 from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import Problem
@@ -52,9 +52,9 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                 UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
-    bh = tl.program_id(0)
+    bh, block, blocks = program_tile(seqlen_q, BLOCK_M)
     # Heaviest (latest, for causal) Q blocks first: better load balance on the last wave.
-    m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    m0 = (blocks - 1 - block) * BLOCK_M
     batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
         bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
     if m0 >= seqlen_q:
@@ -120,8 +120,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                      UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
-    bh = tl.program_id(0)
-    n0 = tl.program_id(1) * BLOCK_N
+    bh, block, _ = program_tile(seqlen_k, BLOCK_N)
+    n0 = block * BLOCK_N
     batch, head_k, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
         bh, heads_k, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
     if n0 >= seqlen_k:
@@ -191,8 +191,8 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K,
     FlashAttention-2 runs first (a tenth of the backward at seqlen 1k); it is why this kernel
     runs before the dK/dV kernel.
     """
-    bh = tl.program_id(0)
-    m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    bh, block, blocks = program_tile(seqlen_q, BLOCK_M)
+    m0 = (blocks - 1 - block) * BLOCK_M
     batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
         bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
     if m0 >= seqlen_q:
@@ -235,7 +235,7 @@ def forward(p: Problem, q, k, v):
     lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
     cfg = v2_fwd_config(p, q.dtype)
     cu_q, cu_k = p.cu_pointers(q.device)
-    grid = (p.batch * p.heads_q, triton.cdiv(p.seqlen_q, cfg.block_m))
+    grid = (p.batch * p.heads_q * triton.cdiv(p.seqlen_q, cfg.block_m),)
     launch(
         _fwd_kernel, grid,
         q, k, v, out, lse, cu_q, cu_k,
@@ -257,7 +257,7 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
     kv_cfg, q_cfg = v2_bwd_config(p, q.dtype)
     # The dQ pass writes D, which the dK/dV pass reads: launched first, on the same stream.
     launch(
-        _bwd_dq_kernel, (p.batch * p.heads_q, triton.cdiv(p.seqlen_q, q_cfg.block_m)),
+        _bwd_dq_kernel, (p.batch * p.heads_q * triton.cdiv(p.seqlen_q, q_cfg.block_m),),
         q, k, v, out, dout, lse, delta if dlse is None else dlse, delta, dq, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
         *p.seq_strides(dout), *p.seq_strides(dq), *p.row_stat_strides(lse),
@@ -266,7 +266,7 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
         NUM_STAGES=q_cfg.num_stages, HAS_DLSE=dlse is not None, num_warps=q_cfg.num_warps,
         num_stages=q_cfg.num_stages, **common)
     launch(
-        _bwd_dkdv_kernel, (p.batch * p.heads_k, triton.cdiv(p.seqlen_k, kv_cfg.block_n)),
+        _bwd_dkdv_kernel, (p.batch * p.heads_k * triton.cdiv(p.seqlen_k, kv_cfg.block_n),),
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),
         *p.seq_strides(dk), *p.seq_strides(dv), *p.row_stat_strides(lse),

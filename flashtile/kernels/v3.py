@@ -33,7 +33,7 @@ import triton.language as tl
 
 from flashtile import runtime
 from flashtile.kernels import v2, v3_gluon, v3_gluon_bwd
-from flashtile.kernels.blocks import band_mask, program_sequence, sequence_bounds, visited_blocks
+from flashtile.kernels.blocks import band_mask, program_sequence, program_tile, sequence_bounds, visited_blocks
 from flashtile.kernels.configs import (v3_backward, v3_bwd_reduce_config, v3_fallback_forward, v3_forward_kernel,
                                        v3_fwd_config, v3_gluon_schedule)
 from flashtile.kernels.launch import launch
@@ -87,8 +87,8 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                 UNMASKED: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr,
                 WARP_SPECIALIZE: tl.constexpr):
-    bh = tl.program_id(0)
-    m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    bh, block, blocks = program_tile(seqlen_q, BLOCK_M)
+    m0 = (blocks - 1 - block) * BLOCK_M
     batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
         bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
     head_k = head // group
@@ -191,8 +191,8 @@ def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, CU_Q, CU_K,
                 NUM_STAGES: tl.constexpr, TMA_REDUCE: tl.constexpr):
     """K/V-stationary backward (FlashAttention-3): one program per K/V tile, every Q block of
     the band streamed through TMA, dQ accumulated in fp32 by reduce-adds instead of a second pass."""
-    bh = tl.program_id(0)
-    n0 = tl.program_id(1) * BLOCK_N
+    bh, block, _ = program_tile(seqlen_k, BLOCK_N)
+    n0 = block * BLOCK_N
     batch, head_k, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
         bh, heads_k, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
     if n0 >= seqlen_k:
@@ -260,7 +260,7 @@ def forward(p: Problem, q, k, v):
         cfg = v3_fwd_config(p, unmasked, warp_specialize=False)
     cu_q, cu_k = p.cu_pointers(q.device)
     _set_allocator(q.device)
-    grid = (p.batch * p.heads_q, triton.cdiv(p.seqlen_q, cfg.block_m))
+    grid = (p.batch * p.heads_q * triton.cdiv(p.seqlen_q, cfg.block_m),)
     launch(
         _fwd_kernel, grid,
         q, k, v, out, lse, cu_q, cu_k,
@@ -309,7 +309,7 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
     common = dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=p.varlen)
     _set_allocator(q.device)
     launch(
-        _bwd_kernel, (p.batch * p.heads_k, triton.cdiv(p.seqlen_k, cfg.block_n)),
+        _bwd_kernel, (p.batch * p.heads_k * triton.cdiv(p.seqlen_k, cfg.block_n),),
         q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),
         *p.seq_strides(dk), *p.seq_strides(dv), *p.seq_strides(dq_acc), *p.row_stat_strides(lse),

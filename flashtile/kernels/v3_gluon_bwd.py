@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from flashtile.kernels.blocks import band_blocks, band_mask
+from flashtile.kernels.blocks import band_blocks, band_mask, program_tile
 from flashtile.kernels.configs import (GLUON_HEAD_DIMS, gluon_bwd_stationary_rows, split_head_dim,
                                        v3_gluon_bwd_config)
 from flashtile.kernels.launch import launch
@@ -330,23 +330,11 @@ def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, D
 
 
 @gluon.jit
-def _program_tile(seqlen, ROWS: gl.constexpr):
-    """(batch x head, row block, row blocks per head) of this program.  The grid is 1-D with one
-    head's row blocks adjacent, so the CTAs resident together stream the same head's blocks
-    through L2 (and, in the single pass, add dQ into lines L2 holds); with a head per program
-    (the head index varying fastest) each resident CTA read its own head from HBM, as many
-    heads at once as there are SMs at short sequences."""
-    blocks = gl.cdiv(seqlen, ROWS)
-    program = gl.program_id(0)
-    return program // blocks, program % blocks, blocks
-
-
-@gluon.jit
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, slb, slh, heads_k, group,
                  seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                  STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr, SPLIT_D: gl.constexpr):
-    bh, block, _ = _program_tile(seqlen_k, BLOCK_N)
+    bh, block, _ = program_tile(seqlen_k, BLOCK_N)
     n0 = block * BLOCK_N
     batch = bh // heads_k
     head_k = bh % heads_k
@@ -503,7 +491,7 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
                heads_q, group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
                HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr):
-    bh, block, blocks = _program_tile(seqlen_q, BLOCK_M)
+    bh, block, blocks = program_tile(seqlen_q, BLOCK_M)
     m0 = (blocks - 1 - block) * BLOCK_M  # long causal rows first
     batch = bh // heads_q
     head = bh % heads_q
