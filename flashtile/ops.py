@@ -8,6 +8,7 @@ gradients on (about 20 us for the Function, measured on a CPU), as much as the k
 forward.  The ``version`` argument picks the algorithm; "tiled" is the PyTorch path used for
 CPU tensors outside the Triton interpreter.
 """
+import contextlib
 import importlib
 from typing import Optional
 
@@ -25,6 +26,15 @@ def implementation(version: str):
     return importlib.import_module(_MODULES[version])
 
 
+def on_device_of(x: Tensor):
+    """A context making ``x``'s GPU the current device: Triton launches on the current device and
+    its stream, so a call on another GPU's tensors would otherwise launch where they are not
+    (flash_attn's CUDAGuard).  Nothing to do, and nothing entered, in the common case."""
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
+
+
 def _saved_shape(version: str, lse_shape):
     # FlashAttention-1 keeps the paper's running max m and row sum l for its backward.
     return (2, *lse_shape) if version == "v1" else (0,)
@@ -36,7 +46,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
              version: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     p = Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, window_left, window_right)
-    return implementation(version).forward(p, q, k, v)
+    with on_device_of(q):
+        return implementation(version).forward(p, q, k, v)
 
 
 attention_forward = torch.library.custom_op("flashtile::attention_forward", _forward, mutates_args=())
@@ -59,7 +70,8 @@ def _backward_kernels(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor
                       version: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     p = Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, window_left, window_right, deterministic)
-    return implementation(version).backward(p, dout, dlse, q, k, v, out, lse, saved)
+    with on_device_of(q):
+        return implementation(version).backward(p, dout, dlse, q, k, v, out, lse, saved)
 
 
 attention_backward = torch.library.custom_op("flashtile::attention_backward", _backward_kernels,

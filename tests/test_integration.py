@@ -1,9 +1,10 @@
-"""torch.compile, packed layouts and version selection."""
+"""torch.compile, packed layouts, version selection and which device a call runs on."""
+import contextlib
 import os
 
 import pytest
 import torch
-from attention_check import make_qkv
+from attention_check import check_against_reference, make_qkv
 from conftest import DEVICE, ON_GPU
 
 from flashtile import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, ops,
@@ -79,3 +80,24 @@ def test_cpu_without_interpreter_uses_tiled_path_and_refuses_kernels(monkeypatch
     assert runtime.resolve_version("auto", torch.device("cpu")) == "tiled"
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         runtime.resolve_version("v2", torch.device("cpu"))
+
+
+def test_calls_run_on_the_device_of_their_tensors(monkeypatch):
+    # Triton launches on the current device: a call on another GPU's tensors makes theirs current.
+    import types
+    assert isinstance(ops.on_device_of(torch.empty(1)), contextlib.nullcontext)
+    on_gpu1 = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    guard = ops.on_device_of(on_gpu1)
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert isinstance(ops.on_device_of(on_gpu1), contextlib.nullcontext)
+
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_a_second_gpu_while_the_first_is_current(version):
+    q, k, v = make_qkv(2, 300, 300, 4, 2, 128, torch.bfloat16, "cuda:1")
+    with torch.cuda.device(0):
+        check_against_reference(lambda a, b, c: flash_attn_func(a, b, c, causal=True, version=version),
+                                q, k, v, causal=True)
