@@ -66,7 +66,8 @@ def program_tile(seqlen, ROWS: tl.constexpr):
     batch x heads x cdiv(seqlen, ROWS) programs, one head's row blocks adjacent: the programs
     resident together stream the same head's blocks through L2.  With the head varying fastest
     (a (heads, blocks) grid) each resident program read its own head from HBM at short sequences:
-    v3's Gluon backward ran 1.02-1.34x faster for the change (H200, d64-d256, 1k-16k)."""
+    v3's Gluon backward ran 1.00-1.34x faster for the change at 1k-4k, 0.97-1.07x at 16k; v2's
+    kernels 0.97-1.14x (H200, benchmarks/results/2026-12-01_H200_86cee91/INDEX.md)."""
     blocks = tl.cdiv(seqlen, ROWS)
     program = tl.program_id(0)
     return program // blocks, program % blocks, blocks

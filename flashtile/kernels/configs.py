@@ -202,14 +202,16 @@ class GluonBackward:
 # own the two passes gained 0-25% (mostly 5-11%; d64, d128, 1k-16k) and match the single pass
 # at d64 up to 4k (0.94-1.03x), which still leads at 16k (1.03-1.09x); at d128 the single pass
 # leads from 4k (1.04-1.14x) and the two passes below (1.11-1.35x)
-# (benchmarks/results/2026-12-01_H200_e802256/experiments/bwd_split_partitions.md).  So by
+# (benchmarks/results/2026-12-01_H200_e802256/experiments/bwd_split_partitions.md).  With one
+# head's blocks adjacent in the grid (both kernels 1.00-1.34x faster at 1k-4k) the boundaries
+# held: at d128 4k the single pass 0.93x cuDNN, the two passes 0.86x; at d64 a tie at 4k, the
+# single pass ahead at 16k (benchmarks/results/2026-12-01_H200_86cee91/INDEX.md).  So by
 # default: the single pass from GLUON_REDUCE_MIN_KEYS keys on (never when ``deterministic``),
 # below that (and when ``deterministic``) the two Gluon passes.  Tiles: the 4k sweep (e943ac5)
 # put every candidate within 2% of 64,64,2 except 128-row Q blocks at d64 (they spill: -22%);
 # d128 has no shared memory for a third ring slot next to the two dS and dQ staging buffers.
-# At d256 the two passes split the head dim between the warpgroups: 1.44-1.67x v2's backward at
-# 1k-16k (bar the launch-bound causal 1k), 0.86-1.08x cuDNN
-# (benchmarks/results/2026-12-01_H200_e802256/backward_variants_e802256.md).
+# At d256 the two passes split the head dim between the warpgroups: 1.61-1.78x v2's backward and
+# 0.995-1.14x cuDNN at 1k-16k (benchmarks/results/2026-12-01_H200_86cee91/bars_e0b3aaa.md).
 _V3_GLUON_BWD = [(64, GluonBackward(64, 64, 3)), (128, GluonBackward(64, 64, 2)),
                  (256, GluonBackward(64, 64, 2))]  # d256: 64-row blocks both ways (shared memory)
 GLUON_REDUCE_MIN_KEYS = {64: 8192, 128: 4096}  # by padded head dim

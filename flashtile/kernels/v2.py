@@ -53,7 +53,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                 UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
     bh, block, blocks = program_tile(seqlen_q, BLOCK_M)
-    # Heaviest (latest, for causal) Q blocks first: better load balance on the last wave.
+    # Each head's heaviest (latest, for causal) Q blocks first: better balance on the last wave.
     m0 = (blocks - 1 - block) * BLOCK_M
     batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
         bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)

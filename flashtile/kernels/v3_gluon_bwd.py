@@ -22,6 +22,9 @@ keep one partition of both.
   against every K/V block of their band; S = Q K^T, dP = dO V^T, dQ += dS K), which also writes
   D = rowsum(dO * O) - dlse, then the dK/dV pass.  7 matmuls per block pair, no atomics.
 
+Both kernels run a 1-D grid with one head's row blocks adjacent (blocks.program_tile), so the
+CTAs resident together stream the same head's blocks through L2.
+
 Batched problems with head dims up to 128 (the accumulators of 128 rows stay in registers),
 and at d256 the two passes with SPLIT_D: 64 stationary rows shared by both warpgroups, each
 holding half the head dim of the gradients, S / dP split by streamed rows, P and dS through
