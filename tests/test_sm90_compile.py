@@ -266,8 +266,8 @@ def test_v3_gluon_takes_only_layouts_tma_can_describe():
 
 def test_v3_gluon_launch_constants():
     # Shared memory: O gets its own staging buffer where Q, the K/V ring and O fit (d64, d128),
-    # else it leaves from registers; a second Q buffer where that fits too; the walk groups as many heads as have K/V fit in L2;
-    # persistent CTAs take banded (uneven) tiles from the counter and stride over equal ones.
+    # else it leaves from registers; a second Q buffer where that fits too; persistent CTAs take
+    # banded (uneven) tiles from the counter and stride over equal ones.
     from dataclasses import replace
 
     from flashtile.kernels import configs, v3_gluon

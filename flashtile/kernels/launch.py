@@ -83,6 +83,10 @@ def specialization_key(args) -> tuple:
     return tuple(map(_argument_class, args))
 
 
+def _checked(args) -> list:
+    return [a.checked() if isinstance(a, Descriptor) else a for a in args]
+
+
 # Per kernel: {key: (compiled kernel, constexpr values in signature order)}.
 _COMPILED = {}
 
@@ -92,15 +96,14 @@ def launch(kernel, grid, *args, **constants):
     order (Descriptor for a tensor descriptor), ``constants`` the constexprs (which follow them
     in the signature) and launch options."""
     if runtime.interpreting():
-        return kernel[grid](*(a.checked() if isinstance(a, Descriptor) else a for a in args), **constants)
+        return kernel[grid](*_checked(args), **constants)
     device = driver.active.get_current_device()
     key = (device, specialization_key(args), *constants.items())
     compiled = _COMPILED.setdefault(kernel, {})
     entry = compiled.get(key)
     if entry is None:
-        checked = [a.checked() if isinstance(a, Descriptor) else a for a in args]
         constexprs = tuple(constants[name] for name in kernel.arg_names[len(args):])
-        entry = compiled[key] = (kernel[grid](*checked, **constants), constexprs)
+        compiled[key] = (kernel[grid](*_checked(args), **constants), constexprs)
         return
     binary, constexprs = entry
     stream = driver.active.get_current_stream(device)
