@@ -195,6 +195,14 @@ def _step(provider, case, device):
     return step
 
 
+# Calls before the timed ones, in ms of GPU work.  A cell timed right after its kernel compiled
+# (the GPU idle for the seconds a Gluon compile takes) ran slow: on a machine with cold caches,
+# v3's 1k cells' first of two passes took up to 1.44x the second (mean 1.04x; later seqlens,
+# v2 and cuDNN, nothing compiling, 0.96-1.00x), with do_bench's default 25 ms of warmup
+# (benchmarks/results/2026-12-01_H200_86cee91/bars_e0b3aaa.json, ms_runs).
+WARMUP_MS = 250
+
+
 def _measure(provider, case, device, cuda_graph):
     if cuda_graph and case.mode != "fwd":
         raise ValueError("CUDA-graph timing covers forwards only")
@@ -212,7 +220,7 @@ def _measure(provider, case, device, cuda_graph):
     if cuda_graph:
         ms = triton.testing.do_bench_cudagraph(step, rep=100, return_mode="median")
     else:
-        ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+        ms = triton.testing.do_bench(step, warmup=WARMUP_MS, rep=100, return_mode="median")
     return ms, peak
 
 
