@@ -17,6 +17,9 @@
 #           time per call against the GPU's at 1k (host_cost.md): which cells the launch path bounds
 #   gluon   v3's Gluon forward: its tile sweep at 1k and 16k
 #           (sweep_gluon_*.jsonl)
+#   profile Nsight Compute over v3's kernels on a few bars cells (PROFILE_CASES: "head_dim seqlen
+#           causal|plain fwd|bwd" entries, ';'-separated): speed of light, memory, warp stalls
+#           (ncu_*.csv; ncu with --clock-control none, as METHOD.md asks)
 #   scripts/gpu_check.sh [stage ...]    (default: tests bench)
 set -uo pipefail
 OUT=${OUT:-gpu_results}
@@ -91,6 +94,19 @@ for stage in $stages; do
       for seqlen in 1024 16384; do
         python scripts/sweep_configs.py --only v3-gluon --seqlen $seqlen --out "$OUT/sweep_gluon_$seqlen.jsonl" \
           2>&1 | tee -a "$OUT/sweep_gluon.log" || status=1
+      done ;;
+    profile)
+      cases=${PROFILE_CASES:-"64 2048 plain bwd;128 2048 plain bwd;256 1024 plain fwd"}
+      IFS=';' read -ra entries <<< "$cases"
+      for entry in "${entries[@]}"; do
+        set -- $entry
+        name="ncu_d$1_s$2_$3_$4"
+        timeout 300 ncu --clock-control none --profile-from-start off --target-processes all \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+          --section LaunchStats --section Occupancy --csv --page details \
+          python scripts/profile_case.py --head-dim "$1" --seqlen "$2" --mode "$4" \
+          $([ "$3" = causal ] && echo --causal) > "$OUT/$name.csv" 2> "$OUT/$name.log" || status=1
+        echo "$name: $(grep -c '' "$OUT/$name.csv") lines"
       done ;;
     memory)
       python scripts/memory_check.py --out "$OUT/memory.json" || status=1 ;;
