@@ -169,7 +169,7 @@ def measure(provider: str, case: Case, device=None, cuda_graph=False, env=None):
         return _measure(provider, case, device, cuda_graph)
 
 
-def _step(provider, case, device):
+def make_step(provider, case, device):
     """One call of ``provider`` on fresh inputs of ``case``: the forward without gradients, the
     backward alone (autograd.grad of one forward's output), or both."""
     fn = PROVIDERS[provider]
@@ -207,7 +207,7 @@ def _measure(provider, case, device, cuda_graph):
     if cuda_graph and case.mode != "fwd":
         raise ValueError("CUDA-graph timing covers forwards only")
     device = torch.device(device) if device else _default_device()
-    step = _step(provider, case, device)
+    step = make_step(provider, case, device)
     step()  # compile / autotune outside the timing and the memory peak
     if device.type != "cuda":
         return _cpu_median_ms(step), None
@@ -232,7 +232,7 @@ def host_cost(provider: str, case: Case, calls=300, device=None, env=None, profi
     (its own overhead inflates the host time)."""
     with mock.patch.dict(os.environ, env or {}):
         device = torch.device(device) if device else _default_device()
-        step = _step(provider, case, device)
+        step = make_step(provider, case, device)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         for _ in range(min(calls, 20)):  # compile, warm the allocator and the clocks
             step()

@@ -1,16 +1,16 @@
-"""One attention call of the bars' shapes, for Nsight Compute (`scripts/gpu_check.sh profile`).
+"""One bars cell's calls, for Nsight Compute (`scripts/gpu_check.sh profile`).
 
-Runs --warmup calls (compiles, fills the launch cache, ramps the clocks), then --calls more
-between cudaProfilerStart and cudaProfilerStop, so that `ncu --profile-from-start off` sees only
-those: forward, or forward and backward (--mode bwd).  Shapes as the bars: batch x seqlen =
---tokens, heads x head_dim = --hidden.  On a CPU (the interpreter) it runs the calls without
-the profiler range, as a check of the script itself.
+The benchmark's own step (bench.make_step: the forward without gradients, or the backward
+alone) runs --warmup times (compiles, fills the launch cache, ramps the clocks), then --calls
+times between cudaProfilerStart and cudaProfilerStop, so that `ncu --profile-from-start off`
+sees only those.  Shapes as the bars: batch x seqlen = --tokens, heads x head_dim = --hidden.
+On a CPU (the interpreter) it runs the calls without the profiler range, as a check of itself.
 """
 import argparse
 
 import torch
 
-from flashtile import flash_attn_func
+from flashtile import bench
 
 
 def main():
@@ -21,35 +21,27 @@ def main():
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--mode", choices=("fwd", "bwd"), default="bwd")
-    ap.add_argument("--version", default="v3")
+    ap.add_argument("--provider", default="flashtile-v3")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--calls", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     heads = args.hidden // args.head_dim
-    shape = (args.tokens // args.seqlen, args.seqlen, heads, args.head_dim)
-    q, k, v = (torch.randn(shape, dtype=torch.bfloat16, device=args.device, requires_grad=args.mode == "bwd")
-               for _ in range(3))
-    dout = torch.randn_like(q)
-
-    def call():
-        out = flash_attn_func(q, k, v, causal=args.causal, version=args.version)
-        if args.mode == "bwd":
-            torch.autograd.grad(out, (q, k, v), dout)
-
+    case = bench.Case(args.tokens // args.seqlen, heads, heads, args.seqlen, args.seqlen, args.head_dim,
+                      args.causal, args.mode)
+    step = bench.make_step(args.provider, case, torch.device(args.device))
     for _ in range(args.warmup):
-        call()
-    profiling = q.is_cuda
+        step()
+    profiling = args.device != "cpu"
     if profiling:
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
     for _ in range(args.calls):
-        call()
+        step()
     if profiling:
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
-    print(f"{args.version} {args.mode} b{shape[0]} s{args.seqlen} h{heads} d{args.head_dim} "
-          f"causal={args.causal}: {args.warmup} warmup + {args.calls} profiled calls")
+    print(f"{args.provider} {case}: {args.warmup} warmup + {args.calls} profiled calls")
 
 
 if __name__ == "__main__":
