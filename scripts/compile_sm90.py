@@ -56,10 +56,12 @@ def gluon_case(head_dim, causal=False):
     return consts, dict(v3_gluon.LAUNCH_OPTIONS), descriptors
 
 
-def gluon_bwd_case(head_dim_pad, dq_pass, dq_reduce=False):
+def gluon_bwd_case(head_dim_pad, dq_pass, dq_reduce=False, persistent=True):
     """One of v3's Gluon backward kernels with the constants and launch options
     v3_gluon_bwd.backward would use (FLASHTILE_CONFIG_V3_GLUON_BWD applies); ``dq_reduce``: the
-    dK/dV kernel adding dQ by TMA (v3_gluon_bwd.backward_reduce)."""
+    dK/dV kernel adding dQ by TMA (v3_gluon_bwd.backward_reduce); ``persistent``: as launched
+    persistent where the pass can be (two stationary slots: v3_gluon_bwd.pass_schedule), else
+    a CTA per tile."""
     b = v3_gluon_bwd
     cfg = configs.v3_gluon_bwd_config(Problem(1, 16, 16, 4096, 4096, head_dim_pad, 0.1, -1, -1, None, None))
     rows = configs.gluon_bwd_stationary_rows(head_dim_pad)
@@ -68,8 +70,9 @@ def gluon_bwd_case(head_dim_pad, dq_pass, dq_reduce=False):
     kv_block = v3_gluon.block_layout(block_n, head_dim_pad, torch.bfloat16)
     descriptors = {"q_desc": q_block, "do_desc": q_block, "dq_desc": q_block, "k_desc": kv_block,
                    "v_desc": kv_block, "dk_desc": kv_block, "dv_desc": kv_block}
+    slots = 2 if persistent and not b.one_consumer_partition(head_dim_pad, dq_reduce) else 1
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PAD=head_dim_pad, STAGES=cfg.num_stages,
-                  SPLIT_D=configs.split_head_dim(head_dim_pad))
+                  SLOTS=slots, SPLIT_D=configs.split_head_dim(head_dim_pad))
     out_block = v3_gluon.block_layout(b.partition_rows(head_dim_pad, dq_reduce), head_dim_pad, torch.bfloat16)
     if dq_pass:
         consts["HAS_DLSE"] = False
@@ -116,6 +119,10 @@ def cases(head_dim=128, varlen=False):
         yield ("v3.fwd_gluon_causal", v3_gluon._fwd_kernel, *gluon_case(head_dim, causal=True))
         yield ("v3.bwd_dq_gluon", v3_gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, True))
         yield ("v3.bwd_dkdv_gluon", v3_gluon_bwd._dkdv_kernel, *gluon_bwd_case(p.head_dim_pad, False))
+        if not configs.split_head_dim(p.head_dim_pad):  # the two passes with a CTA per tile (causal)
+            yield ("v3.bwd_dq_gluon_tile", v3_gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, True, False, False))
+            yield ("v3.bwd_dkdv_gluon_tile", v3_gluon_bwd._dkdv_kernel,
+                   *gluon_bwd_case(p.head_dim_pad, False, False, False))
         if not configs.split_head_dim(p.head_dim_pad):  # the single pass does not split the head dim
             yield ("v3.bwd_reduce_gluon", v3_gluon_bwd._dkdv_kernel, *gluon_bwd_case(p.head_dim_pad, False, True))
 

@@ -68,9 +68,15 @@ def program_tile(seqlen, ROWS: tl.constexpr):
     (a (heads, blocks) grid) each resident program read its own head from HBM at short sequences:
     v3's Gluon backward ran 1.00-1.34x faster for the change at 1k-4k, 0.97-1.07x at 16k; v2's
     kernels 0.97-1.14x (H200, benchmarks/results/2026-12-01_H200_86cee91/INDEX.md)."""
+    return split_tile(tl.program_id(0), seqlen, ROWS)
+
+
+@triton.jit
+def split_tile(t, seqlen, ROWS: tl.constexpr):
+    """program_tile's (batch x head, row block, row blocks per head) of tile ``t`` of that walk,
+    for kernels whose programs each take several tiles."""
     blocks = tl.cdiv(seqlen, ROWS)
-    program = tl.program_id(0)
-    return program // blocks, program % blocks, blocks
+    return t // blocks, t % blocks, blocks
 
 
 @triton.jit

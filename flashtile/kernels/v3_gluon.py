@@ -347,7 +347,7 @@ def broadcast(x) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_index):
+def sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -429,7 +429,7 @@ def forward(p, q, k, v, cfg):
     m_blocks = triton.cdiv(p.seqlen_q, 2 * rows)
     batch_heads = p.batch * p.heads_q
     num_tiles = m_blocks * batch_heads
-    programs = min(num_tiles, _sm_count(q.device.index)) if cfg.persistent else num_tiles
+    programs = min(num_tiles, sm_count(q.device.index)) if cfg.persistent else num_tiles
     head_group = heads_sharing_l2(p, q.element_size())
     pad = p.head_dim_pad
     launch(

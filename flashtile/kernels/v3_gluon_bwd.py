@@ -22,8 +22,14 @@ keep one partition of both.
   against every K/V block of their band; S = Q K^T, dP = dO V^T, dQ += dS K), which also writes
   D = rowsum(dO * O) - dlse, then the dK/dV pass.  7 matmuls per block pair, no atomics.
 
-Both kernels run a 1-D grid with one head's row blocks adjacent (blocks.program_tile), so the
-CTAs resident together stream the same head's blocks through L2.
+Tiles (a stationary row block of one head) are walked with one head's row blocks adjacent
+(blocks.split_tile), so the CTAs resident together stream the same head's blocks through L2.
+The two passes up to d128 on tiles of equal length (no band) run persistent CTAs, one per SM,
+each taking every CTAs-th tile (pass_schedule): the stationary tile has two slots, so the next
+tile's loads land while this one's gradients leave, and no CTA teardown and launch comes
+between tiles (1.06-1.10x at d128 1k-4k, 0.99-1.04x at d64, H200).  Causal / window tiles,
+d256 and the single pass run a CTA per tile (one slot): the hardware hands the uneven tiles of
+a band to SMs as they free up.
 
 Batched problems with head dims up to 128 (the accumulators of 128 rows stay in registers),
 and at d256 the two passes with SPLIT_D: 64 stationary rows shared by both warpgroups, each
@@ -41,12 +47,12 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from flashtile.kernels.blocks import band_blocks, band_mask, program_tile
+from flashtile.kernels.blocks import band_blocks, band_mask, split_tile
 from flashtile.kernels.configs import (GLUON_HEAD_DIMS, gluon_bwd_stationary_rows, split_head_dim,
                                        v3_gluon_bwd_config)
 from flashtile.kernels.launch import launch
 from flashtile.kernels.tiles import LOG2E, row_delta
-from flashtile.kernels.v3_gluon import broadcast, tma_descriptor
+from flashtile.kernels.v3_gluon import broadcast, sm_count, tma_descriptor
 
 # 12 warps (8 consumer, one producer warp rounded up to a warpgroup): 168 registers each at
 # launch, moved to 240 for the consumers (dK, dV, S^T, dP^T live there) and 24 for the producer.
@@ -72,42 +78,96 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _pass_buffers(a_desc, b_desc, c_desc, d_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Shared memory of one pass: a stationary pair of tiles (a, b), loaded once, and a ring of
-    STAGES streamed pairs (c, d); mbarriers (stationary ready, ring slot ready, ring slot empty:
-    one arrival from each of CONSUMERS consumer partitions)."""
-    a = gl.allocate_shared_memory(a_desc.dtype, a_desc.block_type.shape, a_desc.layout)
-    b = gl.allocate_shared_memory(b_desc.dtype, b_desc.block_type.shape, b_desc.layout)
+def _pass_buffers(a_desc, b_desc, c_desc, d_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                  SLOTS: gl.constexpr):
+    """Shared memory of one pass: SLOTS buffers of the stationary pair of tiles (a, b), one per
+    tile in flight, and a ring of STAGES streamed pairs (c, d); mbarriers (stationary slot ready,
+    stationary slot empty, ring slot ready, ring slot empty; "empty" ones take one arrival from
+    each of CONSUMERS consumer partitions)."""
+    a = gl.allocate_shared_memory(a_desc.dtype, [SLOTS] + a_desc.block_type.shape, a_desc.layout)
+    b = gl.allocate_shared_memory(b_desc.dtype, [SLOTS] + b_desc.block_type.shape, b_desc.layout)
     c = gl.allocate_shared_memory(c_desc.dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
     d = gl.allocate_shared_memory(d_desc.dtype, [STAGES] + d_desc.block_type.shape, d_desc.layout)
-    stationary_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    stationary_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    stationary_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     ring_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ring_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(stationary_ready, count=1)
+    for i in gl.static_range(SLOTS):
+        mbarrier.init(stationary_ready.index(i), count=1)
+        mbarrier.init(stationary_empty.index(i), count=CONSUMERS)
     for i in gl.static_range(STAGES):
         mbarrier.init(ring_ready.index(i), count=1)
         mbarrier.init(ring_empty.index(i), count=CONSUMERS)
-    return a, b, c, d, (stationary_ready, ring_ready, ring_empty)
+    return a, b, c, d, (stationary_ready, stationary_empty, ring_ready, ring_empty)
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_smem, bars, batch, r0, stationary_head,
-              first_head, heads, seqlen_q, seqlen_k, window_left, window_right, column_stats, ROWS: gl.constexpr,
-              BLOCK: gl.constexpr, STAGES: gl.constexpr, KEY_ROWS: gl.constexpr, STATS_IN_RING: gl.constexpr):
-    """The producer warp of either pass: the stationary pair (a, b), ROWS rows from r0 of
-    ``stationary_head``, loaded once; then the streamed pairs (c, d), BLOCK rows at a time, of
-    each of ``heads`` heads from ``first_head``, over the band of the stationary rows (KEY_ROWS:
-    they are key rows, as in the dK/dV pass), through the STAGES-slot ring."""
-    stationary_ready, ring_ready, ring_empty = bars
-    mbarrier.expect(stationary_ready, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(a_desc, [batch, r0, stationary_head, 0], stationary_ready, a_smem)
-    tma.async_copy_global_to_shared(b_desc, [batch, r0, stationary_head, 0], stationary_ready, b_smem)
-    dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(r0, ROWS, BLOCK, seqlen_q, seqlen_k, window_left,
-                                                           window_right, KEY_ROWS)
+def _stationary_tile(t, heads, seqlen, ROWS: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+    """(batch, head, first row) of tile ``t``: ROWS stationary rows of one head, one head's
+    tiles adjacent (blocks.split_tile); LONGEST_FIRST: its row blocks from the last (the dQ
+    pass: causal rows that see the most keys first)."""
+    bh, block, blocks = split_tile(t, seqlen, ROWS)
+    if LONGEST_FIRST:
+        block = blocks - 1 - block
+    return bh // heads, bh % heads, block * ROWS
+
+
+@gluon.jit
+def _release_stationary(stationary_empty, slot):
+    """The partition's results have left the stationary slot (its TMA stores waited for by the
+    thread that issued them): the producer may load the next tile into it."""
+    gl.thread_barrier()
+    mbarrier.arrive(stationary_empty.index(slot))
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_smem, bars, walk, column_stats,
+              ROWS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, KEY_ROWS: gl.constexpr,
+              STATS_IN_RING: gl.constexpr):
+    """The producer warp of either pass, over the CTA's tiles (every num_programs-th of
+    ``walk``'s): each tile's stationary pair (a, b), ROWS rows of one head, into a free slot of
+    its buffers; then the streamed pairs (c, d), BLOCK rows at a time, over the band of the
+    stationary rows, through the STAGES-slot ring.  KEY_ROWS (the dK/dV pass): the stationary
+    rows are key rows of a K/V head, and every query head of its group streams by; else one
+    query head's rows, against its K/V head's blocks."""
+    stationary_ready, stationary_empty, ring_ready, ring_empty = bars
+    num_tiles, heads, group, seqlen_q, seqlen_k, window_left, window_right = walk
+    SLOTS: gl.constexpr = a_smem.shape[0]
     LSE, DELTA, lse_smem, delta_smem, slb, slh = column_stats
     stats_layout: gl.constexpr = gl.BlockedLayout([BLOCK // 32], [32], [1], [0])
     offs = gl.arange(0, BLOCK, layout=stats_layout)
-    it = 0
+    it = 0  # streamed blocks issued so far: ring slot and mbarrier phase
+    tile_i = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        if KEY_ROWS:
+            batch, head, r0 = _stationary_tile(t, heads, seqlen_k, ROWS, False)
+            first_head = head * group
+            streamed_heads = group
+        else:
+            batch, head, r0 = _stationary_tile(t, heads, seqlen_q, ROWS, True)
+            first_head = head // group
+            streamed_heads = 1
+        s = tile_i % SLOTS
+        stationary = stationary_ready.index(s)
+        mbarrier.wait(stationary_empty.index(s), (tile_i // SLOTS & 1) ^ 1)
+        mbarrier.expect(stationary, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [batch, r0, head, 0], stationary, a_smem.index(s))
+        tma.async_copy_global_to_shared(b_desc, [batch, r0, head, 0], stationary, b_smem.index(s))
+        dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(r0, ROWS, BLOCK, seqlen_q, seqlen_k, window_left,
+                                                               window_right, KEY_ROWS)
+        _stream(c_desc, d_desc, c_smem, d_smem, ring_ready, ring_empty, batch, first_head, streamed_heads, lo,
+                n_blocks, it, seqlen_q, LSE, DELTA, lse_smem, delta_smem, slb, slh, offs, BLOCK, STAGES,
+                STATS_IN_RING)
+        it += streamed_heads * n_blocks
+        tile_i += 1
+
+
+@gluon.jit
+def _stream(c_desc, d_desc, c_smem, d_smem, ring_ready, ring_empty, batch, first_head, heads, lo, n_blocks, it,
+            seqlen_q, LSE, DELTA, lse_smem, delta_smem, slb, slh, offs, BLOCK: gl.constexpr,
+            STAGES: gl.constexpr, STATS_IN_RING: gl.constexpr):
+    """One tile's streamed pairs: n_blocks blocks from row lo of each of ``heads`` heads from
+    ``first_head``, the first into the ring's slot of block ``it``."""
     for g in range(heads):
         for i in range(n_blocks):
             slot = it % STAGES
@@ -158,11 +218,13 @@ def _column_stats(LSE, DELTA, stats, cols, seqlen_q, valid):
 
 
 @gluon.jit
-def _probs_t(sT, lse, rows_k, cols, m0, band, seqlen_q, scale_log2):
-    """P^T of one block from S^T, masked where the block crosses an edge of the band."""
+def _probs_t(sT, lse, rows_k, m0, band, seqlen_q, scale_log2):
+    """P^T of the Q block from m0 from S^T, masked where the block crosses an edge of the band
+    (its column indices built only there: held across the loop they cost registers)."""
     dlo, dhi, full_lo, full_hi = band
     pT = gl.exp2(sT * scale_log2 - lse[None, :])
     if (m0 < full_lo) | (m0 >= full_hi):
+        cols = m0 + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, sT.type.layout))
         pT = gl.where(band_mask(rows_k, cols, seqlen_q, -dhi, -dlo), pT, 0.0)
     return pT
 
@@ -180,7 +242,7 @@ def _store_dkdv(dk, dv, k_tile, v_tile, k_smem, v_smem, dk_desc, dv_desc, batch,
 
 
 @gluon.jit
-def _dkdv_products(k_rows, v_rows, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, cols, m0, band, seqlen_q,
+def _dkdv_products(k_rows, v_rows, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, m0, band, seqlen_q,
                    scale_log2, op_layout: gl.constexpr):
     """One streamed Q block's products against a consumer partition's K/V rows: S^T = K Q^T and
     dP^T = V dO^T from shared memory, then dV += P^T dO and dK += dS^T Q with P^T and dS^T as
@@ -189,11 +251,11 @@ def _dkdv_products(k_rows, v_rows, q, do, lse_ref, delta_ref, dk, dv, s_zero, ro
     sT = warpgroup_mma(k_rows, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dpT = warpgroup_mma(v_rows, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     lse = lse_ref.load(gl.SliceLayout(0, s_zero.type.layout)) * LOG2E
-    delta = delta_ref.load(gl.SliceLayout(0, s_zero.type.layout))
     sT = warpgroup_mma_wait(1, deps=[sT])
-    pT = _probs_t(sT, lse, rows_k, cols, m0, band, seqlen_q, scale_log2)
+    pT = _probs_t(sT, lse, rows_k, m0, band, seqlen_q, scale_log2)
     pT_op = gl.convert_layout(pT.to(q.dtype), op_layout)
     dv = warpgroup_mma(pT_op, do, dv, is_async=True)
+    delta = delta_ref.load(gl.SliceLayout(0, s_zero.type.layout))
     dpT = warpgroup_mma_wait(1, deps=[dpT])
     dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
     dsT_op = gl.convert_layout(dsT, op_layout)
@@ -202,7 +264,7 @@ def _dkdv_products(k_rows, v_rows, q, do, lse_ref, delta_ref, dk, dv, s_zero, ro
 
 
 @gluon.jit
-def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, v_smem, do_smem, bars, problem,
+def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, v_smem, do_smem, bars, walk,
                  dk_desc, dv_desc, ds_smem, dq_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
                  DQ_REDUCE: gl.constexpr):
@@ -215,62 +277,98 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, 
     both warpgroups' dS^T, which meet in shared memory, and the two add the block's fp32 dQ by
     one TMA reduce-add.  (A partition per warpgroup measured up to 17% slower there at d128:
     it spilled 356 bytes against 60.)"""
-    kv_ready, q_ready, q_empty = bars
-    batch, head_k, group, n0, seqlen_q, seqlen_k, window_left, window_right = problem
+    kv_ready, kv_empty, q_ready, q_empty = bars
+    num_tiles, heads_k, group, seqlen_q, seqlen_k, window_left, window_right = walk
+    SLOTS: gl.constexpr = k_smem.shape[0]
     ROWS: gl.constexpr = WARPGROUP_ROWS * WARPGROUPS
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, WARPGROUPS, 1)
     acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_PAD, WARPGROUPS, 1)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    r0 = n0 + WHICH * ROWS
-    rows_k = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
-    dk = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
-    dv = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
-    k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM_PAD])
-    k_rows = k_tile.slice(WHICH * ROWS, ROWS)
-    v_rows = v_smem.reshape([BLOCK_N, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
-    # The band of the whole CTA's rows: every partition steps through the same blocks.
-    dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k, window_left,
-                                                           window_right, True)
-    mbarrier.wait(kv_ready, 0)
-    it = 0
-    for g in range(group):
-        head = head_k * group + g
-        for i in range(n_blocks):
-            slot = it % STAGES
-            phase = (it // STAGES) & 1
-            m0 = lo + i * BLOCK_M
-            mbarrier.wait(q_ready.index(slot), phase)
-            q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
-            do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
-            dk, dv, dsT, pT_op, dsT_op = _dkdv_products(k_rows, v_rows, q, do, lse_smem.index(slot),
-                                                        delta_smem.index(slot), dk, dv, s_zero, rows_k,
-                                                        m0 + offs_m, m0, (dlo, dhi, full_lo, full_hi), seqlen_q,
-                                                        scale_log2, op_layout)
-            if DQ_REDUCE:
-                # dS and the fp32 dQ staging have two buffers each: one written here was last
-                # read two blocks ago (dS by that block's dQ product, the staging by its reduce,
-                # which store_wait(1) leaves done), so two barriers per block order it all.
-                buf = it % 2
-                ds_smem.index(buf).store(dsT)
-                fence_async_shared()
-                tma.store_wait(1)
-                gl.thread_barrier()  # dS written by both warpgroups; the staging buffer free
-                # The block's dQ share: the two warpgroups take half the head dim each.
-                dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, _wgmma_layout(HEAD_DIM_PAD, 1, 2))
-                dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_tile, dq_zero, use_acc=False)
-                _add_dq(dq * softmax_scale, dq_smem.index(buf), dq_desc, batch, m0, head)
-            dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=[dv, dk, pT_op, dsT_op])
-            mbarrier.arrive(q_empty.index(slot))
-            it += 1
-    # The partition's rows of K and V stage its dK and dV (as 2-D tiles, and as TMA sees them).
-    _store_dkdv(dk, dv, k_rows, v_rows, k_smem.slice(WHICH * ROWS, ROWS, dim=1),
-                v_smem.slice(WHICH * ROWS, ROWS, dim=1), dk_desc, dv_desc, batch, r0, head_k, softmax_scale)
+    it = 0  # streamed blocks consumed so far: ring slot and mbarrier phase
+    tile_i = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        batch, head_k, n0 = _stationary_tile(t, heads_k, seqlen_k, BLOCK_N, False)
+        kv_slot = tile_i % SLOTS
+        k_block = k_smem.index(kv_slot)
+        v_block = v_smem.index(kv_slot)
+        r0 = n0 + WHICH * ROWS
+        rows_k = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        dk = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
+        dv = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
+        # The band of the whole CTA's rows: every partition steps through the same blocks.
+        dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k,
+                                                               window_left, window_right, True)
+        mbarrier.wait(kv_ready.index(kv_slot), tile_i // SLOTS & 1)
+        for g in range(group):
+            head = head_k * group + g
+            for i in range(n_blocks):
+                dk, dv = _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_smem, delta_smem,
+                                   ds_smem, dq_smem, dq_desc, dk, dv, s_zero, rows_k, it, lo + i * BLOCK_M,
+                                   (dlo, dhi, full_lo, full_hi), batch, head, seqlen_q, softmax_scale, scale_log2,
+                                   op_layout, WHICH * ROWS, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, DQ_REDUCE,
+                                   SLOTS > 1 and HEAD_DIM_PAD > 64)
+                it += 1
+        # The partition's rows of K and V stage its dK and dV (as 2-D tiles, and as TMA sees them).
+        k_rows = k_block.reshape([BLOCK_N, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
+        v_rows = v_block.reshape([BLOCK_N, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
+        _store_dkdv(dk, dv, k_rows, v_rows, k_block.slice(WHICH * ROWS, ROWS, dim=1),
+                    v_block.slice(WHICH * ROWS, ROWS, dim=1), dk_desc, dv_desc, batch, r0, head_k, softmax_scale)
+        _release_stationary(kv_empty, kv_slot)
+        tile_i += 1
 
 
 @gluon.jit
-def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc, dv_desc,
+def _per_iteration(x, it):
+    """``x``, as a value the compiler takes to change with the loop counter ``it``.  The K/V
+    slot of a tile goes through it: seen as invariant, the wgmma descriptors of every K and V
+    slice built from it were hoisted out of the streamed-block loop and held across it, and the
+    d128 consumer spilled (6-9 local loads per block; 0 this way)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [x, it], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_smem, delta_smem, ds_smem, dq_smem,
+              dq_desc, dk, dv, s_zero, rows_k, it, m0, band, batch, head, seqlen_q, softmax_scale, scale_log2,
+              op_layout: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr,
+              SLOT_PER_ITERATION: gl.constexpr):
+    """_kv_consumer's step: the streamed block ``it`` of the ring (query rows from m0 of ``head``)
+    against the partition's ROWS rows from ROW0 of the K/V tile in stationary slot ``kv_slot``.
+    SLOT_PER_ITERATION (two slots, from d128): the slot is taken as this iteration's value
+    (_per_iteration), so the wgmma descriptors built from it are not held across the loop."""
+    if SLOT_PER_ITERATION:
+        kv_slot = _per_iteration(kv_slot, it)
+    k_tile = k_smem.index(kv_slot).reshape([BLOCK_N, HEAD_DIM_PAD])
+    k_rows = k_tile.slice(ROW0, ROWS)
+    v_rows = v_smem.index(kv_slot).reshape([BLOCK_N, HEAD_DIM_PAD]).slice(ROW0, ROWS)
+    slot = it % STAGES
+    phase = (it // STAGES) & 1
+    mbarrier.wait(q_ready.index(slot), phase)
+    q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
+    do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
+    dk, dv, dsT, pT_op, dsT_op = _dkdv_products(k_rows, v_rows, q, do, lse_smem.index(slot), delta_smem.index(slot),
+                                                dk, dv, s_zero, rows_k, m0, band, seqlen_q, scale_log2, op_layout)
+    if DQ_REDUCE:
+        # dS and the fp32 dQ staging have two buffers each: one written here was last read two
+        # blocks ago (dS by that block's dQ product, the staging by its reduce, which
+        # store_wait(1) leaves done), so two barriers per block order it all.
+        buf = it % 2
+        ds_smem.index(buf).store(dsT)
+        fence_async_shared()
+        tma.store_wait(1)
+        gl.thread_barrier()  # dS written by both warpgroups; the staging buffer free
+        # The block's dQ share: the two warpgroups take half the head dim each.
+        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, _wgmma_layout(HEAD_DIM_PAD, 1, 2))
+        dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_tile, dq_zero, use_acc=False)
+        _add_dq(dq * softmax_scale, dq_smem.index(buf), dq_desc, batch, m0, head)
+    dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=[dv, dk, pT_op, dsT_op])
+    mbarrier.arrive(q_empty.index(slot))
+    return dk, dv
+
+
+@gluon.jit
+def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, bars, walk, LSE, DELTA, slb, slh, dk_desc, dv_desc,
                           ds_smem, p_smem, softmax_scale, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr):
     """SPLIT_D (d256, where one warpgroup's registers do not hold dK and dV of 64 rows): both
@@ -281,81 +379,85 @@ def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, D
 
     Each Q block's lse and D are loaded from global memory one block ahead (the registers have
     room for them here, and it measured ~4% faster than through the ring at 4k-16k)."""
-    kv_ready, q_ready, q_empty = bars
-    batch, head_k, group, n0, seqlen_q, seqlen_k, window_left, window_right = problem
+    kv_ready, kv_empty, q_ready, q_empty = bars
+    num_tiles, heads_k, group, seqlen_q, seqlen_k, window_left, window_right = walk
+    SLOTS: gl.constexpr = k_smem.shape[0]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, 1, 2)
     acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_PAD, 1, 2)
-    rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    dk = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, acc_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, acc_layout)
-    k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM_PAD])
-    v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM_PAD])
-    dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k, window_left,
-                                                           window_right, True)
-    stats = batch.to(gl.int64) * slb + head_k * group * slh
-    lse, delta = _column_stats(LSE, DELTA, stats, lo + offs_m, seqlen_q, n_blocks > 0)
-    mbarrier.wait(kv_ready, 0)
-    it = 0
-    for g in range(group):
-        for i in range(n_blocks):
-            slot = it % STAGES
-            phase = (it // STAGES) & 1
-            m0 = lo + i * BLOCK_M
-            cols = m0 + offs_m
-            mbarrier.wait(q_ready.index(slot), phase)
-            q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
-            do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
-            sT = warpgroup_mma(k_tile, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dpT = warpgroup_mma(v_tile, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            # The next block's: this head's next one, or the next head's first.
-            next_head = (i + 1) // n_blocks
-            next_stats = stats + next_head * slh
-            next_cols = lo + (i + 1 - next_head * n_blocks) * BLOCK_M + offs_m
-            lse_next, delta_next = _column_stats(LSE, DELTA, next_stats, next_cols, seqlen_q, g + next_head < group)
-            sT = warpgroup_mma_wait(1, deps=[sT])
-            pT = _probs_t(sT, lse, rows_k, cols, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2)
-            dpT = warpgroup_mma_wait(0, deps=[dpT])
-            buf = it % 2
-            p_smem.index(buf).store(pT.to(dtype))
-            ds_smem.index(buf).store((pT * (dpT - delta[None, :])).to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()  # both warpgroups' halves of P^T and dS^T written
-            dv = warpgroup_mma(p_smem.index(buf), do, dv, is_async=True)
-            dk = warpgroup_mma(ds_smem.index(buf), q, dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
-            mbarrier.arrive(q_empty.index(slot))
-            lse, delta, stats = lse_next, delta_next, next_stats
-            it += 1
-    _store_dkdv(dk, dv, k_tile, v_tile, k_smem, v_smem, dk_desc, dv_desc, batch, n0, head_k, softmax_scale)
+    it = 0  # streamed blocks consumed so far: ring slot and mbarrier phase
+    tile_i = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        batch, head_k, n0 = _stationary_tile(t, heads_k, seqlen_k, BLOCK_N, False)
+        kv_slot = tile_i % SLOTS
+        k_block = k_smem.index(kv_slot)
+        v_block = v_smem.index(kv_slot)
+        k_tile = k_block.reshape([BLOCK_N, HEAD_DIM_PAD])
+        v_tile = v_block.reshape([BLOCK_N, HEAD_DIM_PAD])
+        rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        dk = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, acc_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, acc_layout)
+        dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k,
+                                                               window_left, window_right, True)
+        stats = batch.to(gl.int64) * slb + head_k * group * slh
+        lse, delta = _column_stats(LSE, DELTA, stats, lo + offs_m, seqlen_q, n_blocks > 0)
+        mbarrier.wait(kv_ready.index(kv_slot), tile_i // SLOTS & 1)
+        for g in range(group):
+            for i in range(n_blocks):
+                slot = it % STAGES
+                phase = (it // STAGES) & 1
+                m0 = lo + i * BLOCK_M
+                mbarrier.wait(q_ready.index(slot), phase)
+                q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
+                do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
+                sT = warpgroup_mma(k_tile, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                dpT = warpgroup_mma(v_tile, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                # The next block's: this head's next one, or the next head's first.
+                next_head = (i + 1) // n_blocks
+                next_stats = stats + next_head * slh
+                next_cols = lo + (i + 1 - next_head * n_blocks) * BLOCK_M + offs_m
+                lse_next, delta_next = _column_stats(LSE, DELTA, next_stats, next_cols, seqlen_q,
+                                                     g + next_head < group)
+                sT = warpgroup_mma_wait(1, deps=[sT])
+                pT = _probs_t(sT, lse, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2)
+                dpT = warpgroup_mma_wait(0, deps=[dpT])
+                buf = it % 2
+                p_smem.index(buf).store(pT.to(dtype))
+                ds_smem.index(buf).store((pT * (dpT - delta[None, :])).to(dtype))
+                fence_async_shared()
+                gl.thread_barrier()  # both warpgroups' halves of P^T and dS^T written
+                dv = warpgroup_mma(p_smem.index(buf), do, dv, is_async=True)
+                dk = warpgroup_mma(ds_smem.index(buf), q, dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+                mbarrier.arrive(q_empty.index(slot))
+                lse, delta, stats = lse_next, delta_next, next_stats
+                it += 1
+        _store_dkdv(dk, dv, k_tile, v_tile, k_block, v_block, dk_desc, dv_desc, batch, n0, head_k, softmax_scale)
+        _release_stationary(kv_empty, kv_slot)
+        tile_i += 1
 
 
 @gluon.jit
-def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, slb, slh, heads_k, group,
-                 seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, slb, slh, num_tiles,
+                 heads_k, group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                 STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr, SPLIT_D: gl.constexpr):
-    bh, block, _ = program_tile(seqlen_k, BLOCK_N)
-    n0 = block * BLOCK_N
-    batch = bh // heads_k
-    head_k = bh % heads_k
+                 STAGES: gl.constexpr, SLOTS: gl.constexpr, DQ_REDUCE: gl.constexpr, SPLIT_D: gl.constexpr):
     # The two passes: a partition per consumer warpgroup; SPLIT_D and DQ_REDUCE: one of both.
     ONE_PARTITION: gl.constexpr = SPLIT_D or DQ_REDUCE
     k_smem, v_smem, q_smem, do_smem, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, STAGES,
-                                                          1 if ONE_PARTITION else 2)
-    problem = (batch, head_k, group, n0, seqlen_q, seqlen_k, window_left, window_right)
+                                                          1 if ONE_PARTITION else 2, SLOTS)
+    walk = (num_tiles, heads_k, group, seqlen_q, seqlen_k, window_left, window_right)
     if SPLIT_D:
         # dS^T and P^T of both warpgroups, two buffers each.
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
         p_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
         gl.warp_specialize([
-            (_kv_consumers_split_d, (q_smem, k_smem, v_smem, do_smem, bars, problem, LSE, DELTA, slb, slh, dk_desc,
+            (_kv_consumers_split_d, (q_smem, k_smem, v_smem, do_smem, bars, walk, LSE, DELTA, slb, slh, dk_desc,
                                      dv_desc, ds_smem, p_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
                                      HEAD_DIM_PAD, STAGES)),
-            (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, batch, n0, head_k,
-                         head_k * group, group, seqlen_q, seqlen_k, window_left, window_right,
+            (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, walk,
                          (LSE, DELTA, k_smem, k_smem, slb, slh), BLOCK_N, BLOCK_M, STAGES, True, False)),
         ], [1], [PRODUCER_REGS])
     else:
@@ -367,43 +469,41 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
             ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
             dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [2] + dq_desc.block_type.shape, dq_desc.layout)
             gl.warp_specialize([
-                (_kv_consumer, (0, 2, q_smem, k_smem, v_smem, do_smem, bars, problem, dk_desc, dv_desc, ds_smem,
+                (_kv_consumer, (0, 2, q_smem, k_smem, v_smem, do_smem, bars, walk, dk_desc, dv_desc, ds_smem,
                                 dq_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
                                 HEAD_DIM_PAD, STAGES, True)),
-                (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, batch, n0,
-                             head_k, head_k * group, group, seqlen_q, seqlen_k, window_left, window_right,
+                (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, walk,
                              (LSE, DELTA, lse_smem, delta_smem, slb, slh), BLOCK_N, BLOCK_M, STAGES, True, True)),
             ], [1], [PRODUCER_REGS])
         # (Each call spells out the producer's arguments: a tuple bound to a name would lose its
         # constexprs.)  k_smem stands for the buffers only DQ_REDUCE reads.
         else:
             gl.warp_specialize([
-                (_kv_consumer, (0, 1, q_smem, k_smem, v_smem, do_smem, bars, problem, dk_desc, dv_desc, k_smem,
+                (_kv_consumer, (0, 1, q_smem, k_smem, v_smem, do_smem, bars, walk, dk_desc, dv_desc, k_smem,
                                 k_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
                                 HEAD_DIM_PAD, STAGES, False)),
-                (_kv_consumer, (1, 1, q_smem, k_smem, v_smem, do_smem, bars, problem, dk_desc, dv_desc, k_smem,
+                (_kv_consumer, (1, 1, q_smem, k_smem, v_smem, do_smem, bars, walk, dk_desc, dv_desc, k_smem,
                                 k_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
                                 HEAD_DIM_PAD, STAGES, False)),
-                (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, batch, n0,
-                             head_k, head_k * group, group, seqlen_q, seqlen_k, window_left, window_right,
+                (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, walk,
                              (LSE, DELTA, lse_smem, delta_smem, slb, slh), BLOCK_N, BLOCK_M, STAGES, True, True)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
-def _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, m0, seqlen_q, q_ready, do,
-                  rows_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+def _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, m0, seqlen_q, q_ready,
+                  q_phase, do, rows_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                   HAS_DLSE: gl.constexpr, WARPS: gl.constexpr):
     """BLOCK_M query rows of the dQ pass from m0, their lse (log2 units) and D = rowsum(dO * O) -
     dlse, also written for the dK/dV pass, by a partition of WARPS warps.  O is loaded while the
-    stationary Q and dO land (``q_ready``)."""
+    stationary Q and dO land (``q_ready``, phase ``q_phase``)."""
     tile_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     tile_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, tile_layout))
     offs_d = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, tile_layout))
     o_ptrs = O + batch.to(gl.int64) * sob + tile_rows[:, None].to(gl.int64) * sos + head * soh + offs_d[None, :]
     o = gl.load(o_ptrs, mask=(tile_rows[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
     stats = batch.to(gl.int64) * slb + head * slh
-    mbarrier.wait(q_ready, 0)
+    mbarrier.wait(q_ready, q_phase)
     delta = row_delta(o, do.load(tile_layout), DLSE, stats + tile_rows, tile_rows, seqlen_q, HAS_DLSE)
     gl.store(DELTA + stats + tile_rows, delta, mask=tile_rows < seqlen_q)
     rows = m0 + gl.arange(0, BLOCK_M, layout=rows_layout)
@@ -434,94 +534,99 @@ def _store_dq(dq, q, q_smem, dq_desc, batch, m0, head, softmax_scale):
 
 
 @gluon.jit
-def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim,
+def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, bars, walk, O, sob, sos, soh, head_dim,
                   LSE, DLSE, DELTA, slb, slh, ds_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, HAS_DLSE: gl.constexpr,
                   SPLIT_D: gl.constexpr):
     """Consumer warpgroup WHICH, a partition of its own: dQ of query rows [64 * WHICH, 64 * WHICH +
-    64) of the CTA's, and their D.  With SPLIT_D (d256) both warpgroups are one partition (WHICH
-    0) and own the CTA's 64 rows, half the head dim of dQ each; S and dP are split by K/V rows
-    and dS meets in shared memory (two buffers, one barrier per block)."""
-    q_ready, kv_ready, kv_empty = bars
-    batch, head, group, m0, seqlen_q, seqlen_k, window_left, window_right = problem
+    64) of each of the CTA's tiles, and their D.  With SPLIT_D (d256) both warpgroups are one
+    partition (WHICH 0) and own the tile's 64 rows, half the head dim of dQ each; S and dP are
+    split by K/V rows and dS meets in shared memory (two buffers, one barrier per block)."""
+    q_ready, q_empty, kv_ready, kv_empty = bars
+    num_tiles, heads_q, group, seqlen_q, seqlen_k, window_left, window_right = walk
+    SLOTS: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = WARPGROUP_ROWS
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N, 1, 2 if SPLIT_D else 1)
     acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_PAD, 1, 2 if SPLIT_D else 1)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    r0 = m0 + WHICH * ROWS
-    q = q_smem.reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
-    do = do_smem.reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
-    rows, lse, delta = _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, r0,
-                                     seqlen_q, q_ready, do, gl.SliceLayout(1, s_layout), ROWS, HEAD_DIM_PAD,
-                                     HAS_DLSE, 8 if SPLIT_D else 4)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    dq = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
-    # The band of the whole CTA's rows: both warpgroups step through the same blocks.
-    dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(m0, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left,
-                                                           window_right, False)
-    for j in range(n_blocks):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        n0 = lo + j * BLOCK_N
-        mbarrier.wait(kv_ready.index(slot), phase)
-        k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM_PAD])
-        v = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM_PAD])
-        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(1, deps=[s])
-        p = _probs(s, lse, rows, n0, (dlo, dhi, full_lo, full_hi), seqlen_k, scale_log2, BLOCK_N,
-                   gl.SliceLayout(0, s_layout))
-        dp = warpgroup_mma_wait(0, deps=[dp])
-        ds = (p * (dp - delta[:, None])).to(dtype)
-        if SPLIT_D:
-            buf = j % 2
-            ds_smem.index(buf).store(ds)
-            fence_async_shared()
-            gl.thread_barrier()  # both warpgroups' halves of dS written
-            dq = warpgroup_mma(ds_smem.index(buf), k, dq, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=[dq])
-        else:
-            ds_op = gl.convert_layout(ds, op_layout)
-            dq = warpgroup_mma(ds_op, k, dq, is_async=True)
-            dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
-        mbarrier.arrive(kv_empty.index(slot))
-    _store_dq(dq, q, q_smem.slice(WHICH * ROWS, ROWS, dim=1), dq_desc, batch, r0, head, softmax_scale)
+    j = 0  # streamed blocks consumed so far: ring slot and mbarrier phase
+    tile_i = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        batch, head, m0 = _stationary_tile(t, heads_q, seqlen_q, BLOCK_M, True)
+        q_slot = tile_i % SLOTS
+        q_block = q_smem.index(q_slot)
+        r0 = m0 + WHICH * ROWS
+        q = q_block.reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
+        do = do_smem.index(q_slot).reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
+        rows, lse, delta = _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, r0,
+                                         seqlen_q, q_ready.index(q_slot), tile_i // SLOTS & 1, do,
+                                         gl.SliceLayout(1, s_layout), ROWS, HEAD_DIM_PAD, HAS_DLSE,
+                                         8 if SPLIT_D else 4)
+        dq = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
+        # The band of the whole tile's rows: both warpgroups step through the same blocks.
+        dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(m0, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k,
+                                                               window_left, window_right, False)
+        for i in range(n_blocks):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            n0 = lo + i * BLOCK_N
+            mbarrier.wait(kv_ready.index(slot), phase)
+            k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM_PAD])
+            v = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM_PAD])
+            s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])
+            p = _probs(s, lse, rows, n0, (dlo, dhi, full_lo, full_hi), seqlen_k, scale_log2, BLOCK_N,
+                       gl.SliceLayout(0, s_layout))
+            dp = warpgroup_mma_wait(0, deps=[dp])
+            ds = (p * (dp - delta[:, None])).to(dtype)
+            if SPLIT_D:
+                buf = j % 2
+                ds_smem.index(buf).store(ds)
+                fence_async_shared()
+                gl.thread_barrier()  # both warpgroups' halves of dS written
+                dq = warpgroup_mma(ds_smem.index(buf), k, dq, is_async=True)
+                dq = warpgroup_mma_wait(0, deps=[dq])
+            else:
+                ds_op = gl.convert_layout(ds, op_layout)
+                dq = warpgroup_mma(ds_op, k, dq, is_async=True)
+                dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
+            mbarrier.arrive(kv_empty.index(slot))
+            j += 1
+        _store_dq(dq, q, q_block.slice(WHICH * ROWS, ROWS, dim=1), dq_desc, batch, r0, head, softmax_scale)
+        _release_stationary(q_empty, q_slot)
+        tile_i += 1
 
 
 @gluon.jit
 def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh,
-               heads_q, group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
+               num_tiles, heads_q, group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-               HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr):
-    bh, block, blocks = program_tile(seqlen_q, BLOCK_M)
-    m0 = (blocks - 1 - block) * BLOCK_M  # long causal rows first
-    batch = bh // heads_q
-    head = bh % heads_q
+               SLOTS: gl.constexpr, HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr):
     # With SPLIT_D both consumer warpgroups are one partition; else each is its own.
     q_smem, do_smem, k_smem, v_smem, bars = _pass_buffers(q_desc, do_desc, k_desc, v_desc, STAGES,
-                                                          1 if SPLIT_D else 2)
-    problem = (batch, head, group, m0, seqlen_q, seqlen_k, window_left, window_right)
+                                                          1 if SPLIT_D else 2, SLOTS)
+    walk = (num_tiles, heads_q, group, seqlen_q, seqlen_k, window_left, window_right)
     if SPLIT_D:
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], _SCORES_LAYOUT)  # both halves
         gl.warp_specialize([
-            (_dq_consumers, (0, q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim, LSE,
+            (_dq_consumers, (0, q_smem, do_smem, k_smem, v_smem, bars, walk, O, sob, sos, soh, head_dim, LSE,
                              DLSE, DELTA, slb, slh, ds_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
                              HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, batch, m0, head,
-                         head // group, 1, seqlen_q, seqlen_k, window_left, window_right,
+            (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, walk,
                          (LSE, DELTA, q_smem, q_smem, slb, slh), BLOCK_M, BLOCK_N, STAGES, False, False)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_dq_consumers, (0, q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim, LSE,
+            (_dq_consumers, (0, q_smem, do_smem, k_smem, v_smem, bars, walk, O, sob, sos, soh, head_dim, LSE,
                              DLSE, DELTA, slb, slh, q_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
                              HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D)),
-            (_dq_consumers, (1, q_smem, do_smem, k_smem, v_smem, bars, problem, O, sob, sos, soh, head_dim, LSE,
+            (_dq_consumers, (1, q_smem, do_smem, k_smem, v_smem, bars, walk, O, sob, sos, soh, head_dim, LSE,
                              DLSE, DELTA, slb, slh, q_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
                              HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, batch, m0, head,
-                         head // group, 1, seqlen_q, seqlen_k, window_left, window_right,
+            (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, walk,
                          (LSE, DELTA, q_smem, q_smem, slb, slh), BLOCK_M, BLOCK_N, STAGES, False, False)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -541,14 +646,17 @@ def backward(p, dout, dlse, q, k, v, out, lse):
     delta = torch.empty_like(lse)
     pad = p.head_dim_pad
     rows = gluon_bwd_stationary_rows(pad)
+    tiles = p.batch * p.heads_q * triton.cdiv(p.seqlen_q, rows)
+    ctas, slots = pass_schedule(p, tiles, q.device)
     launch(
-        _dq_kernel, (p.batch * p.heads_q * triton.cdiv(p.seqlen_q, rows),),
+        _dq_kernel, (ctas,),
         tma_descriptor(q, rows, pad), tma_descriptor(dout, rows, pad), tma_descriptor(k, cfg.dq_block_n, pad),
         tma_descriptor(v, cfg.dq_block_n, pad), tma_descriptor(dq, partition_rows(pad), pad),
         out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, delta if dlse is None else dlse, delta,
-        lse.stride(0), lse.stride(1), p.heads_q, p.group, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
-        p.softmax_scale, p.scale_log2, BLOCK_M=rows, BLOCK_N=cfg.dq_block_n, HEAD_DIM_PAD=pad,
-        STAGES=cfg.num_stages, HAS_DLSE=dlse is not None, SPLIT_D=split_head_dim(pad), **launch_options(pad))
+        lse.stride(0), lse.stride(1), tiles, p.heads_q, p.group, p.seqlen_q, p.seqlen_k, p.window_left,
+        p.window_right, p.softmax_scale, p.scale_log2, BLOCK_M=rows, BLOCK_N=cfg.dq_block_n, HEAD_DIM_PAD=pad,
+        STAGES=cfg.num_stages, SLOTS=slots, HAS_DLSE=dlse is not None, SPLIT_D=split_head_dim(pad),
+        **launch_options(pad))
     # D, written by the dQ pass, is read here: launched after it on the same stream.
     _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, None)
     return dq, dk, dv
@@ -573,15 +681,37 @@ def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
     rows = gluon_bwd_stationary_rows(pad)
     out_rows = partition_rows(pad, dq_acc is not None)
     dk_desc = tma_descriptor(dk, out_rows, pad)
+    dq_reduce = dq_acc is not None
+    tiles = p.batch * p.heads_k * triton.cdiv(p.seqlen_k, rows)
+    ctas, slots = pass_schedule(p, tiles, q.device, dq_reduce)
     launch(
-        _dkdv_kernel, (p.batch * p.heads_k * triton.cdiv(p.seqlen_k, rows),),
+        _dkdv_kernel, (ctas,),
         tma_descriptor(q, cfg.kv_block_m, pad), tma_descriptor(k, rows, pad), tma_descriptor(v, rows, pad),
         tma_descriptor(dout, cfg.kv_block_m, pad), dk_desc, tma_descriptor(dv, out_rows, pad),
         dk_desc if dq_acc is None else tma_descriptor(dq_acc, cfg.kv_block_m, pad),  # not read without dq_acc
-        lse, delta, lse.stride(0), lse.stride(1), p.heads_k, p.group, p.seqlen_q, p.seqlen_k,
+        lse, delta, lse.stride(0), lse.stride(1), tiles, p.heads_k, p.group, p.seqlen_q, p.seqlen_k,
         p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
         BLOCK_M=cfg.kv_block_m, BLOCK_N=rows, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages,
-        DQ_REDUCE=dq_acc is not None, SPLIT_D=split_head_dim(pad), **launch_options(pad, dq_acc is not None))
+        SLOTS=slots, DQ_REDUCE=dq_reduce, SPLIT_D=split_head_dim(pad),
+        **launch_options(pad, dq_reduce))
+
+
+# Whether passes of tiles of equal length run persistent CTAs (see pass_schedule).
+PERSISTENT = True
+
+
+def pass_schedule(p, tiles, device, dq_reduce=False):
+    """(CTAs, stationary slots) of a pass of ``tiles`` tiles.  Tiles of equal length (no band)
+    in the two passes up to d128, more of them than SMs: a CTA per SM (the most that fit), each
+    taking every CTAs-th tile, with two slots for the stationary tile, so that a tile's loads
+    and its predecessor's stores overlap the streaming instead of a CTA's teardown and launch
+    coming between them.  Otherwise a CTA per tile, one slot: the hardware hands tiles of uneven
+    length (causal) to SMs as they free up, which balances them, and d256 and the single pass
+    have no shared memory for a second slot."""
+    sms = sm_count(device.index)
+    if PERSISTENT and not p.banded and not one_consumer_partition(p.head_dim_pad, dq_reduce) and tiles > sms:
+        return sms, 2
+    return tiles, 1
 
 
 def one_consumer_partition(head_dim_pad, dq_reduce=False) -> bool:
