@@ -27,7 +27,8 @@ Tiles (a stationary row block of one head) are walked with one head's row blocks
 The two passes up to d128 on tiles of equal length (no band) run persistent CTAs, one per SM,
 each taking every CTAs-th tile (pass_schedule): the stationary tile has two slots, so the next
 tile's loads land while this one's gradients leave, and no CTA teardown and launch comes
-between tiles (1.06-1.10x at d128 1k-4k, 0.99-1.04x at d64, H200).  Causal / window tiles,
+between tiles (1.06-1.10x at d128 1k-4k, 0.99-1.04x at d64: H200,
+benchmarks/results/2026-12-02_H200_146aa2b/INDEX.md).  Causal / window tiles,
 d256 and the single pass run a CTA per tile (one slot): the hardware hands the uneven tiles of
 a band to SMs as they free up.
 
