@@ -221,7 +221,7 @@ def _column_stats(LSE, DELTA, stats, cols, seqlen_q, valid):
 @gluon.jit
 def _probs_t(sT, lse, rows_k, m0, band, seqlen_q, scale_log2):
     """P^T of the Q block from m0 from S^T, masked where the block crosses an edge of the band
-    (its column indices built only there: held across the loop they cost registers)."""
+    (its column indices built only there, as _probs builds its)."""
     dlo, dhi, full_lo, full_hi = band
     pT = gl.exp2(sT * scale_log2 - lse[None, :])
     if (m0 < full_lo) | (m0 >= full_hi):
@@ -256,6 +256,7 @@ def _dkdv_products(k_rows, v_rows, q, do, lse_ref, delta_ref, dk, dv, s_zero, ro
     pT = _probs_t(sT, lse, rows_k, m0, band, seqlen_q, scale_log2)
     pT_op = gl.convert_layout(pT.to(q.dtype), op_layout)
     dv = warpgroup_mma(pT_op, do, dv, is_async=True)
+    # D only now: loaded with lse, its registers were held across the S^T wait (d128 spilled more).
     delta = delta_ref.load(gl.SliceLayout(0, s_zero.type.layout))
     dpT = warpgroup_mma_wait(1, deps=[dpT])
     dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
@@ -308,7 +309,7 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, 
                                    ds_smem, dq_smem, dq_desc, dk, dv, s_zero, rows_k, it, lo + i * BLOCK_M,
                                    (dlo, dhi, full_lo, full_hi), batch, head, seqlen_q, softmax_scale, scale_log2,
                                    op_layout, WHICH * ROWS, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, DQ_REDUCE,
-                                   SLOTS > 1 and HEAD_DIM_PAD > 64)
+                                   HEAD_DIM_PAD > 64)
                 it += 1
         # The partition's rows of K and V stage its dK and dV (as 2-D tiles, and as TMA sees them).
         k_rows = k_block.reshape([BLOCK_N, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
@@ -324,7 +325,8 @@ def _per_iteration(x, it):
     """``x``, as a value the compiler takes to change with the loop counter ``it``.  The K/V
     slot of a tile goes through it: seen as invariant, the wgmma descriptors of every K and V
     slice built from it were hoisted out of the streamed-block loop and held across it, and the
-    d128 consumer spilled (6-9 local loads per block; 0 this way)."""
+    d128 consumer spilled (6-9 local loads per block with two slots, 108 bytes with one; 0 loads
+    and 4 bytes this way)."""
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [x, it], dtype=gl.int32, is_pure=True, pack=1)
 
 
@@ -336,8 +338,11 @@ def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_sm
               SLOT_PER_ITERATION: gl.constexpr):
     """_kv_consumer's step: the streamed block ``it`` of the ring (query rows from m0 of ``head``)
     against the partition's ROWS rows from ROW0 of the K/V tile in stationary slot ``kv_slot``.
-    SLOT_PER_ITERATION (two slots, from d128): the slot is taken as this iteration's value
-    (_per_iteration), so the wgmma descriptors built from it are not held across the loop."""
+    SLOT_PER_ITERATION (from d128): the slot is taken as this iteration's value (_per_iteration),
+    so the wgmma descriptors built from it are not held across the loop.  With a CTA per tile
+    that measured 1.02x against 0.98x (each against the module before, H200 d128 1k-4k); at d64,
+    where they fit in registers, 0.95-0.97x against 0.99-1.00x
+    (benchmarks/results/2026-12-02_H200_146aa2b/experiments, persistent_bwd_run1 and _146aa2b)."""
     if SLOT_PER_ITERATION:
         kv_slot = _per_iteration(kv_slot, it)
     k_tile = k_smem.index(kv_slot).reshape([BLOCK_N, HEAD_DIM_PAD])
