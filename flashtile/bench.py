@@ -311,6 +311,25 @@ def run(cases, providers, repeats=1, progress=True, on_error=print, cuda_graph=F
     return records
 
 
+def compare(variants, cases, rounds=2):
+    """Same-run A/B of code variants: ``variants`` maps a name to (provider, setup), ``setup()``
+    a context manager that puts the variant in place (a module swapped in, a constant set, an
+    environment variable).  Each round measures every case's variants back to back, in the
+    given order in even rounds and reversed in odd ones, so that no variant always runs first
+    (or right after another case's).  Returns one dict per case: its variants' best ms.  The
+    same setup under two names gives the spread a null comparison has on the machine."""
+    names = list(variants)
+    best = [{} for _ in cases]
+    for r in range(rounds):
+        for times, case in zip(best, cases):
+            for name in names if r % 2 == 0 else names[::-1]:
+                provider, setup = variants[name]
+                with setup():
+                    ms, _ = measure(provider, case)
+                times[name] = min(times.get(name, float("inf")), ms)
+    return best
+
+
 def markdown_table(records, baseline=None, failures=()):
     """One table per (head dim, causal, mode): TFLOP/s per provider and seqlen, plus ratios;
     then one line per cell that failed or ran out of memory."""

@@ -151,6 +151,33 @@ def test_bench_measure_sets_kernel_switches_for_one_measurement(monkeypatch):
     assert "FLASHTILE_V3_BWD" not in os.environ
 
 
+def test_compare_alternates_the_order_of_the_variants(monkeypatch):
+    # Each variant's setup is in place for its own measurements only, the order of the variants
+    # flips from round to round, and each keeps its best time per case.
+    import contextlib
+
+    entered, times = [], iter([3.0, 2.0, 1.0, 5.0, 4.0, 6.0, 2.5, 0.5])
+
+    def fake_measure(provider, case):
+        assert entered[-1][1] == provider  # measured under its own variant's setup
+        return next(times), None
+
+    def setup(name, provider):
+        @contextlib.contextmanager
+        def put_in_place():
+            entered.append((name, provider))
+            yield
+        return put_in_place
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    variants = {"old": ("flashtile-v2", setup("old", "flashtile-v2")),
+                "new": ("flashtile-v3", setup("new", "flashtile-v3"))}
+    cases = [bench.Case(1, 2, 2, 40, 40, 32, True, "fwd"), bench.Case(1, 2, 2, 70, 70, 32, False, "bwd")]
+    best = bench.compare(variants, cases, rounds=2)
+    assert [name for name, _ in entered] == ["old", "new", "old", "new", "new", "old", "new", "old"]
+    assert best == [{"old": 3.0, "new": 2.0}, {"old": 0.5, "new": 2.5}]
+
+
 def test_host_cost_times_the_calls_enqueued_and_finished(monkeypatch):
     # Host time (calls enqueued) never exceeds wall time (calls finished); switches in ``env``
     # reach the kernels for those calls only.
