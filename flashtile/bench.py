@@ -199,7 +199,10 @@ def make_step(provider, case, device):
 # (the GPU idle for the seconds a Gluon compile takes) ran slow: on a machine with cold caches,
 # v3's 1k cells' first of two passes took up to 1.44x the second (mean 1.04x; later seqlens,
 # v2 and cuDNN, nothing compiling, 0.96-1.00x), with do_bench's default 25 ms of warmup
-# (benchmarks/results/2026-12-01_H200_86cee91/bars_e0b3aaa.json, ms_runs).
+# (benchmarks/results/2026-12-01_H200_86cee91/bars_e0b3aaa.json, ms_runs).  The longer warmup
+# did not remove it: d128 causal 1k forward ran 0.27 ms where it had run 0.17
+# (benchmarks/results/2026-12-02_H200_146aa2b/bars_146aa2b.json), a cell whose host time per
+# call is about its GPU time, so a slow host shows there whatever the warmup.
 WARMUP_MS = 250
 
 

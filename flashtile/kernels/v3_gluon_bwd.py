@@ -114,6 +114,13 @@ def _stationary_tile(t, heads, seqlen, ROWS: gl.constexpr, LONGEST_FIRST: gl.con
 
 
 @gluon.jit
+def _buffer_of(count, BUFFERS: gl.constexpr):
+    """Buffer and mbarrier phase of the ``count``-th use of a BUFFERS-deep set of buffers (the
+    ring, the stationary slots), counted from 0 since the launch."""
+    return count % BUFFERS, (count // BUFFERS) & 1
+
+
+@gluon.jit
 def _release_stationary(stationary_empty, slot):
     """The partition's results have left the stationary slot (its TMA stores waited for by the
     thread that issued them): the producer may load the next tile into it."""
@@ -148,18 +155,17 @@ def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_smem, ba
             batch, head, r0 = _stationary_tile(t, heads, seqlen_q, ROWS, True)
             first_head = head // group
             streamed_heads = 1
-        s = tile_i % SLOTS
+        s, s_phase = _buffer_of(tile_i, SLOTS)
         stationary = stationary_ready.index(s)
-        mbarrier.wait(stationary_empty.index(s), (tile_i // SLOTS & 1) ^ 1)
+        mbarrier.wait(stationary_empty.index(s), s_phase ^ 1)
         mbarrier.expect(stationary, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(a_desc, [batch, r0, head, 0], stationary, a_smem.index(s))
         tma.async_copy_global_to_shared(b_desc, [batch, r0, head, 0], stationary, b_smem.index(s))
         dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(r0, ROWS, BLOCK, seqlen_q, seqlen_k, window_left,
                                                                window_right, KEY_ROWS)
-        _stream(c_desc, d_desc, c_smem, d_smem, ring_ready, ring_empty, batch, first_head, streamed_heads, lo,
-                n_blocks, it, seqlen_q, LSE, DELTA, lse_smem, delta_smem, slb, slh, offs, BLOCK, STAGES,
-                STATS_IN_RING)
-        it += streamed_heads * n_blocks
+        it = _stream(c_desc, d_desc, c_smem, d_smem, ring_ready, ring_empty, batch, first_head, streamed_heads, lo,
+                     n_blocks, it, seqlen_q, LSE, DELTA, lse_smem, delta_smem, slb, slh, offs, BLOCK, STAGES,
+                     STATS_IN_RING)
         tile_i += 1
 
 
@@ -168,11 +174,10 @@ def _stream(c_desc, d_desc, c_smem, d_smem, ring_ready, ring_empty, batch, first
             seqlen_q, LSE, DELTA, lse_smem, delta_smem, slb, slh, offs, BLOCK: gl.constexpr,
             STAGES: gl.constexpr, STATS_IN_RING: gl.constexpr):
     """One tile's streamed pairs: n_blocks blocks from row lo of each of ``heads`` heads from
-    ``first_head``, the first into the ring's slot of block ``it``."""
+    ``first_head``, the first into the ring's slot of block ``it``; returns the next block's count."""
     for g in range(heads):
         for i in range(n_blocks):
-            slot = it % STAGES
-            phase = (it // STAGES) & 1
+            slot, phase = _buffer_of(it, STAGES)
             mbarrier.wait(ring_empty.index(slot), phase ^ 1)
             if STATS_IN_RING:
                 # lse and D of the block's query rows beside it, by cp.async: the slot's barrier
@@ -188,6 +193,7 @@ def _stream(c_desc, d_desc, c_smem, d_smem, ring_ready, ring_empty, batch, first
             tma.async_copy_global_to_shared(c_desc, coord, ring_ready.index(slot), c_smem.index(slot))
             tma.async_copy_global_to_shared(d_desc, coord, ring_ready.index(slot), d_smem.index(slot))
             it += 1
+    return it
 
 
 @gluon.jit
@@ -291,7 +297,7 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, 
     tile_i = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         batch, head_k, n0 = _stationary_tile(t, heads_k, seqlen_k, BLOCK_N, False)
-        kv_slot = tile_i % SLOTS
+        kv_slot, kv_phase = _buffer_of(tile_i, SLOTS)
         k_block = k_smem.index(kv_slot)
         v_block = v_smem.index(kv_slot)
         r0 = n0 + WHICH * ROWS
@@ -301,7 +307,7 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, 
         # The band of the whole CTA's rows: every partition steps through the same blocks.
         dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k,
                                                                window_left, window_right, True)
-        mbarrier.wait(kv_ready.index(kv_slot), tile_i // SLOTS & 1)
+        mbarrier.wait(kv_ready.index(kv_slot), kv_phase)
         for g in range(group):
             head = head_k * group + g
             for i in range(n_blocks):
@@ -348,8 +354,7 @@ def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_sm
     k_tile = k_smem.index(kv_slot).reshape([BLOCK_N, HEAD_DIM_PAD])
     k_rows = k_tile.slice(ROW0, ROWS)
     v_rows = v_smem.index(kv_slot).reshape([BLOCK_N, HEAD_DIM_PAD]).slice(ROW0, ROWS)
-    slot = it % STAGES
-    phase = (it // STAGES) & 1
+    slot, phase = _buffer_of(it, STAGES)
     mbarrier.wait(q_ready.index(slot), phase)
     q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
     do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
@@ -397,7 +402,7 @@ def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, bars, walk, LSE, DELT
     tile_i = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         batch, head_k, n0 = _stationary_tile(t, heads_k, seqlen_k, BLOCK_N, False)
-        kv_slot = tile_i % SLOTS
+        kv_slot, kv_phase = _buffer_of(tile_i, SLOTS)
         k_block = k_smem.index(kv_slot)
         v_block = v_smem.index(kv_slot)
         k_tile = k_block.reshape([BLOCK_N, HEAD_DIM_PAD])
@@ -409,11 +414,10 @@ def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, bars, walk, LSE, DELT
                                                                window_left, window_right, True)
         stats = batch.to(gl.int64) * slb + head_k * group * slh
         lse, delta = _column_stats(LSE, DELTA, stats, lo + offs_m, seqlen_q, n_blocks > 0)
-        mbarrier.wait(kv_ready.index(kv_slot), tile_i // SLOTS & 1)
+        mbarrier.wait(kv_ready.index(kv_slot), kv_phase)
         for g in range(group):
             for i in range(n_blocks):
-                slot = it % STAGES
-                phase = (it // STAGES) & 1
+                slot, phase = _buffer_of(it, STAGES)
                 m0 = lo + i * BLOCK_M
                 mbarrier.wait(q_ready.index(slot), phase)
                 q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
@@ -561,13 +565,13 @@ def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, bars, wa
     tile_i = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         batch, head, m0 = _stationary_tile(t, heads_q, seqlen_q, BLOCK_M, True)
-        q_slot = tile_i % SLOTS
+        q_slot, q_phase = _buffer_of(tile_i, SLOTS)
         q_block = q_smem.index(q_slot)
         r0 = m0 + WHICH * ROWS
         q = q_block.reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
         do = do_smem.index(q_slot).reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
         rows, lse, delta = _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, r0,
-                                         seqlen_q, q_ready.index(q_slot), tile_i // SLOTS & 1, do,
+                                         seqlen_q, q_ready.index(q_slot), q_phase, do,
                                          gl.SliceLayout(1, s_layout), ROWS, HEAD_DIM_PAD, HAS_DLSE,
                                          8 if SPLIT_D else 4)
         dq = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
@@ -575,8 +579,7 @@ def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, bars, wa
         dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(m0, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k,
                                                                window_left, window_right, False)
         for i in range(n_blocks):
-            slot = j % STAGES
-            phase = (j // STAGES) & 1
+            slot, phase = _buffer_of(j, STAGES)
             n0 = lo + i * BLOCK_N
             mbarrier.wait(kv_ready.index(slot), phase)
             k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM_PAD])
