@@ -210,11 +210,15 @@ class GluonBackward:
 # below that (and when ``deterministic``) the two Gluon passes.  Tiles: the 4k sweep (e943ac5)
 # put every candidate within 2% of 64,64,2 except 128-row Q blocks at d64 (they spill: -22%);
 # d128 has no shared memory for a third ring slot next to the two dS and dQ staging buffers.
+# Later (H200, benchmarks/results/2026-12-02_H200_90fe747/INDEX.md, same-run): at d64 the dQ
+# pass's 128-row K/V blocks made the two passes 1.036-1.039x faster (1k, 4k, causal 4k; 4 ring
+# slots instead of 3: 0.995-1.012x), and at d128 the single pass led the two passes from 2k on
+# (1.021x at 2k, 1.048x at 4k non-causal, 1.05-1.07x causal 4k-8k).
 # At d256 the two passes split the head dim between the warpgroups: 1.61-1.78x v2's backward and
 # 0.995-1.14x cuDNN at 1k-16k (benchmarks/results/2026-12-01_H200_86cee91/bars_e0b3aaa.md).
-_V3_GLUON_BWD = [(64, GluonBackward(64, 64, 3)), (128, GluonBackward(64, 64, 2)),
+_V3_GLUON_BWD = [(64, GluonBackward(64, 128, 3)), (128, GluonBackward(64, 64, 2)),
                  (256, GluonBackward(64, 64, 2))]  # d256: 64-row blocks both ways (shared memory)
-GLUON_REDUCE_MIN_KEYS = {64: 8192, 128: 4096}  # by padded head dim
+GLUON_REDUCE_MIN_KEYS = {64: 8192, 128: 2048}  # by padded head dim
 
 
 def v3_gluon_bwd_config(p) -> GluonBackward:
