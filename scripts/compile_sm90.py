@@ -5,6 +5,7 @@ shared memory, and compile errors.  ``--dump DIR`` writes the TTGIR/PTX for read
 """
 import argparse
 import pathlib
+from unittest import mock
 
 import torch
 import triton
@@ -56,23 +57,27 @@ def gluon_case(head_dim, causal=False):
     return consts, dict(v3_gluon.LAUNCH_OPTIONS), descriptors
 
 
-def gluon_bwd_case(head_dim_pad, dq_pass, dq_reduce=False, persistent=True):
+def gluon_bwd_case(head_dim_pad, dq_pass, dq_reduce=False, persistent=True, causal=False):
     """One of v3's Gluon backward kernels with the constants and launch options
     v3_gluon_bwd.backward would use (FLASHTILE_CONFIG_V3_GLUON_BWD applies); ``dq_reduce``: the
     dK/dV kernel adding dQ by TMA (v3_gluon_bwd.backward_reduce); ``persistent``: as launched
-    persistent where the pass can be (two stationary slots: v3_gluon_bwd.pass_schedule), else
-    a CTA per tile."""
+    persistent where the pass can be (two stationary slots, tiles strided over or, ``causal``,
+    taken from the tile counter: v3_gluon_bwd.pass_schedule), else a CTA per tile."""
     b = v3_gluon_bwd
-    cfg = configs.v3_gluon_bwd_config(Problem(1, 16, 16, 4096, 4096, head_dim_pad, 0.1, -1, -1, None, None))
+    p = Problem(1, 16, 16, 4096, 4096, head_dim_pad, 0.1, -1, 0 if causal else -1, None, None)
+    cfg = configs.v3_gluon_bwd_config(p)
     rows = configs.gluon_bwd_stationary_rows(head_dim_pad)
     block_m, block_n = (rows, cfg.dq_block_n) if dq_pass else (cfg.kv_block_m, rows)
     q_block = v3_gluon.block_layout(block_m, head_dim_pad, torch.bfloat16)
     kv_block = v3_gluon.block_layout(block_n, head_dim_pad, torch.bfloat16)
     descriptors = {"q_desc": q_block, "do_desc": q_block, "dq_desc": q_block, "k_desc": kv_block,
                    "v_desc": kv_block, "dk_desc": kv_block, "dv_desc": kv_block}
-    slots = 2 if persistent and not b.one_consumer_partition(head_dim_pad, dq_reduce) else 1
+    schedule = b.Schedule(1, 1, False, False)
+    if persistent:  # as launched on a GPU of 132 SMs, 1024 tiles
+        with mock.patch.object(b, "sm_count", lambda index: 132):
+            schedule = b.pass_schedule(p, 1024, torch.device("cuda", 0), dq_reduce)
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PAD=head_dim_pad, STAGES=cfg.num_stages,
-                  SLOTS=slots, SPLIT_D=configs.split_head_dim(head_dim_pad))
+                  SPLIT_D=configs.split_head_dim(head_dim_pad), **schedule.constants())
     out_block = v3_gluon.block_layout(b.partition_rows(head_dim_pad, dq_reduce), head_dim_pad, torch.bfloat16)
     if dq_pass:
         consts["HAS_DLSE"] = False
@@ -119,7 +124,13 @@ def cases(head_dim=128, varlen=False):
         yield ("v3.fwd_gluon_causal", v3_gluon._fwd_kernel, *gluon_case(head_dim, causal=True))
         yield ("v3.bwd_dq_gluon", v3_gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, True))
         yield ("v3.bwd_dkdv_gluon", v3_gluon_bwd._dkdv_kernel, *gluon_bwd_case(p.head_dim_pad, False))
-        if not configs.split_head_dim(p.head_dim_pad):  # the two passes with a CTA per tile (causal)
+        if not configs.split_head_dim(p.head_dim_pad):
+            # The two passes over a band's tiles (persistent, from the tile counter), and with a
+            # CTA per tile (as few tiles as SMs).
+            yield ("v3.bwd_dq_gluon_causal", v3_gluon_bwd._dq_kernel,
+                   *gluon_bwd_case(p.head_dim_pad, True, causal=True))
+            yield ("v3.bwd_dkdv_gluon_causal", v3_gluon_bwd._dkdv_kernel,
+                   *gluon_bwd_case(p.head_dim_pad, False, causal=True))
             yield ("v3.bwd_dq_gluon_tile", v3_gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, True, False, False))
             yield ("v3.bwd_dkdv_gluon_tile", v3_gluon_bwd._dkdv_kernel,
                    *gluon_bwd_case(p.head_dim_pad, False, False, False))

@@ -19,6 +19,7 @@ CASES = [
     (1, 190, 190, 2, 1, 256, False, (32, 0)),
     (4, 1000, 1000, 8, 8, 64, True, (-1, -1)),  # more tiles than SMs: v3's persistent walks wrap
     (4, 1000, 1000, 8, 8, 64, False, (-1, -1)),  # (the counter's for causal tiles, the stride's here)
+    (4, 1000, 1000, 8, 8, 128, True, (-1, -1)),
 ]
 
 

@@ -112,8 +112,9 @@ def test_v3_gluon_backward(monkeypatch, kernels, head_dim, window):
     # TMA reduce-add (d64 and d128; the two passes split the head dim at d256), against the
     # oracle: GQA, seqlens that are not block multiples, causal and a sliding window.
     monkeypatch.setenv("FLASHTILE_V3_BWD", kernels)
-    # As if the GPU had 3 SMs: where a pass runs persistent CTAs (no band, two passes) each takes
-    # several tiles, their number not a multiple of the CTAs'.
+    # As if the GPU had 3 SMs: where a pass runs persistent CTAs (the two passes up to d128) each
+    # takes several tiles, strided over or (a band's) from the tile counter, their number not a
+    # multiple of the CTAs'.
     monkeypatch.setattr(v3_gluon_bwd, "sm_count", lambda device_index: 3)
     sq, sk = (700, 1000) if ON_GPU else (40, 70)
     q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, head_dim, DTYPES[0], DEVICE)

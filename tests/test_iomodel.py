@@ -1,5 +1,6 @@
 """The IO model's counts against small cases computed by hand."""
 from flashtile import iomodel
+from flashtile.kernels import configs
 from flashtile.iomodel import Shape
 
 
@@ -70,7 +71,8 @@ def test_v3_single_pass_backward_counts():
     assert m["bwd_bytes"] == (2 * 128 * 64 * 2 + 128 * 4 + 4 * 64 * (2 * 64 * 2 + 2 * 4 + 64 * 4)
                               + 4 * 128 * 64 * 2 + 128 * 64 * (2 * 4 + 2))
     assert m["bwd_flops"] == 5 * 2 * 128 * 128 * 64
-    # v3 takes it at head dim 128 from 4k keys on, v2's two passes (7 matmuls) otherwise
-    long, short = Shape(1, 16, 8192, 8192, 128), Shape(1, 16, 2048, 2048, 128)
+    # v3 takes it at head dim 128 from GLUON_REDUCE_MIN_KEYS keys on, two passes (7 matmuls) below
+    keys = configs.GLUON_REDUCE_MIN_KEYS[128]
+    long, short = Shape(1, 16, keys, keys, 128), Shape(1, 16, keys // 2, keys // 2, 128)
     assert iomodel.summary(long)["v3"]["bwd_flops"] == 5 / 7 * iomodel.summary(long)["v2"]["bwd_flops"]
     assert iomodel.summary(short)["v3"]["bwd_flops"] == iomodel.summary(short)["v2"]["bwd_flops"]

@@ -69,6 +69,7 @@ def test_v3_gluon_forward_compiles_for_sm90(tmp_path, head_dim):
 
 
 @pytest.mark.parametrize("kernel", ["v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon", "v3.bwd_reduce_gluon",
+                                    "v3.bwd_dq_gluon_causal", "v3.bwd_dkdv_gluon_causal",
                                     "v3.bwd_dq_gluon_tile", "v3.bwd_dkdv_gluon_tile"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_v3_gluon_backward_kernels_compile_for_sm90(tmp_path, kernel, head_dim):
@@ -76,7 +77,8 @@ def test_v3_gluon_backward_kernels_compile_for_sm90(tmp_path, kernel, head_dim):
     # partition each (no barrier spans both), in the single pass one partition (both
     # warpgroups' dS^T meet for the dQ product); S and dP from shared memory, the gradient
     # products with P / dS in registers.  The two passes as launched persistent (two stationary
-    # slots) and with a CTA per tile ("_tile": one slot).
+    # slots; a band's tiles, "_causal", taken from the atomic tile counter) and with a CTA per
+    # tile ("_tile": one slot).
     ttgir = compile_for_sm90(tmp_path, kernel, head_dim, {})
     ptx = (tmp_path / f"{kernel}_d{head_dim}.ptx").read_text()
     single_pass = kernel == "v3.bwd_reduce_gluon"
@@ -88,12 +90,13 @@ def test_v3_gluon_backward_kernels_compile_for_sm90(tmp_path, kernel, head_dim):
     assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx      # TMA stores of the gradients
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx)
     assert any(n == str(head_dim) and a == "{" for n, a in wgmma), "gradient products without register A"
-    assert any(n == "64" and a == "%" for n, a in wgmma), "S / dP not from shared memory"
+    assert any(n in ("64", "128") and a == "%" for n, a in wgmma), "S / dP not from shared memory"
     reduces = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)
     assert len(reduces) == single_pass, "dQ by TMA reduce-add in the single pass only"
     # The K/V-stationary pass gets each Q block's lse and D through the ring (cp.async counted on
     # the slot's mbarrier); the dQ pass reads its rows' once.
     assert ("cp.async.mbarrier.arrive" in ptx) == (not kernel.startswith("v3.bwd_dq_gluon"))
+    assert ("atom.global" in ptx) == kernel.endswith("_causal")
 
 
 @pytest.mark.parametrize("kernel", ["v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon"])
@@ -248,25 +251,30 @@ def test_v3_backward_routing(monkeypatch):
 
 
 def test_v3_gluon_backward_pass_schedule(monkeypatch):
-    # The two passes up to d128 run a CTA per SM with two stationary slots over tiles of equal
-    # length when there are more tiles than SMs; a band (causal), d256 and the single pass keep a
-    # CTA per tile and one slot.
+    # The two passes up to d128 run a CTA per SM with two stationary slots when there are more
+    # tiles than SMs: tiles of equal length strided over, a band's (causal, window) taken from
+    # the tile counter; d256, the single pass and as few tiles as SMs keep a CTA per tile and
+    # one slot.
     from dataclasses import replace
 
     from flashtile.kernels import v3_gluon_bwd
     from flashtile.kernels.problem import Problem
 
+    Schedule = v3_gluon_bwd.Schedule
     monkeypatch.setattr(v3_gluon_bwd, "sm_count", lambda device_index: 132)
     plain = Problem(2, 8, 8, 1024, 1024, 128, 0.1, -1, -1, None, None)
     gpu = torch.device("cuda", 0)
-    assert v3_gluon_bwd.pass_schedule(plain, 512, gpu) == (132, 2)
-    assert v3_gluon_bwd.pass_schedule(replace(plain, head_dim=64), 512, gpu) == (132, 2)
-    assert v3_gluon_bwd.pass_schedule(plain, 132, gpu) == (132, 1)
-    assert v3_gluon_bwd.pass_schedule(replace(plain, window_right=0), 512, gpu) == (512, 1)
-    assert v3_gluon_bwd.pass_schedule(plain, 512, gpu, dq_reduce=True) == (512, 1)
-    assert v3_gluon_bwd.pass_schedule(replace(plain, head_dim=256), 512, gpu) == (512, 1)
+    assert v3_gluon_bwd.pass_schedule(plain, 512, gpu) == Schedule(132, 2, True, False)
+    assert v3_gluon_bwd.pass_schedule(replace(plain, head_dim=64), 512, gpu) == Schedule(132, 2, True, False)
+    assert v3_gluon_bwd.pass_schedule(plain, 132, gpu) == Schedule(132, 1, False, False)
+    assert v3_gluon_bwd.pass_schedule(replace(plain, window_right=0), 512, gpu) == Schedule(132, 2, True, True)
+    assert v3_gluon_bwd.pass_schedule(replace(plain, window_left=64), 512, gpu) == Schedule(132, 2, True, True)
+    assert v3_gluon_bwd.pass_schedule(plain, 512, gpu, dq_reduce=True) == Schedule(512, 1, False, False)
+    assert v3_gluon_bwd.pass_schedule(replace(plain, head_dim=256), 512, gpu) == Schedule(512, 1, False, False)
+    assert Schedule(132, 2, True, True).constants() == dict(SLOTS=2, PERSISTENT=True, DYNAMIC=True)
     monkeypatch.setattr(v3_gluon_bwd, "PERSISTENT", False)
-    assert v3_gluon_bwd.pass_schedule(plain, 512, gpu) == (512, 1)
+    assert v3_gluon_bwd.pass_schedule(plain, 512, gpu) == Schedule(512, 1, False, False)
+    assert v3_gluon_bwd.pass_schedule(replace(plain, window_right=0), 512, gpu) == Schedule(512, 1, False, False)
 
 
 def test_v3_gluon_takes_only_layouts_tma_can_describe():

@@ -84,13 +84,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, wa
         # Both consumers are done with the Q this slot held (and have read that tile's number).
         q_slot = tile_i % Q_SLOTS
         mbarrier.wait(q_empty.index(q_slot), (tile_i // Q_SLOTS & 1) ^ 1)
-        _publish_tile(tile_ids, tile_i, t)
-        if DYNAMIC:  # the next tile is the first no CTA has taken yet
-            t = gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
-        elif PERSISTENT:  # tiles of equal length: every num_programs-th
-            t += gl.num_programs(0)
-        else:  # one tile per CTA
-            t = num_tiles
+        publish_tile(tile_ids, tile_i, t)
+        t = next_tile(t, num_tiles, COUNTER, PERSISTENT, DYNAMIC)
         q_bar = q_ready.index(q_slot)
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [batch, m0, head, 0], q_bar, q_smem.index(2 * q_slot))
@@ -107,32 +102,54 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, wa
             tma.async_copy_global_to_shared(v_desc, [batch, n0, head_k, 0], v_ready.index(slot), v_smem.index(slot))
             it += 1
         tile_i += 1
-    # No tile left: tell the consumers with a tile number past the end.
     q_slot = tile_i % Q_SLOTS
     mbarrier.wait(q_empty.index(q_slot), (tile_i // Q_SLOTS & 1) ^ 1)
-    _publish_tile(tile_ids, tile_i, num_tiles)
-    mbarrier.arrive(q_ready.index(q_slot))
+    end_tiles(tile_ids, tile_i, q_ready.index(q_slot), num_tiles, COUNTER, DYNAMIC)
+
+
+@gluon.jit
+def next_tile(t, num_tiles, COUNTER, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """The tile a CTA's producer takes after tile ``t``: DYNAMIC, the first no CTA has taken
+    yet (COUNTER[0] counts the tiles past the first num_programs); PERSISTENT, every
+    num_programs-th (tiles of equal length); else none (one tile per CTA)."""
     if DYNAMIC:
-        # COUNTER[1] counts the CTAs past their last take from COUNTER[0]; the last of them
-        # sets both back to 0, ready for the next launch on this stream (no fill per call).
+        t = gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
+    elif PERSISTENT:
+        t += gl.num_programs(0)
+    else:
+        t = num_tiles
+    return t
+
+
+@gluon.jit
+def end_tiles(tile_ids, tile_i, ready, num_tiles, COUNTER, DYNAMIC: gl.constexpr):
+    """No tile left: the producer tells the consumers with a tile number past the end, in the
+    slot of its ``tile_i``-th tile (``ready``: that slot's barrier, free).  DYNAMIC: COUNTER[1]
+    counts the CTAs past their last take from COUNTER[0]; the last of them sets both back to 0,
+    ready for the next launch on this stream (no fill per call)."""
+    publish_tile(tile_ids, tile_i, num_tiles)
+    mbarrier.arrive(ready)
+    if DYNAMIC:
         if gl.atomic_add(COUNTER + 1, 1) == gl.num_programs(0) - 1:
             gl.atomic_xchg(COUNTER, 0)
             gl.atomic_xchg(COUNTER + 1, 0)
 
 
 @gluon.jit
-def _publish_tile(tile_ids, tile_i, t):
+def publish_tile(tile_ids, tile_i, t):
     """The producer's tile number for the consumers (tile_i: how many tiles this CTA has taken)."""
-    # Written before q_ready's arrival, read after its phase completes: the mbarrier orders the two.
-    # Two slots: the producer runs at most one tile ahead of a consumer still reading its number.
+    # Written before the slot's ready barrier's arrival, read after its phase completes: the
+    # mbarrier orders the two.  Two slots: the producer runs at most one tile ahead of a consumer
+    # still reading its number.
     tile_ids.index(tile_i & 1).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
 
 
 @gluon.jit
-def _read_tile(tile_ids, tile_i, q_ready, Q_SLOTS: gl.constexpr):
-    """Wait for tile ``tile_i``'s Q to land; its tile number."""
-    mbarrier.wait(q_ready.index(tile_i % Q_SLOTS), tile_i // Q_SLOTS & 1)
-    ids = tile_ids.index(tile_i & 1).load(gl.BlockedLayout([1], [32], [4], [0]))
+def read_tile(tile_ids, tile_i, ready, SLOTS: gl.constexpr):
+    """Wait for the loads of the CTA's ``tile_i``-th tile (the barriers ``ready`` of its SLOTS
+    slots) to land; its tile number (past the end: no tile left)."""
+    mbarrier.wait(ready.index(tile_i % SLOTS), tile_i // SLOTS & 1)
+    ids = tile_ids.index(tile_i & 1).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
     return gl.max(ids, 0)
 
 
@@ -179,7 +196,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
     it = 0     # K/V blocks consumed so far: ring slot and mbarrier phase
     turns = 0  # ping-pong turns taken so far
     tile_i = 0
-    t = _read_tile(tile_ids, tile_i, q_ready, Q_SLOTS)
+    t = read_tile(tile_ids, tile_i, q_ready, Q_SLOTS)
     while t < num_tiles:
         batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(t, walk, 2 * ROWS, BLOCK_N)
         q_slot = tile_i % Q_SLOTS
@@ -249,7 +266,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
         _store_rows(out.to(dtype), lse, o_smem, WHICH, outputs, batch, head, m0 + WHICH * ROWS, seqlen_q,
                     ROWS, HEAD_DIM_PAD, o_layout, O_VIA_SMEM)
         tile_i += 1
-        t = _read_tile(tile_ids, tile_i, q_ready, Q_SLOTS)
+        t = read_tile(tile_ids, tile_i, q_ready, Q_SLOTS)
     tma.store_wait(0)
 
 

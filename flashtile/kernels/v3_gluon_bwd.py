@@ -38,6 +38,8 @@ holding half the head dim of the gradients, S / dP split by streamed rows, P and
 shared memory (every product from shared memory): v3's backward at d256 (and d192).  Anything
 else keeps v2's kernels.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 from triton._C.libtriton import ir
@@ -53,7 +55,8 @@ from flashtile.kernels.configs import (GLUON_HEAD_DIMS, gluon_bwd_stationary_row
                                        v3_gluon_bwd_config)
 from flashtile.kernels.launch import launch
 from flashtile.kernels.tiles import LOG2E, row_delta
-from flashtile.kernels.v3_gluon import broadcast, sm_count, tma_descriptor
+from flashtile.kernels.v3_gluon import (broadcast, end_tiles, next_tile, publish_tile, read_tile, sm_count,
+                                       tile_counter, tma_descriptor)
 
 # 12 warps (8 consumer, one producer warp rounded up to a warpgroup): 168 registers each at
 # launch, moved to 240 for the consumers (dK, dV, S^T, dP^T live there) and 24 for the producer.
@@ -84,7 +87,8 @@ def _pass_buffers(a_desc, b_desc, c_desc, d_desc, STAGES: gl.constexpr, CONSUMER
     """Shared memory of one pass: SLOTS buffers of the stationary pair of tiles (a, b), one per
     tile in flight, and a ring of STAGES streamed pairs (c, d); mbarriers (stationary slot ready,
     stationary slot empty, ring slot ready, ring slot empty; "empty" ones take one arrival from
-    each of CONSUMERS consumer partitions)."""
+    each of CONSUMERS consumer partitions); the producer's tile numbers for the consumers (two:
+    tile parity)."""
     a = gl.allocate_shared_memory(a_desc.dtype, [SLOTS] + a_desc.block_type.shape, a_desc.layout)
     b = gl.allocate_shared_memory(b_desc.dtype, [SLOTS] + b_desc.block_type.shape, b_desc.layout)
     c = gl.allocate_shared_memory(c_desc.dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
@@ -99,7 +103,8 @@ def _pass_buffers(a_desc, b_desc, c_desc, d_desc, STAGES: gl.constexpr, CONSUMER
     for i in gl.static_range(STAGES):
         mbarrier.init(ring_ready.index(i), count=1)
         mbarrier.init(ring_empty.index(i), count=CONSUMERS)
-    return a, b, c, d, (stationary_ready, stationary_empty, ring_ready, ring_empty)
+    tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    return a, b, c, d, tile_ids, (stationary_ready, stationary_empty, ring_ready, ring_empty)
 
 
 @gluon.jit
@@ -121,6 +126,16 @@ def _buffer_of(count, BUFFERS: gl.constexpr):
 
 
 @gluon.jit
+def _next_tile(tile_ids, tile_i, ready, num_tiles, SLOTS: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The consumers' ``tile_i``-th tile (read_tile), once its stationary loads (``ready``) have
+    landed; past the end: none left.  A CTA of one tile (not PERSISTENT) takes no second."""
+    t = num_tiles
+    if PERSISTENT:
+        t = read_tile(tile_ids, tile_i, ready, SLOTS)
+    return t
+
+
+@gluon.jit
 def _release_stationary(stationary_empty, slot):
     """The partition's results have left the stationary slot (its TMA stores waited for by the
     thread that issued them): the producer may load the next tile into it."""
@@ -129,12 +144,13 @@ def _release_stationary(stationary_empty, slot):
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_smem, bars, walk, column_stats,
-              ROWS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, KEY_ROWS: gl.constexpr,
-              STATS_IN_RING: gl.constexpr):
-    """The producer warp of either pass, over the CTA's tiles (every num_programs-th of
-    ``walk``'s): each tile's stationary pair (a, b), ROWS rows of one head, into a free slot of
-    its buffers; then the streamed pairs (c, d), BLOCK rows at a time, over the band of the
+def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_smem, tile_ids, bars, walk, column_stats,
+              COUNTER, ROWS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, KEY_ROWS: gl.constexpr,
+              STATS_IN_RING: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """The producer warp of either pass, over the CTA's tiles of ``walk`` (v3_gluon.next_tile:
+    one, every num_programs-th, or taken from COUNTER), each tile's number handed to the
+    consumers: its stationary pair (a, b), ROWS rows of one head, into a free slot of its
+    buffers; then the streamed pairs (c, d), BLOCK rows at a time, over the band of the
     stationary rows, through the STAGES-slot ring.  KEY_ROWS (the dK/dV pass): the stationary
     rows are key rows of a K/V head, and every query head of its group streams by; else one
     query head's rows, against its K/V head's blocks."""
@@ -146,7 +162,8 @@ def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_smem, ba
     offs = gl.arange(0, BLOCK, layout=stats_layout)
     it = 0  # streamed blocks issued so far: ring slot and mbarrier phase
     tile_i = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    t = gl.program_id(0)
+    while t < num_tiles:
         if KEY_ROWS:
             batch, head, r0 = _stationary_tile(t, heads, seqlen_k, ROWS, False)
             first_head = head * group
@@ -158,6 +175,8 @@ def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_smem, ba
         s, s_phase = _buffer_of(tile_i, SLOTS)
         stationary = stationary_ready.index(s)
         mbarrier.wait(stationary_empty.index(s), s_phase ^ 1)
+        publish_tile(tile_ids, tile_i, t)
+        following = next_tile(t, num_tiles, COUNTER, PERSISTENT, DYNAMIC)
         mbarrier.expect(stationary, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(a_desc, [batch, r0, head, 0], stationary, a_smem.index(s))
         tma.async_copy_global_to_shared(b_desc, [batch, r0, head, 0], stationary, b_smem.index(s))
@@ -166,7 +185,12 @@ def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_smem, ba
         it = _stream(c_desc, d_desc, c_smem, d_smem, ring_ready, ring_empty, batch, first_head, streamed_heads, lo,
                      n_blocks, it, seqlen_q, LSE, DELTA, lse_smem, delta_smem, slb, slh, offs, BLOCK, STAGES,
                      STATS_IN_RING)
+        t = following
         tile_i += 1
+    if PERSISTENT:  # (a CTA of one tile ends with it)
+        s, s_phase = _buffer_of(tile_i, SLOTS)
+        mbarrier.wait(stationary_empty.index(s), s_phase ^ 1)
+        end_tiles(tile_ids, tile_i, stationary_ready.index(s), num_tiles, COUNTER, DYNAMIC)
 
 
 @gluon.jit
@@ -272,10 +296,10 @@ def _dkdv_products(k_rows, v_rows, q, do, lse_ref, delta_ref, dk, dv, s_zero, ro
 
 
 @gluon.jit
-def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, v_smem, do_smem, bars, walk,
+def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk,
                  dk_desc, dv_desc, ds_smem, dq_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-                 DQ_REDUCE: gl.constexpr):
+                 DQ_REDUCE: gl.constexpr, PERSISTENT: gl.constexpr):
     """dK and dV of a consumer partition's K/V rows: of WARPGROUPS warpgroups (64 rows each),
     partition WHICH of the CTA's.
 
@@ -295,9 +319,10 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, 
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
     it = 0  # streamed blocks consumed so far: ring slot and mbarrier phase
     tile_i = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    t = read_tile(tile_ids, tile_i, kv_ready, SLOTS)  # the tile's K and V landed
+    while t < num_tiles:
         batch, head_k, n0 = _stationary_tile(t, heads_k, seqlen_k, BLOCK_N, False)
-        kv_slot, kv_phase = _buffer_of(tile_i, SLOTS)
+        kv_slot = _buffer_of(tile_i, SLOTS)[0]
         k_block = k_smem.index(kv_slot)
         v_block = v_smem.index(kv_slot)
         r0 = n0 + WHICH * ROWS
@@ -307,7 +332,6 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, 
         # The band of the whole CTA's rows: every partition steps through the same blocks.
         dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k,
                                                                window_left, window_right, True)
-        mbarrier.wait(kv_ready.index(kv_slot), kv_phase)
         for g in range(group):
             head = head_k * group + g
             for i in range(n_blocks):
@@ -324,6 +348,7 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, 
                     v_block.slice(WHICH * ROWS, ROWS, dim=1), dk_desc, dv_desc, batch, r0, head_k, softmax_scale)
         _release_stationary(kv_empty, kv_slot)
         tile_i += 1
+        t = _next_tile(tile_ids, tile_i, kv_ready, num_tiles, SLOTS, PERSISTENT)
 
 
 @gluon.jit
@@ -379,9 +404,10 @@ def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_sm
 
 
 @gluon.jit
-def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, bars, walk, LSE, DELTA, slb, slh, dk_desc, dv_desc,
-                          ds_smem, p_smem, softmax_scale, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                          HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr):
+def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk, LSE, DELTA, slb, slh, dk_desc,
+                          dv_desc, ds_smem, p_smem, softmax_scale, scale_log2, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
+                          PERSISTENT: gl.constexpr):
     """SPLIT_D (d256, where one warpgroup's registers do not hold dK and dV of 64 rows): both
     consumer warpgroups, one partition of 8 warps, own the same 64 K/V rows and half the head
     dim each; each computes S^T and dP^T for half of the Q block's rows, and P^T and dS^T meet
@@ -400,9 +426,10 @@ def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, bars, walk, LSE, DELT
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     it = 0  # streamed blocks consumed so far: ring slot and mbarrier phase
     tile_i = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    t = read_tile(tile_ids, tile_i, kv_ready, SLOTS)  # the tile's K and V landed
+    while t < num_tiles:
         batch, head_k, n0 = _stationary_tile(t, heads_k, seqlen_k, BLOCK_N, False)
-        kv_slot, kv_phase = _buffer_of(tile_i, SLOTS)
+        kv_slot = _buffer_of(tile_i, SLOTS)[0]
         k_block = k_smem.index(kv_slot)
         v_block = v_smem.index(kv_slot)
         k_tile = k_block.reshape([BLOCK_N, HEAD_DIM_PAD])
@@ -414,7 +441,6 @@ def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, bars, walk, LSE, DELT
                                                                window_left, window_right, True)
         stats = batch.to(gl.int64) * slb + head_k * group * slh
         lse, delta = _column_stats(LSE, DELTA, stats, lo + offs_m, seqlen_q, n_blocks > 0)
-        mbarrier.wait(kv_ready.index(kv_slot), kv_phase)
         for g in range(group):
             for i in range(n_blocks):
                 slot, phase = _buffer_of(it, STAGES)
@@ -447,16 +473,18 @@ def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, bars, walk, LSE, DELT
         _store_dkdv(dk, dv, k_tile, v_tile, k_block, v_block, dk_desc, dv_desc, batch, n0, head_k, softmax_scale)
         _release_stationary(kv_empty, kv_slot)
         tile_i += 1
+        t = _next_tile(tile_ids, tile_i, kv_ready, num_tiles, SLOTS, PERSISTENT)
 
 
 @gluon.jit
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, slb, slh, num_tiles,
-                 heads_k, group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
+                 heads_k, group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2, COUNTER,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                 STAGES: gl.constexpr, SLOTS: gl.constexpr, DQ_REDUCE: gl.constexpr, SPLIT_D: gl.constexpr):
+                 STAGES: gl.constexpr, SLOTS: gl.constexpr, DQ_REDUCE: gl.constexpr, SPLIT_D: gl.constexpr,
+                 PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
     # The two passes: a partition per consumer warpgroup; SPLIT_D and DQ_REDUCE: one of both.
     ONE_PARTITION: gl.constexpr = SPLIT_D or DQ_REDUCE
-    k_smem, v_smem, q_smem, do_smem, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, STAGES,
+    k_smem, v_smem, q_smem, do_smem, tile_ids, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, STAGES,
                                                           1 if ONE_PARTITION else 2, SLOTS)
     walk = (num_tiles, heads_k, group, seqlen_q, seqlen_k, window_left, window_right)
     if SPLIT_D:
@@ -464,11 +492,12 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
         p_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
         gl.warp_specialize([
-            (_kv_consumers_split_d, (q_smem, k_smem, v_smem, do_smem, bars, walk, LSE, DELTA, slb, slh, dk_desc,
-                                     dv_desc, ds_smem, p_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
-                                     HEAD_DIM_PAD, STAGES)),
-            (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, walk,
-                         (LSE, DELTA, k_smem, k_smem, slb, slh), BLOCK_N, BLOCK_M, STAGES, True, False)),
+            (_kv_consumers_split_d, (q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk, LSE, DELTA, slb, slh,
+                                     dk_desc, dv_desc, ds_smem, p_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
+                                     HEAD_DIM_PAD, STAGES, PERSISTENT)),
+            (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, tile_ids, bars, walk,
+                         (LSE, DELTA, k_smem, k_smem, slb, slh), COUNTER, BLOCK_N, BLOCK_M, STAGES, True, False,
+                         PERSISTENT, DYNAMIC)),
         ], [1], [PRODUCER_REGS])
     else:
         # lse and D of each streamed block, in the ring beside it (SPLIT_D's: _kv_consumers_split_d).
@@ -479,41 +508,42 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
             ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
             dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [2] + dq_desc.block_type.shape, dq_desc.layout)
             gl.warp_specialize([
-                (_kv_consumer, (0, 2, q_smem, k_smem, v_smem, do_smem, bars, walk, dk_desc, dv_desc, ds_smem,
+                (_kv_consumer, (0, 2, q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk, dk_desc, dv_desc, ds_smem,
                                 dq_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
-                                HEAD_DIM_PAD, STAGES, True)),
-                (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, walk,
-                             (LSE, DELTA, lse_smem, delta_smem, slb, slh), BLOCK_N, BLOCK_M, STAGES, True, True)),
+                                HEAD_DIM_PAD, STAGES, True, PERSISTENT)),
+                (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, tile_ids, bars,
+                             walk, (LSE, DELTA, lse_smem, delta_smem, slb, slh), COUNTER, BLOCK_N, BLOCK_M, STAGES,
+                             True, True, PERSISTENT, DYNAMIC)),
             ], [1], [PRODUCER_REGS])
         # (Each call spells out the producer's arguments: a tuple bound to a name would lose its
         # constexprs.)  k_smem stands for the buffers only DQ_REDUCE reads.
         else:
             gl.warp_specialize([
-                (_kv_consumer, (0, 1, q_smem, k_smem, v_smem, do_smem, bars, walk, dk_desc, dv_desc, k_smem,
+                (_kv_consumer, (0, 1, q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk, dk_desc, dv_desc, k_smem,
                                 k_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
-                                HEAD_DIM_PAD, STAGES, False)),
-                (_kv_consumer, (1, 1, q_smem, k_smem, v_smem, do_smem, bars, walk, dk_desc, dv_desc, k_smem,
+                                HEAD_DIM_PAD, STAGES, False, PERSISTENT)),
+                (_kv_consumer, (1, 1, q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk, dk_desc, dv_desc, k_smem,
                                 k_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
-                                HEAD_DIM_PAD, STAGES, False)),
-                (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, walk,
-                             (LSE, DELTA, lse_smem, delta_smem, slb, slh), BLOCK_N, BLOCK_M, STAGES, True, True)),
+                                HEAD_DIM_PAD, STAGES, False, PERSISTENT)),
+                (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, tile_ids, bars,
+                             walk, (LSE, DELTA, lse_smem, delta_smem, slb, slh), COUNTER, BLOCK_N, BLOCK_M, STAGES,
+                             True, True, PERSISTENT, DYNAMIC)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
-def _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, m0, seqlen_q, q_ready,
-                  q_phase, do, rows_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+def _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, m0, seqlen_q, do,
+                  rows_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                   HAS_DLSE: gl.constexpr, WARPS: gl.constexpr):
     """BLOCK_M query rows of the dQ pass from m0, their lse (log2 units) and D = rowsum(dO * O) -
-    dlse, also written for the dK/dV pass, by a partition of WARPS warps.  O is loaded while the
-    stationary Q and dO land (``q_ready``, phase ``q_phase``)."""
+    dlse, also written for the dK/dV pass, by a partition of WARPS warps (``do``: the rows' dO,
+    landed)."""
     tile_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     tile_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, tile_layout))
     offs_d = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, tile_layout))
     o_ptrs = O + batch.to(gl.int64) * sob + tile_rows[:, None].to(gl.int64) * sos + head * soh + offs_d[None, :]
     o = gl.load(o_ptrs, mask=(tile_rows[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
     stats = batch.to(gl.int64) * slb + head * slh
-    mbarrier.wait(q_ready, q_phase)
     delta = row_delta(o, do.load(tile_layout), DLSE, stats + tile_rows, tile_rows, seqlen_q, HAS_DLSE)
     gl.store(DELTA + stats + tile_rows, delta, mask=tile_rows < seqlen_q)
     rows = m0 + gl.arange(0, BLOCK_M, layout=rows_layout)
@@ -544,10 +574,10 @@ def _store_dq(dq, q, q_smem, dq_desc, batch, m0, head, softmax_scale):
 
 
 @gluon.jit
-def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, bars, walk, O, sob, sos, soh, head_dim,
-                  LSE, DLSE, DELTA, slb, slh, ds_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, HAS_DLSE: gl.constexpr,
-                  SPLIT_D: gl.constexpr):
+def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, tile_ids, bars, walk, O, sob, sos, soh,
+                  head_dim, LSE, DLSE, DELTA, slb, slh, ds_smem, dq_desc, softmax_scale, scale_log2,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr, PERSISTENT: gl.constexpr):
     """Consumer warpgroup WHICH, a partition of its own: dQ of query rows [64 * WHICH, 64 * WHICH +
     64) of each of the CTA's tiles, and their D.  With SPLIT_D (d256) both warpgroups are one
     partition (WHICH 0) and own the tile's 64 rows, half the head dim of dQ each; S and dP are
@@ -563,16 +593,16 @@ def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, bars, wa
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     j = 0  # streamed blocks consumed so far: ring slot and mbarrier phase
     tile_i = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    t = read_tile(tile_ids, tile_i, q_ready, SLOTS)  # the tile's Q and dO landed
+    while t < num_tiles:
         batch, head, m0 = _stationary_tile(t, heads_q, seqlen_q, BLOCK_M, True)
-        q_slot, q_phase = _buffer_of(tile_i, SLOTS)
+        q_slot = _buffer_of(tile_i, SLOTS)[0]
         q_block = q_smem.index(q_slot)
         r0 = m0 + WHICH * ROWS
         q = q_block.reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
         do = do_smem.index(q_slot).reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
         rows, lse, delta = _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, r0,
-                                         seqlen_q, q_ready.index(q_slot), q_phase, do,
-                                         gl.SliceLayout(1, s_layout), ROWS, HEAD_DIM_PAD, HAS_DLSE,
+                                         seqlen_q, do, gl.SliceLayout(1, s_layout), ROWS, HEAD_DIM_PAD, HAS_DLSE,
                                          8 if SPLIT_D else 4)
         dq = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
         # The band of the whole tile's rows: both warpgroups step through the same blocks.
@@ -607,36 +637,40 @@ def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, bars, wa
         _store_dq(dq, q, q_block.slice(WHICH * ROWS, ROWS, dim=1), dq_desc, batch, r0, head, softmax_scale)
         _release_stationary(q_empty, q_slot)
         tile_i += 1
+        t = _next_tile(tile_ids, tile_i, q_ready, num_tiles, SLOTS, PERSISTENT)
 
 
 @gluon.jit
 def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh,
                num_tiles, heads_q, group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-               SLOTS: gl.constexpr, HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr):
+               COUNTER, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
+               SLOTS: gl.constexpr, HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr, PERSISTENT: gl.constexpr,
+               DYNAMIC: gl.constexpr):
     # With SPLIT_D both consumer warpgroups are one partition; else each is its own.
-    q_smem, do_smem, k_smem, v_smem, bars = _pass_buffers(q_desc, do_desc, k_desc, v_desc, STAGES,
+    q_smem, do_smem, k_smem, v_smem, tile_ids, bars = _pass_buffers(q_desc, do_desc, k_desc, v_desc, STAGES,
                                                           1 if SPLIT_D else 2, SLOTS)
     walk = (num_tiles, heads_q, group, seqlen_q, seqlen_k, window_left, window_right)
     if SPLIT_D:
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], _SCORES_LAYOUT)  # both halves
         gl.warp_specialize([
-            (_dq_consumers, (0, q_smem, do_smem, k_smem, v_smem, bars, walk, O, sob, sos, soh, head_dim, LSE,
+            (_dq_consumers, (0, q_smem, do_smem, k_smem, v_smem, tile_ids, bars, walk, O, sob, sos, soh, head_dim, LSE,
                              DLSE, DELTA, slb, slh, ds_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
-                             HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, walk,
-                         (LSE, DELTA, q_smem, q_smem, slb, slh), BLOCK_M, BLOCK_N, STAGES, False, False)),
+                             HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D, PERSISTENT)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, tile_ids, bars, walk,
+                         (LSE, DELTA, q_smem, q_smem, slb, slh), COUNTER, BLOCK_M, BLOCK_N, STAGES, False, False,
+                         PERSISTENT, DYNAMIC)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_dq_consumers, (0, q_smem, do_smem, k_smem, v_smem, bars, walk, O, sob, sos, soh, head_dim, LSE,
+            (_dq_consumers, (0, q_smem, do_smem, k_smem, v_smem, tile_ids, bars, walk, O, sob, sos, soh, head_dim, LSE,
                              DLSE, DELTA, slb, slh, q_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
-                             HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D)),
-            (_dq_consumers, (1, q_smem, do_smem, k_smem, v_smem, bars, walk, O, sob, sos, soh, head_dim, LSE,
+                             HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D, PERSISTENT)),
+            (_dq_consumers, (1, q_smem, do_smem, k_smem, v_smem, tile_ids, bars, walk, O, sob, sos, soh, head_dim, LSE,
                              DLSE, DELTA, slb, slh, q_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
-                             HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, walk,
-                         (LSE, DELTA, q_smem, q_smem, slb, slh), BLOCK_M, BLOCK_N, STAGES, False, False)),
+                             HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D, PERSISTENT)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, tile_ids, bars, walk,
+                         (LSE, DELTA, q_smem, q_smem, slb, slh), COUNTER, BLOCK_M, BLOCK_N, STAGES, False, False,
+                         PERSISTENT, DYNAMIC)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -656,16 +690,16 @@ def backward(p, dout, dlse, q, k, v, out, lse):
     pad = p.head_dim_pad
     rows = gluon_bwd_stationary_rows(pad)
     tiles = p.batch * p.heads_q * triton.cdiv(p.seqlen_q, rows)
-    ctas, slots = pass_schedule(p, tiles, q.device)
+    schedule = pass_schedule(p, tiles, q.device)
     launch(
-        _dq_kernel, (ctas,),
+        _dq_kernel, (schedule.ctas,),
         tma_descriptor(q, rows, pad), tma_descriptor(dout, rows, pad), tma_descriptor(k, cfg.dq_block_n, pad),
         tma_descriptor(v, cfg.dq_block_n, pad), tma_descriptor(dq, partition_rows(pad), pad),
         out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, delta if dlse is None else dlse, delta,
         lse.stride(0), lse.stride(1), tiles, p.heads_q, p.group, p.seqlen_q, p.seqlen_k, p.window_left,
-        p.window_right, p.softmax_scale, p.scale_log2, BLOCK_M=rows, BLOCK_N=cfg.dq_block_n, HEAD_DIM_PAD=pad,
-        STAGES=cfg.num_stages, SLOTS=slots, HAS_DLSE=dlse is not None, SPLIT_D=split_head_dim(pad),
-        **launch_options(pad))
+        p.window_right, p.softmax_scale, p.scale_log2, schedule.counter(lse), BLOCK_M=rows, BLOCK_N=cfg.dq_block_n,
+        HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, HAS_DLSE=dlse is not None, SPLIT_D=split_head_dim(pad),
+        **schedule.constants(), **launch_options(pad))
     # D, written by the dQ pass, is read here: launched after it on the same stream.
     _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, None)
     return dq, dk, dv
@@ -692,35 +726,50 @@ def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
     dk_desc = tma_descriptor(dk, out_rows, pad)
     dq_reduce = dq_acc is not None
     tiles = p.batch * p.heads_k * triton.cdiv(p.seqlen_k, rows)
-    ctas, slots = pass_schedule(p, tiles, q.device, dq_reduce)
+    schedule = pass_schedule(p, tiles, q.device, dq_reduce)
     launch(
-        _dkdv_kernel, (ctas,),
+        _dkdv_kernel, (schedule.ctas,),
         tma_descriptor(q, cfg.kv_block_m, pad), tma_descriptor(k, rows, pad), tma_descriptor(v, rows, pad),
         tma_descriptor(dout, cfg.kv_block_m, pad), dk_desc, tma_descriptor(dv, out_rows, pad),
         dk_desc if dq_acc is None else tma_descriptor(dq_acc, cfg.kv_block_m, pad),  # not read without dq_acc
         lse, delta, lse.stride(0), lse.stride(1), tiles, p.heads_k, p.group, p.seqlen_q, p.seqlen_k,
-        p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
-        BLOCK_M=cfg.kv_block_m, BLOCK_N=rows, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages,
-        SLOTS=slots, DQ_REDUCE=dq_reduce, SPLIT_D=split_head_dim(pad),
-        **launch_options(pad, dq_reduce))
+        p.window_left, p.window_right, p.softmax_scale, p.scale_log2, schedule.counter(lse),
+        BLOCK_M=cfg.kv_block_m, BLOCK_N=rows, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, DQ_REDUCE=dq_reduce,
+        SPLIT_D=split_head_dim(pad), **schedule.constants(), **launch_options(pad, dq_reduce))
 
 
-# Whether passes of tiles of equal length run persistent CTAs (see pass_schedule).
+# Whether passes run persistent CTAs where they can (see pass_schedule).
 PERSISTENT = True
 
 
-def pass_schedule(p, tiles, device, dq_reduce=False):
-    """(CTAs, stationary slots) of a pass of ``tiles`` tiles.  Tiles of equal length (no band)
-    in the two passes up to d128, more of them than SMs: a CTA per SM (the most that fit), each
-    taking every CTAs-th tile, with two slots for the stationary tile, so that a tile's loads
-    and its predecessor's stores overlap the streaming instead of a CTA's teardown and launch
-    coming between them.  Otherwise a CTA per tile, one slot: the hardware hands tiles of uneven
-    length (causal) to SMs as they free up, which balances them, and d256 and the single pass
-    have no shared memory for a second slot."""
+class Schedule(NamedTuple):
+    """How a pass's CTAs take its tiles: ``ctas`` CTAs, each tile's stationary rows in one of
+    ``slots`` shared-memory slots; with fewer CTAs than tiles each takes every ctas-th tile, or
+    (``dynamic``) the next no CTA has taken, from an atomic counter (v3_gluon.next_tile)."""
+    ctas: int
+    slots: int
+    persistent: bool
+    dynamic: bool
+
+    def constants(self):
+        return dict(SLOTS=self.slots, PERSISTENT=self.persistent, DYNAMIC=self.dynamic)
+
+    def counter(self, stand_in):
+        """The tile counter of the current stream (dynamic), else ``stand_in``'s storage (not read)."""
+        return tile_counter(stand_in.device) if self.dynamic else stand_in.view(torch.int32)
+
+
+def pass_schedule(p, tiles, device, dq_reduce=False) -> Schedule:
+    """The schedule of a pass of ``tiles`` tiles.  Up to d128 in the two passes, more tiles than
+    SMs: a CTA per SM (the most that fit), two slots for the stationary tile, so that a tile's
+    loads and its predecessor's stores overlap the streaming instead of a CTA's teardown and
+    launch coming between them; tiles of equal length are strided over, a band's (causal,
+    window: uneven lengths, longest first) taken as CTAs free up.  Otherwise a CTA per tile,
+    one slot: d256 and the single pass have no shared memory for a second slot."""
     sms = sm_count(device.index)
-    if PERSISTENT and not p.banded and not one_consumer_partition(p.head_dim_pad, dq_reduce) and tiles > sms:
-        return sms, 2
-    return tiles, 1
+    if PERSISTENT and not one_consumer_partition(p.head_dim_pad, dq_reduce) and tiles > sms:
+        return Schedule(sms, 2, True, p.banded)
+    return Schedule(tiles, 1, False, False)
 
 
 def one_consumer_partition(head_dim_pad, dq_reduce=False) -> bool:
