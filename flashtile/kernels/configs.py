@@ -213,12 +213,15 @@ class GluonBackward:
 # Later (H200, benchmarks/results/2026-12-02_H200_90fe747/INDEX.md, same-run): at d64 the dQ
 # pass's 128-row K/V blocks made the two passes 1.036-1.039x faster (1k, 4k, causal 4k; 4 ring
 # slots instead of 3: 0.995-1.012x), and at d128 the single pass led the two passes from 2k on
-# (1.021x at 2k, 1.048x at 4k non-causal, 1.05-1.07x causal 4k-8k).
+# (1.021x at 2k, 1.048x at 4k non-causal, 1.05-1.07x causal 4k-8k).  With the two passes'
+# causal tiles on persistent CTAs (a031d76) the single pass still led at d128 2k (1.015x
+# non-causal, 1.025x causal) and at d64 4k (1.023x non-causal; causal a tie, 0.993x), so d64
+# takes it from 4k too (benchmarks/results/2026-12-02_H200_a031d76/INDEX.md).
 # At d256 the two passes split the head dim between the warpgroups: 1.61-1.78x v2's backward and
 # 0.995-1.14x cuDNN at 1k-16k (benchmarks/results/2026-12-01_H200_86cee91/bars_e0b3aaa.md).
 _V3_GLUON_BWD = [(64, GluonBackward(64, 128, 3)), (128, GluonBackward(64, 64, 2)),
                  (256, GluonBackward(64, 64, 2))]  # d256: 64-row blocks both ways (shared memory)
-GLUON_REDUCE_MIN_KEYS = {64: 8192, 128: 2048}  # by padded head dim
+GLUON_REDUCE_MIN_KEYS = {64: 4096, 128: 2048}  # by padded head dim
 
 
 def v3_gluon_bwd_config(p) -> GluonBackward:

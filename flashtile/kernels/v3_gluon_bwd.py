@@ -24,13 +24,15 @@ keep one partition of both.
 
 Tiles (a stationary row block of one head) are walked with one head's row blocks adjacent
 (blocks.split_tile), so the CTAs resident together stream the same head's blocks through L2.
-The two passes up to d128 on tiles of equal length (no band) run persistent CTAs, one per SM,
-each taking every CTAs-th tile (pass_schedule): the stationary tile has two slots, so the next
-tile's loads land while this one's gradients leave, and no CTA teardown and launch comes
-between tiles (1.06-1.10x at d128 1k-4k, 0.99-1.04x at d64: H200,
-benchmarks/results/2026-12-02_H200_146aa2b/INDEX.md).  Causal / window tiles,
-d256 and the single pass run a CTA per tile (one slot): the hardware hands the uneven tiles of
-a band to SMs as they free up.
+The two passes up to d128 run persistent CTAs, one per SM (pass_schedule): the stationary
+tile has two slots, so the next tile's loads land while this one's gradients leave, and no CTA
+teardown and launch comes between tiles.  Tiles of equal length (no band) are strided over,
+every CTAs-th (1.06-1.10x at d128 1k-4k, 0.99-1.04x at d64: H200,
+benchmarks/results/2026-12-02_H200_146aa2b/INDEX.md); a band's (causal, window: uneven, longest
+first within a head) are taken from the forward's atomic tile counter as CTAs free up, the
+producer handing each tile's number to the consumers (1.05-1.11x at d64 causal 1k-2k, 1.05x at
+d128 causal 1k: benchmarks/results/2026-12-02_H200_a031d76/INDEX.md).  d256 and the single pass
+run a CTA per tile (one slot: no shared memory for a second).
 
 Batched problems with head dims up to 128 (the accumulators of 128 rows stay in registers),
 and at d256 the two passes with SPLIT_D: 64 stationary rows shared by both warpgroups, each
@@ -373,7 +375,9 @@ def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_sm
     so the wgmma descriptors built from it are not held across the loop.  With a CTA per tile
     that measured 1.02x against 0.98x (each against the module before, H200 d128 1k-4k); at d64,
     where they fit in registers, 0.95-0.97x against 0.99-1.00x
-    (benchmarks/results/2026-12-02_H200_146aa2b/experiments, persistent_bwd_run1 and _146aa2b)."""
+    (benchmarks/results/2026-12-02_H200_146aa2b/experiments, persistent_bwd_run1 and _146aa2b).
+    At 90fe747 (a CTA per tile) the d128 causal launches took 0.95-0.97 of the time without it
+    (null pair 0.98-1.03; benchmarks/results/2026-12-02_H200_a031d76/experiments/ab_90fe747_146aa2b)."""
     if SLOT_PER_ITERATION:
         kv_slot = _per_iteration(kv_slot, it)
     k_tile = k_smem.index(kv_slot).reshape([BLOCK_N, HEAD_DIM_PAD])
