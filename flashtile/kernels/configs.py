@@ -210,7 +210,7 @@ class GluonBackward:
 # below that (and when ``deterministic``) the two Gluon passes.  Tiles: the 4k sweep (e943ac5)
 # put every candidate within 2% of 64,64,2 except 128-row Q blocks at d64 (they spill: -22%);
 # d128 has no shared memory for a third ring slot next to the two dS and dQ staging buffers.
-# Later (H200, benchmarks/results/2026-12-02_H200_90fe747/INDEX.md, same-run): at d64 the dQ
+# Later (H200, benchmarks/results/2026-12-02_H200_a031d76/INDEX.md, same-run): at d64 the dQ
 # pass's 128-row K/V blocks made the two passes 1.036-1.039x faster (1k, 4k, causal 4k; 4 ring
 # slots instead of 3: 0.995-1.012x), and at d128 the single pass led the two passes from 2k on
 # (1.021x at 2k, 1.048x at 4k non-causal, 1.05-1.07x causal 4k-8k).  With the two passes'

@@ -489,7 +489,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
     # The two passes: a partition per consumer warpgroup; SPLIT_D and DQ_REDUCE: one of both.
     ONE_PARTITION: gl.constexpr = SPLIT_D or DQ_REDUCE
     k_smem, v_smem, q_smem, do_smem, tile_ids, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, STAGES,
-                                                          1 if ONE_PARTITION else 2, SLOTS)
+                                                                    1 if ONE_PARTITION else 2, SLOTS)
     walk = (num_tiles, heads_k, group, seqlen_q, seqlen_k, window_left, window_right)
     if SPLIT_D:
         # dS^T and P^T of both warpgroups, two buffers each.
@@ -652,7 +652,7 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
                DYNAMIC: gl.constexpr):
     # With SPLIT_D both consumer warpgroups are one partition; else each is its own.
     q_smem, do_smem, k_smem, v_smem, tile_ids, bars = _pass_buffers(q_desc, do_desc, k_desc, v_desc, STAGES,
-                                                          1 if SPLIT_D else 2, SLOTS)
+                                                                    1 if SPLIT_D else 2, SLOTS)
     walk = (num_tiles, heads_q, group, seqlen_q, seqlen_k, window_left, window_right)
     if SPLIT_D:
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], _SCORES_LAYOUT)  # both halves
