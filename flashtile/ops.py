@@ -9,6 +9,7 @@ forward.  The ``version`` argument picks the algorithm; "tiled" is the PyTorch p
 CPU tensors outside the Triton interpreter.
 """
 import contextlib
+import functools
 import importlib
 from typing import Optional
 
@@ -22,6 +23,7 @@ _MODULES = {"v1": "flashtile.kernels.v1", "v2": "flashtile.kernels.v2",
             "v3": "flashtile.kernels.v3", "tiled": "flashtile.tiled"}
 
 
+@functools.lru_cache(maxsize=None)  # asked at every call: import_module costs a few us
 def implementation(version: str):
     return importlib.import_module(_MODULES[version])
 

@@ -66,6 +66,15 @@ class Problem:
         # integer arithmetic: triton.next_power_of_2 goes through the JIT's call path (~8 us).
         return max(16, 1 << (self.head_dim - 1).bit_length())
 
+    def query_blocks(self, rows: int) -> int:
+        """Blocks of ``rows`` query rows per sequence (the last may be partial).  Plain integer
+        arithmetic, as head_dim_pad: triton.cdiv goes through the JIT's call path (~5 us)."""
+        return -(-self.seqlen_q // rows)
+
+    def key_blocks(self, rows: int) -> int:
+        """Blocks of ``rows`` key rows per sequence (the last may be partial)."""
+        return -(-self.seqlen_k // rows)
+
     @property
     def scale_log2(self) -> float:
         # exp(x * scale) == exp2(x * scale * log2(e)): the scale is folded into one multiply.

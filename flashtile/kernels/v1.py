@@ -217,7 +217,7 @@ def forward(p: Problem, q, k, v):
                          torch.zeros(lse_shape, device=q.device)])
     m, l = saved[0], saved[1]
     cu_q, cu_k = p.cu_pointers(q.device)
-    n_blocks = triton.cdiv(p.seqlen_q, cfg.block_m)
+    n_blocks = p.query_blocks(cfg.block_m)
     n_splits = splits(p.batch * p.heads_q, n_blocks, q.device, cap=n_blocks)
     launch(
         _fwd_kernel, (p.batch * p.heads_q, n_splits),
@@ -234,7 +234,7 @@ def forward(p: Problem, q, k, v):
 def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
     cfg = _config(p, "BWD")
     m, l = saved[0], saved[1]
-    n_splits = splits(p.batch * p.heads_k, triton.cdiv(p.seqlen_k, cfg.block_n), q.device, MAX_BWD_SPLITS)
+    n_splits = splits(p.batch * p.heads_k, p.key_blocks(cfg.block_n), q.device, MAX_BWD_SPLITS)
     dq_acc = torch.zeros((n_splits, *q.shape), dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     cu_q, cu_k = p.cu_pointers(q.device)

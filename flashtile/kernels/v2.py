@@ -235,7 +235,7 @@ def forward(p: Problem, q, k, v):
     lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
     cfg = v2_fwd_config(p, q.dtype)
     cu_q, cu_k = p.cu_pointers(q.device)
-    grid = (p.batch * p.heads_q * triton.cdiv(p.seqlen_q, cfg.block_m),)
+    grid = (p.batch * p.heads_q * p.query_blocks(cfg.block_m),)
     launch(
         _fwd_kernel, grid,
         q, k, v, out, lse, cu_q, cu_k,
@@ -257,7 +257,7 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
     kv_cfg, q_cfg = v2_bwd_config(p, q.dtype)
     # The dQ pass writes D, which the dK/dV pass reads: launched first, on the same stream.
     launch(
-        _bwd_dq_kernel, (p.batch * p.heads_q * triton.cdiv(p.seqlen_q, q_cfg.block_m),),
+        _bwd_dq_kernel, (p.batch * p.heads_q * p.query_blocks(q_cfg.block_m),),
         q, k, v, out, dout, lse, delta if dlse is None else dlse, delta, dq, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
         *p.seq_strides(dout), *p.seq_strides(dq), *p.row_stat_strides(lse),
@@ -266,7 +266,7 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
         NUM_STAGES=q_cfg.num_stages, HAS_DLSE=dlse is not None, num_warps=q_cfg.num_warps,
         num_stages=q_cfg.num_stages, **common)
     launch(
-        _bwd_dkdv_kernel, (p.batch * p.heads_k * triton.cdiv(p.seqlen_k, kv_cfg.block_n),),
+        _bwd_dkdv_kernel, (p.batch * p.heads_k * p.key_blocks(kv_cfg.block_n),),
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),
         *p.seq_strides(dk), *p.seq_strides(dv), *p.row_stat_strides(lse),

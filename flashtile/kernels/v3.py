@@ -260,7 +260,7 @@ def forward(p: Problem, q, k, v):
         cfg = v3_fwd_config(p, unmasked, warp_specialize=False)
     cu_q, cu_k = p.cu_pointers(q.device)
     _set_allocator(q.device)
-    grid = (p.batch * p.heads_q * triton.cdiv(p.seqlen_q, cfg.block_m),)
+    grid = (p.batch * p.heads_q * p.query_blocks(cfg.block_m),)
     launch(
         _fwd_kernel, grid,
         q, k, v, out, lse, cu_q, cu_k,
@@ -280,7 +280,7 @@ def _delta(p: Problem, out, dout, dlse, lse):
     delta = torch.empty_like(lse)
     cu_q, _ = p.cu_pointers(out.device)
     launch(
-        _bwd_preprocess_kernel, (p.batch * p.heads_q, triton.cdiv(p.seqlen_q, 64)),
+        _bwd_preprocess_kernel, (p.batch * p.heads_q, p.query_blocks(64)),
         out, dout, delta if dlse is None else dlse, delta, cu_q, *p.seq_strides(out), *p.seq_strides(dout),
         *p.row_stat_strides(lse), p.seqlen_q, p.heads_q, HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad,
         BLOCK_M=64, IS_VARLEN=p.varlen, HAS_DLSE=dlse is not None, num_warps=4)
@@ -309,7 +309,7 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
     common = dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=p.varlen)
     _set_allocator(q.device)
     launch(
-        _bwd_kernel, (p.batch * p.heads_k * triton.cdiv(p.seqlen_k, cfg.block_n),),
+        _bwd_kernel, (p.batch * p.heads_k * p.key_blocks(cfg.block_n),),
         q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),
         *p.seq_strides(dk), *p.seq_strides(dv), *p.seq_strides(dq_acc), *p.row_stat_strides(lse),

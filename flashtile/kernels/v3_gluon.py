@@ -31,7 +31,6 @@ checked on the GPU.
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -443,7 +442,7 @@ def forward(p, q, k, v, cfg):
     lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=q.device)
     consts = kernel_constants(p, cfg, q.element_size())
     rows = consts["ROWS"]
-    m_blocks = triton.cdiv(p.seqlen_q, 2 * rows)
+    m_blocks = p.query_blocks(2 * rows)
     batch_heads = p.batch * p.heads_q
     num_tiles = m_blocks * batch_heads
     programs = min(num_tiles, sm_count(q.device.index)) if cfg.persistent else num_tiles

@@ -43,7 +43,6 @@ else keeps v2's kernels.
 from typing import NamedTuple
 
 import torch
-import triton
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -693,7 +692,7 @@ def backward(p, dout, dlse, q, k, v, out, lse):
     delta = torch.empty_like(lse)
     pad = p.head_dim_pad
     rows = gluon_bwd_stationary_rows(pad)
-    tiles = p.batch * p.heads_q * triton.cdiv(p.seqlen_q, rows)
+    tiles = p.batch * p.heads_q * p.query_blocks(rows)
     schedule = pass_schedule(p, tiles, q.device)
     launch(
         _dq_kernel, (schedule.ctas,),
@@ -729,7 +728,7 @@ def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
     out_rows = partition_rows(pad, dq_acc is not None)
     dk_desc = tma_descriptor(dk, out_rows, pad)
     dq_reduce = dq_acc is not None
-    tiles = p.batch * p.heads_k * triton.cdiv(p.seqlen_k, rows)
+    tiles = p.batch * p.heads_k * p.key_blocks(rows)
     schedule = pass_schedule(p, tiles, q.device, dq_reduce)
     launch(
         _dkdv_kernel, (schedule.ctas,),
