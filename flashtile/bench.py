@@ -113,7 +113,7 @@ DEFAULT_PROVIDERS = tuple(p for p in PROVIDERS if p != "flex")
 
 def available_providers(device=None):
     """Providers that can run on this machine, with the reason for each that cannot."""
-    device = device or _default_device()
+    device = device or default_device()
     ok, why = [], {}
     for name in PROVIDERS:
         if name.startswith("flashtile-"):
@@ -143,7 +143,7 @@ def environment():
                 date=datetime.date.today().isoformat())
 
 
-def _default_device():
+def default_device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -209,7 +209,7 @@ WARMUP_MS = 250
 def _measure(provider, case, device, cuda_graph):
     if cuda_graph and case.mode != "fwd":
         raise ValueError("CUDA-graph timing covers forwards only")
-    device = torch.device(device) if device else _default_device()
+    device = torch.device(device) if device else default_device()
     step = make_step(provider, case, device)
     step()  # compile / autotune outside the timing and the memory peak
     if device.type != "cuda":
@@ -234,7 +234,7 @@ def host_cost(provider: str, case: Case, calls=300, device=None, env=None, profi
     path, not the kernels.  ``profiler`` (a cProfile.Profile) runs over the timed calls only
     (its own overhead inflates the host time)."""
     with mock.patch.dict(os.environ, env or {}):
-        device = torch.device(device) if device else _default_device()
+        device = torch.device(device) if device else default_device()
         step = make_step(provider, case, device)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         for _ in range(min(calls, 20)):  # compile, warm the allocator and the clocks
