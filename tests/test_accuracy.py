@@ -89,6 +89,25 @@ def test_v3_tile_counter_resets_itself_per_stream(monkeypatch):
     assert side_counter.tolist() == [0, 0] and counter.tolist() == [0, 0]
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon backward runs on the GPU only")
+def test_v3_causal_backward_takes_its_tiles_from_the_counter(monkeypatch):
+    # The two Gluon passes over causal tiles on persistent CTAs (here 3) take each tile from the
+    # stream's counter, as the forward does: backwards back to back give the same gradients bit
+    # for bit, and each launch leaves the counter at 0 for the next.
+    from flashtile.kernels import v3_gluon
+    monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon")
+    monkeypatch.setattr(v3_gluon_bwd, "sm_count", lambda device_index: 3)
+    q, k, v = (x.requires_grad_() for x in make_qkv(BATCH, 1000, 1000, 2 * HEADS, HEADS, 64, DTYPES[0], DEVICE))
+    out = flash_attn_func(q, k, v, causal=True, version="v3")
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for _ in range(2):
+        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(again, first))
+    torch.cuda.synchronize()
+    assert v3_gluon.tile_counter(q.device).tolist() == [0, 0]
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_v3_causal_forward_replays_in_a_cuda_graph(monkeypatch):
     # A captured launch takes a tile counter of its own, zeroed at each replay: replays of the
