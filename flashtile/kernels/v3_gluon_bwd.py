@@ -297,6 +297,15 @@ def _dkdv_products(k_rows, v_rows, q, do, lse_ref, delta_ref, dk, dv, s_zero, ro
 
 
 @gluon.jit
+def _kv_tile(t, tile_i, heads_k, seqlen_k, k_smem, v_smem, BLOCK_N: gl.constexpr):
+    """Tile ``t`` of the dK/dV pass (BLOCK_N key rows), the CTA's ``tile_i``-th: (batch, K/V
+    head, first key row), its stationary slot and the K and V blocks there."""
+    batch, head_k, n0 = _stationary_tile(t, heads_k, seqlen_k, BLOCK_N, False)
+    kv_slot = _buffer_of(tile_i, k_smem.shape[0])[0]
+    return batch, head_k, n0, kv_slot, k_smem.index(kv_slot), v_smem.index(kv_slot)
+
+
+@gluon.jit
 def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk,
                  dk_desc, dv_desc, ds_smem, dq_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
@@ -322,10 +331,8 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, 
     tile_i = 0
     t = read_tile(tile_ids, tile_i, kv_ready, SLOTS)  # the tile's K and V landed
     while t < num_tiles:
-        batch, head_k, n0 = _stationary_tile(t, heads_k, seqlen_k, BLOCK_N, False)
-        kv_slot = _buffer_of(tile_i, SLOTS)[0]
-        k_block = k_smem.index(kv_slot)
-        v_block = v_smem.index(kv_slot)
+        batch, head_k, n0, kv_slot, k_block, v_block = _kv_tile(t, tile_i, heads_k, seqlen_k, k_smem, v_smem,
+                                                                 BLOCK_N)
         r0 = n0 + WHICH * ROWS
         rows_k = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
@@ -431,10 +438,8 @@ def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk,
     tile_i = 0
     t = read_tile(tile_ids, tile_i, kv_ready, SLOTS)  # the tile's K and V landed
     while t < num_tiles:
-        batch, head_k, n0 = _stationary_tile(t, heads_k, seqlen_k, BLOCK_N, False)
-        kv_slot = _buffer_of(tile_i, SLOTS)[0]
-        k_block = k_smem.index(kv_slot)
-        v_block = v_smem.index(kv_slot)
+        batch, head_k, n0, kv_slot, k_block, v_block = _kv_tile(t, tile_i, heads_k, seqlen_k, k_smem, v_smem,
+                                                                 BLOCK_N)
         k_tile = k_block.reshape([BLOCK_N, HEAD_DIM_PAD])
         v_tile = v_block.reshape([BLOCK_N, HEAD_DIM_PAD])
         rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
