@@ -32,6 +32,8 @@ ROWS = [
      {"FLASHTILE_CONFIG_V2_FWD": "128,128,8,3"}, ("fwd",)),
     ("backward: no TMA reduce-add: two Gluon passes, dQ then dK/dV (what deterministic=True runs)",
      "flashtile-v3", {"FLASHTILE_V3_BWD": "gluon"}, ("bwd",)),
+    ("backward: the two Gluon passes without their persistent scheduler (a CTA per tile, one stationary slot)",
+     "flashtile-v3", {"FLASHTILE_V3_BWD": "gluon", "FLASHTILE_V3_ABLATE": "persistent"}, ("bwd",)),
     ("backward: no explicit warp specialization: the single reduce-add pass in plain Triton", "flashtile-v3",
      {"FLASHTILE_V3_DQ": "reduce"}, ("bwd",)),
     ("backward: no warp specialization, no TMA (v2's two passes)", "flashtile-v3", {"FLASHTILE_V3_BWD": "v2"},

@@ -262,6 +262,7 @@ def test_v3_gluon_backward_pass_schedule(monkeypatch):
 
     Schedule = v3_gluon_bwd.Schedule
     monkeypatch.setattr(v3_gluon_bwd, "sm_count", lambda device_index: 132)
+    monkeypatch.delenv("FLASHTILE_V3_ABLATE", raising=False)
     plain = Problem(2, 8, 8, 1024, 1024, 128, 0.1, -1, -1, None, None)
     gpu = torch.device("cuda", 0)
     assert v3_gluon_bwd.pass_schedule(plain, 512, gpu) == Schedule(132, 2, True, False)
@@ -272,7 +273,7 @@ def test_v3_gluon_backward_pass_schedule(monkeypatch):
     assert v3_gluon_bwd.pass_schedule(plain, 512, gpu, dq_reduce=True) == Schedule(512, 1, False, False)
     assert v3_gluon_bwd.pass_schedule(replace(plain, head_dim=256), 512, gpu) == Schedule(512, 1, False, False)
     assert Schedule(132, 2, True, True).constants() == dict(SLOTS=2, PERSISTENT=True, DYNAMIC=True)
-    monkeypatch.setattr(v3_gluon_bwd, "PERSISTENT", False)
+    monkeypatch.setenv("FLASHTILE_V3_ABLATE", "persistent")  # the ablation's switch
     assert v3_gluon_bwd.pass_schedule(plain, 512, gpu) == Schedule(512, 1, False, False)
     assert v3_gluon_bwd.pass_schedule(replace(plain, window_right=0), 512, gpu) == Schedule(512, 1, False, False)
 

@@ -146,7 +146,8 @@ def v3_fallback_forward(p) -> str:
 
 def v3_gluon_schedule(p) -> GluonSchedule:
     """The Gluon forward's schedule: FLASHTILE_CONFIG_V3_GLUON=block_n,stages overrides the
-    tiles; FLASHTILE_V3_ABLATE=pingpong,overlap,persistent,next_q switches techniques off."""
+    tiles; FLASHTILE_V3_ABLATE=pingpong,overlap,persistent,next_q switches techniques off
+    (persistent: the backward's persistent CTAs too, gluon_backward_persistent)."""
     return _gluon_schedule(p.head_dim_pad, os.environ.get("FLASHTILE_CONFIG_V3_GLUON"),
                            os.environ.get("FLASHTILE_V3_ABLATE", ""))
 
@@ -157,11 +158,23 @@ def _gluon_schedule(head_dim_pad, override, ablate) -> GluonSchedule:
     if override:
         block_n, stages = (int(x) for x in override.split(","))
         cfg = GluonSchedule(block_n, stages)
-    off = {t for t in ablate.split(",") if t}
+    off = _ablated(ablate)
+    return GluonSchedule(cfg.block_n, cfg.num_stages, *(t not in off for t in GLUON_TECHNIQUES))
+
+
+def gluon_backward_persistent() -> bool:
+    """Whether the Gluon backward's passes may run persistent CTAs (v3_gluon_bwd.pass_schedule):
+    FLASHTILE_V3_ABLATE=persistent switches the backward's persistent scheduler off too."""
+    return "persistent" not in _ablated(os.environ.get("FLASHTILE_V3_ABLATE", ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _ablated(ablate) -> frozenset:
+    off = frozenset(t for t in ablate.split(",") if t)
     unknown = off - set(GLUON_TECHNIQUES)
     if unknown:
         raise ValueError(f"FLASHTILE_V3_ABLATE: unknown techniques {sorted(unknown)}; known: {GLUON_TECHNIQUES}")
-    return GluonSchedule(cfg.block_n, cfg.num_stages, *(t not in off for t in GLUON_TECHNIQUES))
+    return off
 
 
 def v3_fwd_config(p, unmasked: bool, warp_specialize: bool = True) -> Config:

@@ -52,8 +52,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from flashtile.kernels.blocks import band_blocks, band_mask, split_tile
-from flashtile.kernels.configs import (GLUON_HEAD_DIMS, gluon_bwd_stationary_rows, split_head_dim,
-                                       v3_gluon_bwd_config)
+from flashtile.kernels.configs import (GLUON_HEAD_DIMS, gluon_backward_persistent, gluon_bwd_stationary_rows,
+                                       split_head_dim, v3_gluon_bwd_config)
 from flashtile.kernels.launch import launch
 from flashtile.kernels.tiles import LOG2E, row_delta
 from flashtile.kernels.v3_gluon import (broadcast, end_tiles, next_tile, publish_tile, read_tile, sm_count,
@@ -746,10 +746,6 @@ def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
         SPLIT_D=split_head_dim(pad), **schedule.constants(), **launch_options(pad, dq_reduce))
 
 
-# Whether passes run persistent CTAs where they can (see pass_schedule).
-PERSISTENT = True
-
-
 class Schedule(NamedTuple):
     """How a pass's CTAs take its tiles: ``ctas`` CTAs, each tile's stationary rows in one of
     ``slots`` shared-memory slots; with fewer CTAs than tiles each takes every ctas-th tile, or
@@ -773,9 +769,10 @@ def pass_schedule(p, tiles, device, dq_reduce=False) -> Schedule:
     loads and its predecessor's stores overlap the streaming instead of a CTA's teardown and
     launch coming between them; tiles of equal length are strided over, a band's (causal,
     window: uneven lengths, longest first) taken as CTAs free up.  Otherwise a CTA per tile,
-    one slot: d256 and the single pass have no shared memory for a second slot."""
+    one slot: d256 and the single pass have no shared memory for a second slot.
+    FLASHTILE_V3_ABLATE=persistent: a CTA per tile everywhere."""
     sms = sm_count(device.index)
-    if PERSISTENT and not one_consumer_partition(p.head_dim_pad, dq_reduce) and tiles > sms:
+    if gluon_backward_persistent() and not one_consumer_partition(p.head_dim_pad, dq_reduce) and tiles > sms:
         return Schedule(sms, 2, True, p.banded)
     return Schedule(tiles, 1, False, False)
 
