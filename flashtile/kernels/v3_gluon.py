@@ -101,9 +101,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, wa
             tma.async_copy_global_to_shared(v_desc, [batch, n0, head_k, 0], v_ready.index(slot), v_smem.index(slot))
             it += 1
         tile_i += 1
-    q_slot = tile_i % Q_SLOTS
-    mbarrier.wait(q_empty.index(q_slot), (tile_i // Q_SLOTS & 1) ^ 1)
-    end_tiles(tile_ids, tile_i, q_ready.index(q_slot), num_tiles, COUNTER, DYNAMIC)
+    end_tiles(tile_ids, tile_i, q_ready, q_empty, num_tiles, COUNTER, PERSISTENT, DYNAMIC)
 
 
 @gluon.jit
@@ -121,13 +119,18 @@ def next_tile(t, num_tiles, COUNTER, PERSISTENT: gl.constexpr, DYNAMIC: gl.const
 
 
 @gluon.jit
-def end_tiles(tile_ids, tile_i, ready, num_tiles, COUNTER, DYNAMIC: gl.constexpr):
-    """No tile left: the producer tells the consumers with a tile number past the end, in the
-    slot of its ``tile_i``-th tile (``ready``: that slot's barrier, free).  DYNAMIC: COUNTER[1]
-    counts the CTAs past their last take from COUNTER[0]; the last of them sets both back to 0,
-    ready for the next launch on this stream (no fill per call)."""
-    publish_tile(tile_ids, tile_i, num_tiles)
-    mbarrier.arrive(ready)
+def end_tiles(tile_ids, tile_i, ready, empty, num_tiles, COUNTER, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """No tile left after the producer's ``tile_i`` tiles: it tells the consumers with a tile
+    number past the end, in the next slot (barriers ``ready`` / ``empty`` of the slots) once
+    that is free; a CTA of one tile (not PERSISTENT) ends without (read_next_tile).  DYNAMIC:
+    COUNTER[1] counts the CTAs past their last take from COUNTER[0]; the last of them sets both
+    back to 0, ready for the next launch on this stream (no fill per call)."""
+    if PERSISTENT:
+        SLOTS: gl.constexpr = ready.shape[0]
+        slot = tile_i % SLOTS
+        mbarrier.wait(empty.index(slot), (tile_i // SLOTS & 1) ^ 1)
+        publish_tile(tile_ids, tile_i, num_tiles)
+        mbarrier.arrive(ready.index(slot))
     if DYNAMIC:
         if gl.atomic_add(COUNTER + 1, 1) == gl.num_programs(0) - 1:
             gl.atomic_xchg(COUNTER, 0)
@@ -153,6 +156,16 @@ def read_tile(tile_ids, tile_i, ready, SLOTS: gl.constexpr):
 
 
 @gluon.jit
+def read_next_tile(tile_ids, tile_i, ready, num_tiles, SLOTS: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The consumers' ``tile_i``-th tile after their first (read_tile); past the end: none left.
+    A CTA of one tile (not PERSISTENT) takes no second (its producer says nothing more)."""
+    t = num_tiles
+    if PERSISTENT:
+        t = read_tile(tile_ids, tile_i, ready, SLOTS)
+    return t
+
+
+@gluon.jit
 def _masked_scores(s, rows, n0, seqlen_k, dlo, dhi, BLOCK_N: gl.constexpr, col_layout: gl.constexpr):
     cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
     return gl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), s, float("-inf"))
@@ -173,7 +186,7 @@ def _issue_scores(q_buf, k_smem, k_ready, turn, slot, phase, turns, s_zero, WHIC
 @gluon.jit
 def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr):
+              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr, PERSISTENT: gl.constexpr):
     """Consumer warpgroup WHICH: rows [64 * WHICH, 64 * WHICH + 64) of every tile handed over.
 
     Per K/V block j: (wait for its turn) issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, (pass the
@@ -265,7 +278,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
         _store_rows(out.to(dtype), lse, o_smem, WHICH, outputs, batch, head, m0 + WHICH * ROWS, seqlen_q,
                     ROWS, HEAD_DIM_PAD, o_layout, O_VIA_SMEM)
         tile_i += 1
-        t = read_tile(tile_ids, tile_i, q_ready, Q_SLOTS)
+        t = read_next_tile(tile_ids, tile_i, q_ready, num_tiles, Q_SLOTS, PERSISTENT)
     tma.store_wait(0)
 
 
@@ -330,9 +343,9 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
     outputs = (o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh)
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
-                     ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM)),
+                     ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT)),
         (_consumer, (1, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
-                     ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM)),
+                     ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
                      ROWS, BLOCK_N, STAGES, PERSISTENT, DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -56,8 +56,8 @@ from flashtile.kernels.configs import (GLUON_HEAD_DIMS, gluon_backward_persisten
                                        split_head_dim, v3_gluon_bwd_config)
 from flashtile.kernels.launch import launch
 from flashtile.kernels.tiles import LOG2E, row_delta
-from flashtile.kernels.v3_gluon import (broadcast, end_tiles, next_tile, publish_tile, read_tile, sm_count,
-                                       tile_counter, tma_descriptor)
+from flashtile.kernels.v3_gluon import (broadcast, end_tiles, next_tile, publish_tile, read_next_tile, read_tile,
+                                       sm_count, tile_counter, tma_descriptor)
 
 # 12 warps (8 consumer, one producer warp rounded up to a warpgroup): 168 registers each at
 # launch, moved to 240 for the consumers (dK, dV, S^T, dP^T live there) and 24 for the producer.
@@ -127,16 +127,6 @@ def _buffer_of(count, BUFFERS: gl.constexpr):
 
 
 @gluon.jit
-def _next_tile(tile_ids, tile_i, ready, num_tiles, SLOTS: gl.constexpr, PERSISTENT: gl.constexpr):
-    """The consumers' ``tile_i``-th tile (read_tile), once its stationary loads (``ready``) have
-    landed; past the end: none left.  A CTA of one tile (not PERSISTENT) takes no second."""
-    t = num_tiles
-    if PERSISTENT:
-        t = read_tile(tile_ids, tile_i, ready, SLOTS)
-    return t
-
-
-@gluon.jit
 def _release_stationary(stationary_empty, slot):
     """The partition's results have left the stationary slot (its TMA stores waited for by the
     thread that issued them): the producer may load the next tile into it."""
@@ -188,10 +178,7 @@ def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_smem, ti
                      STATS_IN_RING)
         t = following
         tile_i += 1
-    if PERSISTENT:  # (a CTA of one tile ends with it)
-        s, s_phase = _buffer_of(tile_i, SLOTS)
-        mbarrier.wait(stationary_empty.index(s), s_phase ^ 1)
-        end_tiles(tile_ids, tile_i, stationary_ready.index(s), num_tiles, COUNTER, DYNAMIC)
+    end_tiles(tile_ids, tile_i, stationary_ready, stationary_empty, num_tiles, COUNTER, PERSISTENT, DYNAMIC)
 
 
 @gluon.jit
@@ -274,14 +261,28 @@ def _store_dkdv(dk, dv, k_tile, v_tile, k_smem, v_smem, dk_desc, dv_desc, batch,
 
 
 @gluon.jit
-def _dkdv_products(k_rows, v_rows, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, m0, band, seqlen_q,
-                   scale_log2, op_layout: gl.constexpr):
-    """One streamed Q block's products against a consumer partition's K/V rows: S^T = K Q^T and
-    dP^T = V dO^T from shared memory, then dV += P^T dO and dK += dS^T Q with P^T and dS^T as
-    register operands; lse and D from the block's ring slot.  dV and dK are left in flight
-    (with the operands they read): the caller waits for them."""
-    sT = warpgroup_mma(k_rows, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    dpT = warpgroup_mma(v_rows, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+def _scores(a, b, c_smem, d_smem, ready, count, s_zero, ROWS: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+            STAGES: gl.constexpr):
+    """The streamed pair (c, d) of block ``count`` in its ring slot, once landed, and the
+    stationary rows' scores against it from shared memory, issued and left in flight: a c^T and
+    b d^T (S and dP in the dQ pass, S^T and dP^T in the dK/dV pass).  Returns the slot, the
+    pair as 2-D tiles of ROWS rows and the two products."""
+    slot, phase = _buffer_of(count, STAGES)
+    mbarrier.wait(ready.index(slot), phase)
+    c = c_smem.index(slot).reshape([ROWS, HEAD_DIM_PAD])
+    d = d_smem.index(slot).reshape([ROWS, HEAD_DIM_PAD])
+    s = warpgroup_mma(a, c.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp = warpgroup_mma(b, d.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return slot, c, d, s, dp
+
+
+@gluon.jit
+def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, m0, band, seqlen_q, scale_log2,
+                   op_layout: gl.constexpr):
+    """One streamed Q block's products against a consumer partition's K/V rows, once its S^T and
+    dP^T are in flight (_scores): dV += P^T dO and dK += dS^T Q with P^T and dS^T as register
+    operands; lse and D from the block's ring slot.  dV and dK are left in flight (with the
+    operands they read): the caller waits for them."""
     lse = lse_ref.load(gl.SliceLayout(0, s_zero.type.layout)) * LOG2E
     sT = warpgroup_mma_wait(1, deps=[sT])
     pT = _probs_t(sT, lse, rows_k, m0, band, seqlen_q, scale_log2)
@@ -356,7 +357,7 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, 
                     v_block.slice(WHICH * ROWS, ROWS, dim=1), dk_desc, dv_desc, batch, r0, head_k, softmax_scale)
         _release_stationary(kv_empty, kv_slot)
         tile_i += 1
-        t = _next_tile(tile_ids, tile_i, kv_ready, num_tiles, SLOTS, PERSISTENT)
+        t = read_next_tile(tile_ids, tile_i, kv_ready, num_tiles, SLOTS, PERSISTENT)
 
 
 @gluon.jit
@@ -389,11 +390,9 @@ def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_sm
     k_tile = k_smem.index(kv_slot).reshape([BLOCK_N, HEAD_DIM_PAD])
     k_rows = k_tile.slice(ROW0, ROWS)
     v_rows = v_smem.index(kv_slot).reshape([BLOCK_N, HEAD_DIM_PAD]).slice(ROW0, ROWS)
-    slot, phase = _buffer_of(it, STAGES)
-    mbarrier.wait(q_ready.index(slot), phase)
-    q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
-    do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
-    dk, dv, dsT, pT_op, dsT_op = _dkdv_products(k_rows, v_rows, q, do, lse_smem.index(slot), delta_smem.index(slot),
+    slot, q, do, sT, dpT = _scores(k_rows, v_rows, q_smem, do_smem, q_ready, it, s_zero, BLOCK_M, HEAD_DIM_PAD,
+                                   STAGES)
+    dk, dv, dsT, pT_op, dsT_op = _dkdv_products(sT, dpT, q, do, lse_smem.index(slot), delta_smem.index(slot),
                                                 dk, dv, s_zero, rows_k, m0, band, seqlen_q, scale_log2, op_layout)
     if DQ_REDUCE:
         # dS and the fp32 dQ staging have two buffers each: one written here was last read two
@@ -451,13 +450,9 @@ def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk,
         lse, delta = _column_stats(LSE, DELTA, stats, lo + offs_m, seqlen_q, n_blocks > 0)
         for g in range(group):
             for i in range(n_blocks):
-                slot, phase = _buffer_of(it, STAGES)
                 m0 = lo + i * BLOCK_M
-                mbarrier.wait(q_ready.index(slot), phase)
-                q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
-                do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_PAD])
-                sT = warpgroup_mma(k_tile, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                dpT = warpgroup_mma(v_tile, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                slot, q, do, sT, dpT = _scores(k_tile, v_tile, q_smem, do_smem, q_ready, it, s_zero, BLOCK_M,
+                                               HEAD_DIM_PAD, STAGES)
                 # The next block's: this head's next one, or the next head's first.
                 next_head = (i + 1) // n_blocks
                 next_stats = stats + next_head * slh
@@ -481,7 +476,7 @@ def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk,
         _store_dkdv(dk, dv, k_tile, v_tile, k_block, v_block, dk_desc, dv_desc, batch, n0, head_k, softmax_scale)
         _release_stationary(kv_empty, kv_slot)
         tile_i += 1
-        t = _next_tile(tile_ids, tile_i, kv_ready, num_tiles, SLOTS, PERSISTENT)
+        t = read_next_tile(tile_ids, tile_i, kv_ready, num_tiles, SLOTS, PERSISTENT)
 
 
 @gluon.jit
@@ -617,13 +612,8 @@ def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, tile_ids
         dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(m0, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k,
                                                                window_left, window_right, False)
         for i in range(n_blocks):
-            slot, phase = _buffer_of(j, STAGES)
             n0 = lo + i * BLOCK_N
-            mbarrier.wait(kv_ready.index(slot), phase)
-            k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM_PAD])
-            v = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM_PAD])
-            s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            slot, k, v, s, dp = _scores(q, do, k_smem, v_smem, kv_ready, j, s_zero, BLOCK_N, HEAD_DIM_PAD, STAGES)
             s = warpgroup_mma_wait(1, deps=[s])
             p = _probs(s, lse, rows, n0, (dlo, dhi, full_lo, full_hi), seqlen_k, scale_log2, BLOCK_N,
                        gl.SliceLayout(0, s_layout))
@@ -645,7 +635,7 @@ def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, tile_ids
         _store_dq(dq, q, q_block.slice(WHICH * ROWS, ROWS, dim=1), dq_desc, batch, r0, head, softmax_scale)
         _release_stationary(q_empty, q_slot)
         tile_i += 1
-        t = _next_tile(tile_ids, tile_i, q_ready, num_tiles, SLOTS, PERSISTENT)
+        t = read_next_tile(tile_ids, tile_i, q_ready, num_tiles, SLOTS, PERSISTENT)
 
 
 @gluon.jit
