@@ -2,17 +2,17 @@
 revision, on bars cells, with a null pair and baseline providers.
 
     python scripts/ab_module.py flashtile/kernels/v3_gluon_bwd.py --rev HEAD~1 --at flashtile.kernels.v3 \\
-        --cells "128 causal 1024 bwd; 64 plain 2048 bwd" --env FLASHTILE_V3_BWD=gluon --check
+        --cells "128 1024 causal bwd; 64 2048 plain bwd" --env FLASHTILE_V3_BWD=gluon --check
 
 The file at REV (``git show``) is loaded as a module of its own and put in place of the tree's
 where module ``--at`` refers to it (its attribute of the file's name), for that variant's
 measurements only.  Variants: "tree", "rev", "tree_again" (the tree's once more: the spread
 two identical variants show on the machine) and the --baseline providers, all measured in the
 same rounds, their order reversed every other round (bench.compare), --env set for all of them.
-Cells: "HEAD_DIM causal|plain SEQLEN fwd|bwd", ';'-separated, shapes as the bars (batch x
-seqlen = --tokens, heads x head_dim = --hidden).  --check compares each cell's output (fwd) or
-gradients (bwd) of tree and rev bit for bit on one set of inputs (meaningful for kernels that
-are deterministic).  Prints Markdown (each variant's best time, and tree's time over each
+Cells: "HEAD_DIM SEQLEN causal|plain fwd|bwd", ';'-separated (as gpu_check.sh's PROFILE_CASES),
+shapes as the bars (batch x seqlen = --tokens, heads x head_dim = --hidden).  --check compares
+each cell's output (fwd) or gradients (bwd) of tree and rev bit for bit on one set of inputs
+(meaningful for kernels that are deterministic).  Prints Markdown (each variant's best time, and tree's time over each
 other's: > 1, that variant faster); --out writes JSON.
 """
 import argparse
@@ -60,9 +60,9 @@ def swapped(owner, attribute, module, env):
 def parse_cells(text, tokens, hidden):
     cases = []
     for cell in filter(None, (c.strip() for c in text.split(";"))):
-        head_dim, mask, seqlen, mode = cell.split()
+        head_dim, seqlen, mask, mode = cell.split()
         if mask not in ("causal", "plain") or mode not in ("fwd", "bwd"):
-            raise ValueError(f"cell {cell!r}: expected 'HEAD_DIM causal|plain SEQLEN fwd|bwd'")
+            raise ValueError(f"cell {cell!r}: expected 'HEAD_DIM SEQLEN causal|plain fwd|bwd'")
         d, s = int(head_dim), int(seqlen)
         cases.append(bench.Case(tokens // s, hidden // d, hidden // d, s, s, d, mask == "causal", mode))
     return cases

@@ -124,7 +124,7 @@ def cases(head_dim=128, varlen=False):
         yield ("v3.fwd_gluon_causal", v3_gluon._fwd_kernel, *gluon_case(head_dim, causal=True))
         yield ("v3.bwd_dq_gluon", v3_gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, True))
         yield ("v3.bwd_dkdv_gluon", v3_gluon_bwd._dkdv_kernel, *gluon_bwd_case(p.head_dim_pad, False))
-        if not configs.split_head_dim(p.head_dim_pad):
+        if not configs.split_head_dim(p.head_dim_pad):  # up to d128
             # The two passes over a band's tiles (persistent, from the tile counter), and with a
             # CTA per tile (as few tiles as SMs).
             yield ("v3.bwd_dq_gluon_causal", v3_gluon_bwd._dq_kernel,
@@ -134,7 +134,7 @@ def cases(head_dim=128, varlen=False):
             yield ("v3.bwd_dq_gluon_tile", v3_gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, True, False, False))
             yield ("v3.bwd_dkdv_gluon_tile", v3_gluon_bwd._dkdv_kernel,
                    *gluon_bwd_case(p.head_dim_pad, False, False, False))
-        if not configs.split_head_dim(p.head_dim_pad):  # the single pass does not split the head dim
+            # The single pass (it does not split the head dim).
             yield ("v3.bwd_reduce_gluon", v3_gluon_bwd._dkdv_kernel, *gluon_bwd_case(p.head_dim_pad, False, True))
 
 

@@ -218,7 +218,7 @@ def test_ab_module_measures_each_revision_in_place_of_the_tree(monkeypatch, tmp_
     monkeypatch.chdir(root)
     out = tmp_path / "ab.json"
     ab_module.main(["flashtile/kernels/v2.py", "--rev", "HEAD", "--at", "flashtile.kernels.v3", "--cells",
-                    "16 causal 40 bwd", "--tokens", "40", "--hidden", "32", "--baseline", "", "--rounds", "2",
+                    "16 40 causal bwd", "--tokens", "40", "--hidden", "32", "--baseline", "", "--rounds", "2",
                     "--check", "--out", str(out)])
     assert seen == ["v2.py", "v2_at_HEAD.py", "v2.py", "v2.py", "v2_at_HEAD.py", "v2.py"]
     assert v3.v2.__file__ == tree_file
@@ -226,4 +226,4 @@ def test_ab_module_measures_each_revision_in_place_of_the_tree(monkeypatch, tmp_
     rows = json.loads(out.read_text())["rows"]
     assert rows == [dict(d=16, causal=True, seqlen=40, mode="bwd", tree=1.0, rev=2.0, tree_again=3.0)]
     with pytest.raises(SystemExit):
-        ab_module.main(["flashtile/kernels/v2.py", "--at", "flashtile.kernels.v1", "--cells", "16 causal 40 bwd"])
+        ab_module.main(["flashtile/kernels/v2.py", "--at", "flashtile.kernels.v1", "--cells", "16 40 causal bwd"])
