@@ -122,23 +122,28 @@ def main(argv=None):
                 same = all(torch.equal(a, b) for a, b in zip(mine, theirs))
                 print(f"{case}: tree and {args.rev} bitwise equal: {same}", file=sys.stderr)
         best = bench.compare(variants, cases, args.rounds)
+    report(f"{args.path}: working tree against {args.rev}; {args.provider}, {env or 'no switches'}", variants,
+           cases, best, args.rounds, args.out, dict(path=args.path, rev=args.rev, provider=args.provider, env=env))
+
+
+def report(title, variants, cases, best, rounds, out=None, meta=None):
+    """Markdown of bench.compare's result: each variant's best ms per cell, and the first
+    variant's time over each other's (> 1: that variant faster); ``out``: the same as JSON."""
     names = list(variants)
-    print(f"{args.path}: working tree against {args.rev}; {args.provider}, {env or 'no switches'}; "
-          f"{bench.environment()['gpu']}; ms, best of {args.rounds} rounds\n")
+    first = names[0]
+    print(f"{title}; {bench.environment()['gpu']}; ms, best of {rounds} rounds\n")
     print("| d | causal | seqlen | mode | " + " | ".join(names) + " | " +
-          " | ".join(f"tree/{n}" for n in names[1:]) + " |")
+          " | ".join(f"{first}/{n}" for n in names[1:]) + " |")
     print("|---" * (4 + 2 * len(names) - 1) + "|")
     rows = []
     for case, times in zip(cases, best):
         rows.append(dict(d=case.d, causal=case.causal, seqlen=case.sq, mode=case.mode, **times))
         print(f"| {case.d} | {case.causal} | {case.sq} | {case.mode} | " +
               " | ".join(f"{times[n]:.3f}" for n in names) + " | " +
-              " | ".join(f"{times['tree'] / times[n]:.3f}" for n in names[1:]) + " |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(path=args.path, rev=args.rev, provider=args.provider, env=env, rounds=args.rounds,
-                           **bench.environment(), rows=rows), f, indent=1)
-
+              " | ".join(f"{times[first] / times[n]:.3f}" for n in names[1:]) + " |")
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(**(meta or {}), rounds=rounds, **bench.environment(), rows=rows), f, indent=1)
 
 if __name__ == "__main__":
     main()

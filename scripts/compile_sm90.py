@@ -54,7 +54,7 @@ def gluon_case(head_dim, causal=False):
     q_block = v3_gluon.block_layout(consts["ROWS"], p.head_dim_pad, torch.bfloat16)
     kv_block = v3_gluon.block_layout(cfg.block_n, p.head_dim_pad, torch.bfloat16)
     descriptors = {"q_desc": q_block, "o_desc": q_block, "k_desc": kv_block, "v_desc": kv_block}
-    return consts, dict(v3_gluon.LAUNCH_OPTIONS), descriptors
+    return consts, v3_gluon.launch_options(cfg.consumers), descriptors
 
 
 def gluon_bwd_case(head_dim_pad, dq_pass, dq_reduce=False, persistent=True, causal=False):

@@ -227,3 +227,30 @@ def test_ab_module_measures_each_revision_in_place_of_the_tree(monkeypatch, tmp_
     assert rows == [dict(d=16, causal=True, seqlen=40, mode="bwd", tree=1.0, rev=2.0, tree_again=3.0)]
     with pytest.raises(SystemExit):
         ab_module.main(["flashtile/kernels/v2.py", "--at", "flashtile.kernels.v1", "--cells", "16 40 causal bwd"])
+
+
+def test_ab_env_measures_each_variant_under_its_settings(monkeypatch, tmp_path, capsys):
+    # scripts/ab_env.py: each variant's environment is set for its own measurements only, the
+    # order reversed in odd rounds; --check compares each variant's gradients with the first's.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "scripts"))
+    import ab_env
+    monkeypatch.delenv("FLASHTILE_V3_BWD", raising=False)
+    seen = []
+
+    def fake_measure(provider, case):
+        seen.append(os.environ.get("FLASHTILE_V3_BWD"))
+        return float(len(seen)), None
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    out = tmp_path / "ab.json"
+    ab_env.main(["--cells", "16 40 causal bwd", "--tokens", "40", "--hidden", "32", "--baseline", "",
+                 "--rounds", "2", "--variant", "plain:", "--variant", "forced:FLASHTILE_V3_BWD=v2", "--check",
+                 "--out", str(out)])
+    assert seen == [None, "v2", "v2", None]
+    assert "FLASHTILE_V3_BWD" not in os.environ
+    assert "plain and forced bitwise equal: True" in capsys.readouterr().err
+    rows = json.loads(out.read_text())["rows"]
+    assert rows == [dict(d=16, causal=True, seqlen=40, mode="bwd", plain=1.0, forced=2.0)]
+    with pytest.raises(ValueError):
+        ab_env.parse_variant("no-colon")

@@ -93,13 +93,19 @@ class GluonSchedule:
     overlap: bool = True
     persistent: bool = True
     next_q: bool = True  # a second Q buffer: the next tile's Q and K/V load under this tile's tail
+    consumers: int = 2   # consumer warpgroups, 64 query rows each
+
+    @property
+    def tile_m(self) -> int:
+        return WARPGROUP_ROWS * self.consumers
 
 
 # Two consumer warpgroups of 64 rows each; shared memory holds Q (2 x 64 rows), the K/V ring and,
 # where it fits, O for the TMA store.  H200 sweep (scripts/sweep_configs.py --only v3-gluon, 1k and
 # 16k, 58d2bdc): d64 128x3 (+3% over 128x2 at 16k), d128 128x2 (a third slot left no room to stage
 # O, which then waited in Q's buffer: -40% at 1k), d256 64x2 (+39% over one slot at 16k).
-GLUON_TILE_M = 128  # query rows of a tile: two consumer warpgroups of 64
+WARPGROUP_ROWS = 64  # the rows of an accumulator one warpgroup's MMA covers
+GLUON_TILE_M = 2 * WARPGROUP_ROWS  # the Gluon backward's stationary rows: two consumer warpgroups
 GLUON_HEAD_DIMS = (64, 128, 256)  # padded head dims the Gluon kernels (forward and backward) take
 _V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (256, GluonSchedule(64, 2))]
 GLUON_TECHNIQUES = ("pingpong", "overlap", "persistent", "next_q")
@@ -145,8 +151,8 @@ def v3_fallback_forward(p) -> str:
 
 
 def v3_gluon_schedule(p) -> GluonSchedule:
-    """The Gluon forward's schedule: FLASHTILE_CONFIG_V3_GLUON=block_n,stages overrides the
-    tiles; FLASHTILE_V3_ABLATE=pingpong,overlap,persistent,next_q switches techniques off
+    """The Gluon forward's schedule: FLASHTILE_CONFIG_V3_GLUON=block_n,stages[,consumers]
+    overrides the tiles; FLASHTILE_V3_ABLATE=pingpong,overlap,persistent,next_q switches techniques off
     (persistent: the backward's persistent CTAs too, gluon_backward_persistent)."""
     return _gluon_schedule(p.head_dim_pad, os.environ.get("FLASHTILE_CONFIG_V3_GLUON"),
                            os.environ.get("FLASHTILE_V3_ABLATE", ""))
@@ -156,10 +162,11 @@ def v3_gluon_schedule(p) -> GluonSchedule:
 def _gluon_schedule(head_dim_pad, override, ablate) -> GluonSchedule:
     cfg = _by_head_dim(_V3_GLUON, head_dim_pad)
     if override:
-        block_n, stages = (int(x) for x in override.split(","))
-        cfg = GluonSchedule(block_n, stages)
+        block_n, stages, *consumers = (int(x) for x in override.split(","))
+        cfg = GluonSchedule(block_n, stages, consumers=consumers[0] if consumers else 2)
     off = _ablated(ablate)
-    return GluonSchedule(cfg.block_n, cfg.num_stages, *(t not in off for t in GLUON_TECHNIQUES))
+    return GluonSchedule(cfg.block_n, cfg.num_stages, *(t not in off for t in GLUON_TECHNIQUES),
+                         consumers=cfg.consumers)
 
 
 def gluon_backward_persistent() -> bool:
@@ -291,7 +298,8 @@ def gpu_tiles(version: str, head_dim_pad: int, banded: bool, seqlen_k: int):
         b = _by_head_dim(_V2_BWD_KV_BAND if banded else _V2_BWD_KV, head_dim_pad)
         bwd = (b.block_m, b.block_n)
     if version == "v3":  # the Gluon forward
-        fwd = (GLUON_TILE_M, _by_head_dim(_V3_GLUON, head_dim_pad).block_n)
+        cfg = _by_head_dim(_V3_GLUON, head_dim_pad)
+        fwd = (cfg.tile_m, cfg.block_n)
     else:
         f = _by_head_dim(_v2_fwd_table(banded, seqlen_k), head_dim_pad)
         fwd = (f.block_m, f.block_n)

@@ -37,12 +37,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from flashtile.kernels.blocks import band_blocks, band_mask
-from flashtile.kernels.configs import GLUON_HEAD_DIMS, GLUON_TILE_M
+from flashtile.kernels.configs import GLUON_HEAD_DIMS, WARPGROUP_ROWS
 from flashtile.kernels.launch import Descriptor, descriptor_spec, launch
 from flashtile.kernels.tiles import finalize_rows, online_softmax_step
 
-ROWS_PER_CONSUMER = gl.constexpr(GLUON_TILE_M // 2)  # one warpgroup's wgmma M; the CTA's tile is two
-CONSUMER_REGS = gl.constexpr(240)     # per thread, as in FlashAttention-3: O, S and P of 64 rows live in registers
 PRODUCER_REGS = gl.constexpr(24)      # the TMA-issuing warp needs almost none
 SHARED_MEMORY = 232448 - 1024         # the H100/H200 per-block limit, less room for the mbarriers
 L2_BUDGET = 32 * 2**20                # K/V bytes of the heads walked together (the H200 has 50 MB of L2)
@@ -70,25 +68,26 @@ def _tile(t, walk, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-              DYNAMIC: gl.constexpr):
+              DYNAMIC: gl.constexpr, CONSUMERS: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
     num_tiles = walk[0]
-    Q_SLOTS: gl.constexpr = q_smem.shape[0] // 2
+    Q_SLOTS: gl.constexpr = q_smem.shape[0] // CONSUMERS
     it = 0  # K/V blocks issued so far: ring slot and mbarrier phase
     tile_i = 0
     t = gl.program_id(0)
     while t < num_tiles:
-        batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(t, walk, 2 * ROWS, BLOCK_N)
+        batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(t, walk, CONSUMERS * ROWS, BLOCK_N)
         head_k = head // group
-        # Both consumers are done with the Q this slot held (and have read that tile's number).
+        # Every consumer is done with the Q this slot held (and has read that tile's number).
         q_slot = tile_i % Q_SLOTS
         mbarrier.wait(q_empty.index(q_slot), (tile_i // Q_SLOTS & 1) ^ 1)
         publish_tile(tile_ids, tile_i, t)
         t = next_tile(t, num_tiles, COUNTER, PERSISTENT, DYNAMIC)
         q_bar = q_ready.index(q_slot)
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, m0, head, 0], q_bar, q_smem.index(2 * q_slot))
-        tma.async_copy_global_to_shared(q_desc, [batch, m0 + ROWS, head, 0], q_bar, q_smem.index(2 * q_slot + 1))
+        mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+        for c in gl.static_range(CONSUMERS):
+            tma.async_copy_global_to_shared(q_desc, [batch, m0 + c * ROWS, head, 0], q_bar,
+                                            q_smem.index(CONSUMERS * q_slot + c))
         for j in range(n_blocks):
             n0 = lo + j * BLOCK_N
             slot = it % STAGES
@@ -174,13 +173,20 @@ def _masked_scores(s, rows, n0, seqlen_k, dlo, dhi, BLOCK_N: gl.constexpr, col_l
 @gluon.jit
 def _issue_scores(q_buf, k_smem, k_ready, turn, slot, phase, turns, s_zero, WHICH: gl.constexpr,
                   PINGPONG: gl.constexpr):
-    """Start S = Q K^T on K/V ring slot ``slot`` once it is this consumer's turn and K has landed."""
+    """Start S = Q K^T on K/V ring slot ``slot`` once it is this consumer's turn and K has landed.
+    Turns go round the consumers in order; consumer 0 takes the first without waiting."""
     if PINGPONG:
-        mbarrier.wait(turn.index(WHICH), (turns & 1) ^ (1 - WHICH))
+        mbarrier.wait(turn.index(WHICH), (turns & 1) ^ (WHICH == 0))
     mbarrier.wait(k_ready.index(slot), phase)
     k = k_smem.index(slot)
     kT = k.reshape([k.shape[1], k.shape[3]]).permute((1, 0))
     return warpgroup_mma(q_buf, kT, s_zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _pass_turn(turn, WHICH: gl.constexpr):
+    """The tensor cores' turn goes to the next consumer (ping-pong with two)."""
+    mbarrier.arrive(turn.index((WHICH + 1) % turn.shape[0]))
 
 
 @gluon.jit
@@ -203,16 +209,17 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
-    Q_SLOTS: gl.constexpr = q_smem.shape[0] // 2
+    CONSUMERS: gl.constexpr = turn.shape[0]
+    Q_SLOTS: gl.constexpr = q_smem.shape[0] // CONSUMERS
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     it = 0     # K/V blocks consumed so far: ring slot and mbarrier phase
     turns = 0  # ping-pong turns taken so far
     tile_i = 0
     t = read_tile(tile_ids, tile_i, q_ready, Q_SLOTS)
     while t < num_tiles:
-        batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(t, walk, 2 * ROWS, BLOCK_N)
+        batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(t, walk, CONSUMERS * ROWS, BLOCK_N)
         q_slot = tile_i % Q_SLOTS
-        q_buf = q_smem.index(2 * q_slot + WHICH).reshape([ROWS, HEAD_DIM_PAD])
+        q_buf = q_smem.index(CONSUMERS * q_slot + WHICH).reshape([ROWS, HEAD_DIM_PAD])
         rows = m0 + WHICH * ROWS + gl.arange(0, ROWS, layout=s_rows)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
@@ -223,7 +230,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
             phase = (it // STAGES) & 1
             s = _issue_scores(q_buf, k_smem, k_ready, turn, slot, phase, turns, s_zero, WHICH, PINGPONG)
             if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WHICH))
+                _pass_turn(turn, WHICH)
                 turns += 1
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(k_empty.index(slot))
@@ -246,7 +253,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
                     mbarrier.wait(v_ready.index(prev_slot), prev_phase)
                     acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
                 if PINGPONG:
-                    mbarrier.arrive(turn.index(1 - WHICH))
+                    _pass_turn(turn, WHICH)
                     turns += 1
                 if OVERLAP:
                     s = warpgroup_mma_wait(1, deps=[s])
@@ -307,13 +314,14 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
                 seqlen_q, seqlen_k, window_left, window_right, scale_log2, COUNTER,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
-                DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr):
-    # Q_SLOTS tiles' Q, two halves each (slot s: buffers 2s and 2s + 1).
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_SLOTS] + q_desc.block_type.shape, q_desc.layout)
+                DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    # Q_SLOTS tiles' Q, a part per consumer each (slot s: buffers CONSUMERS * s + consumer).
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_SLOTS] + q_desc.block_type.shape,
+                                       q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     if O_VIA_SMEM:
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     else:
         o_smem = q_smem  # a placeholder: O leaves from registers
     # The producer hands each tile's number to the consumers here (two slots: tile parity).
@@ -324,31 +332,43 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # "ready" barriers complete when TMA has landed the bytes; "empty" ones when both consumers
-    # are done with the buffer.
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    # "ready" barriers complete when TMA has landed the bytes; "empty" ones when every consumer
+    # is done with the buffer.
     for i in gl.static_range(Q_SLOTS):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(q_empty.index(i), count=CONSUMERS)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=2)
-    for i in gl.static_range(2):
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    for i in gl.static_range(CONSUMERS):
         mbarrier.init(turn.index(i), count=1)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
     # The tile walk (see _tile) and where results go, as tuples: Gluon has no struct arguments.
     walk = (num_tiles, batch_heads, heads_q, head_group, m_blocks, seqlen_q, seqlen_k, window_left, window_right)
     outputs = (o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh)
-    gl.warp_specialize([
-        (_consumer, (0, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
-                     ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT)),
-        (_consumer, (1, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
-                     ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
-                     ROWS, BLOCK_N, STAGES, PERSISTENT, DYNAMIC)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
+                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT)),
+            (_consumer, (1, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
+                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT)),
+            (_consumer, (2, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
+                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
+                         ROWS, BLOCK_N, STAGES, PERSISTENT, DYNAMIC, CONSUMERS)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
+                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT)),
+            (_consumer, (1, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
+                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
+                         ROWS, BLOCK_N, STAGES, PERSISTENT, DYNAMIC, CONSUMERS)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def supports(p, q, k, v) -> bool:
@@ -401,15 +421,24 @@ def tma_descriptor(x, rows, head_dim_pad):
     return Descriptor(x, *_block_spec(rows, head_dim_pad, x.dtype))
 
 
-# 12 warps (two consumer warpgroups, one producer warp rounded up to a warpgroup) share the 64K
-# registers: 168 each at launch, rebalanced to 240 / 240 / 24 by setmaxnreg.
-LAUNCH_OPTIONS = dict(num_warps=4, maxnreg=168)
+# The consumer warpgroups and the producer warp (rounded up to a warpgroup) share the SM's 64K
+# registers: an even share each at launch, rebalanced by setmaxnreg to CONSUMER_REGS per
+# consumer thread (O, S and P of 64 rows live there) and PRODUCER_REGS, as in FlashAttention-3:
+# 240 with two consumers, 160 with three.
+CONSUMER_REGS = {2: 240, 3: 160}
+REGISTERS = 65536
+
+
+def launch_options(consumers):
+    """num_warps (the first consumer's, the default partition) and the launch's register cap."""
+    threads = (consumers + 1) * 128
+    return dict(num_warps=4, maxnreg=REGISTERS // threads // 8 * 8)
 
 
 def kernel_constants(p, cfg, element_size):
     """The kernel's compile-time arguments for problem ``p`` under schedule ``cfg``."""
-    rows = ROWS_PER_CONSUMER.value
-    tile_bytes = 2 * rows * p.head_dim_pad * element_size  # Q or O of one tile (two halves)
+    rows = WARPGROUP_ROWS
+    tile_bytes = cfg.tile_m * p.head_dim_pad * element_size  # Q or O of one tile
     ring_bytes = 2 * cfg.num_stages * cfg.block_n * p.head_dim_pad * element_size
     # O staged for its TMA store, then a second Q buffer, where shared memory holds them.
     o_via_smem = 2 * tile_bytes + ring_bytes <= SHARED_MEMORY
@@ -417,7 +446,8 @@ def kernel_constants(p, cfg, element_size):
     return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
                 PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_VIA_SMEM=o_via_smem, PERSISTENT=cfg.persistent,
                 # Tiles of uneven length (a band) from the atomic counter; equal ones strided over.
-                DYNAMIC=cfg.persistent and p.banded, Q_SLOTS=2 if next_q else 1)
+                DYNAMIC=cfg.persistent and p.banded, Q_SLOTS=2 if next_q else 1, CONSUMERS=cfg.consumers,
+                CONSUMER_REGS=CONSUMER_REGS[cfg.consumers])
 
 
 def tile_counter(device):
@@ -455,7 +485,7 @@ def forward(p, q, k, v, cfg):
     lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=q.device)
     consts = kernel_constants(p, cfg, q.element_size())
     rows = consts["ROWS"]
-    m_blocks = p.query_blocks(2 * rows)
+    m_blocks = p.query_blocks(cfg.tile_m)
     batch_heads = p.batch * p.heads_q
     num_tiles = m_blocks * batch_heads
     programs = min(num_tiles, sm_count(q.device.index)) if cfg.persistent else num_tiles
@@ -470,5 +500,5 @@ def forward(p, q, k, v, cfg):
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.scale_log2,
         # The tile counter; a static walk reads none (lse's first word stands in, untouched).
         tile_counter(q.device) if consts["DYNAMIC"] else lse.view(torch.int32),
-        **consts, **LAUNCH_OPTIONS)
+        **consts, **launch_options(cfg.consumers))
     return out, lse
