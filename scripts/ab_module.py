@@ -31,10 +31,16 @@ import torch
 from flashtile import bench
 
 
-def module_at_revision(path, rev, directory):
-    """The file ``path`` as it was at git revision ``rev``, loaded as a module of its own (from a
-    copy in ``directory``: Triton reads a kernel's source from its file)."""
-    source = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
+def module_at_revision(path, rev, directory, rev_file=None):
+    """The file ``path`` as it was at git revision ``rev`` (or the copy of it in ``rev_file``),
+    loaded as a module of its own (from a copy in ``directory``: Triton reads a kernel's source
+    from its file)."""
+    if rev_file:
+        with open(rev_file) as f:
+            source = f.read()
+    else:
+        source = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True,
+                                check=True).stdout
     name = f"{os.path.splitext(os.path.basename(path))[0]}_at_{rev.replace('~', '_').replace('^', '_')}"
     copy = os.path.join(directory, f"{name}.py")
     with open(copy, "w") as f:
@@ -87,6 +93,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", help="the module's file, relative to the repository root")
     ap.add_argument("--rev", default="HEAD", help="the git revision to compare the working tree's file with")
+    ap.add_argument("--rev-file", help="the file as it was at --rev, where git does not have that revision")
     ap.add_argument("--at", required=True, help="the module that refers to it, e.g. flashtile.kernels.v3")
     ap.add_argument("--cells", required=True)
     ap.add_argument("--provider", default="flashtile-v3")
@@ -106,7 +113,7 @@ def main(argv=None):
         sys.exit(f"{args.at} has no attribute {attribute} that is {args.path}")
     cases = parse_cells(args.cells, args.tokens, args.hidden)
     with tempfile.TemporaryDirectory() as directory:
-        rev = module_at_revision(args.path, args.rev, directory)
+        rev = module_at_revision(args.path, args.rev, directory, args.rev_file)
         variants = {"tree": (args.provider, lambda: swapped(owner, attribute, tree, env)),
                     "rev": (args.provider, lambda: swapped(owner, attribute, rev, env)),
                     "tree_again": (args.provider, lambda: swapped(owner, attribute, tree, env))}

@@ -60,6 +60,24 @@ def test_v3_both_forward_kernels_on_short_bands(monkeypatch, kernel, head_dim):
                             q, k, v, causal=True)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
+@pytest.mark.parametrize("window", [(-1, 0), (40, 8)])
+def test_v3_forward_three_consumers_on_bands(monkeypatch, window):
+    # d64's three consumer warpgroups (192-row tiles, tails that are not tile multiples) on bands,
+    # which take them only from 8k queries by default: here from any length.  (Non-causal ones
+    # from 2k: test_matches_oracle's long cases.)
+    from flashtile.kernels import configs, v3_gluon
+    monkeypatch.setitem(configs.THREE_CONSUMERS_FROM, True, 0)
+    consumers = []
+    launch = v3_gluon.forward
+    monkeypatch.setattr(v3_gluon, "forward", lambda p, q, k, v, cfg: consumers.append(cfg.consumers) or
+                        launch(p, q, k, v, cfg))
+    q, k, v = make_qkv(BATCH, 1000, 1300, 2 * HEADS, HEADS, 64, DTYPES[0], DEVICE)
+    check_against_reference(lambda a, b, c: flash_attn_func(a, b, c, window_size=window, version="v3"),
+                            q, k, v, window_size=window)
+    assert consumers and set(consumers) == {3}
+
+
 def _causal_gluon_forward(monkeypatch):
     """A causal v3 forward on the Gluon kernel (tiles from its counter): the call and its eager output."""
     monkeypatch.setenv("FLASHTILE_V3_FWD", "gluon")

@@ -54,10 +54,12 @@ def test_v3_gluon_forward_compiles_for_sm90(tmp_path, head_dim):
     # its numbers on the GPU (scripts/gpu_check.sh gluon).
     ttgir = compile_for_sm90(tmp_path, "v3.fwd_gluon", head_dim, {})
     ptx = (tmp_path / f"v3.fwd_gluon_d{head_dim}.ptx").read_text()
-    # Three partitions: one consumer warpgroup in the default region, the other and the TMA
-    # producer as workers, registers moved from the producer to the consumers.
-    assert "ttg.warp_specialize" in ttgir and len(re.findall(r"partition\d+\(", ttgir)) == 2
-    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)
+    # One consumer warpgroup in the default region, the others and the TMA producer as workers,
+    # registers moved from the producer to the consumers: two consumers of 240 registers, or at
+    # d64 (compile_sm90 takes 4k queries) three of 160.
+    consumers = 3 if head_dim == 64 else 2
+    assert "ttg.warp_specialize" in ttgir and len(re.findall(r"partition\d+\(", ttgir)) == consumers
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{ {2: 240, 3: 160}[consumers]}", ptx)
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
     assert "cp.async.bulk.tensor.4d.shared::cluster.global" in ptx  # TMA loads
     # S = Q K^T from shared memory; O += P V with P in registers (a brace list as the A operand).
@@ -146,6 +148,8 @@ def test_v3_gluon_ablation_switches_remove_their_technique(tmp_path):
 def test_v3_forward_routing(monkeypatch):
     # Which v3 forward a problem gets on the GPU: the Gluon kernel for batched problems (short
     # causal/window bands too), the plain-Triton one under the interpreter; switches work.
+    from dataclasses import replace
+
     from flashtile.kernels import configs
     from flashtile.kernels.problem import Problem
 
@@ -168,6 +172,17 @@ def test_v3_forward_routing(monkeypatch):
     monkeypatch.setenv("FLASHTILE_CONFIG_V3_GLUON", "64,4")
     monkeypatch.delenv("FLASHTILE_V3_ABLATE")
     assert configs.v3_gluon_schedule(problem(4096, -1)) == configs.GluonSchedule(64, 4)
+    monkeypatch.setenv("FLASHTILE_CONFIG_V3_GLUON", "64,4,3")  # three consumers: up to d64 only
+    with pytest.raises(ValueError, match="3 up to head dim 64"):
+        configs.v3_gluon_schedule(problem(4096, -1))
+    d64 = replace(problem(4096, -1), head_dim=64)
+    assert configs.v3_gluon_schedule(d64) == configs.GluonSchedule(64, 4, consumers=3)
+    monkeypatch.delenv("FLASHTILE_CONFIG_V3_GLUON")
+    # d64 takes three consumers from THREE_CONSUMERS_FROM query rows (a band: from more).
+    assert configs.v3_gluon_schedule(d64).consumers == 3
+    assert configs.v3_gluon_schedule(replace(d64, seqlen_q=1024)).consumers == 2
+    assert configs.v3_gluon_schedule(replace(d64, window_right=0)).consumers == 2
+    assert configs.v3_gluon_schedule(replace(d64, window_right=0, seqlen_q=8192)).consumers == 3
     monkeypatch.setenv("FLASHTILE_V3_FWD", "triton")
     assert configs.v3_forward_kernel(problem(4096, -1)) == "triton"
     monkeypatch.setenv("FLASHTILE_V3_FWD", "v3")

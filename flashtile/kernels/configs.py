@@ -109,6 +109,13 @@ GLUON_TILE_M = 2 * WARPGROUP_ROWS  # the Gluon backward's stationary rows: two c
 GLUON_HEAD_DIMS = (64, 128, 256)  # padded head dims the Gluon kernels (forward and backward) take
 _V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (256, GluonSchedule(64, 2))]
 GLUON_TECHNIQUES = ("pingpong", "overlap", "persistent", "next_q")
+# d64 with three consumer warpgroups (192-row tiles, 160 registers each, as FlashAttention-3's
+# d64 forward), its speed over two's in the same run (H200, bf16): non-causal 0.95x at 1k (1024
+# rows make six tiles of 192: 12.5% of them padding), 1.07x at 2k, 1.09x 4k, 1.13x 8k, 1.15x 16k;
+# causal 0.73x at 1k, 0.92x 2k, 0.96x 4k, 1.04x 8k, 1.07x 16k
+# (benchmarks/results/2026-12-02_H200_aa16618/experiments/three_consumers*.md).  d128 has no
+# registers for it (ptxas: 1.1 KB of spills).  By query rows, for problems without and with a band:
+THREE_CONSUMERS_FROM = {False: 2048, True: 8192}
 # The Gluon backward's stationary rows per CTA (K/V rows in dK/dV, query rows in dQ): one 64-row
 # slice per consumer warpgroup, or above d128 (SPLIT_D) 64 rows the two warpgroups share,
 # splitting the head dim instead (one warpgroup's registers do not hold d256 accumulators).
@@ -150,23 +157,32 @@ def v3_fallback_forward(p) -> str:
     return "v2" if p.banded and p.seqlen_k <= SHORT_KEYS else "triton"
 
 
+def gluon_consumers(head_dim_pad: int, banded: bool, seqlen_q: int) -> int:
+    """The Gluon forward's consumer warpgroups: three at d64 from THREE_CONSUMERS_FROM rows."""
+    return 3 if head_dim_pad == 64 and seqlen_q >= THREE_CONSUMERS_FROM[banded] else 2
+
+
 def v3_gluon_schedule(p) -> GluonSchedule:
     """The Gluon forward's schedule: FLASHTILE_CONFIG_V3_GLUON=block_n,stages[,consumers]
-    overrides the tiles; FLASHTILE_V3_ABLATE=pingpong,overlap,persistent,next_q switches techniques off
-    (persistent: the backward's persistent CTAs too, gluon_backward_persistent)."""
-    return _gluon_schedule(p.head_dim_pad, os.environ.get("FLASHTILE_CONFIG_V3_GLUON"),
-                           os.environ.get("FLASHTILE_V3_ABLATE", ""))
+    overrides the tiles (two consumers unless given); FLASHTILE_V3_ABLATE=pingpong,overlap,
+    persistent,next_q switches techniques off (persistent: the backward's persistent CTAs too,
+    gluon_backward_persistent)."""
+    return _gluon_schedule(p.head_dim_pad, gluon_consumers(p.head_dim_pad, p.banded, p.seqlen_q),
+                           os.environ.get("FLASHTILE_CONFIG_V3_GLUON"), os.environ.get("FLASHTILE_V3_ABLATE", ""))
 
 
 @functools.lru_cache(maxsize=None)  # parsed once per setting: this runs at every forward
-def _gluon_schedule(head_dim_pad, override, ablate) -> GluonSchedule:
+def _gluon_schedule(head_dim_pad, consumers, override, ablate) -> GluonSchedule:
     cfg = _by_head_dim(_V3_GLUON, head_dim_pad)
     if override:
-        block_n, stages, *consumers = (int(x) for x in override.split(","))
-        cfg = GluonSchedule(block_n, stages, consumers=consumers[0] if consumers else 2)
+        block_n, stages, *more = (int(x) for x in override.split(","))
+        consumers = more[0] if more else 2
+        if consumers not in (2, 3) or (consumers == 3 and head_dim_pad > 64):
+            raise ValueError(f"FLASHTILE_CONFIG_V3_GLUON={override!r}: 2 consumers, or 3 up to head dim 64")
+        cfg = GluonSchedule(block_n, stages)
     off = _ablated(ablate)
     return GluonSchedule(cfg.block_n, cfg.num_stages, *(t not in off for t in GLUON_TECHNIQUES),
-                         consumers=cfg.consumers)
+                         consumers=consumers)
 
 
 def gluon_backward_persistent() -> bool:
@@ -298,8 +314,8 @@ def gpu_tiles(version: str, head_dim_pad: int, banded: bool, seqlen_k: int):
         b = _by_head_dim(_V2_BWD_KV_BAND if banded else _V2_BWD_KV, head_dim_pad)
         bwd = (b.block_m, b.block_n)
     if version == "v3":  # the Gluon forward
-        cfg = _by_head_dim(_V3_GLUON, head_dim_pad)
-        fwd = (cfg.tile_m, cfg.block_n)
+        consumers = gluon_consumers(head_dim_pad, banded, seqlen_k)  # (the model's shapes: as many queries)
+        fwd = (WARPGROUP_ROWS * consumers, _by_head_dim(_V3_GLUON, head_dim_pad).block_n)
     else:
         f = _by_head_dim(_v2_fwd_table(banded, seqlen_k), head_dim_pad)
         fwd = (f.block_m, f.block_n)
