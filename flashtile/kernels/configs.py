@@ -113,7 +113,7 @@ GLUON_TECHNIQUES = ("pingpong", "overlap", "persistent", "next_q")
 # d64 forward), its speed over two's in the same run (H200, bf16): non-causal 0.95x at 1k (1024
 # rows make six tiles of 192: 12.5% of them padding), 1.07x at 2k, 1.09x 4k, 1.13x 8k, 1.15x 16k;
 # causal 0.73x at 1k, 0.92x 2k, 0.96x 4k, 1.04x 8k, 1.07x 16k
-# (benchmarks/results/2026-12-02_H200_aa16618/experiments/three_consumers*.md).  d128 has no
+# (benchmarks/results/2026-12-02_H200_c46b5ae/experiments/three_consumers_run*.md).  d128 has no
 # registers for it (ptxas: 1.1 KB of spills).  By query rows, for problems without and with a band:
 THREE_CONSUMERS_FROM = {False: 2048, True: 8192}
 # The Gluon backward's stationary rows per CTA (K/V rows in dK/dV, query rows in dQ): one 64-row

@@ -1,15 +1,17 @@
 """FlashAttention-3's forward for Hopper, written in Gluon: the scheduling plain Triton cannot express.
 
-One CTA runs three partitions (``gl.warp_specialize``) over a persistent loop of tiles:
+One CTA runs a producer and ``CONSUMERS`` consumer partitions (``gl.warp_specialize``) over a
+persistent loop of tiles:
 
-- a producer warp issues the TMA loads: the CTA's two Q halves once per tile, into one of
-  ``Q_SLOTS`` buffers, then K and V blocks into a ``STAGES``-deep shared-memory ring
+- a producer warp issues the TMA loads: the tile's Q, 64 rows per consumer, once per tile, into
+  one of ``Q_SLOTS`` buffers, then K and V blocks into a ``STAGES``-deep shared-memory ring
   (``*_ready`` / ``*_empty`` mbarriers);
-- two consumer warpgroups, each owning 64 query rows of the 128-row tile, run the GEMMs on
-  warpgroup MMA (P stays in registers as the PV product's A operand) and the online softmax.
+- two consumer warpgroups (three at d64, configs.gluon_consumers: 192-row tiles, fewer registers
+  each), each owning 64 query rows of the tile, run the GEMMs on warpgroup MMA (P stays in
+  registers as the PV product's A operand) and the online softmax.
 
-Ping-pong: the consumers take turns to issue their GEMMs (the ``turn`` mbarriers), so one
-warpgroup's softmax runs while the other's GEMMs occupy the tensor cores.
+Ping-pong: the consumers take turns to issue their GEMMs (the ``turn`` mbarriers, passed round
+them in order), so one warpgroup's softmax runs while another's GEMMs occupy the tensor cores.
 Intra-warpgroup overlap: inside a consumer, S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued
 together and the softmax of S_j runs while the PV product is still in flight.
 Persistent scheduler: ``min(tiles, SMs)`` CTAs loop over tiles, so no CTA launch is paid per
