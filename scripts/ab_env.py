@@ -18,7 +18,7 @@ from unittest import mock
 
 import torch
 
-from ab_module import parse_cells, report, results
+from ab_module import add_measurement_arguments, parse_cells, report, results
 from flashtile import bench
 
 
@@ -31,15 +31,8 @@ def parse_variant(text):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cells", required=True)
     ap.add_argument("--variant", action="append", required=True, metavar="NAME:KEY=VALUE ...")
-    ap.add_argument("--provider", default="flashtile-v3")
-    ap.add_argument("--baseline", default="sdpa-cudnn", help="','-separated providers; '' for none")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--check", action="store_true")
-    ap.add_argument("--out", help="JSON file of the results")
+    add_measurement_arguments(ap)
     args = ap.parse_args(argv)
     settings = dict(map(parse_variant, args.variant))
     cases = parse_cells(args.cells, args.tokens, args.hidden)

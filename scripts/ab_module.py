@@ -74,6 +74,19 @@ def parse_cells(text, tokens, hidden):
     return cases
 
 
+def add_measurement_arguments(ap):
+    """What the A/B scripts share: the cells, the provider measured, baselines, rounds, the bars'
+    shapes, the bitwise check and the JSON output."""
+    ap.add_argument("--cells", required=True)
+    ap.add_argument("--provider", default="flashtile-v3")
+    ap.add_argument("--baseline", default="sdpa-cudnn", help="','-separated providers; '' for none")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--out", help="JSON file of the results")
+
+
 def results(case, provider, device):
     """The provider's output (fwd) or q, k, v gradients (bwd) on inputs seeded the same each call."""
     torch.manual_seed(0)
@@ -95,15 +108,8 @@ def main(argv=None):
     ap.add_argument("--rev", default="HEAD", help="the git revision to compare the working tree's file with")
     ap.add_argument("--rev-file", help="the file as it was at --rev, where git does not have that revision")
     ap.add_argument("--at", required=True, help="the module that refers to it, e.g. flashtile.kernels.v3")
-    ap.add_argument("--cells", required=True)
-    ap.add_argument("--provider", default="flashtile-v3")
-    ap.add_argument("--baseline", default="sdpa-cudnn", help="','-separated providers; '' for none")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--check", action="store_true")
-    ap.add_argument("--out", help="JSON file of the results")
+    add_measurement_arguments(ap)
     args = ap.parse_args(argv)
     env = dict(kv.split("=", 1) for kv in args.env)
     owner = importlib.import_module(args.at)

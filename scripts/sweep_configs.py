@@ -40,9 +40,10 @@ SWEEPS_V3_BWD = [  # K/V-stationary backward with TMA reduce-add dQ
                                                   "64,64,4,3"]),
     ("V3_BWD", "flashtile-v3", "bwd", 256, False, ["64,64,8,1", "32,64,4,2", "32,128,8,1", "32,64,4,1"]),
 ]
-SWEEPS_V3_GLUON = [  # v3's Gluon forward: "block_n,stages" (run at --seqlen 1024 and 16384)
-    ("V3_GLUON", "flashtile-v3", "fwd", 64, False, ["128,2", "128,3", "128,4", "64,4"]),
-    ("V3_GLUON", "flashtile-v3", "fwd", 64, True, ["128,2", "128,3", "64,4"]),
+SWEEPS_V3_GLUON = [  # v3's Gluon forward: "block_n,stages[,consumers]" (run at --seqlen 1024 and 16384)
+    ("V3_GLUON", "flashtile-v3", "fwd", 64, False, ["128,2", "128,3", "128,4", "64,4", "128,2,3", "128,3,3",
+                                                     "128,4,3"]),
+    ("V3_GLUON", "flashtile-v3", "fwd", 64, True, ["128,2", "128,3", "64,4", "128,3,3"]),
     ("V3_GLUON", "flashtile-v3", "fwd", 128, False, ["128,2", "128,3", "64,3", "64,4"]),
     ("V3_GLUON", "flashtile-v3", "fwd", 128, True, ["128,2", "64,3", "64,4"]),
     ("V3_GLUON", "flashtile-v3", "fwd", 256, False, ["64,2", "32,4", "64,1"]),

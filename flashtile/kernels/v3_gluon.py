@@ -351,6 +351,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
     # The tile walk (see _tile) and where results go, as tuples: Gluon has no struct arguments.
     walk = (num_tiles, batch_heads, heads_q, head_group, m_blocks, seqlen_q, seqlen_k, window_left, window_right)
     outputs = (o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh)
+    # The partitions are listed as written (Gluon builds no list at run time): one list per count.
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,

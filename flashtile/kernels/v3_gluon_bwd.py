@@ -52,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from flashtile.kernels.blocks import band_blocks, band_mask, split_tile
+from flashtile.kernels import configs
 from flashtile.kernels.configs import (GLUON_HEAD_DIMS, gluon_backward_persistent, gluon_bwd_stationary_rows,
                                        split_head_dim, v3_gluon_bwd_config)
 from flashtile.kernels.launch import launch
@@ -67,7 +68,7 @@ LAUNCH_OPTIONS = dict(num_warps=8, maxnreg=168)
 TWO_PARTITION_OPTIONS = dict(num_warps=4, maxnreg=168)
 CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
-WARPGROUP_ROWS = gl.constexpr(64)  # the rows of an accumulator one warpgroup's MMA covers
+WARPGROUP_ROWS = gl.constexpr(configs.WARPGROUP_ROWS)  # the rows of an accumulator one warpgroup's MMA covers
 # Probabilities and dS shared between the consumer warpgroups (16-bit, rows of 64 elements).
 _SCORES_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 # Per-row statistics (lse, D) of the streamed blocks, one fp32 row per ring slot.

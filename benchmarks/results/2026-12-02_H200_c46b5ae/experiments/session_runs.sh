@@ -23,3 +23,13 @@ timeout 200 python scripts/ab_module.py flashtile/kernels/v3_gluon.py --rev aa16
 C="64 2048 plain fwd; 64 8192 plain fwd; 64 2048 causal fwd; 64 8192 causal fwd; 64 16384 causal fwd"
 timeout 200 python scripts/ab_env.py --cells "$C" --variant two: --variant "three:$G=128,3,3" --variant two_again: \
   --out $R/ab_three2.json > $R/ab_three2.md 2> $R/ab_three2.err; cat $R/ab_three2.md; tail -3 $R/ab_three2.err; save
+# run 3 (d256_techniques, d64_causal_three), tree c46b5ae-10fff46:
+R=$(mktemp -d); save() { tar czf $OUT/results.tgz -C $R .; }
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+G=FLASHTILE_CONFIG_V3_GLUON
+timeout 150 python scripts/ab_env.py --cells "256 1024 plain fwd; 256 4096 plain fwd; 256 16384 plain fwd; 256 4096 causal fwd" \
+  --variant shipped: --variant shipped_again: --variant "no_pingpong:FLASHTILE_V3_ABLATE=pingpong" --variant "no_overlap:FLASHTILE_V3_ABLATE=overlap" \
+  --out $R/d256_techniques.json > $R/d256_techniques.md 2> $R/d256_techniques.err; cat $R/d256_techniques.md; tail -2 $R/d256_techniques.err; save
+timeout 120 python scripts/ab_env.py --cells "64 2048 causal fwd; 64 4096 causal fwd; 64 8192 causal fwd" \
+  --variant shipped: --variant "three_n64:$G=64,4,3" --variant "three:$G=128,3,3" --variant shipped_again: \
+  --out $R/d64_causal_three.json > $R/d64_causal_three.md 2> $R/d64_causal_three.err; cat $R/d64_causal_three.md; tail -2 $R/d64_causal_three.err; save
