@@ -13,7 +13,10 @@ persistent loop of tiles:
 Ping-pong: the consumers take turns to issue their GEMMs (the ``turn`` mbarriers, passed round
 them in order), so one warpgroup's softmax runs while another's GEMMs occupy the tensor cores.
 Intra-warpgroup overlap: inside a consumer, S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued
-together and the softmax of S_j runs while the PV product is still in flight.
+together, and the softmax of S_j is written to run while the PV product is still in flight.  As
+compiled, it does not: ptxas moves the wait for the PV product (WARPGROUP.DEPBAR) up to the top
+of its basic block, above the softmax's exponentials (SASS of every head dim); what remains is
+the two GEMMs in flight together.
 Persistent scheduler: ``min(tiles, SMs)`` CTAs loop over tiles, so no CTA launch is paid per
 tile.  With two Q buffers (where shared memory has room: d64, d128) the producer loads the next
 tile's Q and first K/V blocks while the consumers finish this one, so a tile starts on data
