@@ -7,7 +7,7 @@ overrides one entry, for sweeps.
 """
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flashtile import runtime
 
@@ -119,7 +119,7 @@ THREE_CONSUMERS_FROM = {False: 2048, True: 8192}
 # The Gluon backward's stationary rows per CTA (K/V rows in dK/dV, query rows in dQ): one 64-row
 # slice per consumer warpgroup, or above d128 (SPLIT_D) 64 rows the two warpgroups share,
 # splitting the head dim instead (one warpgroup's registers do not hold d256 accumulators).
-SPLIT_D_ROWS = 64
+SPLIT_D_ROWS = WARPGROUP_ROWS
 
 
 def split_head_dim(head_dim_pad: int) -> bool:
@@ -314,8 +314,9 @@ def gpu_tiles(version: str, head_dim_pad: int, banded: bool, seqlen_k: int):
         b = _by_head_dim(_V2_BWD_KV_BAND if banded else _V2_BWD_KV, head_dim_pad)
         bwd = (b.block_m, b.block_n)
     if version == "v3":  # the Gluon forward
-        consumers = gluon_consumers(head_dim_pad, banded, seqlen_k)  # (the model's shapes: as many queries)
-        fwd = (WARPGROUP_ROWS * consumers, _by_head_dim(_V3_GLUON, head_dim_pad).block_n)
+        schedule = replace(_by_head_dim(_V3_GLUON, head_dim_pad),  # (the model's shapes: as many queries)
+                           consumers=gluon_consumers(head_dim_pad, banded, seqlen_k))
+        fwd = (schedule.tile_m, schedule.block_n)
     else:
         f = _by_head_dim(_v2_fwd_table(banded, seqlen_k), head_dim_pad)
         fwd = (f.block_m, f.block_n)
