@@ -17,7 +17,9 @@ keep one partition of both.
   memory and computes each Q block's share of dQ, dS K (each warpgroup half the head dim),
   which a TMA reduce-add adds to an fp32 dQ in global memory; dS and the fp32 staging have two
   buffers each, so a block waits only for the reduce of two blocks back.  5 matmuls per block
-  pair, but the summation order of dQ varies from run to run.
+  pair, but the summation order of dQ varies from run to run.  With 128-row Q blocks (d64,
+  FlashAttention-3's tiles: _kv_consumers_shared_scores) P^T goes through shared memory too and
+  every gradient product reads its operands from there.
 - Two passes (``backward``, deterministic): first a dQ pass (Q-stationary: 128 query rows
   against every K/V block of their band; S = Q K^T, dP = dO V^T, dQ += dS K), which also writes
   D = rowsum(dO * O) - dlse, then the dK/dV pass.  7 matmuls per block pair, no atomics.
