@@ -84,6 +84,7 @@ def gluon_bwd_case(head_dim_pad, dq_pass, dq_reduce=False, persistent=True, caus
         descriptors["dq_desc"] = out_block
     else:
         consts["DQ_REDUCE"] = dq_reduce
+        consts["SHARED_SCORES"] = b.shared_scores(cfg, head_dim_pad, dq_reduce)
         descriptors.update(dk_desc=out_block, dv_desc=out_block)
         descriptors["dq_desc"] = (*v3_gluon.block_layout(block_m, head_dim_pad, torch.float32), "fp32") \
             if dq_reduce else out_block

@@ -159,6 +159,15 @@ def test_v3_gluon_backward(monkeypatch, kernels, head_dim, window):
                             q, k, v, window_size=window)
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 8)])
+def test_v3_single_pass_with_shared_scores(monkeypatch, window):
+    # The single pass with 128-row Q blocks at d64 (P^T and dS^T through shared memory for every
+    # gradient product: v3_gluon_bwd._kv_consumers_shared_scores), against the oracle.
+    monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon-reduce")
+    monkeypatch.setenv("FLASHTILE_CONFIG_V3_GLUON_BWD", "128,128,2")
+    test_v3_gluon_backward(monkeypatch, "gluon-reduce", 64, window)
+
+
 @pytest.mark.parametrize("kernels", ["gluon", "gluon-reduce"])
 def test_v3_gluon_backward_through_logsumexp(monkeypatch, kernels):
     monkeypatch.setenv("FLASHTILE_V3_BWD", kernels)

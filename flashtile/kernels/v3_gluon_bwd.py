@@ -17,7 +17,9 @@ keep one partition of both.
   memory and computes each Q block's share of dQ, dS K (each warpgroup half the head dim),
   which a TMA reduce-add adds to an fp32 dQ in global memory; dS and the fp32 staging have two
   buffers each, so a block waits only for the reduce of two blocks back.  5 matmuls per block
-  pair, but the summation order of dQ varies from run to run.
+  pair, but the summation order of dQ varies from run to run.  With 128-row Q blocks (d64,
+  FlashAttention-3's tiles: _kv_consumers_shared_scores) P^T goes through shared memory too and
+  every gradient product reads its operands from there.
 - Two passes (``backward``, deterministic): first a dQ pass (Q-stationary: 128 query rows
   against every K/V block of their band; S = Q K^T, dP = dO V^T, dQ += dS K), which also writes
   D = rowsum(dO * O) - dlse, then the dK/dV pass.  7 matmuls per block pair, no atomics.
@@ -481,11 +483,80 @@ def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk,
 
 
 @gluon.jit
+def _kv_consumers_shared_scores(q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk, dk_desc, dv_desc, p_smem,
+                                ds_smem, staging, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2,
+                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                                STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The single pass with 128-row Q blocks (FlashAttention-3's d64 tiles: 128 x 128), both
+    consumer warpgroups one partition: each computes S^T and dP^T of all BLOCK_N key rows against
+    half the Q block's columns (so a thread holds the lse and D of 16 columns, not 32), and P^T
+    and dS^T meet in shared memory, from where every gradient product reads them: dV and dK (64
+    key rows per warpgroup) and the block's dQ share (64 query rows per warpgroup), added by TMA
+    reduce-add.  Two barriers per block: P^T and dS^T written (and the previous reduce done
+    reading the dQ staging), dQ staged (and, each warpgroup having waited for its products,
+    P^T and dS^T read: the next block may overwrite them)."""
+    kv_ready, kv_empty, q_ready, q_empty = bars
+    num_tiles, heads_k, group, seqlen_q, seqlen_k, window_left, window_right = walk
+    SLOTS: gl.constexpr = k_smem.shape[0]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, 1, 2)
+    acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_PAD, 2, 1)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, acc_layout)
+    it = 0  # streamed blocks consumed so far: ring slot and mbarrier phase
+    tile_i = 0
+    t = read_tile(tile_ids, tile_i, kv_ready, SLOTS)  # the tile's K and V landed
+    while t < num_tiles:
+        batch, head_k, n0, kv_slot, k_block, v_block = _kv_tile(t, tile_i, heads_k, seqlen_k, k_smem, v_smem,
+                                                                 BLOCK_N)
+        rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        dk = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, acc_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, acc_layout)
+        dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k,
+                                                               window_left, window_right, True)
+        for g in range(group):
+            head = head_k * group + g
+            for i in range(n_blocks):
+                m0 = lo + i * BLOCK_M
+                # K and V's slot as this iteration's value: their wgmma descriptors are not held
+                # across the loop (_per_iteration; 64 bytes of spills against 156 without).
+                slot_i = _per_iteration(kv_slot, it)
+                k_tile = k_smem.index(slot_i).reshape([BLOCK_N, HEAD_DIM_PAD])
+                v_tile = v_smem.index(slot_i).reshape([BLOCK_N, HEAD_DIM_PAD])
+                slot, q, do, sT, dpT = _scores(k_tile, v_tile, q_smem, do_smem, q_ready, it, s_zero, BLOCK_M,
+                                               HEAD_DIM_PAD, STAGES)
+                lse = lse_smem.index(slot).load(cols_layout) * LOG2E
+                sT = warpgroup_mma_wait(1, deps=[sT])
+                pT = _probs_t(sT, lse, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2)
+                p_smem.store(pT.to(dtype))
+                delta = delta_smem.index(slot).load(cols_layout)
+                dpT = warpgroup_mma_wait(0, deps=[dpT])
+                ds_smem.store((pT * (dpT - delta[None, :])).to(dtype))
+                fence_async_shared()
+                tma.store_wait(0)  # the previous block's reduce has read the staging buffer
+                gl.thread_barrier()  # both warpgroups' halves of P^T and dS^T written
+                dv = warpgroup_mma(p_smem, do, dv, is_async=True)
+                dk = warpgroup_mma(ds_smem, q, dk, is_async=True)
+                dq = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, dq_zero, use_acc=False)
+                dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+                mbarrier.arrive(q_empty.index(slot))
+                _add_dq(dq * softmax_scale, staging, dq_desc, batch, m0, head)
+                it += 1
+        _store_dkdv(dk, dv, k_block.reshape([BLOCK_N, HEAD_DIM_PAD]), v_block.reshape([BLOCK_N, HEAD_DIM_PAD]),
+                    k_block, v_block, dk_desc, dv_desc, batch, n0, head_k, softmax_scale)
+        _release_stationary(kv_empty, kv_slot)
+        tile_i += 1
+        t = read_next_tile(tile_ids, tile_i, kv_ready, num_tiles, SLOTS, PERSISTENT)
+    tma.store_wait(0)
+
+
+@gluon.jit
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, slb, slh, num_tiles,
                  heads_k, group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2, COUNTER,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                  STAGES: gl.constexpr, SLOTS: gl.constexpr, DQ_REDUCE: gl.constexpr, SPLIT_D: gl.constexpr,
-                 PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+                 SHARED_SCORES: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
     # The two passes: a partition per consumer warpgroup; SPLIT_D and DQ_REDUCE: one of both.
     ONE_PARTITION: gl.constexpr = SPLIT_D or DQ_REDUCE
     k_smem, v_smem, q_smem, do_smem, tile_ids, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, STAGES,
@@ -507,7 +578,20 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
         # lse and D of each streamed block, in the ring beside it (SPLIT_D's: _kv_consumers_split_d).
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], _STATS_LAYOUT)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], _STATS_LAYOUT)
-        if DQ_REDUCE:
+        if SHARED_SCORES:
+            # P^T and dS^T of both warpgroups, and the fp32 dQ block the TMA reduce reads.
+            p_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
+            ds_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
+            staging = gl.allocate_shared_memory(dq_desc.dtype, dq_desc.block_type.shape, dq_desc.layout)
+            gl.warp_specialize([
+                (_kv_consumers_shared_scores, (q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk, dk_desc, dv_desc,
+                                               p_smem, ds_smem, staging, dq_desc, lse_smem, delta_smem, softmax_scale,
+                                               scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, PERSISTENT)),
+                (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, tile_ids, bars,
+                             walk, (LSE, DELTA, lse_smem, delta_smem, slb, slh), COUNTER, BLOCK_N, BLOCK_M, STAGES,
+                             True, True, PERSISTENT, DYNAMIC)),
+            ], [1], [PRODUCER_REGS])
+        elif DQ_REDUCE:
             # dS^T of both warpgroups and the fp32 dQ block the TMA reduce reads, two buffers each.
             ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
             dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [2] + dq_desc.block_type.shape, dq_desc.layout)
@@ -734,7 +818,7 @@ def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
         lse, delta, lse.stride(0), lse.stride(1), tiles, p.heads_k, p.group, p.seqlen_q, p.seqlen_k,
         p.window_left, p.window_right, p.softmax_scale, p.scale_log2, schedule.counter(lse),
         BLOCK_M=cfg.kv_block_m, BLOCK_N=rows, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, DQ_REDUCE=dq_reduce,
-        SPLIT_D=split_head_dim(pad), **schedule.constants(), **launch_options(pad, dq_reduce))
+        SPLIT_D=split_head_dim(pad), SHARED_SCORES=shared_scores(cfg, pad, dq_reduce), **schedule.constants(), **launch_options(pad, dq_reduce))
 
 
 class Schedule(NamedTuple):
@@ -766,6 +850,12 @@ def pass_schedule(p, tiles, device, dq_reduce=False) -> Schedule:
     if gluon_backward_persistent() and not one_consumer_partition(p.head_dim_pad, dq_reduce) and tiles > sms:
         return Schedule(sms, 2, True, p.banded)
     return Schedule(tiles, 1, False, False)
+
+
+def shared_scores(cfg, head_dim_pad, dq_reduce) -> bool:
+    """Whether the single pass runs _kv_consumers_shared_scores: with Q blocks of more than a
+    warpgroup's rows (up to d64: shared memory)."""
+    return dq_reduce and cfg.kv_block_m > WARPGROUP_ROWS.value and head_dim_pad <= 64
 
 
 def one_consumer_partition(head_dim_pad, dq_reduce=False) -> bool:
