@@ -1,7 +1,7 @@
 """Compile every kernel for sm_90 on any machine (no GPU needed) and report what Hopper got.
 
 For each kernel: whether the PTX uses wgmma and TMA, whether TTGIR is warp-specialized,
-shared memory, and compile errors.  ``--dump DIR`` writes the TTGIR/PTX for reading.
+shared memory, and compile errors.  ``--dump DIR`` writes the TTGIR/PTX (and the cubin) for reading.
 """
 import argparse
 import pathlib
@@ -65,7 +65,7 @@ def gluon_bwd_case(head_dim_pad, dq_pass, dq_reduce=False, persistent=True, caus
     taken from the tile counter: v3_gluon_bwd.pass_schedule), else a CTA per tile."""
     b = v3_gluon_bwd
     p = Problem(1, 16, 16, 4096, 4096, head_dim_pad, 0.1, -1, 0 if causal else -1, None, None)
-    cfg = configs.v3_gluon_bwd_config(p)
+    cfg = configs.v3_gluon_bwd_config(p, single_pass=dq_reduce)
     rows = configs.gluon_bwd_stationary_rows(head_dim_pad)
     block_m, block_n = (rows, cfg.dq_block_n) if dq_pass else (cfg.kv_block_m, rows)
     q_block = v3_gluon.block_layout(block_m, head_dim_pad, torch.bfloat16)
@@ -162,6 +162,7 @@ def main():
                 args.dump.mkdir(parents=True, exist_ok=True)
                 (args.dump / f"{name}_d{d}.ttgir").write_text(ttgir)
                 (args.dump / f"{name}_d{d}.ptx").write_text(ptx)
+                (args.dump / f"{name}_d{d}.cubin").write_bytes(k.asm["cubin"])
 
 
 if __name__ == "__main__":

@@ -160,11 +160,11 @@ def test_v3_gluon_backward(monkeypatch, kernels, head_dim, window):
 
 
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 8)])
-def test_v3_single_pass_with_shared_scores(monkeypatch, window):
-    # The single pass with 128-row Q blocks at d64 (P^T and dS^T through shared memory for every
-    # gradient product: v3_gluon_bwd._kv_consumers_shared_scores), against the oracle.
+def test_v3_single_pass_with_64_row_q_blocks(monkeypatch, window):
+    # d64's single pass runs 128-row Q blocks (v3_gluon_bwd._kv_consumers_shared_scores, in
+    # test_v3_gluon_backward); with 64-row ones (an override) it runs d128's consumers.
     monkeypatch.setenv("FLASHTILE_V3_BWD", "gluon-reduce")
-    monkeypatch.setenv("FLASHTILE_CONFIG_V3_GLUON_BWD", "128,128,2")
+    monkeypatch.setenv("FLASHTILE_CONFIG_V3_GLUON_BWD", "64,128,3")
     test_v3_gluon_backward(monkeypatch, "gluon-reduce", 64, window)
 
 

@@ -78,9 +78,10 @@ def test_v3_gluon_backward_kernels_compile_for_sm90(tmp_path, kernel, head_dim):
     # v3's Gluon backward: a TMA producer warp and two consumer warpgroups, in the two passes a
     # partition each (no barrier spans both), in the single pass one partition (both
     # warpgroups' dS^T meet for the dQ product); S and dP from shared memory, the gradient
-    # products with P / dS in registers.  The two passes as launched persistent (two stationary
-    # slots; a band's tiles, "_causal", taken from the atomic tile counter) and with a CTA per
-    # tile ("_tile": one slot).
+    # products with P / dS in registers, except in d64's single pass (128-row Q blocks: P^T and
+    # dS^T through shared memory, every product from there).  The two passes as launched
+    # persistent (two stationary slots; a band's tiles, "_causal", taken from the atomic tile
+    # counter) and with a CTA per tile ("_tile": one slot).
     ttgir = compile_for_sm90(tmp_path, kernel, head_dim, {})
     ptx = (tmp_path / f"{kernel}_d{head_dim}.ptx").read_text()
     single_pass = kernel == "v3.bwd_reduce_gluon"
@@ -91,7 +92,8 @@ def test_v3_gluon_backward_kernels_compile_for_sm90(tmp_path, kernel, head_dim):
     assert "cp.async.bulk.tensor.4d.shared::cluster.global" in ptx  # TMA loads
     assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx      # TMA stores of the gradients
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx)
-    assert any(n == str(head_dim) and a == "{" for n, a in wgmma), "gradient products without register A"
+    shared_scores = single_pass and head_dim == 64
+    assert any(n == str(head_dim) and a == "{" for n, a in wgmma) != shared_scores, "register A operands"
     assert any(n in ("64", "128") and a == "%" for n, a in wgmma), "S / dP not from shared memory"
     reduces = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)
     assert len(reduces) == single_pass, "dQ by TMA reduce-add in the single pass only"
@@ -249,10 +251,14 @@ def test_v3_backward_routing(monkeypatch):
     assert configs.v3_backward(p64) == "gluon-reduce"
     assert configs.v3_backward(replace(p64, deterministic=True)) == "gluon"
     assert configs.v3_backward(p256) == "gluon"  # the single pass stops at d128
+    # d64's single pass streams 128-row Q blocks, its two passes 64-row ones
+    assert configs.v3_gluon_bwd_config(p64, single_pass=True).kv_block_m == 128
+    assert configs.v3_gluon_bwd_config(p64).kv_block_m == 64
     monkeypatch.setenv("FLASHTILE_V3_BWD", "")
     monkeypatch.setenv("FLASHTILE_CONFIG_V3_GLUON_BWD", "128,64,3")
     assert configs.v3_backward(p64) == "gluon"
     assert configs.v3_gluon_bwd_config(p64) == configs.GluonBackward(128, 64, 3)
+    assert configs.v3_gluon_bwd_config(p64, single_pass=True) == configs.GluonBackward(128, 64, 3)
     monkeypatch.setenv("FLASHTILE_V3_DQ", "reduce")
     assert configs.v3_backward(p) == "reduce"
     assert configs.v3_backward(replace(p, deterministic=True)) == "gluon"

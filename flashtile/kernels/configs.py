@@ -255,17 +255,24 @@ class GluonBackward:
 # takes it from 4k too (benchmarks/results/2026-12-02_H200_a031d76/INDEX.md).
 # At d256 the two passes split the head dim between the warpgroups: 1.61-1.78x v2's backward and
 # 0.995-1.14x cuDNN at 1k-16k (benchmarks/results/2026-12-01_H200_86cee91/bars_e0b3aaa.md).
+# The single pass at d64 with FlashAttention-3's 128-row Q blocks (S^T / dP^T over all 128 key
+# rows, each warpgroup half the Q block; P^T and dS^T through shared memory, two ring slots: 199
+# KB) against 64-row ones and the two passes, same run: 1.057 / 1.088 / 1.078x the two passes at
+# 2k / 4k / 16k, 1.008 / 1.080x causal 2k / 8k, a tie at 1k (0.996)
+# (benchmarks/results/2026-12-02_H200_SHA/INDEX.md): d64's single pass takes them, from 2k keys.
 _V3_GLUON_BWD = [(64, GluonBackward(64, 128, 3)), (128, GluonBackward(64, 64, 2)),
                  (256, GluonBackward(64, 64, 2))]  # d256: 64-row blocks both ways (shared memory)
-GLUON_REDUCE_MIN_KEYS = {64: 4096, 128: 2048}  # by padded head dim
+_V3_GLUON_BWD_SINGLE_PASS = [(64, GluonBackward(128, 128, 2)), (128, GluonBackward(64, 64, 2))]
+GLUON_REDUCE_MIN_KEYS = {64: 2048, 128: 2048}  # by padded head dim
 
 
-def v3_gluon_bwd_config(p) -> GluonBackward:
-    """FLASHTILE_CONFIG_V3_GLUON_BWD=kv_block_m,dq_block_n,stages overrides the table."""
+def v3_gluon_bwd_config(p, single_pass: bool = False) -> GluonBackward:
+    """The tiles of the two passes, or of the single pass (its dQ_block_n is not read);
+    FLASHTILE_CONFIG_V3_GLUON_BWD=kv_block_m,dq_block_n,stages overrides both tables."""
     override = os.environ.get("FLASHTILE_CONFIG_V3_GLUON_BWD")
     if override:
         return GluonBackward(*(int(x) for x in override.split(",")))
-    return _by_head_dim(_V3_GLUON_BWD, p.head_dim_pad)
+    return _by_head_dim(_V3_GLUON_BWD_SINGLE_PASS if single_pass else _V3_GLUON_BWD, p.head_dim_pad)
 
 
 def v3_default_backward(head_dim_pad: int, seqlen_k: int, deterministic: bool = False) -> str:
@@ -307,8 +314,9 @@ def v3_backward(p) -> str:
 def gpu_tiles(version: str, head_dim_pad: int, banded: bool, seqlen_k: int):
     """((fwd block_m, block_n), (bwd dK/dV block_m, block_n)) used on the GPU (batched problems),
     for the IO model."""
-    if version == "v3" and v3_default_backward(head_dim_pad, seqlen_k) != "v2":  # the Gluon dK/dV pass
-        cfg = _by_head_dim(_V3_GLUON_BWD, head_dim_pad)
+    kernels = v3_default_backward(head_dim_pad, seqlen_k)
+    if version == "v3" and kernels != "v2":  # the Gluon dK/dV pass
+        cfg = _by_head_dim(_V3_GLUON_BWD_SINGLE_PASS if kernels == "gluon-reduce" else _V3_GLUON_BWD, head_dim_pad)
         bwd = (cfg.kv_block_m, gluon_bwd_stationary_rows(head_dim_pad))
     else:
         b = _by_head_dim(_V2_BWD_KV_BAND if banded else _V2_BWD_KV, head_dim_pad)

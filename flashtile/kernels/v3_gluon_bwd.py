@@ -795,7 +795,7 @@ def backward_reduce(p, dout, q, k, v, lse, delta):
     64-row blocks does not fit in shared memory next to its operands)."""
     if split_head_dim(p.head_dim_pad):
         raise ValueError("the single-pass Gluon backward takes head dims up to 128")
-    cfg = v3_gluon_bwd_config(p)
+    cfg = v3_gluon_bwd_config(p, single_pass=True)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc)
