@@ -257,9 +257,11 @@ class GluonBackward:
 # 0.995-1.14x cuDNN at 1k-16k (benchmarks/results/2026-12-01_H200_86cee91/bars_e0b3aaa.md).
 # The single pass at d64 with FlashAttention-3's 128-row Q blocks (S^T / dP^T over all 128 key
 # rows, each warpgroup half the Q block; P^T and dS^T through shared memory, two ring slots: 199
-# KB) against 64-row ones and the two passes, same run: 1.057 / 1.088 / 1.078x the two passes at
-# 2k / 4k / 16k, 1.008 / 1.080x causal 2k / 8k, a tie at 1k (0.996)
-# (benchmarks/results/2026-12-02_H200_SHA/INDEX.md): d64's single pass takes them, from 2k keys.
+# KB; no spills, unlike the 128-row blocks of the 4k sweep above), same run: 1.08x the single
+# pass with 64-row blocks at every length (1k-16k, causal 2k and 8k), and 1.057 / 1.088 / 1.078x
+# the two passes at 2k / 4k / 16k, 1.008 / 1.080x causal 2k / 8k, a tie at 1k (0.996)
+# (benchmarks/results/2026-12-02_H200_308ee87/experiments/d64_bwd.md): d64's single pass takes
+# them, and runs from 2k keys.
 _V3_GLUON_BWD = [(64, GluonBackward(64, 128, 3)), (128, GluonBackward(64, 64, 2)),
                  (256, GluonBackward(64, 64, 2))]  # d256: 64-row blocks both ways (shared memory)
 _V3_GLUON_BWD_SINGLE_PASS = [(64, GluonBackward(128, 128, 2)), (128, GluonBackward(64, 64, 2))]

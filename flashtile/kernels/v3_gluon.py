@@ -16,7 +16,10 @@ Intra-warpgroup overlap: inside a consumer, S_j = Q K_j^T and O += P_{j-1} V_{j-
 together, and the softmax of S_j is written to run while the PV product is still in flight.  As
 compiled, it does not: ptxas moves the wait for the PV product (WARPGROUP.DEPBAR) up to the top
 of its basic block, above the softmax's exponentials (SASS of every head dim); what remains is
-the two GEMMs in flight together.
+the two GEMMs in flight together.  The wait forced below the exponentials (a basic block of its
+own behind a branch neither compiler resolves) measured 0.97-1.02x at d64-d256 1k-16k, within
+the null pair's spread (H200, benchmarks/results/2026-12-02_H200_308ee87/experiments/
+fwd_overlap.md): ping-pong already keeps the tensor cores busy during the softmax.
 Persistent scheduler: ``min(tiles, SMs)`` CTAs loop over tiles, so no CTA launch is paid per
 tile.  With two Q buffers (where shared memory has room: d64, d128) the producer loads the next
 tile's Q and first K/V blocks while the consumers finish this one, so a tile starts on data
