@@ -301,12 +301,16 @@ def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, m
 
 
 @gluon.jit
-def _kv_tile(t, tile_i, heads_k, seqlen_k, k_smem, v_smem, BLOCK_N: gl.constexpr):
+def _kv_tile(t, tile_i, walk, k_smem, v_smem, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Tile ``t`` of the dK/dV pass (BLOCK_N key rows), the CTA's ``tile_i``-th: (batch, K/V
-    head, first key row), its stationary slot and the K and V blocks there."""
+    head, first key row), its stationary slot and the K and V blocks there, and the band of
+    BLOCK_M-row Q blocks its rows see (blocks.band_blocks: dlo, dhi, lo, full_lo, full_hi,
+    n_blocks)."""
+    num_tiles, heads_k, group, seqlen_q, seqlen_k, window_left, window_right = walk
     batch, head_k, n0 = _stationary_tile(t, heads_k, seqlen_k, BLOCK_N, False)
     kv_slot = _buffer_of(tile_i, k_smem.shape[0])[0]
-    return batch, head_k, n0, kv_slot, k_smem.index(kv_slot), v_smem.index(kv_slot)
+    band = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right, True)
+    return batch, head_k, n0, kv_slot, k_smem.index(kv_slot), v_smem.index(kv_slot), band
 
 
 @gluon.jit
@@ -335,15 +339,14 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, 
     tile_i = 0
     t = read_tile(tile_ids, tile_i, kv_ready, SLOTS)  # the tile's K and V landed
     while t < num_tiles:
-        batch, head_k, n0, kv_slot, k_block, v_block = _kv_tile(t, tile_i, heads_k, seqlen_k, k_smem, v_smem,
-                                                                 BLOCK_N)
+        batch, head_k, n0, kv_slot, k_block, v_block, band = _kv_tile(t, tile_i, walk, k_smem, v_smem, BLOCK_M,
+                                                                       BLOCK_N)
+        # The band of the whole CTA's rows: every partition steps through the same blocks.
+        dlo, dhi, lo, full_lo, full_hi, n_blocks = band
         r0 = n0 + WHICH * ROWS
         rows_k = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
         dv = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
-        # The band of the whole CTA's rows: every partition steps through the same blocks.
-        dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k,
-                                                               window_left, window_right, True)
         for g in range(group):
             head = head_k * group + g
             for i in range(n_blocks):
@@ -440,15 +443,14 @@ def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk,
     tile_i = 0
     t = read_tile(tile_ids, tile_i, kv_ready, SLOTS)  # the tile's K and V landed
     while t < num_tiles:
-        batch, head_k, n0, kv_slot, k_block, v_block = _kv_tile(t, tile_i, heads_k, seqlen_k, k_smem, v_smem,
-                                                                 BLOCK_N)
+        batch, head_k, n0, kv_slot, k_block, v_block, band = _kv_tile(t, tile_i, walk, k_smem, v_smem, BLOCK_M,
+                                                                       BLOCK_N)
+        dlo, dhi, lo, full_lo, full_hi, n_blocks = band
         k_tile = k_block.reshape([BLOCK_N, HEAD_DIM_PAD])
         v_tile = v_block.reshape([BLOCK_N, HEAD_DIM_PAD])
         rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, acc_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, acc_layout)
-        dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k,
-                                                               window_left, window_right, True)
         stats = batch.to(gl.int64) * slb + head_k * group * slh
         lse, delta = _column_stats(LSE, DELTA, stats, lo + offs_m, seqlen_q, n_blocks > 0)
         for g in range(group):
@@ -508,13 +510,12 @@ def _kv_consumers_shared_scores(q_smem, k_smem, v_smem, do_smem, tile_ids, bars,
     tile_i = 0
     t = read_tile(tile_ids, tile_i, kv_ready, SLOTS)  # the tile's K and V landed
     while t < num_tiles:
-        batch, head_k, n0, kv_slot, k_block, v_block = _kv_tile(t, tile_i, heads_k, seqlen_k, k_smem, v_smem,
-                                                                 BLOCK_N)
+        batch, head_k, n0, kv_slot, k_block, v_block, band = _kv_tile(t, tile_i, walk, k_smem, v_smem, BLOCK_M,
+                                                                       BLOCK_N)
+        dlo, dhi, lo, full_lo, full_hi, n_blocks = band
         rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, acc_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, acc_layout)
-        dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k,
-                                                               window_left, window_right, True)
         for g in range(group):
             head = head_k * group + g
             for i in range(n_blocks):
