@@ -44,3 +44,13 @@ timeout 130 python scripts/ab_env.py --out $R/short_causal_n64.json \
   --cells "64 1024 causal fwd; 64 2048 causal fwd; 64 4096 causal fwd; 128 1024 causal fwd" \
   --variant shipped: --variant "n64s4:$G=64,4" --variant "n64s3:$G=64,3" --variant again: \
   > $R/short_causal_n64.md 2> $R/short_causal_n64.err; cat $R/short_causal_n64.md; tail -2 $R/short_causal_n64.err; save
+#!/usr/bin/env bash
+# Session run 4: the single pass against the two passes where the two run by default (1k).
+set -u
+export PYTHONPATH=$PWD FLASHTILE_COMMIT=f45288d PYTHONUNBUFFERED=1
+R=$(mktemp -d)
+save() { tar czf $OUT/results.tgz -C $R .; }
+timeout 150 python scripts/ab_env.py --out $R/bwd_1k.json \
+  --cells "64 1024 plain bwd; 64 1024 causal bwd; 128 1024 plain bwd; 128 1024 causal bwd; 128 2048 causal bwd" \
+  --variant shipped: --variant "single:FLASHTILE_V3_BWD=gluon-reduce" --variant again: \
+  > $R/bwd_1k.md 2> $R/bwd_1k.err; cat $R/bwd_1k.md; tail -2 $R/bwd_1k.err; save
