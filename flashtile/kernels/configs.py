@@ -269,7 +269,7 @@ GLUON_REDUCE_MIN_KEYS = {64: 2048, 128: 2048}  # by padded head dim
 
 
 def v3_gluon_bwd_config(p, single_pass: bool = False) -> GluonBackward:
-    """The tiles of the two passes, or of the single pass (its dQ_block_n is not read);
+    """The tiles of the two passes, or of the single pass (its dq_block_n is not read);
     FLASHTILE_CONFIG_V3_GLUON_BWD=kv_block_m,dq_block_n,stages overrides both tables."""
     override = os.environ.get("FLASHTILE_CONFIG_V3_GLUON_BWD")
     if override:
