@@ -37,6 +37,7 @@ does not run under the interpreter: the CPU suite compiles this file for sm_90; 
 checked on the GPU.
 """
 import functools
+import os
 
 import torch
 from triton.experimental import gluon
@@ -200,7 +201,8 @@ def _pass_turn(turn, WHICH: gl.constexpr):
 @gluon.jit
 def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr, PERSISTENT: gl.constexpr):
+              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
+              Q_IN_REGISTERS: gl.constexpr):
     """Consumer warpgroup WHICH: rows [64 * WHICH, 64 * WHICH + 64) of every tile handed over.
 
     Per K/V block j: (wait for its turn) issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, (pass the
@@ -214,6 +216,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM_PAD, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -228,6 +231,10 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
         batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(t, walk, CONSUMERS * ROWS, BLOCK_N)
         q_slot = tile_i % Q_SLOTS
         q_buf = q_smem.index(CONSUMERS * q_slot + WHICH).reshape([ROWS, HEAD_DIM_PAD])
+        if Q_IN_REGISTERS:
+            # S = Q K^T with Q as the register operand: the tensor cores read only K from shared
+            # memory, whose bandwidth the SS products nearly fill.
+            q_buf = q_buf.load(q_layout)
         rows = m0 + WHICH * ROWS + gl.arange(0, ROWS, layout=s_rows)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
@@ -322,7 +329,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
                 seqlen_q, seqlen_k, window_left, window_right, scale_log2, COUNTER,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
-                DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                Q_IN_REGISTERS: gl.constexpr):
     # Q_SLOTS tiles' Q, a part per consumer each (slot s: buffers CONSUMERS * s + consumer).
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_SLOTS] + q_desc.block_type.shape,
                                        q_desc.layout)
@@ -361,20 +369,25 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
-                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT)),
+                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT,
+                         Q_IN_REGISTERS)),
             (_consumer, (1, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
-                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT)),
+                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT,
+                         Q_IN_REGISTERS)),
             (_consumer, (2, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
-                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT)),
+                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT,
+                         Q_IN_REGISTERS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
                          ROWS, BLOCK_N, STAGES, PERSISTENT, DYNAMIC, CONSUMERS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
-                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT)),
+                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT,
+                         Q_IN_REGISTERS)),
             (_consumer, (1, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
-                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT)),
+                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT,
+                         Q_IN_REGISTERS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
                          ROWS, BLOCK_N, STAGES, PERSISTENT, DYNAMIC, CONSUMERS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -456,7 +469,8 @@ def kernel_constants(p, cfg, element_size):
                 PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_VIA_SMEM=o_via_smem, PERSISTENT=cfg.persistent,
                 # Tiles of uneven length (a band) from the atomic counter; equal ones strided over.
                 DYNAMIC=cfg.persistent and p.banded, Q_SLOTS=2 if next_q else 1, CONSUMERS=cfg.consumers,
-                CONSUMER_REGS=CONSUMER_REGS[cfg.consumers])
+                CONSUMER_REGS=CONSUMER_REGS[cfg.consumers],
+                Q_IN_REGISTERS=os.environ.get("FLASHTILE_Q_REGS", "1") == "1" and p.head_dim_pad <= 128)
 
 
 def tile_counter(device):
