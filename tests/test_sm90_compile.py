@@ -62,10 +62,11 @@ def test_v3_gluon_forward_compiles_for_sm90(tmp_path, head_dim):
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{ {2: 240, 3: 160}[consumers]}", ptx)
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
     assert "cp.async.bulk.tensor.4d.shared::cluster.global" in ptx  # TMA loads
-    # S = Q K^T from shared memory; O += P V with P in registers (a brace list as the A operand).
+    # O += P V with P in registers (a brace list as the A operand); S = Q K^T with Q in registers
+    # too where two consumers have room (d128), else from shared memory.
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx)
     assert any(n == str(head_dim) and a == "{" for n, a in wgmma), "PV product without P in registers"
-    assert any(a == "%" for _, a in wgmma), "QK^T product not from shared memory"
+    assert any(a == "%" for _, a in wgmma) == (head_dim != 128), "QK^T product's Q operand"
     if head_dim <= 128:  # O staged in shared memory and stored by TMA
         assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
 
@@ -131,6 +132,7 @@ def test_v3_gluon_ablation_switches_remove_their_technique(tmp_path):
     no_overlap, _ = compiled("overlap")
     _, no_persistent_ptx = compiled("persistent")
     no_next_q, _ = compiled("next_q")
+    _, no_q_registers_ptx = compiled("q_registers")
     _, causal_ptx = compiled("", "v3.fwd_gluon_causal")
     _, causal_no_persistent_ptx = compiled("persistent", "v3.fwd_gluon_causal")
     # Ping-pong: each consumer waits for its turn before the first block's GEMM and in the loop.
@@ -145,6 +147,9 @@ def test_v3_gluon_ablation_switches_remove_their_technique(tmp_path):
     assert shipped_ptx.count("%nctaid.x") > no_persistent_ptx.count("%nctaid.x")
     # The next tile's Q: two tiles' Q halves (4 x 64 rows) in shared memory instead of one's.
     assert "memdesc<4x1x64x1x128xbf16" in shipped and "memdesc<4x1x64x1x128xbf16" not in no_next_q
+    # Q in registers: no wgmma reads its A operand from shared memory; switched off, S = Q K^T does.
+    smem_a = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, %"
+    assert not re.search(smem_a, shipped_ptx) and re.search(smem_a, no_q_registers_ptx)
 
 
 def test_v3_forward_routing(monkeypatch):
@@ -338,6 +343,13 @@ def test_v3_gluon_launch_constants():
         assert consts["Q_SLOTS"] == (2 if via_smem else 1)
         without = v3_gluon.kernel_constants(problem(1, 16, 4096, head_dim), replace(cfg, next_q=False), 2)
         assert without["Q_SLOTS"] == 1
+        # Q in registers for S = Q K^T up to d128 with two consumers (d64's three would spill)
+        assert consts["Q_IN_REGISTERS"] == (head_dim <= 128)
+        assert not v3_gluon.kernel_constants(problem(1, 16, 4096, head_dim), replace(cfg, q_registers=False),
+                                             2)["Q_IN_REGISTERS"]
+        if head_dim == 64:
+            assert not v3_gluon.kernel_constants(problem(1, 16, 4096, 64), replace(cfg, consumers=3),
+                                                 2)["Q_IN_REGISTERS"]
     causal = Problem(1, 16, 16, 4096, 4096, 128, 0.1, -1, 0, None, None)
     cfg = configs._by_head_dim(configs._V3_GLUON, 128)
     assert v3_gluon.kernel_constants(causal, cfg, 2)["DYNAMIC"]

@@ -93,6 +93,7 @@ class GluonSchedule:
     overlap: bool = True
     persistent: bool = True
     next_q: bool = True  # a second Q buffer: the next tile's Q and K/V load under this tile's tail
+    q_registers: bool = True  # Q as the register operand of S = Q K^T (where registers hold it)
     consumers: int = 2   # consumer warpgroups, 64 query rows each
 
     @property
@@ -108,7 +109,7 @@ WARPGROUP_ROWS = 64  # the rows of an accumulator one warpgroup's MMA covers
 GLUON_TILE_M = 2 * WARPGROUP_ROWS  # the Gluon backward's stationary rows: two consumer warpgroups
 GLUON_HEAD_DIMS = (64, 128, 256)  # padded head dims the Gluon kernels (forward and backward) take
 _V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (256, GluonSchedule(64, 2))]
-GLUON_TECHNIQUES = ("pingpong", "overlap", "persistent", "next_q")
+GLUON_TECHNIQUES = ("pingpong", "overlap", "persistent", "next_q", "q_registers")
 # d64 with three consumer warpgroups (192-row tiles, 160 registers each, as FlashAttention-3's
 # d64 forward), its speed over two's in the same run (H200, bf16): non-causal 0.95x at 1k (1024
 # rows make six tiles of 192: 12.5% of them padding), 1.07x at 2k, 1.09x 4k, 1.13x 8k, 1.15x 16k;
@@ -165,7 +166,7 @@ def gluon_consumers(head_dim_pad: int, banded: bool, seqlen_q: int) -> int:
 def v3_gluon_schedule(p) -> GluonSchedule:
     """The Gluon forward's schedule: FLASHTILE_CONFIG_V3_GLUON=block_n,stages[,consumers]
     overrides the tiles (two consumers unless given); FLASHTILE_V3_ABLATE=pingpong,overlap,
-    persistent,next_q switches techniques off (persistent: the backward's persistent CTAs too,
+    persistent,next_q,q_registers switches techniques off (persistent: the backward's persistent CTAs too,
     gluon_backward_persistent)."""
     return _gluon_schedule(p.head_dim_pad, gluon_consumers(p.head_dim_pad, p.banded, p.seqlen_q),
                            os.environ.get("FLASHTILE_CONFIG_V3_GLUON"), os.environ.get("FLASHTILE_V3_ABLATE", ""))

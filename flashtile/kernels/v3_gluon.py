@@ -8,7 +8,8 @@ persistent loop of tiles:
   (``*_ready`` / ``*_empty`` mbarriers);
 - two consumer warpgroups (three at d64, configs.gluon_consumers: 192-row tiles, fewer registers
   each), each owning 64 query rows of the tile, run the GEMMs on warpgroup MMA (P stays in
-  registers as the PV product's A operand) and the online softmax.
+  registers as the PV product's A operand; up to d128 with two consumers Q as S = Q K^T's,
+  loaded once per tile: q_in_registers) and the online softmax.
 
 Ping-pong: the consumers take turns to issue their GEMMs (the ``turn`` mbarriers, passed round
 them in order), so one warpgroup's softmax runs while another's GEMMs occupy the tensor cores.
@@ -37,7 +38,6 @@ does not run under the interpreter: the CPU suite compiles this file for sm_90; 
 checked on the GPU.
 """
 import functools
-import os
 
 import torch
 from triton.experimental import gluon
@@ -232,8 +232,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
         q_slot = tile_i % Q_SLOTS
         q_buf = q_smem.index(CONSUMERS * q_slot + WHICH).reshape([ROWS, HEAD_DIM_PAD])
         if Q_IN_REGISTERS:
-            # S = Q K^T with Q as the register operand: the tensor cores read only K from shared
-            # memory, whose bandwidth the SS products nearly fill.
+            # S = Q K^T with Q as the register operand: only K is read from shared memory.
             q_buf = q_buf.load(q_layout)
         rows = m0 + WHICH * ROWS + gl.arange(0, ROWS, layout=s_rows)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
@@ -470,7 +469,20 @@ def kernel_constants(p, cfg, element_size):
                 # Tiles of uneven length (a band) from the atomic counter; equal ones strided over.
                 DYNAMIC=cfg.persistent and p.banded, Q_SLOTS=2 if next_q else 1, CONSUMERS=cfg.consumers,
                 CONSUMER_REGS=CONSUMER_REGS[cfg.consumers],
-                Q_IN_REGISTERS=os.environ.get("FLASHTILE_Q_REGS", "1") == "1" and p.head_dim_pad <= 128)
+                Q_IN_REGISTERS=q_in_registers(p.head_dim_pad, cfg))
+
+
+def q_in_registers(head_dim_pad, cfg) -> bool:
+    """Whether S = Q K^T takes Q from registers (loaded once per tile) rather than shared memory.
+    With both operands there, each consumer reads Q and K from shared memory for every K/V block:
+    with V and the blocks landing, about 110 of the 128 bytes per clock an SM's shared memory
+    serves, by count at d128 and d64 (an estimate, not a profile).  From registers only K is read:
+    1.015 / 1.021 / 1.033x at d128 1k / 4k / 16k, 1.046 / 1.020x causal 1k / 4k; on d64's
+    two-consumer schedules 1.004x at 1k, 1.039 / 1.024x causal 1k / 4k; outputs bitwise equal
+    (H200, same run, null pair 0.974-1.005: benchmarks/results/2026-12-02_H200_308ee87/
+    experiments/q_registers.md).  Up to d128 with two consumers: d256's O takes half of a
+    consumer's registers, and three consumers' 160 registers spill (852 bytes; 1.8x slower)."""
+    return cfg.q_registers and head_dim_pad <= 128 and cfg.consumers == 2
 
 
 def tile_counter(device):

@@ -54,3 +54,14 @@ timeout 150 python scripts/ab_env.py --out $R/bwd_1k.json \
   --cells "64 1024 plain bwd; 64 1024 causal bwd; 128 1024 plain bwd; 128 1024 causal bwd; 128 2048 causal bwd" \
   --variant shipped: --variant "single:FLASHTILE_V3_BWD=gluon-reduce" --variant again: \
   > $R/bwd_1k.md 2> $R/bwd_1k.err; cat $R/bwd_1k.md; tail -2 $R/bwd_1k.err; save
+#!/usr/bin/env bash
+# Session run 5: the forward with Q in registers for S = Q K^T (tree) against main's v3_gluon.py.
+set -u
+export PYTHONPATH=$PWD FLASHTILE_COMMIT=b4e685c PYTHONUNBUFFERED=1
+R=$(mktemp -d)
+save() { tar czf $OUT/results.tgz -C $R .; }
+timeout 110 python -m pytest tests/test_accuracy.py -q -n 8 -p no:cacheprovider -k "v3 and not backward and not grad" > $R/tests_q_regs.log 2>&1; tail -3 $R/tests_q_regs.log; save
+timeout 170 python scripts/ab_module.py flashtile/kernels/v3_gluon.py --rev main --rev-file scratch/main_v3_gluon.py \
+  --at flashtile.kernels.v3 --check --out $R/q_regs.json \
+  --cells "64 1024 plain fwd; 64 4096 plain fwd; 64 16384 plain fwd; 64 1024 causal fwd; 64 4096 causal fwd; 128 1024 plain fwd; 128 4096 plain fwd; 128 16384 plain fwd; 128 1024 causal fwd; 128 4096 causal fwd" \
+  > $R/q_regs.md 2> $R/q_regs.err; grep -v "^Case" $R/q_regs.md; grep -c "equal: True" $R/q_regs.md; tail -2 $R/q_regs.err; save
