@@ -2,6 +2,9 @@
 # On the GPU machine, in one call, any of these stages; everything lands under $OUT.
 #   tests   the test suite on CUDA (bf16 and fp16, seqlen up to 4k)
 #   bars    flashtile v2/v3 against SDPA flash and cuDNN, d64/d128, 1k-16k, 3 passes (bars.*)
+#   v3bars  v3's bars: v3, v2 and cuDNN, d64/d128/d256, causal and not, 1k-16k, BARS_REPEATS
+#           passes (2), one run per head dim (bars_v3_d*.*, kept if a later one is cut short),
+#           then one table (bars_v3.md: scripts/bars_table.py; BARS_PREVIOUS: an earlier JSON)
 #   claims  FlashAttention-1 vs -2 vs standard attention: speed (fa1_fa2_standard.*), the IO
 #           model's regime of each run (io_regimes.*), exactness, memory up to 128k
 #   bench   the default `flashtile bench` grid (BENCH_ARGS narrows or widens it), timed
@@ -39,6 +42,14 @@ for stage in $stages; do
       python -m flashtile bench --head-dims 64,128 --seqlens 1024,2048,4096,8192,16384 --repeats 3 \
         --providers flashtile-v2,flashtile-v3,sdpa-flash,sdpa-cudnn --baseline sdpa-flash --no-plots \
         --out "$OUT" --name bars 2>&1 | grep -v "bench:" | tee "$OUT/bars.log" || status=1 ;;
+    v3bars)
+      for d in 64 128 256; do
+        python -m flashtile bench --head-dims $d --seqlens 1024,2048,4096,8192,16384 --repeats "${BARS_REPEATS:-2}" \
+          --providers flashtile-v3,flashtile-v2,sdpa-cudnn --baseline sdpa-cudnn --no-plots --out "$OUT" \
+          --name "bars_v3_d$d" 2>&1 | grep -v "bench:" > "$OUT/bars_v3_d$d.log" || status=1
+      done
+      python scripts/bars_table.py "$OUT"/bars_v3_d*.json ${BARS_PREVIOUS:+--previous $BARS_PREVIOUS} \
+        | tee "$OUT/bars_v3.md" || status=1 ;;
     claims)
       python -m flashtile bench --head-dims 64,128 --seqlens 1024,2048,4096,8192 \
         --providers flashtile-v1,flashtile-v2,standard --baseline standard --out "$OUT" \

@@ -254,3 +254,28 @@ def test_ab_env_measures_each_variant_under_its_settings(monkeypatch, tmp_path, 
     assert rows == [dict(d=16, causal=True, seqlen=40, mode="bwd", plain=1.0, forced=2.0)]
     with pytest.raises(ValueError):
         ab_env.parse_variant("no-colon")
+
+
+def test_bars_table_counts_cells_at_or_above_the_baseline(monkeypatch, tmp_path, capsys):
+    # scripts/bars_table.py: one table from a run split by head dim, v3 over the baseline and
+    # over v2 per mode, the count of cells v3 holds, an earlier run's ratios beside them.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "scripts"))
+    import bars_table
+
+    def records(d, tflops):
+        return [dict(provider=p, d=d, causal=False, sq=1024, mode=m, tflops=t)
+                for (p, m), t in tflops.items()]
+
+    run = [tmp_path / "d64.json", tmp_path / "d128.json"]
+    run[0].write_text(json.dumps(records(64, {("flashtile-v3", "fwd"): 400, ("sdpa-cudnn", "fwd"): 500,
+                                              ("flashtile-v2", "fwd"): 200, ("flashtile-v3", "bwd"): 300,
+                                              ("sdpa-cudnn", "bwd"): 300})))
+    run[1].write_text(json.dumps(records(128, {("flashtile-v3", "fwd"): 600, ("sdpa-cudnn", "fwd"): 500})))
+    before = tmp_path / "before.json"
+    before.write_text(json.dumps(records(64, {("flashtile-v3", "fwd"): 250, ("sdpa-cudnn", "fwd"): 500})))
+    bars_table.main([*map(str, run), "--previous", str(before)])
+    out = capsys.readouterr().out
+    assert "fwd: v3 >= sdpa-cudnn in 1 of 2 cells, bwd: v3 >= sdpa-cudnn in 1 of 1 cells" in out
+    assert "| 64 | no | 1024 | 400 | 500 | 0.800 | 2.00 | 300 | 300 | 1.000 |  | 0.500 / - |" in out
+    assert "| 128 | no | 1024 | 600 | 500 | 1.200 |  |  |  |  |  | - / - |" in out
