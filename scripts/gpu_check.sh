@@ -4,7 +4,7 @@
 #   bars    flashtile v2/v3 against SDPA flash and cuDNN, d64/d128, 1k-16k, 3 passes (bars.*)
 #   v3bars  v3's bars: v3, v2 and cuDNN, d64/d128/d256, causal and not, 1k-16k, BARS_REPEATS
 #           passes (2), one run per head dim (bars_v3_d*.*, kept if a later one is cut short),
-#           then one table (bars_v3.md: scripts/bars_table.py; BARS_PREVIOUS: an earlier JSON)
+#           then one table (bars_v3.md: scripts/bars_table.py; BARS_PREVIOUS: an earlier run's JSON, a glob)
 #   claims  FlashAttention-1 vs -2 vs standard attention: speed (fa1_fa2_standard.*), the IO
 #           model's regime of each run (io_regimes.*), exactness, memory up to 128k
 #   bench   the default `flashtile bench` grid (BENCH_ARGS narrows or widens it), timed
