@@ -180,7 +180,7 @@ def _masked_scores(s, rows, n0, seqlen_k, dlo, dhi, BLOCK_N: gl.constexpr, col_l
 
 
 @gluon.jit
-def _issue_scores(q_buf, k_smem, k_ready, turn, slot, phase, turns, s_zero, WHICH: gl.constexpr,
+def _issue_scores(q_op, k_smem, k_ready, turn, slot, phase, turns, s_zero, WHICH: gl.constexpr,
                   PINGPONG: gl.constexpr):
     """Start S = Q K^T on K/V ring slot ``slot`` once it is this consumer's turn and K has landed.
     Turns go round the consumers in order; consumer 0 takes the first without waiting."""
@@ -189,7 +189,7 @@ def _issue_scores(q_buf, k_smem, k_ready, turn, slot, phase, turns, s_zero, WHIC
     mbarrier.wait(k_ready.index(slot), phase)
     k = k_smem.index(slot)
     kT = k.reshape([k.shape[1], k.shape[3]]).permute((1, 0))
-    return warpgroup_mma(q_buf, kT, s_zero, use_acc=False, is_async=True)
+    return warpgroup_mma(q_op, kT, s_zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -230,10 +230,10 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
     while t < num_tiles:
         batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(t, walk, CONSUMERS * ROWS, BLOCK_N)
         q_slot = tile_i % Q_SLOTS
-        q_buf = q_smem.index(CONSUMERS * q_slot + WHICH).reshape([ROWS, HEAD_DIM_PAD])
+        q_op = q_smem.index(CONSUMERS * q_slot + WHICH).reshape([ROWS, HEAD_DIM_PAD])  # S = Q K^T's A
         if Q_IN_REGISTERS:
-            # S = Q K^T with Q as the register operand: only K is read from shared memory.
-            q_buf = q_buf.load(q_layout)
+            # Q as the register operand: only K is read from shared memory.
+            q_op = q_op.load(q_layout)
         rows = m0 + WHICH * ROWS + gl.arange(0, ROWS, layout=s_rows)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
@@ -242,7 +242,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
             # First block: nothing to overlap with yet.
             slot = it % STAGES
             phase = (it // STAGES) & 1
-            s = _issue_scores(q_buf, k_smem, k_ready, turn, slot, phase, turns, s_zero, WHICH, PINGPONG)
+            s = _issue_scores(q_op, k_smem, k_ready, turn, slot, phase, turns, s_zero, WHICH, PINGPONG)
             if PINGPONG:
                 _pass_turn(turn, WHICH)
                 turns += 1
@@ -261,7 +261,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
                 slot = it % STAGES
                 phase = (it // STAGES) & 1
                 v_prev = v_smem.index(prev_slot).reshape([BLOCK_N, HEAD_DIM_PAD])
-                s = _issue_scores(q_buf, k_smem, k_ready, turn, slot, phase, turns, s_zero, WHICH, PINGPONG)
+                s = _issue_scores(q_op, k_smem, k_ready, turn, slot, phase, turns, s_zero, WHICH, PINGPONG)
                 if OVERLAP:
                     # O += P_{j-1} V_{j-1} goes out with S_j; the softmax below runs under it.
                     mbarrier.wait(v_ready.index(prev_slot), prev_phase)
