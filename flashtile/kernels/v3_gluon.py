@@ -24,7 +24,9 @@ fwd_overlap.md): ping-pong already keeps the tensor cores busy during the softma
 Persistent scheduler: ``min(tiles, SMs)`` CTAs loop over tiles, so no CTA launch is paid per
 tile.  With two Q buffers (where shared memory has room: d64, d128) the producer loads the next
 tile's Q and first K/V blocks while the consumers finish this one, so a tile starts on data
-already landed.  Tiles of uneven length (causal, window) are taken from an atomic counter so
+already landed.  With one (d256) the consumers free it once their last S = Q K^T is done, so the
+next tile's Q loads under the last PV product and the epilogue (0.94-1.00x of the time before at
+d256 1k-16k, null pair 0.97-1.06: benchmarks/results/2026-12-02_H200_e6341dc/INDEX.md).  Tiles of uneven length (causal, window) are taken from an atomic counter so
 they balance themselves, longest first (the last query blocks of a causal problem see the most
 keys); the launch's last CTA sets the counter back to zero, so one buffer per stream serves every
 launch (tile_counter).  Tiles of equal length are strided over (every SMs-th), one head's after
@@ -232,8 +234,10 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
         q_slot = tile_i % Q_SLOTS
         q_op = q_smem.index(CONSUMERS * q_slot + WHICH).reshape([ROWS, HEAD_DIM_PAD])  # S = Q K^T's A
         if Q_IN_REGISTERS:
-            # Q as the register operand: only K is read from shared memory.
+            # Q as the register operand: only K is read from shared memory, and Q's buffer is
+            # free for the producer's next tile at once.
             q_op = q_op.load(q_layout)
+            mbarrier.arrive(q_empty.index(q_slot))
         rows = m0 + WHICH * ROWS + gl.arange(0, ROWS, layout=s_rows)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
@@ -288,13 +292,18 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
                 prev_slot = slot
                 prev_phase = phase
                 it += 1
+            if not Q_IN_REGISTERS:
+                # The last S = Q K^T has completed: the producer may load the next tile's Q into
+                # this buffer under the last PV product and the epilogue (d256 has one Q buffer).
+                # Not inside the loop: a branch there costs d256 spills.
+                mbarrier.arrive(q_empty.index(q_slot))
             mbarrier.wait(v_ready.index(prev_slot), prev_phase)
             v_prev = v_smem.index(prev_slot).reshape([BLOCK_N, HEAD_DIM_PAD])
             acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             mbarrier.arrive(v_empty.index(prev_slot))
-        # Q is no longer read: the producer may load a tile into its buffer during this epilogue.
-        mbarrier.arrive(q_empty.index(q_slot))
+        elif not Q_IN_REGISTERS:
+            mbarrier.arrive(q_empty.index(q_slot))  # a tile with no K/V block
         out, lse = finalize_rows(acc, gl.convert_layout(m_i, o_rows), gl.convert_layout(l_i, o_rows))
         _store_rows(out.to(dtype), lse, o_smem, WHICH, outputs, batch, head, m0 + WHICH * ROWS, seqlen_q,
                     ROWS, HEAD_DIM_PAD, o_layout, O_VIA_SMEM)
