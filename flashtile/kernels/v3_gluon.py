@@ -26,11 +26,12 @@ tile.  With two Q buffers (where shared memory has room: d64, d128) the producer
 tile's Q and first K/V blocks while the consumers finish this one, so a tile starts on data
 already landed.  With one (d256) the consumers free it once their last S = Q K^T is done, so the
 next tile's Q loads under the last PV product and the epilogue (0.94-1.00x of the time before at
-d256 1k-16k, null pair 0.97-1.06: benchmarks/results/2026-12-02_H200_e6341dc/INDEX.md).  Tiles of uneven length (causal, window) are taken from an atomic counter so
-they balance themselves, longest first (the last query blocks of a causal problem see the most
-keys); the launch's last CTA sets the counter back to zero, so one buffer per stream serves every
-launch (tile_counter).  Tiles of equal length are strided over (every SMs-th), one head's after
-another's; the banded walk interleaves groups of heads whose K/V share L2 (heads_sharing_l2).
+d256 1k-16k, null pair 0.97-1.06: benchmarks/results/2026-12-02_H200_e6341dc/INDEX.md).  Tiles
+of uneven length (causal, window) are taken from an atomic counter so they balance themselves,
+longest first (the last query blocks of a causal problem see the most keys); the launch's last
+CTA sets the counter back to zero, so one buffer per stream serves every launch (tile_counter).
+Tiles of equal length are strided over (every SMs-th), one head's after another's; the banded
+walk interleaves groups of heads whose K/V share L2 (heads_sharing_l2).
 
 Batched (non-varlen) problems only: Q/K/V/O are seen by TMA as (batch, seqlen, heads, head_dim),
 so loads past a sequence or head dim read zeros and stores past them are dropped.  O leaves by
