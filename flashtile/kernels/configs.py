@@ -166,8 +166,8 @@ def gluon_consumers(head_dim_pad: int, banded: bool, seqlen_q: int) -> int:
 def v3_gluon_schedule(p) -> GluonSchedule:
     """The Gluon forward's schedule: FLASHTILE_CONFIG_V3_GLUON=block_n,stages[,consumers]
     overrides the tiles (two consumers unless given); FLASHTILE_V3_ABLATE=pingpong,overlap,
-    persistent,next_q,q_registers switches techniques off (persistent: the backward's persistent CTAs too,
-    gluon_backward_persistent)."""
+    persistent,next_q,q_registers switches techniques off (persistent: the backward's persistent
+    CTAs too, gluon_backward_persistent)."""
     return _gluon_schedule(p.head_dim_pad, gluon_consumers(p.head_dim_pad, p.banded, p.seqlen_q),
                            os.environ.get("FLASHTILE_CONFIG_V3_GLUON"), os.environ.get("FLASHTILE_V3_ABLATE", ""))
 
@@ -275,7 +275,11 @@ def v3_gluon_bwd_config(p, single_pass: bool = False) -> GluonBackward:
     override = os.environ.get("FLASHTILE_CONFIG_V3_GLUON_BWD")
     if override:
         return GluonBackward(*(int(x) for x in override.split(",")))
-    return _by_head_dim(_V3_GLUON_BWD_SINGLE_PASS if single_pass else _V3_GLUON_BWD, p.head_dim_pad)
+    return _gluon_bwd_tiles(p.head_dim_pad, single_pass)
+
+
+def _gluon_bwd_tiles(head_dim_pad: int, single_pass: bool) -> GluonBackward:
+    return _by_head_dim(_V3_GLUON_BWD_SINGLE_PASS if single_pass else _V3_GLUON_BWD, head_dim_pad)
 
 
 def v3_default_backward(head_dim_pad: int, seqlen_k: int, deterministic: bool = False) -> str:
@@ -317,9 +321,9 @@ def v3_backward(p) -> str:
 def gpu_tiles(version: str, head_dim_pad: int, banded: bool, seqlen_k: int):
     """((fwd block_m, block_n), (bwd dK/dV block_m, block_n)) used on the GPU (batched problems),
     for the IO model."""
-    kernels = v3_default_backward(head_dim_pad, seqlen_k)
-    if version == "v3" and kernels != "v2":  # the Gluon dK/dV pass
-        cfg = _by_head_dim(_V3_GLUON_BWD_SINGLE_PASS if kernels == "gluon-reduce" else _V3_GLUON_BWD, head_dim_pad)
+    kernels = v3_default_backward(head_dim_pad, seqlen_k) if version == "v3" else "v2"
+    if kernels != "v2":  # the Gluon dK/dV pass
+        cfg = _gluon_bwd_tiles(head_dim_pad, kernels == "gluon-reduce")
         bwd = (cfg.kv_block_m, gluon_bwd_stationary_rows(head_dim_pad))
     else:
         b = _by_head_dim(_V2_BWD_KV_BAND if banded else _V2_BWD_KV, head_dim_pad)
