@@ -67,8 +67,10 @@ def test_v3_gluon_forward_compiles_for_sm90(tmp_path, head_dim):
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx)
     assert any(n == str(head_dim) and a == "{" for n, a in wgmma), "PV product without P in registers"
     assert any(a == "%" for _, a in wgmma) == (head_dim != 128), "QK^T product's Q operand"
-    if head_dim <= 128:  # O staged in shared memory and stored by TMA
-        assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
+    # O staged in shared memory and stored by TMA at every head dim (d256's two consumers share
+    # one buffer): never as two-byte stores from registers.
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
+    assert "st.global.b16" not in ptx
 
 
 @pytest.mark.parametrize("kernel", ["v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon", "v3.bwd_reduce_gluon",
@@ -324,8 +326,9 @@ def test_v3_gluon_takes_only_layouts_tma_can_describe():
 
 
 def test_v3_gluon_launch_constants():
-    # Shared memory: O gets its own staging buffer where Q, the K/V ring and O fit (d64, d128),
-    # else it leaves from registers; a second Q buffer where that fits too; persistent CTAs take
+    # Shared memory: each consumer stages O in a buffer of its own where Q, the K/V ring and those
+    # fit (d64, d128), else the two share one (d256); a second Q buffer where that fits too;
+    # without room for any staging O leaves from registers; persistent CTAs take
     # banded (uneven) tiles from the counter and stride over equal ones.
     from dataclasses import replace
 
@@ -335,12 +338,13 @@ def test_v3_gluon_launch_constants():
     def problem(batch, heads, seqlen, head_dim):
         return Problem(batch, heads, heads, seqlen, seqlen, head_dim, 0.1, -1, -1, None, None)
 
-    for head_dim, via_smem in ((64, True), (128, True), (256, False)):
+    for head_dim, own_buffers in ((64, True), (128, True), (256, False)):
         cfg = configs._by_head_dim(configs._V3_GLUON, head_dim)
         consts = v3_gluon.kernel_constants(problem(1, 16, 4096, head_dim), cfg, 2)
-        assert consts["O_VIA_SMEM"] == via_smem and consts["ROWS"] * 2 == configs.GLUON_TILE_M
+        assert consts["O_BUFFERS"] == (cfg.consumers if own_buffers else 1)
+        assert consts["ROWS"] * 2 == configs.GLUON_TILE_M
         assert not consts["DYNAMIC"]
-        assert consts["Q_SLOTS"] == (2 if via_smem else 1)
+        assert consts["Q_SLOTS"] == (2 if own_buffers else 1)
         without = v3_gluon.kernel_constants(problem(1, 16, 4096, head_dim), replace(cfg, next_q=False), 2)
         assert without["Q_SLOTS"] == 1
         # Q in registers for S = Q K^T up to d128 with two consumers (d64's three would spill)
@@ -350,6 +354,7 @@ def test_v3_gluon_launch_constants():
         if head_dim == 64:
             assert not v3_gluon.kernel_constants(problem(1, 16, 4096, 64), replace(cfg, consumers=3),
                                                  2)["Q_IN_REGISTERS"]
+    assert v3_gluon.o_staging_buffers(2**16, 2**17 + 2**15, 2) == 0  # no room left for 32 KB
     causal = Problem(1, 16, 16, 4096, 4096, 128, 0.1, -1, 0, None, None)
     cfg = configs._by_head_dim(configs._V3_GLUON, 128)
     assert v3_gluon.kernel_constants(causal, cfg, 2)["DYNAMIC"]

@@ -204,14 +204,14 @@ def _pass_turn(turn, WHICH: gl.constexpr):
 @gluon.jit
 def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
+              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
               Q_IN_REGISTERS: gl.constexpr):
     """Consumer warpgroup WHICH: rows [64 * WHICH, 64 * WHICH + 64) of every tile handed over.
 
     Per K/V block j: (wait for its turn) issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, (pass the
     turn), wait for S_j only, softmax, wait for the PV product, rescale O.  The first block has
     no PV product to overlap; the last one follows the loop."""
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, o_free = bars
     num_tiles, seqlen_q, seqlen_k = walk[0], walk[5], walk[6]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -306,26 +306,39 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
         elif not Q_IN_REGISTERS:
             mbarrier.arrive(q_empty.index(q_slot))  # a tile with no K/V block
         out, lse = finalize_rows(acc, gl.convert_layout(m_i, o_rows), gl.convert_layout(l_i, o_rows))
-        _store_rows(out.to(dtype), lse, o_smem, WHICH, outputs, batch, head, m0 + WHICH * ROWS, seqlen_q,
-                    ROWS, HEAD_DIM_PAD, o_layout, O_VIA_SMEM)
+        _store_rows(out.to(dtype), lse, o_smem, o_free, tile_i * CONSUMERS + WHICH, WHICH, outputs, batch, head,
+                    m0 + WHICH * ROWS, seqlen_q, ROWS, HEAD_DIM_PAD, o_layout, O_BUFFERS)
         tile_i += 1
         t = read_next_tile(tile_ids, tile_i, q_ready, num_tiles, Q_SLOTS, PERSISTENT)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _store_rows(out, lse, o_smem, WHICH: gl.constexpr, outputs, batch, head, row0, seqlen_q, ROWS: gl.constexpr,
-                HEAD_DIM_PAD: gl.constexpr, o_layout: gl.constexpr, O_VIA_SMEM: gl.constexpr):
-    """One consumer's O rows and their logsumexp; rows past the sequence, lanes past the head dim dropped."""
+def _store_rows(out, lse, o_smem, o_free, use, WHICH: gl.constexpr, outputs, batch, head, row0, seqlen_q,
+                ROWS: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, o_layout: gl.constexpr, O_BUFFERS: gl.constexpr):
+    """One consumer's O rows and their logsumexp; rows past the sequence, lanes past the head dim
+    dropped.  O goes by TMA store through a staging buffer in shared memory: one per consumer,
+    or one the two consumers take in turn (``use``: this consumer's turn, counted over the CTA),
+    or, with O_BUFFERS == 0, straight from registers."""
     o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh = outputs
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-    if O_VIA_SMEM:
+    if O_BUFFERS == 1:
+        # Turns alternate (each waits for the one before), so a parity names the turn awaited.
+        o_buf = o_smem.index(0)
+        mbarrier.wait(o_free.index(0), (use & 1) ^ 1)
+        o_buf.reshape([ROWS, HEAD_DIM_PAD]).store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_buf)
+        tma.store_wait(0)
+        gl.thread_barrier()  # every thread past the wait before the buffer is handed on
+        mbarrier.arrive(o_free.index(0))
+    elif O_BUFFERS > 1:
         o_buf = o_smem.index(WHICH)
         tma.store_wait(0)  # the previous tile's store has left the staging buffer
         o_buf.reshape([ROWS, HEAD_DIM_PAD]).store(out)
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_buf)
-    else:  # no shared memory left for staging (d256 with a two-slot ring): straight from registers
+    else:  # without shared memory for staging: two-byte stores (the head dim's mask splits pairs)
         cols = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, o_layout))
         ptrs = O + batch.to(gl.int64) * sob + rows[:, None].to(gl.int64) * sos + head * soh + cols[None, :]
         gl.store(ptrs, out, mask=(rows[:, None] < seqlen_q) & (cols[None, :] < head_dim))
@@ -337,7 +350,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
                 batch_heads, heads_q, group, head_group, m_blocks, num_tiles,
                 seqlen_q, seqlen_k, window_left, window_right, scale_log2, COUNTER,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-                PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_VIA_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
+                PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
                 DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 Q_IN_REGISTERS: gl.constexpr):
     # Q_SLOTS tiles' Q, a part per consumer each (slot s: buffers CONSUMERS * s + consumer).
@@ -345,8 +358,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
                                        q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    if O_VIA_SMEM:
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
+    if O_BUFFERS > 0:
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [O_BUFFERS] + o_desc.block_type.shape, o_desc.layout)
     else:
         o_smem = q_smem  # a placeholder: O leaves from registers
     # The producer hands each tile's number to the consumers here (two slots: tile parity).
@@ -358,6 +371,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    o_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())  # one O buffer, shared
     # "ready" barriers complete when TMA has landed the bytes; "empty" ones when every consumer
     # is done with the buffer.
     for i in gl.static_range(Q_SLOTS):
@@ -370,7 +384,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     for i in gl.static_range(CONSUMERS):
         mbarrier.init(turn.index(i), count=1)
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
+    mbarrier.init(o_free.index(0), count=1)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, o_free)
     # The tile walk (see _tile) and where results go, as tuples: Gluon has no struct arguments.
     walk = (num_tiles, batch_heads, heads_q, head_group, m_blocks, seqlen_q, seqlen_k, window_left, window_right)
     outputs = (o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh)
@@ -378,13 +393,13 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
-                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT,
+                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_BUFFERS, PERSISTENT,
                          Q_IN_REGISTERS)),
             (_consumer, (1, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
-                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT,
+                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_BUFFERS, PERSISTENT,
                          Q_IN_REGISTERS)),
             (_consumer, (2, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
-                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT,
+                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_BUFFERS, PERSISTENT,
                          Q_IN_REGISTERS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
                          ROWS, BLOCK_N, STAGES, PERSISTENT, DYNAMIC, CONSUMERS)),
@@ -392,10 +407,10 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
-                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT,
+                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_BUFFERS, PERSISTENT,
                          Q_IN_REGISTERS)),
             (_consumer, (1, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
-                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_VIA_SMEM, PERSISTENT,
+                         ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_BUFFERS, PERSISTENT,
                          Q_IN_REGISTERS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
                          ROWS, BLOCK_N, STAGES, PERSISTENT, DYNAMIC, CONSUMERS)),
@@ -472,14 +487,27 @@ def kernel_constants(p, cfg, element_size):
     tile_bytes = cfg.tile_m * p.head_dim_pad * element_size  # Q or O of one tile
     ring_bytes = 2 * cfg.num_stages * cfg.block_n * p.head_dim_pad * element_size
     # O staged for its TMA store, then a second Q buffer, where shared memory holds them.
-    o_via_smem = 2 * tile_bytes + ring_bytes <= SHARED_MEMORY
-    next_q = cfg.next_q and cfg.persistent and o_via_smem and 3 * tile_bytes + ring_bytes <= SHARED_MEMORY
+    o_buffers = o_staging_buffers(tile_bytes, ring_bytes, cfg.consumers)
+    next_q = (cfg.next_q and cfg.persistent and o_buffers == cfg.consumers
+              and 3 * tile_bytes + ring_bytes <= SHARED_MEMORY)
     return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
-                PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_VIA_SMEM=o_via_smem, PERSISTENT=cfg.persistent,
+                PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_BUFFERS=o_buffers, PERSISTENT=cfg.persistent,
                 # Tiles of uneven length (a band) from the atomic counter; equal ones strided over.
                 DYNAMIC=cfg.persistent and p.banded, Q_SLOTS=2 if next_q else 1, CONSUMERS=cfg.consumers,
                 CONSUMER_REGS=CONSUMER_REGS[cfg.consumers],
                 Q_IN_REGISTERS=q_in_registers(p.head_dim_pad, cfg))
+
+
+def o_staging_buffers(tile_bytes, ring_bytes, consumers):
+    """Shared-memory buffers O is staged in for its TMA store: one per consumer where Q, the K/V
+    ring and those fit (d64, d128); else one that two consumers take in turn (d256: Q and the
+    two-slot ring leave 32 KB, one consumer's rows); else none, and O leaves from registers (at
+    d256, 128 two-byte stores per thread: the LSU busy through the epilogue)."""
+    if 2 * tile_bytes + ring_bytes <= SHARED_MEMORY:
+        return consumers
+    if consumers == 2 and tile_bytes + tile_bytes // consumers + ring_bytes <= SHARED_MEMORY:
+        return 1
+    return 0
 
 
 def q_in_registers(head_dim_pad, cfg) -> bool:
