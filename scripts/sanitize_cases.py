@@ -20,6 +20,7 @@ CASES = [
     (4, 1000, 1000, 8, 8, 64, True, (-1, -1)),  # more tiles than SMs: v3's persistent walks wrap
     (4, 1000, 1000, 8, 8, 64, False, (-1, -1)),  # (the counter's for causal tiles, the stride's here)
     (4, 1000, 1000, 8, 8, 128, True, (-1, -1)),
+    (4, 1000, 1000, 8, 4, 256, False, (-1, -1)),  # d256's shared O staging buffer, over many tiles per CTA
     (2, 2100, 2100, 8, 8, 64, False, (-1, -1)),  # v3's three-consumer forward (192-row tiles), wrapping
     (1, 8200, 8200, 2, 2, 64, True, (-1, -1)),   # the same on a band (tiles from the counter)
 ]
