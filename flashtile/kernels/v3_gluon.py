@@ -81,7 +81,7 @@ def _tile(t, walk, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
               DYNAMIC: gl.constexpr, CONSUMERS: gl.constexpr):
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, o_free = bars
     num_tiles = walk[0]
     Q_SLOTS: gl.constexpr = q_smem.shape[0] // CONSUMERS
     it = 0  # K/V blocks issued so far: ring slot and mbarrier phase
