@@ -48,7 +48,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from flashtile.kernels.blocks import band_blocks, band_mask
+from flashtile.kernels.blocks import band_blocks, band_edge_masks
 from flashtile.kernels.configs import GLUON_HEAD_DIMS, WARPGROUP_ROWS
 from flashtile.kernels.launch import Descriptor, descriptor_spec, launch
 from flashtile.kernels.tiles import finalize_rows, online_softmax_step
@@ -177,9 +177,11 @@ def read_next_tile(tile_ids, tile_i, ready, num_tiles, SLOTS: gl.constexpr, PERS
 
 
 @gluon.jit
-def _masked_scores(s, rows, n0, seqlen_k, dlo, dhi, BLOCK_N: gl.constexpr, col_layout: gl.constexpr):
-    cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
-    return gl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), s, float("-inf"))
+def _masked_scores(s, rows, row0, n0, seqlen_k, dlo, dhi, BLOCK_N: gl.constexpr, col_layout: gl.constexpr):
+    """Scores of block n0 with -inf outside the band (the edges the block crosses: blocks.band_edge_masks)."""
+    offs = gl.arange(0, BLOCK_N, layout=col_layout)
+    return band_edge_masks(s, rows, offs, n0, BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
+                           float("-inf"))
 
 
 @gluon.jit
@@ -239,7 +241,8 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
             # free for the producer's next tile at once.
             q_op = q_op.load(q_layout)
             mbarrier.arrive(q_empty.index(q_slot))
-        rows = m0 + WHICH * ROWS + gl.arange(0, ROWS, layout=s_rows)
+        row0 = m0 + WHICH * ROWS  # this consumer's first row
+        rows = row0 + gl.arange(0, ROWS, layout=s_rows)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
         acc = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, o_layout)
@@ -253,8 +256,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
                 turns += 1
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(k_empty.index(slot))
-            if (lo < full_lo) | (lo >= full_hi):
-                s = _masked_scores(s, rows, lo, seqlen_k, dlo, dhi, BLOCK_N, s_cols)
+            s = _masked_scores(s, rows, row0, lo, seqlen_k, dlo, dhi, BLOCK_N, s_cols)
             p, alpha, m_i = online_softmax_step(s, m_i, scale_log2)
             l_i = gl.sum(p, 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -281,8 +283,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
                     mbarrier.wait(v_ready.index(prev_slot), prev_phase)
                     acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
                 mbarrier.arrive(k_empty.index(slot))
-                if (n0 < full_lo) | (n0 >= full_hi):
-                    s = _masked_scores(s, rows, n0, seqlen_k, dlo, dhi, BLOCK_N, s_cols)
+                s = _masked_scores(s, rows, row0, n0, seqlen_k, dlo, dhi, BLOCK_N, s_cols)
                 p, alpha, m_i = online_softmax_step(s, m_i, scale_log2)
                 l_i = l_i * alpha + gl.sum(p, 1)
                 # p_op of the previous block is read by the in-flight wgmma: keep it alive until here.

@@ -1,0 +1,52 @@
+"""The band's element masks: band_edge_masks (the Gluon forward's, testing only the edges a block
+crosses) against band_mask (every rule at once), over blocks on and off the band's edges."""
+import itertools
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from flashtile.kernels.blocks import band_edge_masks, band_mask
+from conftest import DEVICE
+
+ROWS, COLS = 16, 16
+
+
+@triton.jit
+def _both_masks(EDGE, BAND, r0, n0, n_cols, dlo, dhi, ROWS: tl.constexpr, COLS: tl.constexpr):
+    rows = r0 + tl.arange(0, ROWS)
+    offs = tl.arange(0, COLS)
+    s = tl.zeros([ROWS, COLS], tl.float32)
+    edge = band_edge_masks(s, rows, offs, n0, COLS, n_cols, r0, r0 + ROWS - 1, dlo, dhi, float("-inf"))
+    band = tl.where(band_mask(rows, n0 + offs, n_cols, dlo, dhi), s, float("-inf"))
+    at = tl.arange(0, ROWS)[:, None] * COLS + offs[None, :]
+    tl.store(EDGE + at, edge)
+    tl.store(BAND + at, band)
+
+
+def band(seqlen_q, seqlen_k, window_left, window_right):
+    """(dlo, dhi) as blocks.diagonal_band computes them."""
+    off, unbounded = seqlen_k - seqlen_q, seqlen_q + seqlen_k
+    left = unbounded if window_left < 0 else window_left
+    right = unbounded if window_right < 0 else window_right
+    return off - left, off + right
+
+
+# (seqlen_q, seqlen_k, window_left, window_right): causal, causal with more keys than queries
+# (bottom-right) and fewer, a sliding window narrower than a block, one-sided windows, no band.
+BANDS = [(64, 64, -1, 0), (40, 70, -1, 0), (70, 40, -1, 0), (64, 64, 5, 3), (64, 64, 20, -1),
+         (50, 50, -1, -1), (64, 64, 0, 0)]
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,window_left,window_right", BANDS)
+def test_edge_masks_equal_the_band_mask(seqlen_q, seqlen_k, window_left, window_right):
+    dlo, dhi = band(seqlen_q, seqlen_k, window_left, window_right)
+    edge = torch.empty(ROWS, COLS, device=DEVICE)
+    full = torch.empty(ROWS, COLS, device=DEVICE)
+    masked = 0
+    for r0, n0 in itertools.product(range(0, seqlen_q, ROWS), range(0, seqlen_k, COLS)):
+        _both_masks[(1,)](edge, full, r0, n0, seqlen_k, dlo, dhi, ROWS, COLS)
+        assert torch.equal(edge, full), (r0, n0)
+        masked += int(torch.isinf(full).any())
+    assert masked > 0 or window_left < 0 and window_right < 0  # the edges were tested, not skipped
