@@ -35,7 +35,9 @@ walk interleaves groups of heads whose K/V share L2 (heads_sharing_l2).
 
 Batched (non-varlen) problems only: Q/K/V/O are seen by TMA as (batch, seqlen, heads, head_dim),
 so loads past a sequence or head dim read zeros and stores past them are dropped.  O leaves by
-TMA store where shared memory has room to stage it (d64, d128), else straight from registers.
+TMA store from shared memory: a staging buffer per consumer (d64, d128), or at d256 one that
+the two consumers take in turn (o_staging_buffers).  Band masks cost one pair of comparisons
+per key, only on blocks crossing an edge of the consumer's rows (blocks.band_edge_masks).
 v3.py routes varlen problems to its plain-Triton kernel (configs.v3_forward_kernel).  Gluon
 does not run under the interpreter: the CPU suite compiles this file for sm_90; numerics are
 checked on the GPU.
@@ -502,8 +504,11 @@ def kernel_constants(p, cfg, element_size):
 def o_staging_buffers(tile_bytes, ring_bytes, consumers):
     """Shared-memory buffers O is staged in for its TMA store: one per consumer where Q, the K/V
     ring and those fit (d64, d128); else one that two consumers take in turn (d256: Q and the
-    two-slot ring leave 32 KB, one consumer's rows); else none, and O leaves from registers (at
-    d256, 128 two-byte stores per thread: the LSU busy through the epilogue)."""
+    two-slot ring leave 32 KB, one consumer's rows); else none, and O leaves from registers.
+    From registers, d256's O was 128 two-byte stores per thread (the head dim's mask splits the
+    pairs), the LSU busy through the epilogue; through the shared buffer the d256 forward took
+    0.90-0.93x of that time at 1k-4k, 0.98-0.99x at 16k (H200, null pair 0.97-1.01:
+    benchmarks/results/2026-12-02_H200_51cc382/INDEX.md)."""
     if 2 * tile_bytes + ring_bytes <= SHARED_MEMORY:
         return consumers
     if consumers == 2 and tile_bytes + tile_bytes // consumers + ring_bytes <= SHARED_MEMORY:
