@@ -74,9 +74,10 @@ def _tile(t, walk, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
     r = t % group_tiles
     m0 = (m_blocks - 1 - r // heads_here) * TILE_M
     bh = first_head + r % heads_here
-    dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(m0, TILE_M, BLOCK_N, seqlen_q, seqlen_k, window_left,
-                                                           window_right, False)
-    return bh // heads_q, bh % heads_q, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks
+    # (Which blocks need a mask the consumers decide for their own rows: band_edge_masks.)
+    dlo, dhi, lo, _, _, n_blocks = band_blocks(m0, TILE_M, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right,
+                                               False)
+    return bh // heads_q, bh % heads_q, m0, dlo, dhi, lo, n_blocks
 
 
 @gluon.jit
@@ -90,7 +91,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, wa
     tile_i = 0
     t = gl.program_id(0)
     while t < num_tiles:
-        batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(t, walk, CONSUMERS * ROWS, BLOCK_N)
+        batch, head, m0, dlo, dhi, lo, n_blocks = _tile(t, walk, CONSUMERS * ROWS, BLOCK_N)
         head_k = head // group
         # Every consumer is done with the Q this slot held (and has read that tile's number).
         q_slot = tile_i % Q_SLOTS
@@ -235,7 +236,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
     tile_i = 0
     t = read_tile(tile_ids, tile_i, q_ready, Q_SLOTS)
     while t < num_tiles:
-        batch, head, m0, dlo, dhi, lo, full_lo, full_hi, n_blocks = _tile(t, walk, CONSUMERS * ROWS, BLOCK_N)
+        batch, head, m0, dlo, dhi, lo, n_blocks = _tile(t, walk, CONSUMERS * ROWS, BLOCK_N)
         q_slot = tile_i % Q_SLOTS
         q_op = q_smem.index(CONSUMERS * q_slot + WHICH).reshape([ROWS, HEAD_DIM_PAD])  # S = Q K^T's A
         if Q_IN_REGISTERS:
