@@ -1,7 +1,8 @@
 """Compile every kernel for sm_90 on any machine (no GPU needed) and report what Hopper got.
 
 For each kernel: whether the PTX uses wgmma and TMA, whether TTGIR is warp-specialized,
-shared memory, and compile errors.  ``--dump DIR`` writes the TTGIR/PTX (and the cubin) for reading.
+shared memory, and compile errors.  ``--dump DIR`` writes the TTGIR/PTX (and the cubin) for reading;
+``--loops`` adds each hot loop's SASS (sass_loops.py: instructions, HGMMAs, spill traffic).
 """
 import argparse
 import pathlib
@@ -15,6 +16,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from flashtile.kernels import configs, v1, v2, v3, v3_gluon, v3_gluon_bwd
 from flashtile.kernels.problem import Problem
+from sass_loops import describe
 
 FP32_POINTERS = {"LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE"}
 INT_POINTERS = {"CU_Q", "CU_K", "COUNTER"}
@@ -145,6 +147,7 @@ def main():
     ap.add_argument("--dump", type=pathlib.Path)
     ap.add_argument("--only", help="compile only the kernels with this name (e.g. v3.fwd)")
     ap.add_argument("--varlen", action="store_true", help="the variable-length (cu_seqlens) variants")
+    ap.add_argument("--loops", action="store_true", help="each hot loop's SASS instruction mix")
     args = ap.parse_args()
     for d in (int(x) for x in args.head_dims.split(",")):
         for name, fn, constexprs, options, descriptors in cases(d, args.varlen):
@@ -158,6 +161,9 @@ def main():
             ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
             print(f"d{d:<4} {name:18} wgmma={'wgmma.mma_async' in ptx!s:5} tma={'cp.async.bulk.tensor' in ptx!s:5} "
                   f"ws={'ttg.warp_specialize' in ttgir!s:5} smem={k.metadata.shared:>6} warps={k.metadata.num_warps}")
+            if args.loops:
+                for line in describe(k.asm["cubin"]):
+                    print("      " + line)
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
                 (args.dump / f"{name}_d{d}.ttgir").write_text(ttgir)

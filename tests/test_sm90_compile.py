@@ -49,7 +49,7 @@ def test_every_kernel_compiles_for_sm90_with_varlen():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_v3_gluon_forward_compiles_for_sm90(tmp_path, head_dim):
+def test_v3_gluon_forward_compiles_for_sm90(tmp_path, monkeypatch, head_dim):
     # The Gluon kernel does not run under the interpreter: its Hopper structure is checked here,
     # its numbers on the GPU (scripts/gpu_check.sh gluon).
     ttgir = compile_for_sm90(tmp_path, "v3.fwd_gluon", head_dim, {})
@@ -71,6 +71,17 @@ def test_v3_gluon_forward_compiles_for_sm90(tmp_path, head_dim):
     # one buffer): never as two-byte stores from registers.
     assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
     assert "st.global.b16" not in ptx
+    # Each consumer's K/V loop, in SASS: per block the k-steps of S = Q K^T (head dim / 16) and of
+    # O += P V (block_n / 16), and no spill traffic.
+    from flashtile.kernels import configs
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    from sass_loops import hot_loops, loop_stats, sass
+    block_n = configs._by_head_dim(configs._V3_GLUON, head_dim).block_n
+    loops = hot_loops(sass((tmp_path / f"v3.fwd_gluon_d{head_dim}.cubin").read_bytes()))
+    assert len(loops) == consumers
+    for loop in loops:
+        size, mma, spills, _ = loop_stats(loop)
+        assert mma == head_dim // 16 + block_n // 16 and spills == 0, (size, mma, spills)
 
 
 @pytest.mark.parametrize("kernel", ["v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon", "v3.bwd_reduce_gluon",
