@@ -7,14 +7,16 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile.kernels.blocks import band_edge_masks, band_mask
+from flashtile.kernels.blocks import band_edge_masks, band_mask, diagonal_band
 from conftest import DEVICE
 
 ROWS, COLS = 16, 16
 
 
 @triton.jit
-def _both_masks(EDGE, BAND, r0, n0, n_cols, dlo, dhi, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _both_masks(EDGE, BAND, r0, n0, seqlen_q, n_cols, window_left, window_right, ROWS: tl.constexpr,
+                COLS: tl.constexpr):
+    dlo, dhi = diagonal_band(seqlen_q, n_cols, window_left, window_right)
     rows = r0 + tl.arange(0, ROWS)
     offs = tl.arange(0, COLS)
     s = tl.zeros([ROWS, COLS], tl.float32)
@@ -25,14 +27,6 @@ def _both_masks(EDGE, BAND, r0, n0, n_cols, dlo, dhi, ROWS: tl.constexpr, COLS: 
     tl.store(BAND + at, band)
 
 
-def band(seqlen_q, seqlen_k, window_left, window_right):
-    """(dlo, dhi) as blocks.diagonal_band computes them."""
-    off, unbounded = seqlen_k - seqlen_q, seqlen_q + seqlen_k
-    left = unbounded if window_left < 0 else window_left
-    right = unbounded if window_right < 0 else window_right
-    return off - left, off + right
-
-
 # (seqlen_q, seqlen_k, window_left, window_right): causal, causal with more keys than queries
 # (bottom-right) and fewer, a sliding window narrower than a block, one-sided windows, no band.
 BANDS = [(64, 64, -1, 0), (40, 70, -1, 0), (70, 40, -1, 0), (64, 64, 5, 3), (64, 64, 20, -1),
@@ -41,12 +35,11 @@ BANDS = [(64, 64, -1, 0), (40, 70, -1, 0), (70, 40, -1, 0), (64, 64, 5, 3), (64,
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k,window_left,window_right", BANDS)
 def test_edge_masks_equal_the_band_mask(seqlen_q, seqlen_k, window_left, window_right):
-    dlo, dhi = band(seqlen_q, seqlen_k, window_left, window_right)
     edge = torch.empty(ROWS, COLS, device=DEVICE)
     full = torch.empty(ROWS, COLS, device=DEVICE)
     masked = 0
     for r0, n0 in itertools.product(range(0, seqlen_q, ROWS), range(0, seqlen_k, COLS)):
-        _both_masks[(1,)](edge, full, r0, n0, seqlen_k, dlo, dhi, ROWS, COLS)
+        _both_masks[(1,)](edge, full, r0, n0, seqlen_q, seqlen_k, window_left, window_right, ROWS, COLS)
         assert torch.equal(edge, full), (r0, n0)
         masked += int(torch.isinf(full).any())
     assert masked > 0 or window_left < 0 and window_right < 0  # the edges were tested, not skipped

@@ -311,7 +311,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
             mbarrier.arrive(q_empty.index(q_slot))  # a tile with no K/V block
         out, lse = finalize_rows(acc, gl.convert_layout(m_i, o_rows), gl.convert_layout(l_i, o_rows))
         _store_rows(out.to(dtype), lse, o_smem, o_free, tile_i * CONSUMERS + WHICH, WHICH, outputs, batch, head,
-                    m0 + WHICH * ROWS, seqlen_q, ROWS, HEAD_DIM_PAD, o_layout, O_BUFFERS)
+                    row0, seqlen_q, ROWS, HEAD_DIM_PAD, o_layout, O_BUFFERS)
         tile_i += 1
         t = read_next_tile(tile_ids, tile_i, q_ready, num_tiles, Q_SLOTS, PERSISTENT)
     tma.store_wait(0)
@@ -326,22 +326,21 @@ def _store_rows(out, lse, o_smem, o_free, use, WHICH: gl.constexpr, outputs, bat
     or, with O_BUFFERS == 0, straight from registers."""
     o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh = outputs
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-    if O_BUFFERS == 1:
-        # Turns alternate (each waits for the one before), so a parity names the turn awaited.
-        o_buf = o_smem.index(0)
-        mbarrier.wait(o_free.index(0), (use & 1) ^ 1)
+    if O_BUFFERS > 0:
+        SHARED: gl.constexpr = O_BUFFERS == 1
+        o_buf = o_smem.index(0 if SHARED else WHICH)
+        if SHARED:
+            # Turns alternate (each waits for the one before), so a parity names the turn awaited.
+            mbarrier.wait(o_free.index(0), (use & 1) ^ 1)
+        else:
+            tma.store_wait(0)  # this consumer's previous store has left its buffer
         o_buf.reshape([ROWS, HEAD_DIM_PAD]).store(out)
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_buf)
-        tma.store_wait(0)
-        gl.thread_barrier()  # every thread past the wait before the buffer is handed on
-        mbarrier.arrive(o_free.index(0))
-    elif O_BUFFERS > 1:
-        o_buf = o_smem.index(WHICH)
-        tma.store_wait(0)  # the previous tile's store has left the staging buffer
-        o_buf.reshape([ROWS, HEAD_DIM_PAD]).store(out)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_buf)
+        if SHARED:
+            tma.store_wait(0)
+            gl.thread_barrier()  # every thread past the wait before the buffer is handed on
+            mbarrier.arrive(o_free.index(0))
     else:  # without shared memory for staging: two-byte stores (the head dim's mask splits pairs)
         cols = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, o_layout))
         ptrs = O + batch.to(gl.int64) * sob + rows[:, None].to(gl.int64) * sos + head * soh + cols[None, :]
