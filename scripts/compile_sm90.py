@@ -47,10 +47,11 @@ def compile_one(fn, dtype, constexprs, options, descriptors=None):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def gluon_case(head_dim, causal=False):
+def gluon_case(head_dim, causal=False, window_left=-1):
     """v3's Gluon forward with the constants and launch options v3_gluon.forward would use
-    (FLASHTILE_V3_ABLATE and FLASHTILE_CONFIG_V3_GLUON apply)."""
-    p = Problem(1, 16, 16, 4096, 4096, head_dim, 0.1, -1, 0 if causal else -1, None, None)
+    (FLASHTILE_V3_ABLATE and FLASHTILE_CONFIG_V3_GLUON apply); ``window_left`` >= 0: a sliding
+    window's left edge, tested in the kernel only then."""
+    p = Problem(1, 16, 16, 4096, 4096, head_dim, 0.1, window_left, 0 if causal else -1, None, None)
     cfg = configs.v3_gluon_schedule(p)
     consts = v3_gluon.kernel_constants(p, cfg, 2)
     q_block = v3_gluon.block_layout(consts["ROWS"], p.head_dim_pad, torch.bfloat16)
@@ -125,6 +126,7 @@ def cases(head_dim=128, varlen=False):
     if not varlen:  # the Gluon kernels take batched problems only
         yield ("v3.fwd_gluon", v3_gluon._fwd_kernel, *gluon_case(head_dim))
         yield ("v3.fwd_gluon_causal", v3_gluon._fwd_kernel, *gluon_case(head_dim, causal=True))
+        yield ("v3.fwd_gluon_window", v3_gluon._fwd_kernel, *gluon_case(head_dim, causal=True, window_left=512))
         yield ("v3.bwd_dq_gluon", v3_gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, True))
         yield ("v3.bwd_dkdv_gluon", v3_gluon_bwd._dkdv_kernel, *gluon_bwd_case(p.head_dim_pad, False))
         if not configs.split_head_dim(p.head_dim_pad):  # up to d128

@@ -71,17 +71,29 @@ def test_v3_gluon_forward_compiles_for_sm90(tmp_path, monkeypatch, head_dim):
     # one buffer): never as two-byte stores from registers.
     assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
     assert "st.global.b16" not in ptx
-    # Each consumer's K/V loop, in SASS: per block the k-steps of S = Q K^T (head dim / 16) and of
-    # O += P V (block_n / 16), and no spill traffic.
+    assert_consumer_loops(tmp_path / f"v3.fwd_gluon_d{head_dim}.cubin", head_dim, consumers, monkeypatch)
+
+
+def assert_consumer_loops(cubin, head_dim, consumers, monkeypatch):
+    """Each consumer's K/V loop, in SASS: per block the k-steps of S = Q K^T (head dim / 16) and
+    of O += P V (block_n / 16), and no spill traffic."""
     from flashtile.kernels import configs
     monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
     from sass_loops import hot_loops, loop_stats, sass
     block_n = configs._by_head_dim(configs._V3_GLUON, head_dim).block_n
-    loops = hot_loops(sass((tmp_path / f"v3.fwd_gluon_d{head_dim}.cubin").read_bytes()))
+    loops = hot_loops(sass(cubin.read_bytes()))
     assert len(loops) == consumers
     for loop in loops:
         size, mma, spills, _ = loop_stats(loop)
         assert mma == head_dim // 16 + block_n // 16 and spills == 0, (size, mma, spills)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_v3_gluon_window_forward_compiles_for_sm90(tmp_path, monkeypatch, head_dim):
+    # A sliding window's left edge is tested only where the window has one (LEFT_EDGE): the
+    # kernel built with it keeps the causal one's K/V loops.
+    compile_for_sm90(tmp_path, "v3.fwd_gluon_window", head_dim, {})
+    assert_consumer_loops(tmp_path / f"v3.fwd_gluon_window_d{head_dim}.cubin", head_dim, 2, monkeypatch)
 
 
 @pytest.mark.parametrize("kernel", ["v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon", "v3.bwd_reduce_gluon",
@@ -370,6 +382,9 @@ def test_v3_gluon_launch_constants():
     cfg = configs._by_head_dim(configs._V3_GLUON, 128)
     assert v3_gluon.kernel_constants(causal, cfg, 2)["DYNAMIC"]
     assert not v3_gluon.kernel_constants(causal, replace(cfg, persistent=False), 2)["DYNAMIC"]
+    # The band's left edge is tested only where a window has one.
+    assert not v3_gluon.kernel_constants(causal, cfg, 2)["LEFT_EDGE"]
+    assert v3_gluon.kernel_constants(replace(causal, window_left=0), cfg, 2)["LEFT_EDGE"]
     # Banded walks interleave the heads whose K/V fit in L2; equal tiles go one head at a time.
     assert v3_gluon.heads_sharing_l2(replace(causal, batch=16, seqlen_q=1024, seqlen_k=1024), 2) == 64  # 512 KiB
     assert v3_gluon.heads_sharing_l2(replace(causal, seqlen_q=16384, seqlen_k=16384), 2) == 4  # 8 MiB per head

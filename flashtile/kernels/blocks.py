@@ -87,17 +87,32 @@ def band_mask(rows, cols, n_cols, dlo, dhi):
 
 
 @triton.jit
-def band_edge_masks(s, rows, offs, n0, COLS, n_cols, r_first, r_last, dlo, dhi, fill):
+def band_rows_mask(rows, cols, n_cols, dlo, dhi):
+    """band_mask as two bounds per row (first and past-last key) rather than three tests on a
+    difference: the per-row bounds are computed once per row, each element compared twice."""
+    return (cols[None, :] >= (rows + dlo)[:, None]) & (cols[None, :] < tl.minimum(rows + dhi + 1, n_cols)[:, None])
+
+
+@triton.jit
+def band_edge_masks(s, rows, offs, n0, COLS, n_cols, r_first, r_last, dlo, dhi, fill, LEFT_EDGE: tl.constexpr = True):
     """``s`` with ``fill`` outside band_mask, for the block of COLS columns from ``n0`` (``offs``:
     0..COLS-1) and rows ``rows`` (r_first to r_last); a block inside the band and the sequence
     for every row (left of no row's left edge, the last row's being the rightmost; inside the
     first row's right edge) comes back untouched.  Each element is compared with two bounds per
-    row (first and past-last key), not band_mask's three tests on a difference: about half the
-    instructions on a causal diagonal block of the Gluon forward (SASS, d64)."""
-    if (n0 < r_last + dlo) | (n0 + COLS > tl.minimum(r_first + dhi + 1, n_cols)):
-        cols = (n0 + offs)[None, :]
-        inside = (cols >= (rows + dlo)[:, None]) & (cols < tl.minimum(rows + dhi + 1, n_cols)[:, None])
-        s = tl.where(inside, s, fill)
+    row (band_rows_mask), not band_mask's three tests on a difference: about half the
+    instructions on a causal diagonal block of the Gluon forward (SASS, d64).  LEFT_EDGE=False
+    says the band has no left edge (window_left < 0: dlo lies left of every key), so only the
+    right edge and the sequence's end are tested (d64's masked block: 172 SASS instructions
+    rather than 303)."""
+    if LEFT_EDGE:
+        if (n0 < r_last + dlo) | (n0 + COLS > tl.minimum(r_first + dhi + 1, n_cols)):
+            # The columns are built inside the branch: built outside, their registers live
+            # through the whole loop (spills).
+            s = tl.where(band_rows_mask(rows, n0 + offs, n_cols, dlo, dhi), s, fill)
+    else:
+        if n0 + COLS > tl.minimum(r_first + dhi + 1, n_cols):
+            cols = n0 + offs
+            s = tl.where(cols[None, :] < tl.minimum(rows + dhi + 1, n_cols)[:, None], s, fill)
     return s
 
 

@@ -180,11 +180,12 @@ def read_next_tile(tile_ids, tile_i, ready, num_tiles, SLOTS: gl.constexpr, PERS
 
 
 @gluon.jit
-def _masked_scores(s, rows, row0, n0, seqlen_k, dlo, dhi, BLOCK_N: gl.constexpr, col_layout: gl.constexpr):
+def _masked_scores(s, rows, row0, n0, seqlen_k, dlo, dhi, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
+                   LEFT_EDGE: gl.constexpr):
     """Scores of block n0 with -inf outside the band (the edges the block crosses: blocks.band_edge_masks)."""
     offs = gl.arange(0, BLOCK_N, layout=col_layout)
     return band_edge_masks(s, rows, offs, n0, BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
-                           float("-inf"))
+                           float("-inf"), LEFT_EDGE)
 
 
 @gluon.jit
@@ -210,7 +211,7 @@ def _pass_turn(turn, WHICH: gl.constexpr):
 def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
               PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
-              Q_IN_REGISTERS: gl.constexpr):
+              Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr):
     """Consumer warpgroup WHICH: rows [64 * WHICH, 64 * WHICH + 64) of every tile handed over.
 
     Per K/V block j: (wait for its turn) issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, (pass the
@@ -259,7 +260,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
                 turns += 1
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(k_empty.index(slot))
-            s = _masked_scores(s, rows, row0, lo, seqlen_k, dlo, dhi, BLOCK_N, s_cols)
+            s = _masked_scores(s, rows, row0, lo, seqlen_k, dlo, dhi, BLOCK_N, s_cols, LEFT_EDGE)
             p, alpha, m_i = online_softmax_step(s, m_i, scale_log2)
             l_i = gl.sum(p, 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -286,7 +287,7 @@ def _consumer(WHICH: gl.constexpr, q_smem, k_smem, v_smem, o_smem, tile_ids, bar
                     mbarrier.wait(v_ready.index(prev_slot), prev_phase)
                     acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
                 mbarrier.arrive(k_empty.index(slot))
-                s = _masked_scores(s, rows, row0, n0, seqlen_k, dlo, dhi, BLOCK_N, s_cols)
+                s = _masked_scores(s, rows, row0, n0, seqlen_k, dlo, dhi, BLOCK_N, s_cols, LEFT_EDGE)
                 p, alpha, m_i = online_softmax_step(s, m_i, scale_log2)
                 l_i = l_i * alpha + gl.sum(p, 1)
                 # p_op of the previous block is read by the in-flight wgmma: keep it alive until here.
@@ -355,7 +356,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
                 DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                Q_IN_REGISTERS: gl.constexpr):
+                Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr):
     # Q_SLOTS tiles' Q, a part per consumer each (slot s: buffers CONSUMERS * s + consumer).
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_SLOTS] + q_desc.block_type.shape,
                                        q_desc.layout)
@@ -397,13 +398,13 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
                          ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_BUFFERS, PERSISTENT,
-                         Q_IN_REGISTERS)),
+                         Q_IN_REGISTERS, LEFT_EDGE)),
             (_consumer, (1, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
                          ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_BUFFERS, PERSISTENT,
-                         Q_IN_REGISTERS)),
+                         Q_IN_REGISTERS, LEFT_EDGE)),
             (_consumer, (2, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
                          ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_BUFFERS, PERSISTENT,
-                         Q_IN_REGISTERS)),
+                         Q_IN_REGISTERS, LEFT_EDGE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
                          ROWS, BLOCK_N, STAGES, PERSISTENT, DYNAMIC, CONSUMERS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -411,10 +412,10 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, sob, sos, soh, head_dim, LSE,
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
                          ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_BUFFERS, PERSISTENT,
-                         Q_IN_REGISTERS)),
+                         Q_IN_REGISTERS, LEFT_EDGE)),
             (_consumer, (1, q_smem, k_smem, v_smem, o_smem, tile_ids, bars, walk, outputs, scale_log2,
                          ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, PINGPONG, OVERLAP, O_BUFFERS, PERSISTENT,
-                         Q_IN_REGISTERS)),
+                         Q_IN_REGISTERS, LEFT_EDGE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, bars, walk, group, COUNTER,
                          ROWS, BLOCK_N, STAGES, PERSISTENT, DYNAMIC, CONSUMERS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -498,7 +499,9 @@ def kernel_constants(p, cfg, element_size):
                 # Tiles of uneven length (a band) from the atomic counter; equal ones strided over.
                 DYNAMIC=cfg.persistent and p.banded, Q_SLOTS=2 if next_q else 1, CONSUMERS=cfg.consumers,
                 CONSUMER_REGS=CONSUMER_REGS[cfg.consumers],
-                Q_IN_REGISTERS=q_in_registers(p.head_dim_pad, cfg))
+                Q_IN_REGISTERS=q_in_registers(p.head_dim_pad, cfg),
+                # A sliding window's left edge: without one (causal, none) only the right is tested.
+                LEFT_EDGE=p.window_left >= 0)
 
 
 def o_staging_buffers(tile_bytes, ring_bytes, consumers):

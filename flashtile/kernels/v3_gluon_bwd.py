@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from flashtile.kernels.blocks import band_blocks, band_mask, split_tile
+from flashtile.kernels.blocks import band_blocks, band_rows_mask, split_tile
 from flashtile.kernels import configs
 from flashtile.kernels.configs import (GLUON_HEAD_DIMS, gluon_backward_persistent, gluon_bwd_stationary_rows,
                                        split_head_dim, v3_gluon_bwd_config)
@@ -247,7 +247,7 @@ def _probs_t(sT, lse, rows_k, m0, band, seqlen_q, scale_log2):
     pT = gl.exp2(sT * scale_log2 - lse[None, :])
     if (m0 < full_lo) | (m0 >= full_hi):
         cols = m0 + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, sT.type.layout))
-        pT = gl.where(band_mask(rows_k, cols, seqlen_q, -dhi, -dlo), pT, 0.0)
+        pT = gl.where(band_rows_mask(rows_k, cols, seqlen_q, -dhi, -dlo), pT, 0.0)
     return pT
 
 
@@ -649,7 +649,7 @@ def _probs(s, lse, rows, n0, band, seqlen_k, scale_log2, BLOCK_N: gl.constexpr, 
     p = gl.exp2(s * scale_log2 - lse[:, None])
     if (n0 < full_lo) | (n0 >= full_hi):
         cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
-        p = gl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), p, 0.0)
+        p = gl.where(band_rows_mask(rows, cols, seqlen_k, dlo, dhi), p, 0.0)
     return p
 
 
