@@ -36,8 +36,9 @@ walk interleaves groups of heads whose K/V share L2 (heads_sharing_l2).
 Batched (non-varlen) problems only: Q/K/V/O are seen by TMA as (batch, seqlen, heads, head_dim),
 so loads past a sequence or head dim read zeros and stores past them are dropped.  O leaves by
 TMA store from shared memory: a staging buffer per consumer (d64, d128), or at d256 one that
-the two consumers take in turn (o_staging_buffers).  Band masks cost one pair of comparisons
-per key, only on blocks crossing an edge of the consumer's rows (blocks.band_edge_masks).
+the two consumers take in turn (o_staging_buffers).  Band masks cost one comparison per key
+(two where a sliding window has a left edge: LEFT_EDGE), only on blocks crossing an edge of the
+consumer's rows (blocks.band_edge_masks).
 v3.py routes varlen problems to its plain-Triton kernel (configs.v3_forward_kernel).  Gluon
 does not run under the interpreter: the CPU suite compiles this file for sm_90; numerics are
 checked on the GPU.
