@@ -32,4 +32,12 @@ FLASHTILE_V3_DQ=pass FLASHTILE_V3_FWD=gluon FLASHTILE_V3_BWD=gluon-reduce PYTORC
   > $R/sanitize_reduce.log 2>&1; echo "memcheck reduce rc=$?"; tail -3 $R/sanitize_reduce.log; save
 # Session run 3: d64 forward, two consumers against three (THREE_CONSUMERS_FROM); memcheck, Gluon forward and two-pass backward.
 export PYTHONPATH=$PWD FLASHTILE_COMMIT=a2e4a41 PYTHONUNBUFFERED=1; R=$OUT; timeout 190 python scripts/ab_env.py --out $R/d64_consumers.json --cells "64 1024 plain fwd; 64 2048 plain fwd; 64 4096 plain fwd; 64 8192 plain fwd; 64 2048 causal fwd; 64 4096 causal fwd; 64 8192 causal fwd" --variant default: --variant again: --variant "two:FLASHTILE_CONFIG_V3_GLUON=128,3,2" --variant "three:FLASHTILE_CONFIG_V3_GLUON=128,3,3" > $R/d64_consumers.md 2> $R/d64_consumers.err
+s=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer | head -1)
 FLASHTILE_V3_DQ=pass FLASHTILE_V3_FWD=gluon FLASHTILE_V3_BWD=gluon PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 170 $s --tool memcheck --error-exitcode 1 python scripts/sanitize_cases.py --versions v3 > $R/sanitize_gluon.log 2>&1
+# Session run 4: d64 bars and the v3 accuracy tests at 1681f37.
+set -u
+export PYTHONPATH=$PWD FLASHTILE_COMMIT=1681f37 PYTHONUNBUFFERED=1
+timeout 140 python -m flashtile bench --head-dims 64 --seqlens 1024,2048,4096,8192,16384 --repeats 2 \
+  --providers flashtile-v3,flashtile-v2,sdpa-cudnn --baseline sdpa-cudnn --no-plots --out $OUT --name bars_1681f37_d64 \
+  > $OUT/bars_d64.log 2>&1; grep "^| [0-9]" $OUT/bars_d64.log | head -30
+timeout 75 python -m pytest tests/test_accuracy.py -q -n 8 -p no:cacheprovider -k "v3" > $OUT/gpu_tests_1681f37.log 2>&1; tail -2 $OUT/gpu_tests_1681f37.log
