@@ -22,7 +22,7 @@ def _masks(EDGE, ROW_BOUNDS, BAND, r0, n0, seqlen_q, n_cols, window_left, window
     offs = tl.arange(0, COLS)
     s = tl.zeros([ROWS, COLS], tl.float32)
     edge = band_edge_masks(s, rows, offs, n0, COLS, n_cols, r0, r0 + ROWS - 1, dlo, dhi, float("-inf"), LEFT_EDGE)
-    row_bounds = tl.where(band_rows_mask(rows, n0 + offs, n_cols, dlo, dhi), s, float("-inf"))
+    row_bounds = tl.where(band_rows_mask(rows, n0 + offs, n_cols, dlo, dhi, LEFT_EDGE), s, float("-inf"))
     band = tl.where(band_mask(rows, n0 + offs, n_cols, dlo, dhi), s, float("-inf"))
     at = tl.arange(0, ROWS)[:, None] * COLS + offs[None, :]
     tl.store(EDGE + at, edge)
@@ -40,12 +40,13 @@ BANDS = [(64, 64, -1, 0), (40, 70, -1, 0), (70, 40, -1, 0), (64, 64, 5, 3), (64,
 def test_edge_masks_equal_the_band_mask(seqlen_q, seqlen_k, window_left, window_right):
     edge, row_bounds, full = (torch.empty(ROWS, COLS, device=DEVICE) for _ in range(3))
     masked = 0
-    # As the forward launches it: the left edge tested only where the window has one.
-    left_edge = window_left >= 0
-    for r0, n0 in itertools.product(range(0, seqlen_q, ROWS), range(0, seqlen_k, COLS)):
-        _masks[(1,)](edge, row_bounds, full, r0, n0, seqlen_q, seqlen_k, window_left, window_right, ROWS, COLS,
-                     left_edge)
-        assert torch.equal(edge, full), (r0, n0)
-        assert torch.equal(row_bounds, full), (r0, n0)
-        masked += int(torch.isinf(full).any())
+    # The left edge tested always, and left out where the window has none (as the forward
+    # launches it: LEFT_EDGE = window_left >= 0).
+    for left_edge in {True, window_left >= 0}:
+        for r0, n0 in itertools.product(range(0, seqlen_q, ROWS), range(0, seqlen_k, COLS)):
+            _masks[(1,)](edge, row_bounds, full, r0, n0, seqlen_q, seqlen_k, window_left, window_right, ROWS, COLS,
+                         left_edge)
+            assert torch.equal(edge, full), (r0, n0, left_edge)
+            assert torch.equal(row_bounds, full), (r0, n0, left_edge)
+            masked += int(torch.isinf(full).any())
     assert masked > 0 or window_left < 0 and window_right < 0  # the edges were tested, not skipped

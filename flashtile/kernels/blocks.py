@@ -87,32 +87,36 @@ def band_mask(rows, cols, n_cols, dlo, dhi):
 
 
 @triton.jit
-def band_rows_mask(rows, cols, n_cols, dlo, dhi):
+def band_rows_mask(rows, cols, n_cols, dlo, dhi, LEFT_EDGE: tl.constexpr = True):
     """band_mask as two bounds per row (first and past-last key) rather than three tests on a
-    difference: the per-row bounds are computed once per row, each element compared twice."""
-    return (cols[None, :] >= (rows + dlo)[:, None]) & (cols[None, :] < tl.minimum(rows + dhi + 1, n_cols)[:, None])
+    difference: the per-row bounds are computed once per row, each element compared twice.
+    LEFT_EDGE=False leaves out the first bound, for a band with no left edge (window_left < 0:
+    dlo lies left of every key).  Each branch writes its comparisons out whole: the right bound
+    shared ahead of the branch reorders the kernels' SASS (registers, not instruction counts)."""
+    if LEFT_EDGE:
+        return (cols[None, :] >= (rows + dlo)[:, None]) & (cols[None, :] < tl.minimum(rows + dhi + 1, n_cols)[:, None])
+    return cols[None, :] < tl.minimum(rows + dhi + 1, n_cols)[:, None]
 
 
 @triton.jit
-def band_edge_masks(s, rows, offs, n0, COLS, n_cols, r_first, r_last, dlo, dhi, fill, LEFT_EDGE: tl.constexpr = True):
+def band_edge_masks(s, rows, offs, n0, COLS, n_cols, r_first, r_last, dlo, dhi, fill, LEFT_EDGE: tl.constexpr):
     """``s`` with ``fill`` outside band_mask, for the block of COLS columns from ``n0`` (``offs``:
     0..COLS-1) and rows ``rows`` (r_first to r_last); a block inside the band and the sequence
     for every row (left of no row's left edge, the last row's being the rightmost; inside the
     first row's right edge) comes back untouched.  Each element is compared with two bounds per
     row (band_rows_mask), not band_mask's three tests on a difference: about half the
     instructions on a causal diagonal block of the Gluon forward (SASS, d64).  LEFT_EDGE=False
-    says the band has no left edge (window_left < 0: dlo lies left of every key), so only the
-    right edge and the sequence's end are tested (d64's masked block: 172 SASS instructions
-    rather than 303)."""
+    says the band has no left edge, so only the right edge and the sequence's end are tested
+    (d64's masked block: 172 SASS instructions rather than 303)."""
+    # Crossing the first row's right edge (or the sequence's end), or the last row's left edge.
     if LEFT_EDGE:
-        if (n0 < r_last + dlo) | (n0 + COLS > tl.minimum(r_first + dhi + 1, n_cols)):
-            # The columns are built inside the branch: built outside, their registers live
-            # through the whole loop (spills).
-            s = tl.where(band_rows_mask(rows, n0 + offs, n_cols, dlo, dhi), s, fill)
+        crosses = (n0 < r_last + dlo) | (n0 + COLS > tl.minimum(r_first + dhi + 1, n_cols))
     else:
-        if n0 + COLS > tl.minimum(r_first + dhi + 1, n_cols):
-            cols = n0 + offs
-            s = tl.where(cols[None, :] < tl.minimum(rows + dhi + 1, n_cols)[:, None], s, fill)
+        crosses = n0 + COLS > tl.minimum(r_first + dhi + 1, n_cols)
+    if crosses:
+        # The columns are built inside the branch: built outside, their registers live through
+        # the whole loop (spills).
+        s = tl.where(band_rows_mask(rows, n0 + offs, n_cols, dlo, dhi, LEFT_EDGE), s, fill)
     return s
 
 
