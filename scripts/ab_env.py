@@ -1,6 +1,6 @@
 """Same-run A/B of settings: each variant is a set of environment variables (a forced kernel, a
 tile override, a technique switched off), measured on bars cells in the same rounds as the
-others and the baselines (bench.compare), the order reversed every other round.
+others and the baselines (bench.compare), the order rotated by one each round.
 
     python scripts/ab_env.py --cells "64 1024 plain fwd; 64 16384 causal fwd" \\
         --variant default: --variant again: --variant "three:FLASHTILE_CONFIG_V3_GLUON=128,3,3"

@@ -8,7 +8,7 @@ The file at REV (``git show``) is loaded as a module of its own and put in place
 where module ``--at`` refers to it (its attribute of the file's name), for that variant's
 measurements only.  Variants: "tree", "rev", "tree_again" (the tree's once more: the spread
 two identical variants show on the machine) and the --baseline providers, all measured in the
-same rounds, their order reversed every other round (bench.compare), --env set for all of them.
+same rounds, their order rotated by one each round (bench.compare), --env set for all of them.
 Cells: "HEAD_DIM SEQLEN causal|plain fwd|bwd", ';'-separated (as gpu_check.sh's PROFILE_CASES),
 shapes as the bars (batch x seqlen = --tokens, heads x head_dim = --hidden).  --check compares
 each cell's output (fwd) or gradients (bwd) of tree and rev bit for bit on one set of inputs

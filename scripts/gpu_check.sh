@@ -22,7 +22,8 @@
 #           (sweep_gluon_*.jsonl)
 #   profile Nsight Compute over v3's kernels on a few bars cells (PROFILE_CASES: "head_dim seqlen
 #           causal|plain fwd|bwd" entries, ';'-separated): speed of light, memory, warp stalls
-#           (ncu_*.csv; ncu with --clock-control none, as METHOD.md asks)
+#           (ncu_*.csv), the SASS with its stall samples and their summary (ncu_*_sass.csv,
+#           ncu_*_stalls.md; ncu with --clock-control none, as METHOD.md asks)
 #   scripts/gpu_check.sh [stage ...]    (default: tests bench)
 set -uo pipefail
 OUT=${OUT:-gpu_results}
@@ -114,10 +115,13 @@ for stage in $stages; do
         name="ncu_d$1_s$2_$3_$4"
         timeout 300 ncu --clock-control none --profile-from-start off --target-processes all \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-          --section LaunchStats --section Occupancy --csv --page details \
-          python scripts/profile_case.py --head-dim "$1" --seqlen "$2" --mode "$4" \
-          $([ "$3" = causal ] && echo --causal) > "$OUT/$name.csv" 2> "$OUT/$name.log" || status=1
-        echo "$name: $(grep -c '' "$OUT/$name.csv") lines"
+          --section LaunchStats --section Occupancy --section SourceCounters --import-source no \
+          -o "$OUT/$name" python scripts/profile_case.py --head-dim "$1" --seqlen "$2" --mode "$4" \
+          $([ "$3" = causal ] && echo --causal) > "$OUT/$name.log" 2>&1 || status=1
+        ncu --import "$OUT/$name.ncu-rep" --csv --page details > "$OUT/$name.csv" || status=1
+        # The SASS with each instruction's stall samples, and where the warps wait (ncu_stalls.py).
+        ncu --import "$OUT/$name.ncu-rep" --csv --page source --print-source sass > "$OUT/${name}_sass.csv" || status=1
+        python scripts/ncu_stalls.py "$OUT/${name}_sass.csv" | tee "$OUT/${name}_stalls.md" || status=1
       done ;;
     memory)
       python scripts/memory_check.py --out "$OUT/memory.json" || status=1 ;;

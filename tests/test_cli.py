@@ -151,12 +151,14 @@ def test_bench_measure_sets_kernel_switches_for_one_measurement(monkeypatch):
     assert "FLASHTILE_V3_BWD" not in os.environ
 
 
-def test_compare_alternates_the_order_of_the_variants(monkeypatch):
+def test_compare_rotates_the_order_of_the_variants(monkeypatch):
     # Each variant's setup is in place for its own measurements only, the order of the variants
-    # flips from round to round, and each keeps its best time per case.
+    # rotates by one from round to round (over as many rounds as variants, each runs once in
+    # every place), and each keeps its best time per case.
     import contextlib
 
-    entered, times = [], iter([3.0, 2.0, 1.0, 5.0, 4.0, 6.0, 2.5, 0.5])
+    entered, times = [], iter([3.0, 2.0, 1.0, 5.0, 4.0, 6.0, 2.5, 0.5, 7.0, 1.5, 0.2, 9.0,
+                               8.0, 3.5, 4.5, 0.1, 6.5, 5.5])
 
     def fake_measure(provider, case):
         assert entered[-1][1] == provider  # measured under its own variant's setup
@@ -171,11 +173,15 @@ def test_compare_alternates_the_order_of_the_variants(monkeypatch):
 
     monkeypatch.setattr(bench, "measure", fake_measure)
     variants = {"old": ("flashtile-v2", setup("old", "flashtile-v2")),
-                "new": ("flashtile-v3", setup("new", "flashtile-v3"))}
+                "new": ("flashtile-v3", setup("new", "flashtile-v3")),
+                "again": ("flashtile-v3", setup("again", "flashtile-v3"))}
     cases = [bench.Case(1, 2, 2, 40, 40, 32, True, "fwd"), bench.Case(1, 2, 2, 70, 70, 32, False, "bwd")]
-    best = bench.compare(variants, cases, rounds=2)
-    assert [name for name, _ in entered] == ["old", "new", "old", "new", "new", "old", "new", "old"]
-    assert best == [{"old": 3.0, "new": 2.0}, {"old": 0.5, "new": 2.5}]
+    best = bench.compare(variants, cases, rounds=3)
+    order = [name for name, _ in entered]
+    assert order == ["old", "new", "again"] * 2 + ["new", "again", "old"] * 2 + ["again", "old", "new"] * 2
+    for place in range(3):  # every variant once in every place, for each case
+        assert sorted(order[place::3][::2]) == sorted(order[place::3][1::2]) == ["again", "new", "old"]
+    assert best == [{"old": 3.0, "new": 2.0, "again": 0.5}, {"old": 5.0, "new": 1.5, "again": 0.1}]
 
 
 def test_host_cost_times_the_calls_enqueued_and_finished(monkeypatch):
@@ -220,7 +226,7 @@ def test_ab_module_measures_each_revision_in_place_of_the_tree(monkeypatch, tmp_
     ab_module.main(["flashtile/kernels/v2.py", "--rev", "HEAD", "--at", "flashtile.kernels.v3", "--cells",
                     "16 40 causal bwd", "--tokens", "40", "--hidden", "32", "--baseline", "", "--rounds", "2",
                     "--check", "--out", str(out)])
-    assert seen == ["v2.py", "v2_at_HEAD.py", "v2.py", "v2.py", "v2_at_HEAD.py", "v2.py"]
+    assert seen == ["v2.py", "v2_at_HEAD.py", "v2.py", "v2_at_HEAD.py", "v2.py", "v2.py"]
     assert v3.v2.__file__ == tree_file
     assert "bitwise equal: True" in capsys.readouterr().err
     rows = json.loads(out.read_text())["rows"]
@@ -231,7 +237,7 @@ def test_ab_module_measures_each_revision_in_place_of_the_tree(monkeypatch, tmp_
 
 def test_ab_env_measures_each_variant_under_its_settings(monkeypatch, tmp_path, capsys):
     # scripts/ab_env.py: each variant's environment is set for its own measurements only, the
-    # order reversed in odd rounds; --check compares each variant's gradients with the first's.
+    # order rotated each round; --check compares each variant's gradients with the first's.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.syspath_prepend(os.path.join(root, "scripts"))
     import ab_env
@@ -279,3 +285,28 @@ def test_bars_table_counts_cells_at_or_above_the_baseline(monkeypatch, tmp_path,
     assert "fwd: v3 >= sdpa-cudnn in 1 of 2 cells, bwd: v3 >= sdpa-cudnn in 1 of 1 cells" in out
     assert "| 64 | no | 1024 | 400 | 500 | 0.800 | 2.00 | 300 | 300 | 1.000 |  | 0.500 / - |" in out
     assert "| 128 | no | 1024 | 600 | 500 | 1.200 |  |  |  |  |  | - / - |" in out
+
+
+def test_ncu_stalls_splits_the_samples_by_region(monkeypatch, tmp_path, capsys):
+    # scripts/ncu_stalls.py: Nsight Compute's SASS page (a preamble, then one row per
+    # instruction) split into hot loops (run at least half as often as the most run
+    # instruction), idle warps (NOPs sampled only at a barrier) and the rest.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "scripts"))
+    import ncu_stalls
+
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "stall_barrier", "stall_wait", "stall_long_sb", "stall_barrier (Not Issued)"]
+    rows = [["0x10", "MUFU.EX2 R1, R1", "60", "1,000", "0", "60", "0", "0"],
+            ["0x20", "@!P0 BRA 0x10", "20", "900", "5", "15", "0", "0"],
+            ["0x30", "NOP", "15", "10", "15", "0", "0", "15"],
+            ["0x40", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1], R2", "5", "100", "0", "0", "5", "0"]]
+    path = tmp_path / "sass.csv"
+    path.write_text('"Kernel Name","_fwd_kernel"\n' + "\n".join(",".join(f'"{x}"' for x in r)
+                                                             for r in [header] + rows) + "\n")
+    ncu_stalls.main([str(path)])
+    out = capsys.readouterr().out
+    assert "| hot loops | 80.0% | wait 93.8%, barrier 6.2% |" in out
+    assert "| idle at a barrier | 15.0% | barrier 100.0% |" in out
+    assert "| rest | 5.0% | long_sb 100.0% |" in out
+    assert "Hot loops' samples by opcode: MUFU 75.0%, BRA 25.0%" in out

@@ -1,0 +1,65 @@
+"""Where a kernel's warps wait, from Nsight Compute's per-instruction stall sampling.
+
+Reads the SASS page of a report (`ncu --import R.ncu-rep --page source --csv --print-source sass`,
+the report taken with `--section SourceCounters`) and prints, as Markdown, the samples of each
+region of the code: the hot loops (instructions executed at least half as often as the most
+executed one), the rest, and warps idling at a barrier (partition padding), each split by stall
+reason, and the hot loops' samples by opcode.
+
+    python scripts/ncu_stalls.py ncu_fwd_d64_s4096_causal_sass.csv
+"""
+import argparse
+import collections
+import csv
+
+
+def opcode(source):
+    words = source.split()
+    word = words[1] if words[0].startswith("@") else words[0]
+    return word.split(".")[0]
+
+
+def read(path):
+    rows = list(csv.reader(open(path)))
+    start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    header = rows[start]
+    return header, [dict(zip(header, r)) for r in rows[start + 1:] if len(r) == len(header)]
+
+
+def number(text):
+    return float(text.replace(",", "") or 0)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("csv")
+    args = ap.parse_args(argv)
+    header, rows = read(args.csv)
+    reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
+    samples = "Warp Stall Sampling (All Samples)"
+    most = max(number(r["Instructions Executed"]) for r in rows)
+    regions = collections.defaultdict(collections.Counter)
+    ops = collections.Counter()
+    for r in rows:
+        if all(number(r[x]) == 0 for x in reasons if x != "stall_barrier") and number(r["stall_barrier"]) > 0 \
+                and opcode(r["Source"]) == "NOP":
+            region = "idle at a barrier"
+        elif number(r["Instructions Executed"]) >= most / 2:
+            region = "hot loops"
+            ops[opcode(r["Source"])] += number(r[samples])
+        else:
+            region = "rest"
+        for x in reasons:
+            regions[region][x[len("stall_"):]] += number(r[x])
+    total = sum(sum(c.values()) for c in regions.values())
+    print("| region | share of samples | top stall reasons (share of the region's) |\n|---|---|---|")
+    for region, c in sorted(regions.items(), key=lambda kv: -sum(kv[1].values())):
+        n = sum(c.values())
+        top = ", ".join(f"{k} {v / n:.1%}" for k, v in c.most_common(6) if v)
+        print(f"| {region} | {n / total:.1%} | {top} |")
+    n = sum(ops.values())
+    print("\nHot loops' samples by opcode: " + ", ".join(f"{k} {v / n:.1%}" for k, v in ops.most_common(12)))
+
+
+if __name__ == "__main__":
+    main()
