@@ -12,11 +12,7 @@ import argparse
 import collections
 import csv
 
-
-def opcode(source):
-    words = source.split()
-    word = words[1] if words[0].startswith("@") else words[0]
-    return word.split(".")[0]
+from sass_loops import opcode
 
 
 def read(path):
