@@ -70,3 +70,12 @@ timeout 480 python scripts/ab_env.py --rounds 5 --out $OUT/row_trees_env.json \
   --cells "64 1024 causal fwd; 64 2048 causal fwd; 64 4096 causal fwd; 64 1024 plain fwd; 64 8192 plain fwd; 128 1024 causal fwd; 128 4096 causal fwd; 128 16384 plain fwd" \
   --variant main:FLASHTILE_ROW_TREE=0 --variant tree:FLASHTILE_ROW_TREE=1 --variant main2:FLASHTILE_ROW_TREE=0 --variant tree2:FLASHTILE_ROW_TREE=1 \
   > $OUT/row_trees_env.md 2> $OUT/row_trees_env.err; grep -v "^Case" $OUT/row_trees_env.md; tail -1 $OUT/row_trees_env.err
+# ---- session run 8 (H100, 783c6ad: kernels as bdfda9f's): d64 K/V ring depth on short bands
+# Session run 8: d64 forward on short bands, K/V ring depth 2 and 4 against the default 3.
+set -u
+export PYTHONPATH=$PWD FLASHTILE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo 4b5f1d7) PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv,noheader
+timeout 300 python scripts/ab_env.py --rounds 5 --out $OUT/d64_stages.json \
+  --cells "64 1024 causal fwd; 64 2048 causal fwd; 64 4096 causal fwd; 64 1024 plain fwd" \
+  --variant default: --variant again: --variant "s2:FLASHTILE_CONFIG_V3_GLUON=128,2" --variant "s4:FLASHTILE_CONFIG_V3_GLUON=128,4" \
+  > $OUT/d64_stages.md 2> $OUT/d64_stages.err; grep -v "^Case" $OUT/d64_stages.md; tail -2 $OUT/d64_stages.err
