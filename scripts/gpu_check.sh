@@ -116,7 +116,7 @@ for stage in $stages; do
         timeout 300 ncu --clock-control none --profile-from-start off --target-processes all \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
           --section LaunchStats --section Occupancy --section SourceCounters --import-source no \
-          -o "$OUT/$name" python scripts/profile_case.py --head-dim "$1" --seqlen "$2" --mode "$4" \
+          -f -o "$OUT/$name" python scripts/profile_case.py --head-dim "$1" --seqlen "$2" --mode "$4" \
           $([ "$3" = causal ] && echo --causal) > "$OUT/$name.log" 2>&1 || status=1
         ncu --import "$OUT/$name.ncu-rep" --csv --page details > "$OUT/$name.csv" || status=1
         # The SASS with each instruction's stall samples, and where the warps wait (ncu_stalls.py).

@@ -16,7 +16,8 @@ from sass_loops import opcode
 
 
 def read(path):
-    rows = list(csv.reader(open(path)))
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
     start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
     header = rows[start]
     return header, [dict(zip(header, r)) for r in rows[start + 1:] if len(r) == len(header)]
