@@ -4,88 +4,120 @@ Layout (batch, seqlen, nheads, headdim); varlen (total_tokens, nheads, headdim) 
 cu_seqlens; causal masks are aligned bottom-right when seqlen_q != seqlen_k; the logsumexp is
 float32 in natural log, +inf for rows that see no key (their output is 0).
 """
-import math
+import torch
+import torch.autograd.forward_ad as forward_ad
+import torch.nn.functional as F
 
-from flashtile import ops, runtime
-from flashtile.reference import window_bounds
-from flashtile.validation import (check_cu_seqlens, check_options, check_qkv, check_sequence_span,
-                                  last_dim_contiguous)
+from flashtile import dispatch, ops, options, validation
 
 
-def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-               softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-               version):
+def _check_differentiation_mode(q, k, v):
+    """flashtile's autograd is reverse mode, once: refuse what would otherwise drop derivatives."""
+    if torch.compiler.is_compiling():
+        return
+    tensors = (q, k, v)
+    if any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)):
+        raise NotImplementedError("flashtile does not support torch.func transforms (grad, vmap, jvp, jacrev, ...): "
+                                  "differentiate with torch.autograd (loss.backward() or torch.autograd.grad)")
+    if forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(x).tangent is not None for x in tensors):
+        raise NotImplementedError("flashtile does not support forward-mode AD (torch.autograd.forward_ad dual "
+                                  "tensors): it has no jvp; use reverse mode (torch.autograd)")
+
+
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+               window_size, softcap, alibi_slopes, deterministic, return_attn_probs, version, kernel_options):
     varlen = cu_seqlens_q is not None
-    check_options(dropout_p, softcap, alibi_slopes, window_size, softmax_scale, version)
-    check_qkv(q, k, v, varlen)
+    softcap = validation.feature_options(dropout_p, softcap, alibi_slopes)
+    if version not in dispatch.VERSION_CHOICES:
+        raise ValueError(f"version must be one of {dispatch.VERSION_CHOICES}, got {version!r}")
+    validation.check_qkv(q, k, v, varlen)
+    _check_differentiation_mode(q, k, v)
     if varlen:
-        check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
+        cu_seqlens_q = validation.offsets("cu_seqlens_q", cu_seqlens_q, q.device)
+        cu_seqlens_k = validation.offsets("cu_seqlens_k", cu_seqlens_k, q.device)
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
+                             f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+        max_seqlen_q = validation.integer("max_seqlen_q", max_seqlen_q, minimum=0)
+        max_seqlen_k = validation.integer("max_seqlen_k", max_seqlen_k, minimum=0)
     else:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
-    version = runtime.resolve_version(version, q.device)
+    opts = options.resolve(kernel_options)
+    version = dispatch.resolve_version(version, q.device)
+    head_dim = q.shape[-1]
+    scale = validation.softmax_scale(softmax_scale, head_dim)
+    left, right = validation.band(bool(causal), window_size, max_seqlen_q, max_seqlen_k)
     if version != "tiled":
-        check_sequence_span(q, k, v, max_seqlen_q, max_seqlen_k, varlen)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    left, right = window_bounds(causal, window_size)
-    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-    out, lse, _ = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                max_seqlen_k, scale, left, right, version, bool(deterministic))
+        validation.check_sequence_span(q, k, v, max_seqlen_q, max_seqlen_k, varlen)
+    # Head dims are padded with zeros to a multiple of 8, as flash_attn does; the scale is the
+    # one of the true head dim.
+    pad = -head_dim % validation.HEAD_DIM_MULTIPLE
+    if pad:
+        q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
+    q, k, v = (validation.last_dim_contiguous(x) for x in (q, k, v))
+    out, lse, _ = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
+                                softcap, version, bool(deterministic), str(opts))
+    if pad:
+        out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                    version="auto"):
+                    version="auto", kernel_options=None):
     """Exact attention softmax(q k^T * scale) v without materialising the score matrix.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim),
-    nheads a multiple of nheads_k (GQA/MQA).  fp16 or bf16, head dim a multiple of 8 up to 256.
-    window_size=(left, right) limits keys to [i - left, i + right] around the aligned
-    diagonal (-1: unbounded).  ``version``: "v1", "v2", "v3", "auto" (the best this device
-    runs) or "tiled" (the PyTorch implementation).  ``deterministic=True`` guarantees bitwise
-    reproducible gradients: v3 then runs a two-pass backward instead of the single pass that
-    adds dQ by TMA reduce-add (its default at head dims 64 and 128 on long keys, as
-    FlashAttention-3's), whose summation order varies from run to run; the other backwards are
-    reproducible anyway.  Returns ``out``, or
-    ``(out, softmax_lse, None)`` when ``return_attn_probs``.
+    nheads a multiple of nheads_k (GQA/MQA).  fp16 or bf16, head dim up to 256 (padded to a
+    multiple of 8).  window_size=(left, right) limits keys to [i - left, i + right] around the
+    aligned diagonal (-1: unbounded).  softcap > 0 caps the scaled scores at softcap * tanh(x /
+    softcap) (Gemma 2).  ``version``: "v1", "v2", "v3", "auto" (the best this device runs) or
+    "tiled" (the PyTorch implementation).  ``deterministic=True`` guarantees bitwise
+    reproducible gradients (v3 then runs its two-pass backward rather than the single pass
+    whose dQ reduce-add order varies).  Returns ``out``, or ``(out, softmax_lse, None)`` when
+    ``return_attn_probs``.  ``kernel_options``: developer switches (options.KernelOptions).
     """
-    return _attention(q, k, v, None, None, None, None, dropout_p, softmax_scale, causal,
-                      window_size, softcap, alibi_slopes, deterministic, return_attn_probs, version)
+    return _attention(q, k, v, None, None, None, None, dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, deterministic, return_attn_probs, version, kernel_options)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              deterministic=False, return_attn_probs=False, *, version="auto"):
+                              deterministic=False, return_attn_probs=False, *, version="auto",
+                              kernel_options=None):
     """qkv: (batch, seqlen, 3, nheads, headdim)."""
     if getattr(qkv, "dim", lambda: 0)() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got {tuple(getattr(qkv, 'shape', ()))}")
     q, k, v = qkv.unbind(dim=2)
-    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs, version=version)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, version=version, kernel_options=kernel_options)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             deterministic=False, return_attn_probs=False, *, version="auto"):
+                             deterministic=False, return_attn_probs=False, *, version="auto",
+                             kernel_options=None):
     """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
     if getattr(kv, "dim", lambda: 0)() != 5 or kv.shape[2] != 2:
         raise ValueError(f"kv must be (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(getattr(kv, 'shape', ()))}")
     k, v = kv.unbind(dim=2)
-    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs, version=version)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, version=version, kernel_options=kernel_options)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, *, version="auto"):
+                           return_attn_probs=False, *, version="auto", kernel_options=None):
     """Sequences of different lengths packed along the token dim.
 
     q: (total_q, nheads, headdim), k/v: (total_k, nheads_k, headdim); cu_seqlens_*: int32
-    (batch + 1,) offsets.  softmax_lse is (nheads, total_q).
+    (batch + 1,) offsets; max_seqlen_*: at least the longest sequence.  softmax_lse is
+    (nheads, total_q).  The offsets' values are checked on the host (one device-to-host copy),
+    except while a CUDA graph is being captured, where the kernels clamp them to the tensors.
     """
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k are required for flash_attn_varlen_func")
-    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                      softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                      version)
+    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                      causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, version,
+                      kernel_options)

@@ -13,12 +13,11 @@ import statistics
 import subprocess
 import time
 from dataclasses import asdict, dataclass
-from unittest import mock
 
 import torch
 import triton
 
-from flashtile import api, runtime
+from flashtile import api, dispatch, options
 from flashtile.reference import standard_attention
 
 MODES = ("fwd", "bwd", "fwdbwd")
@@ -36,6 +35,7 @@ class Case:
     causal: bool
     mode: str
     dtype: str = "bf16"
+    softcap: float = 0.0
 
     @property
     def torch_dtype(self):
@@ -47,23 +47,32 @@ class Case:
 
 
 def paper_grid(head_dims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384),
-               causals=(False, True), modes=("fwd", "bwd"), dtype="bf16", tokens=16384, hidden=2048):
+               causals=(False, True), modes=("fwd", "bwd"), dtype="bf16", tokens=16384, hidden=2048, softcap=0.0):
     """The FlashAttention papers' sweep: batch x seqlen = 16k tokens, hidden 2048."""
-    return [Case(max(1, tokens // s), hidden // d, hidden // d, s, s, d, c, m, dtype)
+    return [Case(max(1, tokens // s), hidden // d, hidden // d, s, s, d, c, m, dtype, softcap)
             for d in head_dims for c in causals for m in modes for s in seqlens]
 
 
-# ---- providers: each maps (q, k, v, causal) in (b, s, h, d) to the output ----
+# ---- providers: each maps (q, k, v, case options) in (b, s, h, d) to the output ----
 
 def _flashtile(version):
-    return lambda q, k, v, causal: api.flash_attn_func(q, k, v, causal=causal, version=version)
+    def run(q, k, v, causal, softcap=0.0, kernel_options=None):
+        return api.flash_attn_func(q, k, v, causal=causal, softcap=softcap, version=version,
+                                   kernel_options=kernel_options)
+    return run
+
+
+def _no_softcap(provider, softcap):
+    if softcap:
+        raise NotImplementedError(f"{provider} takes no softcap")
 
 
 def _sdpa(backend_name):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backend = getattr(SDPBackend, backend_name)
 
-    def run(q, k, v, causal):
+    def run(q, k, v, causal, softcap=0.0, kernel_options=None):
+        _no_softcap(backend_name, softcap)
         with sdpa_kernel(backend):
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
@@ -72,15 +81,16 @@ def _sdpa(backend_name):
     return run
 
 
-def _standard(q, k, v, causal):
-    return standard_attention(q, k, v, causal=causal)
+def _standard(q, k, v, causal, softcap=0.0, kernel_options=None):
+    return standard_attention(q, k, v, causal=causal, softcap=softcap)
 
 
 _FLEX_CACHE = {}
 
 
-def _flex(q, k, v, causal):
+def _flex(q, k, v, causal, softcap=0.0, kernel_options=None):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    _no_softcap("flex", softcap)
     if "fn" not in _FLEX_CACHE:
         # A grid compiles once per shape and grad mode: allow that many recompiles, and fail
         # rather than fall back silently to the unfused eager path when the limit is reached.
@@ -117,7 +127,7 @@ def available_providers(device=None):
     ok, why = [], {}
     for name in PROVIDERS:
         if name.startswith("flashtile-"):
-            reason = runtime.why_not(name.split("-")[1], device)
+            reason = dispatch.why_not(name.split("-")[1], device)
         elif device.type != "cuda" and name != "standard":
             reason = "needs a CUDA GPU"
         else:
@@ -133,7 +143,7 @@ def available_providers(device=None):
 
 def environment():
     try:
-        commit = os.environ.get("FLASHTILE_COMMIT") or subprocess.run(
+        commit = options.commit_override() or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
             cwd=os.path.dirname(__file__)).stdout.strip()
     except OSError:
@@ -156,23 +166,24 @@ def _cpu_median_ms(step, reps=3):
     return statistics.median(times)
 
 
-def measure(provider: str, case: Case, device=None, cuda_graph=False, env=None):
+def measure(provider: str, case: Case, device=None, cuda_graph=False, kernel_options=None):
     """(median ms, peak extra bytes) of one provider on one case.
 
     On a CPU (the Triton interpreter) the times only exercise the pipeline, and there is no
     allocator peak to read: peak_mem_bytes is None.  ``cuda_graph`` times replays of a CUDA
     graph of the calls (forwards only): the GPU's time without the Python launch path, L2 warm.
-    ``env``: environment variables set for this measurement only (the FLASHTILE_* kernel
-    switches and tile overrides, which the kernels read at each launch).
+    ``kernel_options``: developer switches for the flashtile providers (options.KernelOptions).
     """
-    with mock.patch.dict(os.environ, env or {}):
-        return _measure(provider, case, device, cuda_graph)
+    return _measure(provider, case, device, cuda_graph, kernel_options)
 
 
-def make_step(provider, case, device):
+def make_step(provider, case, device, kernel_options=None):
     """One call of ``provider`` on fresh inputs of ``case``: the forward without gradients, the
     backward alone (autograd.grad of one forward's output), or both."""
-    fn = PROVIDERS[provider]
+    provider_fn = PROVIDERS[provider]
+
+    def fn(q, k, v, causal):
+        return provider_fn(q, k, v, causal, softcap=case.softcap, kernel_options=kernel_options)
     q = torch.randn(case.b, case.sq, case.h, case.d, dtype=case.torch_dtype, device=device)
     k = torch.randn(case.b, case.sk, case.h_k, case.d, dtype=case.torch_dtype, device=device)
     v = torch.randn_like(k)
@@ -195,22 +206,16 @@ def make_step(provider, case, device):
     return step
 
 
-# Calls before the timed ones, in ms of GPU work.  A cell timed right after its kernel compiled
-# (the GPU idle for the seconds a Gluon compile takes) ran slow: on a machine with cold caches,
-# v3's 1k cells' first of two passes took up to 1.44x the second (mean 1.04x; later seqlens,
-# v2 and cuDNN, nothing compiling, 0.96-1.00x), with do_bench's default 25 ms of warmup
-# (benchmarks/results/2026-12-01_H200_86cee91/bars_e0b3aaa.json, ms_runs).  The longer warmup
-# did not remove it: d128 causal 1k forward ran 0.27 ms where it had run 0.17
-# (benchmarks/results/2026-12-02_H200_146aa2b/bars_146aa2b.json), a cell whose host time per
-# call is about its GPU time, so a slow host shows there whatever the warmup.
+# Calls before the timed ones, in ms of GPU work: a cell timed right after its kernel compiled
+# (the GPU idle for the seconds a Gluon compile takes) runs slow at first.
 WARMUP_MS = 250
 
 
-def _measure(provider, case, device, cuda_graph):
+def _measure(provider, case, device, cuda_graph, kernel_options):
     if cuda_graph and case.mode != "fwd":
         raise ValueError("CUDA-graph timing covers forwards only")
     device = torch.device(device) if device else default_device()
-    step = make_step(provider, case, device)
+    step = make_step(provider, case, device, kernel_options)
     step()  # compile / autotune outside the timing and the memory peak
     if device.type != "cuda":
         return _cpu_median_ms(step), None
@@ -227,29 +232,28 @@ def _measure(provider, case, device, cuda_graph):
     return ms, peak
 
 
-def host_cost(provider: str, case: Case, calls=300, device=None, env=None, profiler=None):
+def host_cost(provider: str, case: Case, calls=300, device=None, kernel_options=None, profiler=None):
     """(host ms, wall ms) per call: ``calls`` calls enqueued back to back, timed when the last is
     enqueued (the CPU's time: Python and launch) and when the GPU has finished.  Host >= wall
     means the GPU waited on the CPU: an event-timed measurement of that case times the launch
     path, not the kernels.  ``profiler`` (a cProfile.Profile) runs over the timed calls only
     (its own overhead inflates the host time)."""
-    with mock.patch.dict(os.environ, env or {}):
-        device = torch.device(device) if device else default_device()
-        step = make_step(provider, case, device)
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        for _ in range(min(calls, 20)):  # compile, warm the allocator and the clocks
-            step()
-        sync()
-        if profiler:
-            profiler.enable()
-        start = time.perf_counter()
-        for _ in range(calls):
-            step()
-        enqueued = time.perf_counter()
-        if profiler:
-            profiler.disable()
-        sync()
-        done = time.perf_counter()
+    device = torch.device(device) if device else default_device()
+    step = make_step(provider, case, device, kernel_options)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(min(calls, 20)):  # compile, warm the allocator and the clocks
+        step()
+    sync()
+    if profiler:
+        profiler.enable()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    enqueued = time.perf_counter()
+    if profiler:
+        profiler.disable()
+    sync()
+    done = time.perf_counter()
     return 1e3 * (enqueued - start) / calls, 1e3 * (done - start) / calls
 
 
@@ -264,7 +268,7 @@ def ceilings(n=8192, copy_bytes=2**30):
     return dict(matmul_tflops=2 * n**3 / ms_mm / 1e9, copy_tbps=2 * copy_bytes / ms_copy / 1e9)
 
 
-def run(cases, providers, repeats=1, progress=True, on_error=print, cuda_graph=False):
+def run(cases, providers, repeats=1, progress=True, on_error=print, cuda_graph=False, kernel_options=None):
     """Measure every (case, provider); a failure or OOM is reported and the run goes on.
 
     With ``repeats`` > 1 the whole grid is measured that many times, one pass after the other,
@@ -283,7 +287,7 @@ def run(cases, providers, repeats=1, progress=True, on_error=print, cuda_graph=F
         for i, (case, provider) in enumerate(cells):
             try:
                 if i not in failed:
-                    ms, peak = measure(provider, case, cuda_graph=cuda_graph)
+                    ms, peak = measure(provider, case, cuda_graph=cuda_graph, kernel_options=kernel_options)
                     times.setdefault(i, []).append(ms)
                     peaks.setdefault(i, peak)
             except torch.OutOfMemoryError:
@@ -315,25 +319,20 @@ def run(cases, providers, repeats=1, progress=True, on_error=print, cuda_graph=F
 
 
 def compare(variants, cases, rounds=2):
-    """Same-run A/B of code variants: ``variants`` maps a name to (provider, setup), ``setup()``
-    a context manager that puts the variant in place (a module swapped in, a constant set, an
-    environment variable).  Each round measures every case's variants back to back, the order
-    rotated by one each round, so that over as many rounds as variants each runs once in every
-    place (first, after each other one).  Reversing the order every other round instead left
-    the first and last variants at the ends and the others in the middle in every round: a
-    variant at an end measured 1-4% faster than the same code in the middle on long cells
-    (H100, benchmarks/results/2026-12-02_H200_H100_bdfda9f/INDEX.md).  Returns one dict per
-    case: its variants' best ms.  The same setup under two names gives the spread a null
-    comparison has on the machine."""
+    """Same-run A/B of code variants: ``variants`` maps a name to (provider, kernel options).
+    Each round measures every case's variants back to back, the order rotated by one each
+    round, so that over as many rounds as variants each runs once in every place (first, after
+    each other one): a variant always at an end of the order measures a few percent apart from
+    the same code in the middle.  Returns one dict per case: its variants' best ms.  The same
+    variant under two names gives the spread a null comparison has on the machine."""
     names = list(variants)
     best = [{} for _ in cases]
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for times, case in zip(best, cases):
             for name in order:
-                provider, setup = variants[name]
-                with setup():
-                    ms, _ = measure(provider, case)
+                provider, kernel_options = variants[name]
+                ms, _ = measure(provider, case, kernel_options=kernel_options)
                 times[name] = min(times.get(name, float("inf")), ms)
     return best
 

@@ -55,6 +55,9 @@ def parser():
     b.add_argument("--out", default="bench_results", help="folder for the JSON, Markdown and PNGs")
     b.add_argument("--name", default="bench")
     b.add_argument("--no-plots", action="store_true")
+    b.add_argument("--softcap", type=float, default=0.0, help="scores capped at softcap * tanh(x / softcap)")
+    b.add_argument("--kernel-options", default="",
+                   help="developer switches for the flashtile providers (options.KernelOptions text form)")
     b.add_argument("--cuda-graphs", action="store_true",
                    help="time CUDA-graph replays (forwards only, needs a GPU): the kernels' time without "
                         "the Python launch path; set against a run without it, shows launch-bound cells")
@@ -79,12 +82,12 @@ def parser():
 def cmd_bench(args):
     import torch
 
-    from flashtile import bench, runtime
+    from flashtile import bench, options
     if not torch.cuda.is_available():
         if args.cuda_graphs:
             print("--cuda-graphs needs a CUDA GPU", file=sys.stderr)
             return 2
-        if not runtime.interpreting():
+        if not options.interpreting():
             print("flashtile bench needs a CUDA GPU (try `flashtile demo` on this machine); to check the "
                   "pipeline on a CPU, set TRITON_INTERPRET=1 and narrow the grid, e.g. --head-dims 32 "
                   "--seqlens 64 --tokens 64 --hidden 64", file=sys.stderr)
@@ -96,14 +99,20 @@ def cmd_bench(args):
     for p in args.providers:
         if p not in ok:
             print(f"skipping {p}: {why[p]}", file=sys.stderr)
+    try:
+        kernel_options = options.KernelOptions.parse(args.kernel_options)
+    except ValueError as e:
+        print(f"--kernel-options: {e}", file=sys.stderr)
+        return 2
     cases = bench.paper_grid(args.head_dims, args.seqlens, [c == "true" for c in args.causal], args.modes,
-                             args.dtype, args.tokens, args.hidden)
+                             args.dtype, args.tokens, args.hidden, softcap=args.softcap)
     failures = []
 
     def failed(msg):
         failures.append(msg)
         print(f"failed: {msg}", file=sys.stderr)
-    records = bench.run(cases, providers, args.repeats, on_error=failed, cuda_graph=args.cuda_graphs)
+    records = bench.run(cases, providers, args.repeats, on_error=failed, cuda_graph=args.cuda_graphs,
+                        kernel_options=kernel_options)
     table = bench.save(records, args.out, args.name, args.baseline, plots=not args.no_plots, failures=failures)
     print(table)
     return 0
@@ -161,12 +170,12 @@ def cmd_io(args):
 def cmd_demo(args):
     import torch
 
-    from flashtile import api, iomodel, runtime, standard_attention
+    from flashtile import api, dispatch, iomodel, standard_attention
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     b, s, h, d = (4, 4096, 16, 128) if cuda else (1, 1024, 4, 64)
     dtype = torch.bfloat16 if cuda else torch.float16
-    version = runtime.resolve_version("auto", torch.device(device))
+    version = dispatch.resolve_version("auto", torch.device(device))
     print(f"attention b={b} seqlen={s} heads={h} headdim={d} {str(dtype)[6:]} causal on {device} "
           f"(flashtile version: {version})")
     q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device=device) for _ in range(3))
@@ -208,7 +217,7 @@ def cmd_info(args):
     import torch
     import triton
 
-    from flashtile import __version__, runtime
+    from flashtile import __version__, dispatch, options
     print(f"flashtile {__version__}, torch {torch.__version__}, triton {triton.__version__}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
@@ -216,12 +225,12 @@ def cmd_info(args):
         print(f"GPU: {torch.cuda.get_device_name()} (compute capability {major}.{minor}, "
               f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs)")
     else:
-        print(f"GPU: none (Triton interpreter {'on' if runtime.interpreting() else 'off'})")
-    for version in runtime.VERSIONS:
-        reason = runtime.why_not(version, device)
+        print(f"GPU: none (Triton interpreter {'on' if options.interpreting() else 'off'})")
+    for version in dispatch.VERSIONS:
+        reason = dispatch.why_not(version, device)
         print(f"  {version}: {'runs here' if reason is None else 'not here: ' + reason}")
     print("  fp8: not implemented yet")
-    print(f"  version='auto' picks: {runtime.resolve_version('auto', device)}")
+    print(f"  version='auto' picks: {dispatch.resolve_version('auto', device)}")
     return 0
 
 

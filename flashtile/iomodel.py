@@ -124,16 +124,33 @@ def v3_single_pass_backward(s: Shape, block_q: int, block_k: int, bwd_block_q: i
 # second pass's matmuls for fp32 dQ traffic.
 
 
+def gpu_tiles(version: str, s: "Shape"):
+    """((fwd block_m, block_n), (bwd dK/dV block_m, block_n)) and whether the backward is v3's
+    single pass, as dispatch plans them on a Hopper GPU for shape ``s`` (batched)."""
+    from flashtile import dispatch
+    from flashtile.kernels import configs
+    from flashtile.kernels.problem import Problem
+    from flashtile.options import KernelOptions
+    p = Problem(s.b, s.h, s.heads_k, s.sq, s.sk, s.d, 1.0, -1, 0 if s.causal else -1, None, None)
+    fwd_plan = dispatch.forward_plan(p, version, dispatch.HOPPER, KernelOptions())
+    bwd_plan = dispatch.backward_plan(p, version, dispatch.HOPPER, KernelOptions())
+    cfg = fwd_plan.config
+    fwd = (cfg.tile_m, cfg.block_n) if fwd_plan.kernel == "v3-gluon" else (cfg.block_m, cfg.block_n)
+    if bwd_plan.kernel == "v2":
+        bwd = (bwd_plan.config[0].block_m, bwd_plan.config[0].block_n)
+    else:  # the Gluon dK/dV pass: streamed Q blocks against the stationary K/V rows
+        bwd = (bwd_plan.config.kv_block_m, configs.gluon_bwd_stationary_rows(p.head_dim_pad))
+    return fwd, bwd, bwd_plan.kernel == "v3-gluon-reduce"
+
+
 def summary(s: Shape):
     """Model for each algorithm at the block sizes the kernels use on the GPU."""
-    from flashtile.kernels import configs
     from flashtile.kernels import v1 as v1_kernels
     pad = max(16, 1 << (s.d - 1).bit_length())
     fwd, bwd = v1_kernels.block_sizes(pad)
     model = {"standard": standard(s), "v1": v1(s, *fwd, *bwd)}
     for version in ("v2", "v3"):
-        fwd, bwd = configs.gpu_tiles(version, pad, s.causal, s.sk)
-        single_pass = version == "v3" and configs.v3_default_backward(pad, s.sk) == "gluon-reduce"
+        fwd, bwd, single_pass = gpu_tiles(version, s)
         model[version] = (v3_single_pass_backward if single_pass else v2)(s, *fwd, *bwd)
     return model
 

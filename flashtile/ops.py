@@ -3,29 +3,20 @@
 Registered as torch.library custom ops, they let ``torch.compile(fullgraph=True)`` trace through
 flashtile without graph breaks: the compiler sees opaque ops with fake (shape-only)
 implementations.  Outside compilation the same two functions run under a plain
-``torch.autograd.Function``: the custom op's Python autograd wrapper costs ~80 us a call with
-gradients on (about 20 us for the Function, measured on a CPU), as much as the kernels of a short
-forward.  The ``version`` argument picks the algorithm; "tiled" is the PyTorch path used for
-CPU tensors outside the Triton interpreter.
+``torch.autograd.Function``, whose per-call cost is a fraction of the custom op's autograd
+wrapper.  Both differentiate once: a second derivative (``create_graph=True`` through the
+backward) is refused rather than silently missing attention's second-order term.
 """
 import contextlib
 import functools
-import importlib
 from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._C import _functions as autograd_functions
 
+from flashtile import dispatch, options, validation
 from flashtile.kernels.problem import Problem
-from flashtile.validation import MAX_SEQUENCE_SPAN
-
-_MODULES = {"v1": "flashtile.kernels.v1", "v2": "flashtile.kernels.v2",
-            "v3": "flashtile.kernels.v3", "tiled": "flashtile.tiled"}
-
-
-@functools.lru_cache(maxsize=None)  # asked at every call: import_module costs a few us
-def implementation(version: str):
-    return importlib.import_module(_MODULES[version])
 
 
 def on_device_of(x: Tensor):
@@ -37,47 +28,60 @@ def on_device_of(x: Tensor):
     return contextlib.nullcontext()
 
 
-def _saved_shape(version: str, lse_shape):
+@functools.lru_cache(maxsize=64)
+def _options(text: str) -> options.KernelOptions:
+    return options.KernelOptions.parse(text)
+
+
+def _problem(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+             window_right, softcap, deterministic=False):
+    return Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                      window_right, softcap, deterministic)
+
+
+def _saved_shape(p, version: str, lse_shape):
     # FlashAttention-1 keeps the paper's running max m and row sum l for its backward.
-    return (2, *lse_shape) if version == "v1" else (0,)
+    return (2, *lse_shape) if version == "v1" and not p.empty else (0,)
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
-             cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-             softmax_scale: float, window_left: int, window_right: int,
-             version: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    p = Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   softmax_scale, window_left, window_right)
+def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+             max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+             softcap: float, version: str, deterministic: bool, kernel_options: str) -> tuple[Tensor, Tensor, Tensor]:
+    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                 window_right, softcap)
+    if p.varlen and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
+    plan = dispatch.forward_plan(p, version, dispatch.target_of(p, q, k, v), _options(kernel_options))
     with on_device_of(q):
-        return implementation(version).forward(p, q, k, v)
+        return dispatch.run_forward(plan, p, q, k, v)
 
 
 attention_forward = torch.library.custom_op("flashtile::attention_forward", _forward, mutates_args=())
 
 
 @attention_forward.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-      window_left, window_right, version, deterministic):
-    p = Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   softmax_scale, window_left, window_right)
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+      softcap, version, deterministic, kernel_options):
+    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                 window_right, softcap)
     lse_shape = p.row_stat_shape(q.shape[0])
     return (torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32),
-            q.new_empty(_saved_shape(version, lse_shape), dtype=torch.float32))
+            q.new_empty(_saved_shape(p, version, lse_shape), dtype=torch.float32))
 
 
 def _backward_kernels(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                      lse: Tensor, saved: Tensor, cu_seqlens_q: Optional[Tensor],
-                      cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                      softmax_scale: float, window_left: int, window_right: int,
-                      version: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    p = Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   softmax_scale, window_left, window_right, deterministic)
+                      lse: Tensor, saved: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                      max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int,
+                      window_right: int, softcap: float, version: str, deterministic: bool,
+                      kernel_options: str) -> tuple[Tensor, Tensor, Tensor]:
+    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                 window_right, softcap, deterministic)
+    plan = dispatch.backward_plan(p, version, dispatch.target_of(p, q, k, v, dout), _options(kernel_options))
     with on_device_of(q):
-        return implementation(version).backward(p, dout, dlse, q, k, v, out, lse, saved)
+        return dispatch.run_backward(plan, p, dout, dlse, q, k, v, out, lse, saved)
 
 
-attention_backward = torch.library.custom_op("flashtile::attention_backward", _backward_kernels,
-                                             mutates_args=())
+attention_backward = torch.library.custom_op("flashtile::attention_backward", _backward_kernels, mutates_args=())
 
 
 @attention_backward.register_fake
@@ -93,19 +97,34 @@ def _setup_context(ctx, inputs, output):
 
 
 def _gradients(ctx, dout, dlse, backward_op):
+    """(dq, dk, dv, None...) for the op's inputs.  Under ``create_graph=True`` the gradients
+    come back through a node that raises if they are differentiated again (as
+    ``once_differentiable``'s, but also when only q, k, v need gradients: a gradient penalty's
+    second-order term would otherwise be missing without a word)."""
+    with torch.no_grad():
+        grads = _first_derivatives(ctx, dout, dlse, backward_op)
+    q, k, v = ctx.saved_tensors[:3]
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, dout, dlse)):
+        refuse = autograd_functions.DelayedError(
+            b"flashtile's attention is differentiable once: a second derivative (create_graph=True through "
+            b"its backward, e.g. a gradient penalty) is not supported", 3)
+        grads = refuse(*(g.detach().requires_grad_() for g in grads))
+    return (*grads, None, None, *(None for _ in ctx.args))
+
+
+def _first_derivatives(ctx, dout, dlse, backward_op):
     q, k, v, out, lse, saved, cu_q, cu_k = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     # Unit stride along head_dim, and rows the kernels' 32-bit offsets reach (q passed that
     # check with a contiguous layout, so a contiguous dout does too).
-    if dout.stride(-1) != 1 or dout.stride(-3) * dout.shape[-3] >= MAX_SEQUENCE_SPAN:
+    if dout.stride(-1) != 1 or dout.stride(-3) * dout.shape[-3] >= validation.MAX_SEQUENCE_SPAN:
         dout = dout.contiguous()
     # A loss that uses the logsumexp contributes through dlse (folded into D by the kernels);
     # None, the usual case, costs nothing.
     if dlse is not None:
         dlse = dlse.contiguous()
-    dq, dk, dv = backward_op(dout, dlse, q, k, v, out, lse, saved, cu_q, cu_k, *ctx.args)
-    return dq, dk, dv, None, None, *(None for _ in ctx.args)
+    return backward_op(dout, dlse, q, k, v, out, lse, saved, cu_q, cu_k, *ctx.args)
 
 
 torch.library.register_autograd("flashtile::attention_forward",
@@ -127,13 +146,13 @@ class _EagerAttention(torch.autograd.Function):
         return _gradients(ctx, dout, dlse, _backward_kernels)
 
 
-def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-              window_left, window_right, version, deterministic):
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+              window_right, softcap, version, deterministic, kernel_options):
     """(out, lse, saved) with autograd: the custom op under torch.compile, else the Function."""
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            window_left, window_right, version, deterministic)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+            window_right, softcap, version, deterministic, kernel_options)
     if torch.compiler.is_compiling():
         return attention_forward(*args)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        return _forward(*args)  # nothing to differentiate: no autograd node to build (~15 us)
+        return _forward(*args)  # nothing to differentiate: no autograd node to build
     return _EagerAttention.apply(*args)

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from flashtile import validation
+
 
 def band_mask(seqlen_q, seqlen_k, window_left=-1, window_right=-1, device=None,
               rows=None, cols=None):
@@ -28,16 +30,8 @@ def band_mask(seqlen_q, seqlen_k, window_left=-1, window_right=-1, device=None,
     return visible
 
 
-def window_bounds(causal: bool, window_size) -> tuple[int, int]:
-    """(left, right) with -1 for unbounded; causal caps the right side at 0."""
-    left, right = window_size
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    return left, right
-
-
 def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None,
-                       upcast=False, return_lse=False):
+                       upcast=False, return_lse=False, softcap=0.0):
     """softmax(Q K^T * scale) V with the full score matrix in memory.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with
@@ -45,6 +39,7 @@ def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scal
     program does, in the input dtype: scores = Q K^T, masked, ``torch.softmax`` (fp32 inside,
     input dtype out), probabilities @ V.  With ``upcast=True`` everything runs in float64 and
     the float64 result is returned.  Rows that see no key give 0 (and logsumexp +inf).
+    ``softcap`` > 0 replaces the scaled scores x by softcap * tanh(x / softcap).
     Returns ``out`` or ``(out, lse)`` with lse (batch, nheads, seqlen_q).
     """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -54,7 +49,9 @@ def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scal
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k * scale)
-    left, right = window_bounds(causal, window_size)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    left, right = validation.band(causal, window_size, q.shape[1], k.shape[1])
     visible = None
     if left >= 0 or right >= 0:
         visible = band_mask(q.shape[1], k.shape[1], left, right, device=q.device)

@@ -5,9 +5,14 @@ blocks, a running max and row sum rescale the partial output as each K/V block a
 the logsumexp is kept, and the backward recomputes probabilities from it.  No
 (seqlen_q x seqlen_k) matrix is ever formed; memory is O(block x seqlen).  Math runs in
 float32 (CPU half-precision matmuls are slow and no more faithful).
+
+A masked key contributes nothing whatever its value: a block whose values are not all finite
+multiplies them only where the band lets a query see them (a matrix product would turn a
+probability of 0 times an infinite value into NaN).
 """
 import torch
 
+from flashtile.kernels import score
 from flashtile.reference import band_mask
 
 BLOCK = 128
@@ -38,7 +43,20 @@ def _visible(p, i0, i1, j0, j1, sq, sk, device):
                      rows=slice(i0, i1), cols=slice(j0, j1))
 
 
-def forward(p, q, k, v):
+def _weighted_values(probs, values, visible):
+    """probs @ values (heads_k, group, rows, keys) x (heads_k, keys, d), where masked keys add nothing."""
+    if torch.isfinite(values).all():
+        return torch.einsum("hgqk,hkd->hgqd", probs, values)
+    terms = probs[..., None] * values[:, None, None]
+    return torch.where(visible[..., None], terms, 0.0).sum(-2)
+
+
+def _scores(p, qblk, kblk):
+    s = torch.einsum("hgqd,hkd->hgqk", qblk, kblk) * p.softmax_scale
+    return score.reference(s, p.softcap)
+
+
+def forward(plan, p, q, k, v):
     out = torch.empty_like(q)
     lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
     for qs, ks in _sequences(p):
@@ -53,14 +71,14 @@ def forward(p, q, k, v):
             acc = torch.zeros_like(qg[:, :, i0:i1])
             for j0 in range(0, sk, BLOCK):
                 j1 = min(j0 + BLOCK, sk)
-                s = torch.einsum("hgqd,hkd->hgqk", qg[:, :, i0:i1], kg[:, j0:j1]) * p.softmax_scale
-                s = s.masked_fill(~_visible(p, i0, i1, j0, j1, sq, sk, q.device), float("-inf"))
+                visible = _visible(p, i0, i1, j0, j1, sq, sk, q.device)
+                s = _scores(p, qg[:, :, i0:i1], kg[:, j0:j1]).masked_fill(~visible, float("-inf"))
                 m_new = torch.maximum(m, s.amax(-1))
                 m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
                 probs = torch.exp(s - m_ref[..., None])
                 alpha = torch.exp(m - m_ref)
                 l = l * alpha + probs.sum(-1)
-                acc = acc * alpha[..., None] + torch.einsum("hgqk,hkd->hgqd", probs, vg[:, j0:j1])
+                acc = acc * alpha[..., None] + _weighted_values(probs, vg[:, j0:j1], visible)
                 m = m_new
             empty = l == 0
             o_seq[:, :, i0:i1] = acc / torch.where(empty, torch.ones_like(l), l)[..., None]
@@ -73,7 +91,7 @@ def forward(p, q, k, v):
     return out, lse, lse.new_empty(0)
 
 
-def backward(p, dout, dlse, q, k, v, out, lse, saved):
+def backward(plan, p, dout, dlse, q, k, v, out, lse, saved):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for qs, ks in _sequences(p):
         qg, dog, og = (_grouped(x[qs], p.heads_k) for x in (q, dout, out))
@@ -90,12 +108,15 @@ def backward(p, dout, dlse, q, k, v, out, lse, saved):
             i1 = min(i0 + BLOCK, sq)
             for j0 in range(0, sk, BLOCK):
                 j1 = min(j0 + BLOCK, sk)
-                s = torch.einsum("hgqd,hkd->hgqk", qg[:, :, i0:i1], kg[:, j0:j1]) * p.softmax_scale
-                probs = torch.exp(s - seq_lse[:, :, i0:i1, None])
-                probs = probs.masked_fill(~_visible(p, i0, i1, j0, j1, sq, sk, q.device), 0.0)
+                visible = _visible(p, i0, i1, j0, j1, sq, sk, q.device)
+                y = _scores(p, qg[:, :, i0:i1], kg[:, j0:j1])
+                probs = torch.exp(y - seq_lse[:, :, i0:i1, None]).masked_fill(~visible, 0.0)
                 dvg[:, j0:j1] += torch.einsum("hgqk,hgqd->hkd", probs, dog[:, :, i0:i1])
                 dp = torch.einsum("hgqd,hkd->hgqk", dog[:, :, i0:i1], vg[:, j0:j1])
-                ds = probs * (dp - delta[:, :, i0:i1, None]) * p.softmax_scale
+                ds = (probs * (dp - delta[:, :, i0:i1, None])).masked_fill(~visible, 0.0)
+                if p.softcap > 0:  # d/dx softcap * tanh(x / softcap) = 1 - tanh^2
+                    ds = ds * (1 - (y / p.softcap) ** 2)
+                ds = ds * p.softmax_scale
                 dqg[:, :, i0:i1] += torch.einsum("hgqk,hkd->hgqd", ds, kg[:, j0:j1])
                 dkg[:, j0:j1] += torch.einsum("hgqk,hgqd->hkd", ds, qg[:, :, i0:i1])
         dq[qs] = _ungrouped(dqg).to(q.dtype)

@@ -1,15 +1,100 @@
-"""Argument checks for the public API: every bad input is refused before any kernel launches."""
+"""Argument checks for the public API: every bad input is refused, by name, before any launch.
+
+Numbers are accepted as what they are (``numbers.Real``/``numbers.Integral``: Python, numpy
+scalars, and 0-d tensors where flash_attn takes them) and turned into plain Python values, so
+that nothing downstream sees a numpy or tensor scalar.
+"""
+import math
+import numbers
+
 import torch
 
-from flashtile.runtime import VERSION_CHOICES
-
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8  # head dims are padded to a multiple of this (as flash_attn does)
+# Scores are multiplied by the scale in fp32: bound it so that any score an fp16/bf16 product
+# makes stays finite after scaling.
+MAX_SOFTMAX_SCALE = 2.0**16
 
 
 def _check_tensor(name, x):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _scalar(name, x):
+    """A 0-d (or one-element) tensor's value; anything else as given."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"{name} must be a number, got a tensor of shape {tuple(x.shape)}")
+        return x.item()
+    return x
+
+
+def integer(name, x, minimum=None) -> int:
+    """``x`` as a Python int: an Integral (not a bool) or an integer 0-d tensor."""
+    x = _scalar(name, x)
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {x!r} ({type(x).__name__})")
+    x = int(x)
+    if minimum is not None and x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return x
+
+
+def real(name, x, lo=None, hi=None, lo_open=False, hi_open=False) -> float:
+    """``x`` as a finite Python float inside [lo, hi] (open ends where asked)."""
+    x = _scalar(name, x)
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {x!r} ({type(x).__name__})")
+    try:
+        value = float(x)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite, got an integer beyond the float range") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    below = lo is not None and (value <= lo if lo_open else value < lo)
+    above = hi is not None and (value >= hi if hi_open else value > hi)
+    if below or above:
+        if hi is None:
+            raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value!r}")
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise ValueError(f"{name} must be in {interval}, got {value!r}")
+    return value
+
+
+def window(window_size) -> tuple[int, int]:
+    """(left, right) of ``window_size``: a pair of ints >= -1 (a sequence, numpy array or tensor of two)."""
+    if isinstance(window_size, torch.Tensor):
+        if window_size.numel() != 2 or window_size.is_floating_point() or window_size.dtype == torch.bool:
+            raise ValueError(f"window_size must hold two integers, got {window_size!r}")
+        window_size = window_size.tolist()
+    try:
+        sides = list(window_size)
+    except TypeError:
+        raise ValueError(f"window_size must be a pair of ints >= -1 (-1: unbounded), got {window_size!r}") from None
+    if len(sides) != 2:
+        raise ValueError(f"window_size must be a pair of ints >= -1 (-1: unbounded), got {window_size!r}")
+    return tuple(integer(f"window_size[{i}]", side, minimum=-1) for i, side in enumerate(sides))
+
+
+def band(causal: bool, window_size, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """(left, right) of the key band, -1 for an unbounded side; causal caps the right side at 0.
+
+    A side as wide as the sequences allow is the same band as an unbounded one (key c is seen
+    from query r when -left <= c - r - (seqlen_k - seqlen_q) <= right, and c - r lies in
+    [1 - seqlen_q, seqlen_k - 1]): left >= seqlen_k and right >= seqlen_q become -1, so the
+    kernels' band arithmetic never sees values near the integer limits.  (flash_attn clamps the
+    right side at seqlen_k, which changes the band when seqlen_q > seqlen_k + 1; this does not.)
+    """
+    left, right = window(window_size)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    if left >= seqlen_k:
+        left = -1
+    if right >= seqlen_q:
+        right = -1
+    return left, right
 
 
 def check_qkv(q, k, v, varlen: bool):
@@ -28,8 +113,8 @@ def check_qkv(q, k, v, varlen: bool):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != rank:
             raise ValueError(f"{name} must be {rank}-D {form}, got shape {tuple(x.shape)}")
-        if x.numel() == 0:
-            raise ValueError(f"{name} is empty (shape {tuple(x.shape)}); every dimension must be >= 1")
+        if x.shape[-1] == 0 or x.shape[-2] == 0:
+            raise ValueError(f"{name} has no heads or an empty head dim (shape {tuple(x.shape)})")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if not varlen and q.shape[0] != k.shape[0]:
@@ -37,8 +122,8 @@ def check_qkv(q, k, v, varlen: bool):
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim:
         raise ValueError(f"q and k must have the same head dim, got {head_dim} and {k.shape[-1]}")
-    if not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0):
-        raise ValueError(f"head dim must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {head_dim}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {head_dim}")
     heads_q, heads_k = q.shape[-2], k.shape[-2]
     if heads_q % heads_k != 0:
         raise ValueError(f"nheads of q ({heads_q}) must be a multiple of nheads of k/v ({heads_k})")
@@ -65,50 +150,55 @@ def check_sequence_span(q, k, v, seqlen_q: int, seqlen_k: int, varlen: bool):
                              f"call or version='tiled'")
 
 
-def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
-    """Validate varlen offsets: int32, 1-D, equal length, from 0, non-decreasing, matching totals.
+def offsets(name, cu, device):
+    """A varlen offsets table as the kernels read it: int32, 1-D (batch + 1,), on ``device``,
+    contiguous (a strided view is copied: the kernels index it as contiguous)."""
+    _check_tensor(name, cu)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be torch.int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D (batch + 1,) with batch >= 1, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+    return cu.contiguous()
 
-    Reading the values costs one device-to-host copy; it is what keeps a malformed offset
-    table from becoming an out-of-bounds read.
-    """
-    for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
-                                     ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
-        _check_tensor(name, cu)
-        if cu.dtype != torch.int32:
-            raise TypeError(f"{name} must be torch.int32, got {cu.dtype}")
-        if cu.dim() != 1 or cu.numel() < 2:
-            raise ValueError(f"{name} must be 1-D (batch + 1,) with batch >= 1, got shape {tuple(cu.shape)}")
-        if cu.device != q.device:
-            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
+
+def check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
+    """The offsets' values: from 0, non-decreasing, ending at the token counts, within the
+    max_seqlen given.  Reading them costs one device-to-host copy (skipped where that cannot
+    happen: under CUDA-graph capture the kernels clamp every offset to the tensors instead)."""
+    for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
+                                     ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
         values = cu.cpu()
         lengths = values[1:] - values[:-1]
         if values[0] != 0 or (lengths < 0).any():
             raise ValueError(f"{name} must start at 0 and be non-decreasing, got {values.tolist()}")
         if values[-1] != total:
             raise ValueError(f"{name}[-1] = {int(values[-1])} but the tensor has {total} tokens")
-        if not isinstance(max_len, int) or max_len < int(lengths.max()):
-            raise ValueError(f"max_seqlen for {name} must be an int >= the longest sequence "
-                             f"({int(lengths.max())}), got {max_len!r}")
+        if max_len < int(lengths.max()):
+            raise ValueError(f"max_seqlen for {name} must be >= the longest sequence "
+                             f"({int(lengths.max())}), got {max_len}")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
                          f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
 
 
-def check_options(dropout_p, softcap, alibi_slopes, window_size, softmax_scale, version):
-    """Refuse features that are not implemented and malformed keyword values."""
+def feature_options(dropout_p, softcap, alibi_slopes) -> float:
+    """Refuse invalid values by name, then features not implemented; the softcap as a float."""
+    dropout_p = real("dropout_p", dropout_p, 0.0, 1.0, hi_open=True)
+    softcap = real("softcap", softcap, 0.0)
     if dropout_p != 0.0:
         raise NotImplementedError("dropout_p != 0 is not supported yet")
-    if softcap != 0.0:
-        raise NotImplementedError("softcap != 0 is not supported yet")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes is not supported yet")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and w >= -1 for w in window_size)):
-        raise ValueError(f"window_size must be a pair of ints >= -1 (-1: unbounded), got {window_size!r}")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
-    if version not in VERSION_CHOICES:
-        raise ValueError(f"version must be one of {VERSION_CHOICES}, got {version!r}")
+    return softcap
+
+
+def softmax_scale(scale, head_dim: int) -> float:
+    """The softmax scale: 1 / sqrt(head_dim) by default, else a finite number in (0, MAX_SOFTMAX_SCALE]."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    return real("softmax_scale", scale, 0.0, MAX_SOFTMAX_SCALE, lo_open=True)
 
 
 def last_dim_contiguous(x):

@@ -1,8 +1,10 @@
 """v3's Hopper techniques switched off one at a time: d128, seqlen 8k, non-causal, bf16 (b2 h16).
 
-Each row is v3 with one configs.py override, timed in this process next to v3 as shipped and
-the SDPA peers, --repeats passes (median).  Techniques without a switch are listed without
-a time.  Writes JSON records and prints Markdown.
+Each row is v3 under one set of kernel options (options.KernelOptions), timed in this process
+next to v3 as shipped and the SDPA peers, --repeats passes (median).  Techniques without a
+switch are listed without a time.  Writes JSON records and prints Markdown.
+
+    python scripts/ablation_v3.py --out ablation_v3.json > ablation_v3.md
 """
 import argparse
 import json
@@ -10,38 +12,33 @@ import statistics
 
 from flashtile import bench
 
-# (row, provider, environment overrides, modes it changes)
+# (row, provider, kernel options, modes it changes)
 ROWS = [
-    ("v3 as shipped (Gluon forward and backward)", "flashtile-v3", {}, ("fwd", "bwd")),
-    ("no ping-pong between the consumer warpgroups", "flashtile-v3", {"FLASHTILE_V3_ABLATE": "pingpong"},
+    ("v3 as shipped (Gluon forward and backward)", "flashtile-v3", "", ("fwd", "bwd")),
+    ("no ping-pong between the consumer warpgroups", "flashtile-v3", "ablate=pingpong", ("fwd",)),
+    ("no softmax / GEMM overlap inside a warpgroup", "flashtile-v3", "ablate=overlap", ("fwd",)),
+    ("no persistent scheduler (one CTA per tile, same longest-first order)", "flashtile-v3", "ablate=persistent",
      ("fwd",)),
-    ("no softmax / GEMM overlap inside a warpgroup", "flashtile-v3", {"FLASHTILE_V3_ABLATE": "overlap"}, ("fwd",)),
-    ("no persistent scheduler (one CTA per tile, same longest-first order)", "flashtile-v3",
-     {"FLASHTILE_V3_ABLATE": "persistent"}, ("fwd",)),
-    ("no second Q buffer (the next tile's Q loads after this tile ends)", "flashtile-v3",
-     {"FLASHTILE_V3_ABLATE": "next_q"}, ("fwd",)),
-    ("no Q in registers (S = QK^T with both operands from shared memory)", "flashtile-v3",
-     {"FLASHTILE_V3_ABLATE": "q_registers"}, ("fwd",)),
+    ("no second Q buffer (the next tile's Q loads after this tile ends)", "flashtile-v3", "ablate=next_q",
+     ("fwd",)),
+    ("no Q in registers (S = QK^T with both operands from shared memory)", "flashtile-v3", "ablate=q_registers",
+     ("fwd",)),
     ("none of those five (producer/consumer warp specialization, TMA, wgmma left)", "flashtile-v3",
-     {"FLASHTILE_V3_ABLATE": "pingpong,overlap,persistent,next_q,q_registers"}, ("fwd",)),
-    ("no multi-stage pipeline (a one-slot K/V ring)", "flashtile-v3", {"FLASHTILE_CONFIG_V3_GLUON": "128,1"},
-     ("fwd",)),
+     "ablate=pingpong,overlap,persistent,next_q,q_registers", ("fwd",)),
+    ("no multi-stage pipeline (a one-slot K/V ring)", "flashtile-v3", "tiles.v3_gluon=128,1,2", ("fwd",)),
     ("no explicit warp specialization: plain Triton (its automatic producer/consumer split)", "flashtile-v3",
-     {"FLASHTILE_V3_FWD": "triton"}, ("fwd",)),
+     "forward=triton", ("fwd",)),
     ("no warp specialization at all (plain Triton, 128x128 tiles, 8 warps, 3 stages)", "flashtile-v3",
-     {"FLASHTILE_V3_FWD": "triton", "FLASHTILE_CONFIG_V3_FWD": "128,128,8,3,0"}, ("fwd",)),
-    ("no TMA: pointer loads (v2's kernel on the same plain tiles)", "flashtile-v2",
-     {"FLASHTILE_CONFIG_V2_FWD": "128,128,8,3"}, ("fwd",)),
+     "forward=triton;tiles.v3_fwd=128,128,8,3,0", ("fwd",)),
+    ("no TMA: pointer loads (v2's kernel on the same plain tiles)", "flashtile-v2", "tiles.v2_fwd=128,128,8,3",
+     ("fwd",)),
     ("backward: no TMA reduce-add: two Gluon passes, dQ then dK/dV (what deterministic=True runs)",
-     "flashtile-v3", {"FLASHTILE_V3_BWD": "gluon"}, ("bwd",)),
+     "flashtile-v3", "backward=gluon", ("bwd",)),
     ("backward: the two Gluon passes without their persistent scheduler (a CTA per tile, one stationary slot)",
-     "flashtile-v3", {"FLASHTILE_V3_BWD": "gluon", "FLASHTILE_V3_ABLATE": "persistent"}, ("bwd",)),
-    ("backward: no explicit warp specialization: the single reduce-add pass in plain Triton", "flashtile-v3",
-     {"FLASHTILE_V3_DQ": "reduce"}, ("bwd",)),
-    ("backward: no warp specialization, no TMA (v2's two passes)", "flashtile-v3", {"FLASHTILE_V3_BWD": "v2"},
-     ("bwd",)),
-    ("peer: SDPA cuDNN", "sdpa-cudnn", {}, ("fwd", "bwd")),
-    ("peer: SDPA flash (FlashAttention-2)", "sdpa-flash", {}, ("fwd", "bwd")),
+     "flashtile-v3", "backward=gluon;ablate=persistent", ("bwd",)),
+    ("backward: no warp specialization, no TMA (v2's two passes)", "flashtile-v3", "backward=v2", ("bwd",)),
+    ("peer: SDPA cuDNN", "sdpa-cudnn", "", ("fwd", "bwd")),
+    ("peer: SDPA flash (FlashAttention-2)", "sdpa-flash", "", ("fwd", "bwd")),
 ]
 WITHOUT_SWITCH = [
     ("wgmma, P kept in registers for PV", "no switch: the Gluon kernel issues warpgroup MMA with P as its "
@@ -51,8 +48,9 @@ WITHOUT_SWITCH = [
 ]
 
 
-def measure(provider, env, case, repeats):
-    return statistics.median(bench.measure(provider, case, env=env)[0] for _ in range(repeats))
+def measure(provider, kernel_options, case, repeats):
+    return statistics.median(bench.measure(provider, case, kernel_options=kernel_options)[0]
+                             for _ in range(repeats))
 
 
 def main():
@@ -82,7 +80,7 @@ def main():
             shipped.setdefault(mode, ms)
             tflops = case.flops() / ms / 1e9
             cells.append(f"{tflops:.0f} ({shipped[mode] / ms:.2f}x)")
-            records.append(dict(row=row, provider=provider, overrides=overrides, mode=mode, b=case.b, h=case.h,
+            records.append(dict(row=row, provider=provider, kernel_options=overrides, mode=mode, b=case.b, h=case.h,
                                 sq=case.sq, sk=case.sk, d=case.d, causal=False, dtype="bf16", ms=ms,
                                 tflops=tflops, **env))
         print(f"| {row} | {cells[0]} | {cells[1]} |", flush=True)

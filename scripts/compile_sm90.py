@@ -14,13 +14,18 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from flashtile.kernels import configs, v1, v2, v3, v3_gluon, v3_gluon_bwd
+from flashtile import dispatch
+from flashtile.kernels import configs, score, tma, v1, v2, v3
+from flashtile.kernels.gluon import backward as gluon_bwd
+from flashtile.kernels.gluon import forward as gluon_fwd
 from flashtile.kernels.problem import Problem
+from flashtile.options import KernelOptions
 from sass_loops import describe
 
 FP32_POINTERS = {"LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE"}
-INT_POINTERS = {"CU_Q", "CU_K", "COUNTER"}
+INT_POINTERS = {"CU_Q", "CU_K"}
 FLOAT_SCALARS = {"scale_log2", "softmax_scale"}
+TUPLES = {"totals": ("i32", "i32"), "score_args": ("fp32",), "counter": ("*i64", "i64")}
 
 
 def signature(fn, dtype, constexprs, descriptors=None):
@@ -31,6 +36,8 @@ def signature(fn, dtype, constexprs, descriptors=None):
         name = param.name
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in TUPLES:
+            sig[name] = TUPLES[name]
         elif descriptors and name in descriptors:
             block, layout, *element = descriptors[name]  # (block, layout[, element type if not dtype])
             sig[name] = f"tensordesc<{element[0] if element else dtype}[{', '.join(map(str, block))}],{layout}>"
@@ -47,41 +54,46 @@ def compile_one(fn, dtype, constexprs, options, descriptors=None):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def gluon_case(head_dim, causal=False, window_left=-1):
-    """v3's Gluon forward with the constants and launch options v3_gluon.forward would use
-    (FLASHTILE_V3_ABLATE and FLASHTILE_CONFIG_V3_GLUON apply); ``window_left`` >= 0: a sliding
-    window's left edge, tested in the kernel only then."""
-    p = Problem(1, 16, 16, 4096, 4096, head_dim, 0.1, window_left, 0 if causal else -1, None, None)
-    cfg = configs.v3_gluon_schedule(p)
-    consts = v3_gluon.kernel_constants(p, cfg, 2)
-    q_block = v3_gluon.block_layout(consts["ROWS"], p.head_dim_pad, torch.bfloat16)
-    kv_block = v3_gluon.block_layout(cfg.block_n, p.head_dim_pad, torch.bfloat16)
+def problem(head_dim, causal=False, window_left=-1, softcap=0.0, seqlen=4096):
+    return Problem(1, 16, 16, seqlen, seqlen, head_dim, 0.1, window_left, 0 if causal else -1, None, None,
+                   softcap=softcap)
+
+
+def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0):
+    """v3's Gluon forward with the constants and launch options gluon/forward.py would use;
+    ``window_left`` >= 0: a sliding window's left edge, tested in the kernel only then."""
+    p = problem(head_dim, causal, window_left, softcap)
+    cfg = dispatch.gluon_schedule(p, opts)
+    consts = gluon_fwd.kernel_constants(p, cfg, 2)
+    q_block = tma.block_layout(consts["ROWS"], p.head_dim_pad, torch.bfloat16)
+    kv_block = tma.block_layout(cfg.block_n, p.head_dim_pad, torch.bfloat16)
     descriptors = {"q_desc": q_block, "o_desc": q_block, "k_desc": kv_block, "v_desc": kv_block}
-    return consts, v3_gluon.launch_options(cfg.consumers), descriptors
+    return consts, gluon_fwd.launch_options(cfg.consumers), descriptors
 
 
-def gluon_bwd_case(head_dim_pad, dq_pass, dq_reduce=False, persistent=True, causal=False):
-    """One of v3's Gluon backward kernels with the constants and launch options
-    v3_gluon_bwd.backward would use (FLASHTILE_CONFIG_V3_GLUON_BWD applies); ``dq_reduce``: the
-    dK/dV kernel adding dQ by TMA (v3_gluon_bwd.backward_reduce); ``persistent``: as launched
-    persistent where the pass can be (two stationary slots, tiles strided over or, ``causal``,
-    taken from the tile counter: v3_gluon_bwd.pass_schedule), else a CTA per tile."""
-    b = v3_gluon_bwd
-    p = Problem(1, 16, 16, 4096, 4096, head_dim_pad, 0.1, -1, 0 if causal else -1, None, None)
-    cfg = configs.v3_gluon_bwd_config(p, single_pass=dq_reduce)
+def gluon_bwd_case(head_dim_pad, opts, dq_pass, dq_reduce=False, persistent=True, causal=False, softcap=0.0):
+    """One of v3's Gluon backward kernels with the constants and launch options gluon/backward.py
+    would use; ``dq_reduce``: the dK/dV kernel adding dQ by TMA (the single pass);
+    ``persistent``: as launched persistent where the pass can be (two stationary slots, tiles
+    strided over or, ``causal``, taken from the tile counter), else a CTA per tile."""
+    b = gluon_bwd
+    p = problem(head_dim_pad, causal, softcap=softcap)
+    table = configs.V3_GLUON_BWD_REDUCE if dq_reduce else configs.V3_GLUON_BWD
+    override = opts.tile("v3_gluon_bwd_reduce" if dq_reduce else "v3_gluon_bwd")
+    cfg = configs.GluonBackward(*override) if override else configs.by_head_dim(table, head_dim_pad)
     rows = configs.gluon_bwd_stationary_rows(head_dim_pad)
     block_m, block_n = (rows, cfg.dq_block_n) if dq_pass else (cfg.kv_block_m, rows)
-    q_block = v3_gluon.block_layout(block_m, head_dim_pad, torch.bfloat16)
-    kv_block = v3_gluon.block_layout(block_n, head_dim_pad, torch.bfloat16)
+    q_block = tma.block_layout(block_m, head_dim_pad, torch.bfloat16)
+    kv_block = tma.block_layout(block_n, head_dim_pad, torch.bfloat16)
     descriptors = {"q_desc": q_block, "do_desc": q_block, "dq_desc": q_block, "k_desc": kv_block,
                    "v_desc": kv_block, "dk_desc": kv_block, "dv_desc": kv_block}
     schedule = b.Schedule(1, 1, False, False)
     if persistent:  # as launched on a GPU of 132 SMs, 1024 tiles
         with mock.patch.object(b, "sm_count", lambda index: 132):
-            schedule = b.pass_schedule(p, 1024, torch.device("cuda", 0), dq_reduce)
+            schedule = b.pass_schedule(p, cfg, 1024, torch.device("cuda", 0), dq_reduce)
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PAD=head_dim_pad, STAGES=cfg.num_stages,
-                  SPLIT_D=configs.split_head_dim(head_dim_pad), **schedule.constants())
-    out_block = v3_gluon.block_layout(b.partition_rows(head_dim_pad, dq_reduce), head_dim_pad, torch.bfloat16)
+                  SPLIT_D=configs.split_head_dim(head_dim_pad), SCORE=score.mod_of(p), **schedule.constants())
+    out_block = tma.block_layout(b.partition_rows(head_dim_pad, dq_reduce), head_dim_pad, torch.bfloat16)
     if dq_pass:
         consts["HAS_DLSE"] = False
         descriptors["dq_desc"] = out_block
@@ -89,7 +101,7 @@ def gluon_bwd_case(head_dim_pad, dq_pass, dq_reduce=False, persistent=True, caus
         consts["DQ_REDUCE"] = dq_reduce
         consts["SHARED_SCORES"] = b.shared_scores(cfg, head_dim_pad, dq_reduce)
         descriptors.update(dk_desc=out_block, dv_desc=out_block)
-        descriptors["dq_desc"] = (*v3_gluon.block_layout(block_m, head_dim_pad, torch.float32), "fp32") \
+        descriptors["dq_desc"] = (*tma.block_layout(block_m, head_dim_pad, torch.float32), "fp32") \
             if dq_reduce else out_block
     return consts, dict(b.launch_options(head_dim_pad, dq_reduce)), descriptors
 
@@ -98,49 +110,54 @@ def _options(cfg):
     return dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def cases(head_dim=128, varlen=False):
+def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0):
     """(name, kernel, constexprs, compile options, descriptor blocks) of every kernel as launched."""
-    p = Problem(1, 16, 16, 4096, 4096, head_dim, 0.1, -1, -1, None, None)
-    base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=varlen, UPCAST=False)
-    f = configs.v2_fwd_config(p, None)
+    p = problem(head_dim, softcap=softcap)
+    base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=varlen, UPCAST=False,
+                SCORE=score.mod_of(p))
+    f = dispatch.forward_plan(p, "v2", dispatch.HOPPER, opts).config
     yield "v2.fwd", v2._fwd_kernel, dict(base, BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages), \
         _options(f), None
-    kv, qc = configs.v2_bwd_config(p, None)
+    kv, qc = dispatch.backward_plan(p, "v2", dispatch.HOPPER, opts).config
     yield "v2.bwd_dkdv", v2._bwd_dkdv_kernel, dict(base, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n,
                                                    NUM_STAGES=kv.num_stages), _options(kv), None
     yield "v2.bwd_dq", v2._bwd_dq_kernel, dict(base, BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages,
                                                HAS_DLSE=False), _options(qc), None
-    c1 = v1._config(p, "FWD")
+    c1 = dispatch.forward_plan(p, "v1", dispatch.HOPPER, opts).config
     yield "v1.fwd", v1._fwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), _options(c1), None
-    c1 = v1._config(p, "BWD")
+    c1 = dispatch.backward_plan(p, "v1", dispatch.HOPPER, opts).config
     yield "v1.bwd", v1._bwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, HAS_DLSE=False), \
         _options(c1), None
-    for unmasked in ((False,) if varlen else (True, False)):  # varlen always takes the banded loop
-        c3 = configs.v3_fwd_config(p, unmasked)
-        yield f"v3.fwd{'' if unmasked else '_band'}", v3._fwd_kernel, dict(
-            base, BLOCK_M=c3.block_m, BLOCK_N=c3.block_n, NUM_STAGES=c3.num_stages, UNMASKED=unmasked,
-            WARP_SPECIALIZE=unmasked and c3.warp_specialize), _options(c3), None
-    c3 = configs.v3_bwd_reduce_config(p)
-    yield "v3.bwd", v3._bwd_kernel, dict(base, BLOCK_M=c3.block_m, BLOCK_N=c3.block_n, NUM_STAGES=c3.num_stages,
-                                         TMA_REDUCE=True), _options(c3), None
+    for banded in ((True,) if varlen else (False, True)):  # varlen always takes the banded loop
+        p3 = problem(head_dim, causal=banded, softcap=softcap)
+        plan = dispatch.v3_triton_forward(p3 if not varlen else problem(head_dim, True, softcap=softcap),
+                                         dispatch.HOPPER, opts)
+        c3 = plan.config
+        yield f"v3.fwd{'_band' if banded else ''}", v3._fwd_kernel, dict(
+            base, BLOCK_M=c3.block_m, BLOCK_N=c3.block_n, NUM_STAGES=c3.num_stages, UNMASKED=plan.unmasked,
+            WARP_SPECIALIZE=plan.unmasked and c3.warp_specialize), _options(c3), None
     if not varlen:  # the Gluon kernels take batched problems only
-        yield ("v3.fwd_gluon", v3_gluon._fwd_kernel, *gluon_case(head_dim))
-        yield ("v3.fwd_gluon_causal", v3_gluon._fwd_kernel, *gluon_case(head_dim, causal=True))
-        yield ("v3.fwd_gluon_window", v3_gluon._fwd_kernel, *gluon_case(head_dim, causal=True, window_left=512))
-        yield ("v3.bwd_dq_gluon", v3_gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, True))
-        yield ("v3.bwd_dkdv_gluon", v3_gluon_bwd._dkdv_kernel, *gluon_bwd_case(p.head_dim_pad, False))
+        yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, softcap=softcap))
+        yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, causal=True, softcap=softcap))
+        yield ("v3.fwd_gluon_window", gluon_fwd._fwd_kernel,
+               *gluon_case(head_dim, opts, causal=True, window_left=512, softcap=softcap))
+        yield ("v3.bwd_dq_gluon", gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, opts, True, softcap=softcap))
+        yield ("v3.bwd_dkdv_gluon", gluon_bwd._dkdv_kernel,
+               *gluon_bwd_case(p.head_dim_pad, opts, False, softcap=softcap))
         if not configs.split_head_dim(p.head_dim_pad):  # up to d128
             # The two passes over a band's tiles (persistent, from the tile counter), and with a
             # CTA per tile (as few tiles as SMs).
-            yield ("v3.bwd_dq_gluon_causal", v3_gluon_bwd._dq_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, True, causal=True))
-            yield ("v3.bwd_dkdv_gluon_causal", v3_gluon_bwd._dkdv_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, False, causal=True))
-            yield ("v3.bwd_dq_gluon_tile", v3_gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, True, False, False))
-            yield ("v3.bwd_dkdv_gluon_tile", v3_gluon_bwd._dkdv_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, False, False, False))
+            yield ("v3.bwd_dq_gluon_causal", gluon_bwd._dq_kernel,
+                   *gluon_bwd_case(p.head_dim_pad, opts, True, causal=True, softcap=softcap))
+            yield ("v3.bwd_dkdv_gluon_causal", gluon_bwd._dkdv_kernel,
+                   *gluon_bwd_case(p.head_dim_pad, opts, False, causal=True, softcap=softcap))
+            yield ("v3.bwd_dq_gluon_tile", gluon_bwd._dq_kernel,
+                   *gluon_bwd_case(p.head_dim_pad, opts, True, False, False, softcap=softcap))
+            yield ("v3.bwd_dkdv_gluon_tile", gluon_bwd._dkdv_kernel,
+                   *gluon_bwd_case(p.head_dim_pad, opts, False, False, False, softcap=softcap))
             # The single pass (it does not split the head dim).
-            yield ("v3.bwd_reduce_gluon", v3_gluon_bwd._dkdv_kernel, *gluon_bwd_case(p.head_dim_pad, False, True))
+            yield ("v3.bwd_reduce_gluon", gluon_bwd._dkdv_kernel,
+                   *gluon_bwd_case(p.head_dim_pad, opts, False, True, softcap=softcap))
 
 
 def main():
@@ -150,9 +167,12 @@ def main():
     ap.add_argument("--only", help="compile only the kernels with this name (e.g. v3.fwd)")
     ap.add_argument("--varlen", action="store_true", help="the variable-length (cu_seqlens) variants")
     ap.add_argument("--loops", action="store_true", help="each hot loop's SASS instruction mix")
+    ap.add_argument("--options", default="", help="kernel options, as FLASHTILE_KERNEL_OPTIONS takes them")
+    ap.add_argument("--softcap", type=float, default=0.0, help="compile the kernels with this softcap")
     args = ap.parse_args()
+    opts = KernelOptions.parse(args.options)
     for d in (int(x) for x in args.head_dims.split(",")):
-        for name, fn, constexprs, options, descriptors in cases(d, args.varlen):
+        for name, fn, constexprs, options, descriptors in cases(d, args.varlen, opts, args.softcap):
             if args.only and name != args.only:
                 continue
             try:

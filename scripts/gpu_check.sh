@@ -8,16 +8,13 @@
 #   claims  FlashAttention-1 vs -2 vs standard attention: speed (fa1_fa2_standard.*), the IO
 #           model's regime of each run (io_regimes.*), exactness, memory up to 128k
 #   bench   the default `flashtile bench` grid (BENCH_ARGS narrows or widens it), timed
-#   ws      v3's warp-specialized forward (shipped at d128): the v3 tests with it
-#           forced up to d128, then warp-specialized vs plain config speed
 #   sweep   tile candidates (SWEEP_ARGS: scripts/sweep_configs.py options)
 #   memory  peak memory alone
 #   sanitize  compute-sanitizer memcheck over one small case of every kernel (sanitize.log)
 #   ablation  v3's techniques switched off one at a time, d128 8k (ablation_v3.*)
-#   backward  v3's backward kernels: their GPU tests, then each forced (d64/d128/d256), side by side with
-#           cuDNN (backward_variants.*)
-#   launch  short forwards timed as usual and as CUDA-graph replays (launch_*), and the host
-#           time per call against the GPU's at 1k (host_cost.md): which cells the launch path bounds
+#   ab      the working tree's v3 against a revision's (AB_REV, extracted into .ab by
+#           scripts/ab_revision.py: carry .ab) over the bars grid, with a null pair and cuDNN (ab.*)
+#   softcap v3 with softcap 30 against v3 without, d128 8k, forward and backward (softcap.*)
 #   gluon   v3's Gluon forward: its tile sweep at 1k and 16k
 #           (sweep_gluon_*.jsonl)
 #   profile Nsight Compute over v3's kernels on a few bars cells (PROFILE_CASES: "head_dim seqlen
@@ -60,47 +57,29 @@ for stage in $stages; do
       python scripts/exactness_check.py --out "$OUT/exactness.json" | tee "$OUT/exactness.md" || status=1
       python scripts/memory_check.py --providers standard,flashtile-v1,flashtile-v2,flashtile-v3,sdpa-flash \
         --out "$OUT/memory.json" || status=1 ;;
-    ws)
-      # The forced 128x128 tiles do not fit in shared memory at d192/d256: those are left out.
-      FLASHTILE_CONFIG_V3_FWD=128,128,4,2,1 timeout 300 python -m pytest tests -q -n "${TEST_WORKERS:-8}" \
-        -p no:cacheprovider -k "v3 and not v3-192 and not v3-256" 2>&1 | tee "$OUT/ws_tests.log" | tail -8 || status=1
-      for cfg in 128,128,8,3,0 128,128,4,2,1 128,64,4,2,1; do
-        echo "V3_FWD=$cfg"
-        FLASHTILE_CONFIG_V3_FWD=$cfg python -m flashtile bench --head-dims 128 --seqlens 4096,16384 --causal false \
-          --modes fwd --providers flashtile-v3 --no-plots --out "$OUT" --name "ws_$cfg" 2>/dev/null | grep "^| [0-9]"
-      done 2>&1 | tee "$OUT/ws_speed.log" ;;
     sanitize)
       sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
       # No caching allocator: an out-of-bounds access must leave the allocation to be seen.
       (rc=0
        # v3's kernels each: the Gluon and the plain-Triton forward; the Gluon backwards (two
-       # passes, one with TMA reduce-add), v2's and the plain-Triton reduce-add one
-       for run in "pass gluon gluon v1,v2,v3" "pass gluon gluon-reduce v3" "reduce triton v2 v3"; do
+       # passes, one with TMA reduce-add) and v2's
+       for run in "backward=gluon v1,v2,v3" "backward=gluon-reduce v3" "forward=triton;backward=v2 v3"; do
          set -- $run
-         echo "FLASHTILE_V3_DQ=$1 FLASHTILE_V3_FWD=$2 FLASHTILE_V3_BWD=$3"
-         FLASHTILE_V3_DQ=$1 FLASHTILE_V3_FWD=$2 FLASHTILE_V3_BWD=$3 PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-           "$sanitizer" --tool memcheck \
-           --error-exitcode 1 python scripts/sanitize_cases.py --versions "$4" || rc=1
+         echo "kernel options: $1"
+         PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck --error-exitcode 1 \
+           python scripts/sanitize_cases.py --versions "$2" --kernel-options "$1" || rc=1
        done
        exit $rc) 2>&1 | tee "$OUT/sanitize.log" | tail -25 || status=1 ;;
-    backward)
-      timeout 200 python -m pytest tests -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider \
-        -k "gluon_backward or deterministic or reduce_add" 2>&1 | tee "$OUT/backward_tests.log" | tail -4 || status=1
-      python scripts/backward_variants.py --head-dims 64,128,256 --out "$OUT/backward_variants.json" \
-        | tee "$OUT/backward_variants.md" \
-        || status=1 ;;
     ablation)
       python scripts/ablation_v3.py --out "$OUT/ablation_v3.json" | tee "$OUT/ablation_v3.md" || status=1 ;;
-    launch)
-      for timing in events cuda-graphs; do
-        python -m flashtile bench --head-dims 64,128,256 --seqlens 1024,2048,4096 --modes fwd \
-          --providers flashtile-v3,flashtile-v2,sdpa-cudnn,sdpa-flash --no-plots --out "$OUT" \
-          --name "launch_$timing" $([ $timing = cuda-graphs ] && echo --cuda-graphs) 2>&1 \
-          | grep -v "bench:" | tee "$OUT/launch_$timing.log" || status=1
-      done
-      for d in 64 128 256; do
-        python scripts/host_cost.py --head-dim $d --seqlen 1024 || status=1
-      done 2>&1 | tee "$OUT/host_cost.md" ;;
+    ab)
+      python scripts/ab_revision.py run "${AB_REV:?AB_REV names the revision in .ab}" --bars \
+        --rounds "${AB_ROUNDS:-2}" --out "$OUT/ab.json" 2>&1 | tee "$OUT/ab.md" || status=1 ;;
+    softcap)
+      for cap in 0 30; do
+        python -m flashtile bench --head-dims 128 --seqlens 8192 --causal false,true --softcap $cap \
+          --providers flashtile-v3 --repeats 3 --no-plots --out "$OUT" --name "softcap_$cap" 2>&1 | grep -v "bench:"
+      done | tee "$OUT/softcap.md" || status=1 ;;
     gluon)
       # (v3's default forward wherever it applies: the tests stage checks it)
       for seqlen in 1024 16384; do

@@ -39,14 +39,16 @@ def run_and_grad(fn, q, k, v, dout):
     return out.detach(), lse, grads
 
 
-def check_against_reference(flash, q, k, v, **mask):
-    """Run flash(q, k, v) and the two references on the same inputs; assert the rule everywhere."""
+def check_against_reference(flash, q, k, v, rules=(OUT_RULE, GRAD_RULE), **mask):
+    """Run flash(q, k, v) and the two references (standard_attention with ``mask``: causal,
+    window_size, softcap) on the same inputs; assert the rules (output, gradients) everywhere."""
     dout = torch.randn_like(q)
     out, lse, grads = run_and_grad(lambda a, b, c: flash(a, b, c), q, k, v, dout)
     oracle, oracle_lse, oracle_grads = run_and_grad(
         lambda a, b, c: standard_attention(a, b, c, upcast=True, return_lse=True, **mask), q, k, v, dout.double())
     pt, _, pt_grads = run_and_grad(lambda a, b, c: standard_attention(a, b, c, **mask), q, k, v, dout)
-    assert_within_rule("out", out, pt, oracle, OUT_RULE)
+    out_rule, grad_rule = rules
+    assert_within_rule("out", out, pt, oracle, out_rule)
     for name, g, g_pt, g_ref in zip(("dq", "dk", "dv"), grads, pt_grads, oracle_grads):
-        assert_within_rule(name, g, g_pt, g_ref, GRAD_RULE)
+        assert_within_rule(name, g, g_pt, g_ref, grad_rule)
     return out, lse, oracle_lse

@@ -1,8 +1,6 @@
 """The flashtile command: usage errors, info, demo, and the report writers."""
-import cProfile
 import json
 import os
-import pstats
 import subprocess
 import sys
 
@@ -61,7 +59,7 @@ def test_report_files_and_schema(tmp_path):
                for p in ("flashtile-v2", "sdpa-flash")]
     table = bench.save(records, tmp_path, "t", baseline="sdpa-flash")
     saved = json.loads((tmp_path / "t.json").read_text())
-    assert set(saved[0]) == {"provider", "dtype", "b", "h", "h_k", "sq", "sk", "d", "causal", "mode", "ms",
+    assert set(saved[0]) == {"provider", "dtype", "softcap", "b", "h", "h_k", "sq", "sk", "d", "causal", "mode", "ms",
                              "tflops", "peak_mem_bytes", "gpu", "torch", "triton", "commit", "date"}
     assert "| 1024 |" in table and "flashtile-v2/sdpa-flash" in table
     assert (tmp_path / "t_tflops.png").stat().st_size > 0 and (tmp_path / "t_memory.png").stat().st_size > 0
@@ -126,7 +124,7 @@ def test_io_unreadable_measurements_exit_2(tmp_path):
 
 
 def test_bench_repeats_keep_every_pass_and_report_failures(monkeypatch):
-    def broken(q, k, v, causal):
+    def broken(q, k, v, causal, **options):
         raise RuntimeError("no kernel for this shape\nsecond line")
 
     monkeypatch.setitem(bench.PROVIDERS, "broken", broken)
@@ -141,172 +139,33 @@ def test_bench_repeats_keep_every_pass_and_report_failures(monkeypatch):
     assert "| 40 |" in table and table.rstrip().endswith(f"- {errors[0]}")
 
 
-def test_bench_measure_sets_kernel_switches_for_one_measurement(monkeypatch):
-    # The ablation, sweep and backward-variant scripts force kernels through ``env``: it must
-    # reach the kernels (an unknown backward is refused) and be gone after the call.
-    monkeypatch.delenv("FLASHTILE_V3_BWD", raising=False)
+def test_bench_measure_passes_kernel_options_to_flashtile(monkeypatch):
+    # The ablation, sweep and A/B scripts force kernels through ``kernel_options``: it reaches the
+    # flashtile providers (an unknown kernel is refused) and nothing else.
     case = bench.Case(1, 2, 2, 40, 40, 32, False, "bwd")
-    with pytest.raises(ValueError, match="FLASHTILE_V3_BWD"):
-        bench.measure("flashtile-v3", case, device="cuda" if ON_GPU else "cpu", env={"FLASHTILE_V3_BWD": "v7"})
-    assert "FLASHTILE_V3_BWD" not in os.environ
+    device = "cuda" if ON_GPU else "cpu"
+    with pytest.raises(ValueError, match="backward='v7'"):
+        bench.measure("flashtile-v3", case, device=device, kernel_options="backward=v7")
+    assert bench.measure("standard", case, device=device, kernel_options="backward=v7")[0] > 0
 
 
 def test_compare_rotates_the_order_of_the_variants(monkeypatch):
-    # Each variant's setup is in place for its own measurements only, the order of the variants
-    # rotates by one from round to round (over as many rounds as variants, each runs once in
+    # Each variant is measured with its own provider and options, the order of the variants
+    # rotating by one from round to round (over as many rounds as variants, each runs once in
     # every place), and each keeps its best time per case.
-    import contextlib
+    measured, times = [], iter([3.0, 2.0, 1.0, 5.0, 4.0, 6.0, 2.5, 0.5, 7.0, 1.5, 0.2, 9.0,
+                                8.0, 3.5, 4.5, 0.1, 6.5, 5.5])
 
-    entered, times = [], iter([3.0, 2.0, 1.0, 5.0, 4.0, 6.0, 2.5, 0.5, 7.0, 1.5, 0.2, 9.0,
-                               8.0, 3.5, 4.5, 0.1, 6.5, 5.5])
-
-    def fake_measure(provider, case):
-        assert entered[-1][1] == provider  # measured under its own variant's setup
+    def fake_measure(provider, case, kernel_options=None):
+        measured.append((provider, kernel_options))
         return next(times), None
 
-    def setup(name, provider):
-        @contextlib.contextmanager
-        def put_in_place():
-            entered.append((name, provider))
-            yield
-        return put_in_place
-
     monkeypatch.setattr(bench, "measure", fake_measure)
-    variants = {"old": ("flashtile-v2", setup("old", "flashtile-v2")),
-                "new": ("flashtile-v3", setup("new", "flashtile-v3")),
-                "again": ("flashtile-v3", setup("again", "flashtile-v3"))}
+    variants = {"old": ("flashtile-v2", None), "new": ("flashtile-v3", None), "again": ("flashtile-v3", "x")}
     cases = [bench.Case(1, 2, 2, 40, 40, 32, True, "fwd"), bench.Case(1, 2, 2, 70, 70, 32, False, "bwd")]
     best = bench.compare(variants, cases, rounds=3)
-    order = [name for name, _ in entered]
+    order = [{v: k for k, v in variants.items()}[m] for m in measured]
     assert order == ["old", "new", "again"] * 2 + ["new", "again", "old"] * 2 + ["again", "old", "new"] * 2
     for place in range(3):  # every variant once in every place, for each case
         assert sorted(order[place::3][::2]) == sorted(order[place::3][1::2]) == ["again", "new", "old"]
     assert best == [{"old": 3.0, "new": 2.0, "again": 0.5}, {"old": 5.0, "new": 1.5, "again": 0.1}]
-
-
-def test_host_cost_times_the_calls_enqueued_and_finished(monkeypatch):
-    # Host time (calls enqueued) never exceeds wall time (calls finished); switches in ``env``
-    # reach the kernels for those calls only.
-    case = bench.Case(1, 2, 2, 40, 40, 32, True, "fwd")
-    host, wall = bench.host_cost("flashtile-v2", case, calls=3)
-    assert 0 < host <= wall
-    # A profiler sees the timed calls (not the warm-up ones): each reaches v2's forward once.
-    profiler = cProfile.Profile()
-    bench.host_cost("flashtile-v2", case, calls=3, profiler=profiler)
-    calls = {fn[2]: count for fn, (count, *_) in pstats.Stats(profiler).stats.items() if fn[0].endswith("v2.py")}
-    assert calls.get("forward") == 3
-    monkeypatch.delenv("FLASHTILE_V3_FWD", raising=False)
-    with pytest.raises(ValueError, match="FLASHTILE_V3_FWD"):
-        bench.host_cost("flashtile-v3", case, calls=1, env={"FLASHTILE_V3_FWD": "v7"})
-    assert "FLASHTILE_V3_FWD" not in os.environ
-
-
-def test_ab_module_measures_each_revision_in_place_of_the_tree(monkeypatch, tmp_path, capsys):
-    # scripts/ab_module.py: the file at the revision stands where the package refers to the
-    # module for the "rev" variant's measurements only; tree and tree_again use the tree's file;
-    # --check compares one set of gradients of the two bit for bit (v3's backward is v2's under
-    # the interpreter, so v2's file is swapped).
-    import importlib.util
-
-    from flashtile.kernels import v3
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("ab_module", os.path.join(root, "scripts", "ab_module.py"))
-    ab_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab_module)
-    tree_file = v3.v2.__file__
-    seen = []
-
-    def fake_measure(provider, case):
-        seen.append(os.path.basename(v3.v2.__file__))
-        return float(len(seen)), None
-
-    monkeypatch.setattr(bench, "measure", fake_measure)
-    monkeypatch.chdir(root)
-    out = tmp_path / "ab.json"
-    ab_module.main(["flashtile/kernels/v2.py", "--rev", "HEAD", "--at", "flashtile.kernels.v3", "--cells",
-                    "16 40 causal bwd", "--tokens", "40", "--hidden", "32", "--baseline", "", "--rounds", "2",
-                    "--check", "--out", str(out)])
-    assert seen == ["v2.py", "v2_at_HEAD.py", "v2.py", "v2_at_HEAD.py", "v2.py", "v2.py"]
-    assert v3.v2.__file__ == tree_file
-    assert "bitwise equal: True" in capsys.readouterr().err
-    rows = json.loads(out.read_text())["rows"]
-    assert rows == [dict(d=16, causal=True, seqlen=40, mode="bwd", tree=1.0, rev=2.0, tree_again=3.0)]
-    with pytest.raises(SystemExit):
-        ab_module.main(["flashtile/kernels/v2.py", "--at", "flashtile.kernels.v1", "--cells", "16 40 causal bwd"])
-
-
-def test_ab_env_measures_each_variant_under_its_settings(monkeypatch, tmp_path, capsys):
-    # scripts/ab_env.py: each variant's environment is set for its own measurements only, the
-    # order rotated each round; --check compares each variant's gradients with the first's.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    monkeypatch.syspath_prepend(os.path.join(root, "scripts"))
-    import ab_env
-    monkeypatch.delenv("FLASHTILE_V3_BWD", raising=False)
-    seen = []
-
-    def fake_measure(provider, case):
-        seen.append(os.environ.get("FLASHTILE_V3_BWD"))
-        return float(len(seen)), None
-
-    monkeypatch.setattr(bench, "measure", fake_measure)
-    out = tmp_path / "ab.json"
-    ab_env.main(["--cells", "16 40 causal bwd", "--tokens", "40", "--hidden", "32", "--baseline", "",
-                 "--rounds", "2", "--variant", "plain:", "--variant", "forced:FLASHTILE_V3_BWD=v2", "--check",
-                 "--out", str(out)])
-    assert seen == [None, "v2", "v2", None]
-    assert "FLASHTILE_V3_BWD" not in os.environ
-    assert "plain and forced bitwise equal: True" in capsys.readouterr().err
-    rows = json.loads(out.read_text())["rows"]
-    assert rows == [dict(d=16, causal=True, seqlen=40, mode="bwd", plain=1.0, forced=2.0)]
-    with pytest.raises(ValueError):
-        ab_env.parse_variant("no-colon")
-
-
-def test_bars_table_counts_cells_at_or_above_the_baseline(monkeypatch, tmp_path, capsys):
-    # scripts/bars_table.py: one table from a run split by head dim, v3 over the baseline and
-    # over v2 per mode, the count of cells v3 holds, an earlier run's ratios beside them.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    monkeypatch.syspath_prepend(os.path.join(root, "scripts"))
-    import bars_table
-
-    def records(d, tflops):
-        return [dict(provider=p, d=d, causal=False, sq=1024, mode=m, tflops=t)
-                for (p, m), t in tflops.items()]
-
-    run = [tmp_path / "d64.json", tmp_path / "d128.json"]
-    run[0].write_text(json.dumps(records(64, {("flashtile-v3", "fwd"): 400, ("sdpa-cudnn", "fwd"): 500,
-                                              ("flashtile-v2", "fwd"): 200, ("flashtile-v3", "bwd"): 300,
-                                              ("sdpa-cudnn", "bwd"): 300})))
-    run[1].write_text(json.dumps(records(128, {("flashtile-v3", "fwd"): 600, ("sdpa-cudnn", "fwd"): 500})))
-    before = tmp_path / "before.json"
-    before.write_text(json.dumps(records(64, {("flashtile-v3", "fwd"): 250, ("sdpa-cudnn", "fwd"): 500})))
-    bars_table.main([*map(str, run), "--previous", str(before)])
-    out = capsys.readouterr().out
-    assert "fwd: v3 >= sdpa-cudnn in 1 of 2 cells, bwd: v3 >= sdpa-cudnn in 1 of 1 cells" in out
-    assert "| 64 | no | 1024 | 400 | 500 | 0.800 | 2.00 | 300 | 300 | 1.000 |  | 0.500 / - |" in out
-    assert "| 128 | no | 1024 | 600 | 500 | 1.200 |  |  |  |  |  | - / - |" in out
-
-
-def test_ncu_stalls_splits_the_samples_by_region(monkeypatch, tmp_path, capsys):
-    # scripts/ncu_stalls.py: Nsight Compute's SASS page (a preamble, then one row per
-    # instruction) split into hot loops (run at least half as often as the most run
-    # instruction), idle warps (NOPs sampled only at a barrier) and the rest.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    monkeypatch.syspath_prepend(os.path.join(root, "scripts"))
-    import ncu_stalls
-
-    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
-              "stall_barrier", "stall_wait", "stall_long_sb", "stall_barrier (Not Issued)"]
-    rows = [["0x10", "MUFU.EX2 R1, R1", "60", "1,000", "0", "60", "0", "0"],
-            ["0x20", "@!P0 BRA 0x10", "20", "900", "5", "15", "0", "0"],
-            ["0x30", "NOP", "15", "10", "15", "0", "0", "15"],
-            ["0x40", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1], R2", "5", "100", "0", "0", "5", "0"]]
-    path = tmp_path / "sass.csv"
-    path.write_text('"Kernel Name","_fwd_kernel"\n' + "\n".join(",".join(f'"{x}"' for x in r)
-                                                             for r in [header] + rows) + "\n")
-    ncu_stalls.main([str(path)])
-    out = capsys.readouterr().out
-    assert "| hot loops | 80.0% | wait 93.8%, barrier 6.2% |" in out
-    assert "| idle at a barrier | 15.0% | barrier 100.0% |" in out
-    assert "| rest | 5.0% | long_sb 100.0% |" in out
-    assert "Hot loops' samples by opcode: MUFU 75.0%, BRA 25.0%" in out

@@ -10,9 +10,9 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashtile import flash_attn_func, runtime
+from flashtile import flash_attn_func, options
 from flashtile.kernels import launch
-from flashtile.kernels.v3_gluon import block_layout
+from flashtile.kernels.tma import block_layout
 
 
 def _descriptor(dtype=torch.bfloat16, rows=64, offset=0):
@@ -26,13 +26,21 @@ def _triton_specialization(x):
     return native_specialize_impl(BaseBackend, x, False, True, True)
 
 
+def _specialization(x):
+    """What triton specializes a (possibly tuple) argument on: each element's, for a tuple."""
+    if isinstance(x, tuple):
+        return tuple(map(_specialization, x))
+    return _triton_specialization(x)
+
+
 def test_specialization_key_separates_what_triton_specializes():
     storage = torch.empty(64, dtype=torch.float32)
     args = [0, 1, 2, 16, 17, 48, -16, -1, 2**31 - 16, 2**31, -2**31, -2**31 - 16, 2**40, True, False, 0.5, 1.0,
             None, storage, storage[1:], storage[4:], storage.to(torch.float16), storage.to(torch.float16)[8:],
-            _descriptor(), _descriptor(rows=128), _descriptor(torch.float16), torch.nn.Parameter(storage)]
+            _descriptor(), _descriptor(rows=128), _descriptor(torch.float16), torch.nn.Parameter(storage),
+            (1, 16), (17, 16), (0.5,), (storage, 2**40)]
     for a, b in itertools.combinations(args, 2):
-        if _triton_specialization(a) != _triton_specialization(b):
+        if _specialization(a) != _specialization(b):
             assert launch.specialization_key([a]) != launch.specialization_key([b]), (a, b)
     with pytest.raises(TypeError, match="no launch key"):
         launch.specialization_key(["a string"])
@@ -72,7 +80,7 @@ class _FakeBinary:
 
 
 def test_launch_compiles_once_per_class_of_arguments(monkeypatch):
-    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    monkeypatch.setattr(options, "interpreting", lambda: False)
     active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 7)
     monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=active))
     kernel, x, desc = _FakeKernel(), torch.empty(8), _descriptor()
@@ -97,7 +105,7 @@ def test_launch_compiles_once_per_class_of_arguments(monkeypatch):
 
 
 def test_launch_under_the_interpreter_goes_through_the_kernel(monkeypatch):
-    monkeypatch.setattr(runtime, "interpreting", lambda: True)
+    monkeypatch.setattr(options, "interpreting", lambda: True)
     kernel = _FakeKernel()
     launch.launch(kernel, (1,), _descriptor(), 1, BLOCK=64, FLAG=False)
     launch.launch(kernel, (1,), _descriptor(), 1, BLOCK=64, FLAG=False)

@@ -64,10 +64,8 @@ def band_blocks(r0, ROWS, COLS, seqlen_q, seqlen_k, window_left, window_right, K
 def program_tile(seqlen, ROWS: tl.constexpr):
     """(batch x head, row block, row blocks per head) of this program in a 1-D grid of
     batch x heads x cdiv(seqlen, ROWS) programs, one head's row blocks adjacent: the programs
-    resident together stream the same head's blocks through L2.  With the head varying fastest
-    (a (heads, blocks) grid) each resident program read its own head from HBM at short sequences:
-    v3's Gluon backward ran 1.00-1.34x faster for the change at 1k-4k, 0.97-1.07x at 16k; v2's
-    kernels 0.97-1.14x (H200, benchmarks/results/2026-12-01_H200_86cee91/INDEX.md)."""
+    resident together stream the same head's blocks through L2 (with the head varying fastest,
+    each resident program read its own head from HBM at short sequences)."""
     return split_tile(tl.program_id(0), seqlen, ROWS)
 
 
@@ -121,30 +119,34 @@ def band_edge_masks(s, rows, offs, n0, COLS, n_cols, r_first, r_last, dlo, dhi, 
 
 
 @triton.jit
-def sequence_bounds(batch, cu_seqlens, seqlen, IS_VARLEN: tl.constexpr):
-    """Start row and length of sequence ``batch``: from cu_seqlens (varlen) or the padded length."""
+def sequence_bounds(batch, cu_seqlens, seqlen, total, IS_VARLEN: tl.constexpr):
+    """Start row and length of sequence ``batch``: from cu_seqlens (varlen) or the padded length.
+
+    Varlen offsets are clamped to the ``total`` rows of the packed tensor, so a malformed table
+    (one the host did not read: CUDA-graph capture) can never send a load outside it."""
     if IS_VARLEN:
         # The start is int64, like the batched branch's: start x row stride passes 2**31 once
         # a packed batch holds that many elements.  The length stays int32 (loop bounds, TMA).
-        start = tl.load(cu_seqlens + batch)
-        end = tl.load(cu_seqlens + batch + 1)
+        start = tl.minimum(tl.maximum(tl.load(cu_seqlens + batch), 0), total)
+        end = tl.minimum(tl.maximum(tl.load(cu_seqlens + batch + 1), start), total)
         return start.to(tl.int64), end - start
     else:
         return batch * 0, seqlen  # a zero of batch's type, so both branches agree
 
 
 @triton.jit
-def program_sequence(bh, heads, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right,
+def program_sequence(bh, heads, CU_Q, CU_K, seqlen_q, seqlen_k, totals, window_left, window_right,
                      IS_VARLEN: tl.constexpr):
     """Which (batch, head) a program works on, where its sequences start, their lengths, and the band.
 
-    ``bh`` enumerates batch x heads (heads of q, or of k/v for K/V-parallel kernels).
-    Returns (batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi); batch and head are
-    int64 so that offsets into large tensors do not overflow.
+    ``bh`` enumerates batch x heads (heads of q, or of k/v for K/V-parallel kernels);
+    ``totals``: the rows of the packed q and k (varlen).  Returns (batch, head, q_start,
+    seqlen_q, k_start, seqlen_k, dlo, dhi); batch and head are int64 so that offsets into large
+    tensors do not overflow.
     """
     batch = (bh // heads).to(tl.int64)
     head = (bh % heads).to(tl.int64)
-    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(batch, CU_K, seqlen_k, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, totals[0], IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(batch, CU_K, seqlen_k, totals[1], IS_VARLEN)
     dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
     return batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi

@@ -23,7 +23,7 @@ from triton import knobs
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.driver import driver
 
-from flashtile import runtime
+from flashtile import options
 
 
 class Descriptor:
@@ -69,6 +69,13 @@ _ARGUMENT_CLASS = {  # by exact type: one dict lookup an argument
 }
 
 
+def _tuple_class(x):
+    return tuple(map(_argument_class, x))
+
+
+_ARGUMENT_CLASS[tuple] = _tuple_class
+
+
 def _argument_class(x):
     classify = _ARGUMENT_CLASS.get(type(x))
     if classify is not None:
@@ -95,7 +102,7 @@ def launch(kernel, grid, *args, **constants):
     """``kernel[grid](*args, **constants)``; ``args`` are the runtime arguments in signature
     order (Descriptor for a tensor descriptor), ``constants`` the constexprs (which follow them
     in the signature) and launch options."""
-    if runtime.interpreting():
+    if options.interpreting():
         return kernel[grid](*_checked(args), **constants)
     device = driver.active.get_current_device()
     key = (device, specialization_key(args), *constants.items())

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from flashtile import runtime
+from flashtile import options
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,10 +33,13 @@ class Problem:
     cu_seqlens_q: Optional[torch.Tensor]
     cu_seqlens_k: Optional[torch.Tensor]
     deterministic: bool = False  # the backward must give bitwise-identical gradients run to run
+    softcap: float = 0.0   # scores become softcap * tanh(scores / softcap); 0: off
+    total_q: int = 0       # rows of the packed q and k (varlen)
+    total_k: int = 0
 
     @classmethod
     def of(cls, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-           softmax_scale, window_left, window_right, deterministic=False):
+           softmax_scale, window_left, window_right, softcap=0.0, deterministic=False):
         varlen = cu_seqlens_q is not None
         return cls(
             batch=cu_seqlens_q.numel() - 1 if varlen else q.shape[0],
@@ -45,11 +48,17 @@ class Problem:
             seqlen_k=max_seqlen_k if varlen else k.shape[1],
             head_dim=q.shape[-1], softmax_scale=softmax_scale,
             window_left=window_left, window_right=window_right,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, deterministic=deterministic)
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, deterministic=deterministic,
+            softcap=softcap, total_q=q.shape[0] if varlen else 0, total_k=k.shape[0] if varlen else 0)
 
     @property
     def varlen(self) -> bool:
         return self.cu_seqlens_q is not None
+
+    @property
+    def empty(self) -> bool:
+        """No query row, or no key: nothing to compute (outputs 0, logsumexp +inf)."""
+        return self.batch == 0 or self.seqlen_q == 0 or self.seqlen_k == 0
 
     @property
     def banded(self) -> bool:
@@ -95,6 +104,11 @@ class Problem:
     def row_stat_shape(self, total_q: int):
         return (self.heads_q, total_q) if self.varlen else (self.batch, self.heads_q, self.seqlen_q)
 
+    @property
+    def totals(self):
+        """(total_q, total_k): what the kernels clamp varlen offsets to."""
+        return self.total_q, self.total_k
+
     def cu_pointers(self, device):
         """cu_seqlens for the kernels; a one-element placeholder when not varlen (never read)."""
         if self.varlen:
@@ -104,4 +118,4 @@ class Problem:
 
     def upcast(self, x: torch.Tensor) -> bool:
         """Run tiles in fp32 where the interpreter would mis-compute bf16 matmuls."""
-        return runtime.interpreting() and x.dtype == torch.bfloat16
+        return options.interpreting() and x.dtype == torch.bfloat16

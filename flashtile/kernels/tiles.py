@@ -45,6 +45,43 @@ def as_operand(x, dtype, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def values_product(p, v, dtype, UPCAST: tl.constexpr, MASKED: tl.constexpr):
+    """p @ v for one K/V block, with the masking rule: a key of weight exactly 0 (masked, or
+    past the sequence) contributes nothing, whatever its value.  A matrix product would make 0
+    times an infinite value NaN; so a MASKED block multiplies its finite values only, and where
+    the block holds a value that is not finite (rare) each row gets +inf, -inf or NaN in the
+    columns where a key it weighs holds one (inf + -inf giving NaN, as IEEE sums do), key by key
+    on the CUDA cores.  Blocks without masks see every key: the plain product."""
+    p_op = as_operand(p, dtype, UPCAST)
+    if MASKED:
+        finite = (v - v) == 0  # inf - inf and NaN - NaN are NaN
+        pv = tl.dot(p_op, tl.where(finite, v, tl.zeros_like(v)))
+        if tl.sum((~finite).to(tl.int32)) > 0:
+            pv += _non_finite_terms(p, v)
+    else:
+        pv = tl.dot(p_op, v)
+    return pv
+
+
+@triton.jit
+def _non_finite_terms(p, v):
+    """+inf, -inf or NaN where a row of ``p`` weighs (> 0) a key whose value in that column is
+    +inf, -inf or NaN (both infinities: NaN), else 0."""
+    keys = tl.arange(0, v.shape[0])
+    pos = tl.zeros([p.shape[0], v.shape[1]], tl.int32)
+    neg = tl.zeros([p.shape[0], v.shape[1]], tl.int32)
+    nan = tl.zeros([p.shape[0], v.shape[1]], tl.int32)
+    for j in range(v.shape[0]):
+        weighs = tl.sum(tl.where(keys[None, :] == j, p, 0.0), 1) > 0
+        vj = tl.sum(tl.where(keys[:, None] == j, v.to(tl.float32), 0.0), 0)
+        pos |= (weighs[:, None] & (vj == float("inf"))[None, :]).to(tl.int32)
+        neg |= (weighs[:, None] & (vj == float("-inf"))[None, :]).to(tl.int32)
+        nan |= (weighs[:, None] & (vj != vj)[None, :]).to(tl.int32)
+    return tl.where(pos != 0, float("inf"), 0.0) + tl.where(neg != 0, float("-inf"), 0.0) + \
+        tl.where(nan != 0, float("nan"), 0.0)
+
+
+@triton.jit
 def row_delta(o, do, DLSE, stat, rows, n_rows, HAS_DLSE: tl.constexpr):
     """D = rowsum(dO * O) - dlse in fp32, for the backward's dS = P * (dP - D).
 

@@ -10,23 +10,22 @@ Deliberately without FlashAttention-2's changes, so that it shows what they boug
   When it does not (long sequences, small batch), the FA1 code release split the work of one
   (batch, head) over several thread blocks (its ``num_splits``: query rows in the forward, key
   columns in the backward); so does this module, each program keeping Algorithm 1's loop order
-  on its share.  ``FLASHTILE_V1_SPLITS=1`` forces the paper's one program per (batch, head).
+  on its share.  ``KernelOptions(v1_splits=1)`` forces the paper's one program per (batch, head).
 In the forward, K/V blocks that no query sees are not visited (the FA1 CUDA code skipped them
 too); the backward visits every K/V block so that all of dK, dV is written.
 """
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from flashtile import runtime
+from flashtile import options
+from flashtile.kernels import score
 from flashtile.kernels.blocks import band_mask, program_sequence, visited_blocks
-from flashtile.kernels.configs import Config, pick
 from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import Problem
-from flashtile.kernels.tiles import as_operand, load_tile, store_tile
+from flashtile.kernels.tiles import as_operand, load_tile, store_tile, values_product
 
 # On-chip memory of one SM that the paper's block-size rule divides up: the 227 KiB one
 # Hopper thread block may use, counted in 2-byte elements.
@@ -43,8 +42,8 @@ def block_sizes(head_dim_pad: int) -> tuple[tuple[int, int], tuple[int, int]]:
     Forward: Bc = ceil(M / 4d), Br = min(Bc, d), for the four tiles Q_i, K_j, V_j, O_i on chip.
     The backward also holds dK_j and dV_j next to K_j and V_j, so its column block halves:
     Bc = ceil(M / 8d).  Triton tiles must be powers of two, so each is rounded down to one and
-    capped where the register file, not shared memory, runs out first (H200 sweep,
-    scripts/sweep_configs.py --only v1): 128 rows, and 64 columns in the backward.
+    capped where the register file, not shared memory, runs out first: 128 rows, and 64
+    columns in the backward.  (One stage: FA1 predates software pipelining of the K/V loads.)
     """
     bc = min(128, _pow2_floor(-(-SRAM_ELEMENTS // (4 * head_dim_pad))))
     br = min(bc, head_dim_pad)
@@ -52,28 +51,20 @@ def block_sizes(head_dim_pad: int) -> tuple[tuple[int, int], tuple[int, int]]:
     return (br, bc), (br, bwd_bc)
 
 
-def _config(p: Problem, which: str) -> Config:
-    """Tiles of the forward ("FWD") or backward ("BWD") kernel."""
-    fwd, bwd = block_sizes(p.head_dim_pad)
-    br, bc = fwd if which == "FWD" else bwd
-    # One stage: FA1 predates software pipelining of the K/V loads.
-    return pick(f"V1_{which}", Config(br, bc, 4 if p.head_dim_pad <= 64 else 8, 1))
-
-
 # The backward keeps one partial fp32 dQ per split (summed afterwards, in a fixed order, so
 # gradients stay deterministic); this cap bounds that extra memory to 4x the size of Q in fp32.
 MAX_BWD_SPLITS = 4
 
 
-def splits(programs: int, n_blocks: int, device, cap: int) -> int:
+def splits(programs: int, n_blocks: int, device, cap: int, forced=None) -> int:
     """How many programs share one (batch, head), given ``programs`` (batch, head) pairs and
     ``n_blocks`` blocks to share: enough for two programs per SM (one alone cannot hide its
-    HBM latency, as this kernel has no pipelining), as FA1's code did, at most ``cap``."""
-    forced = os.environ.get("FLASHTILE_V1_SPLITS")
+    HBM latency, as this kernel has no pipelining), as FA1's code did, at most ``cap``;
+    ``forced`` (the plan's) if given."""
     if forced:
-        return max(1, min(int(forced), n_blocks))
+        return max(1, min(forced, n_blocks))
     # Under the interpreter a 2-SM "device" keeps the split path exercised by small CPU tests.
-    sms = 2 if runtime.interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
+    sms = 2 if options.interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
     target = 2 * sms
     if programs >= 0.8 * target:
         return 1
@@ -83,14 +74,15 @@ def splits(programs: int, n_blocks: int, device, cap: int) -> int:
 @triton.jit
 def _fwd_kernel(Q, K, V, OACC, M, L, CU_Q, CU_K,
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
-                seqlen_q, seqlen_k, heads_q, group, scale_log2, window_left, window_right, n_splits,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                seqlen_q, seqlen_k, totals, heads_q, group, scale_log2, window_left, window_right, n_splits,
+                score_args, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-                UPCAST: tl.constexpr):
+                UPCAST: tl.constexpr, SCORE: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
-        bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
+        bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, totals, window_left, window_right, IS_VARLEN)
+    site = (batch, head, seqlen_k - seqlen_q, score_args)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -121,7 +113,7 @@ def _fwd_kernel(Q, K, V, OACC, M, L, CU_Q, CU_K,
             o = tl.load(o_ptrs, mask=in_seq[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
             l_i = tl.load(L + stat_base + rows, mask=in_seq, other=0.0)
             m_i = tl.load(M + stat_base + rows, mask=in_seq, other=float("-inf"))
-            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, rows[:, None], cols[None, :], site, SCORE)
             s = tl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), s, float("-inf"))
             m_blk = tl.max(s, 1)
             p = tl.math.exp2(s - tl.where(m_blk == float("-inf"), 0.0, m_blk)[:, None])
@@ -131,7 +123,7 @@ def _fwd_kernel(Q, K, V, OACC, M, L, CU_Q, CU_K,
             old_w = tl.math.exp2(m_i - m_ref)
             blk_w = tl.math.exp2(m_blk - m_ref)
             l_new = old_w * l_i + blk_w * l_blk
-            pv = tl.dot(as_operand(p, v_base.dtype.element_ty, UPCAST), v)
+            pv = values_product(p, v, v_base.dtype.element_ty, UPCAST, True)
             o = (o * (l_i * old_w)[:, None] + pv * blk_w[:, None]) / tl.where(l_new == 0.0, 1.0, l_new)[:, None]
             tl.store(o_ptrs, o, mask=in_seq[:, None] & (offs_d[None, :] < HEAD_DIM))
             tl.store(L + stat_base + rows, l_new, mask=in_seq)
@@ -144,16 +136,16 @@ def _fwd_kernel(Q, K, V, OACC, M, L, CU_Q, CU_K,
 def _bwd_kernel(Q, K, V, O, DO, DLSE, M, L, DQACC, DK, DV, CU_Q, CU_K,
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, sdb, sds, sdh,
                 sqab, sqas, sqah, sdkb, sdks, sdkh, sdvb, sdvs, sdvh, slb, slh,
-                seqlen_q, seqlen_k, heads_k, group, softmax_scale, scale_log2,
-                window_left, window_right, n_splits, dq_split_stride,
+                seqlen_q, seqlen_k, totals, heads_k, group, softmax_scale, scale_log2,
+                window_left, window_right, n_splits, dq_split_stride, score_args,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-                UPCAST: tl.constexpr, HAS_DLSE: tl.constexpr):
+                UPCAST: tl.constexpr, HAS_DLSE: tl.constexpr, SCORE: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     DQACC += split.to(tl.int64) * dq_split_stride  # this split's partial dQ (int64: it can pass 2**31)
     batch, head_k, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
-        bh, heads_k, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
+        bh, heads_k, CU_Q, CU_K, seqlen_q, seqlen_k, totals, window_left, window_right, IS_VARLEN)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -170,6 +162,7 @@ def _bwd_kernel(Q, K, V, O, DO, DLSE, M, L, DQACC, DK, DV, CU_Q, CU_K,
         q_lo, _, _, q_hi = visited_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, -dhi, -dlo)
         for g in range(group):
             head = head_k * group + g
+            site = (batch, head, seqlen_k - seqlen_q, score_args)
             stat_base = batch * slb + head * slh + q_start
             for m0 in range(q_lo, q_hi, BLOCK_M):
                 rows = m0 + offs_m
@@ -183,7 +176,8 @@ def _bwd_kernel(Q, K, V, O, DO, DLSE, M, L, DQACC, DK, DV, CU_Q, CU_K,
                 m_i = tl.load(M + stat_base + rows, mask=in_seq, other=0.0)
                 l_i = tl.load(L + stat_base + rows, mask=in_seq, other=1.0)
                 visible = band_mask(rows, cols, seqlen_k, dlo, dhi) & in_seq[:, None]
-                s = tl.dot(q, tl.trans(k)) * scale_log2
+                s = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, rows[:, None], cols[None, :], site,
+                                        SCORE)
                 m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
                 p = tl.where(visible, tl.math.exp2(s - m_ref[:, None]) / tl.where(l_i == 0.0, 1.0, l_i)[:, None], 0.0)
                 dv += tl.dot(tl.trans(as_operand(p, Q.dtype.element_ty, UPCAST)), do)
@@ -192,7 +186,9 @@ def _bwd_kernel(Q, K, V, O, DO, DLSE, M, L, DQACC, DK, DV, CU_Q, CU_K,
                 d_i = tl.sum(o * do.to(tl.float32), 1)
                 if HAS_DLSE:
                     d_i -= tl.load(DLSE + stat_base + rows, mask=in_seq, other=0.0)
-                ds = p * (dp - d_i[:, None])
+                # A masked pair adds nothing, even where dP is not finite.
+                ds = score.grad(tl.where(visible, p * (dp - d_i[:, None]), 0.0), s, rows[:, None], cols[None, :],
+                                site, SCORE)
                 dq_ptrs = DQACC + batch * sqab + (q_start + rows[:, None]) * sqas + head * sqah + offs_d[None, :]
                 dq_mask = in_seq[:, None] & (offs_d[None, :] < HEAD_DIM)
                 dq = tl.load(dq_ptrs, mask=dq_mask, other=0.0)
@@ -207,9 +203,9 @@ def _bwd_kernel(Q, K, V, O, DO, DLSE, M, L, DQACC, DK, DV, CU_Q, CU_K,
         tl.debug_barrier()
 
 
-def forward(p: Problem, q, k, v):
+def forward(plan, p: Problem, q, k, v):
     """Returns (out, lse, saved) with saved = stack(m, l), the paper's statistics."""
-    cfg = _config(p, "FWD")
+    cfg = plan.config
     lse_shape = p.row_stat_shape(q.shape[0])
     # Algorithm 1, line 2: O = 0, l = 0, m = -inf in HBM.  O is kept in fp32 across steps.
     o_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -218,23 +214,25 @@ def forward(p: Problem, q, k, v):
     m, l = saved[0], saved[1]
     cu_q, cu_k = p.cu_pointers(q.device)
     n_blocks = p.query_blocks(cfg.block_m)
-    n_splits = splits(p.batch * p.heads_q, n_blocks, q.device, cap=n_blocks)
+    n_splits = splits(p.batch * p.heads_q, n_blocks, q.device, n_blocks, plan.splits)
     launch(
         _fwd_kernel, (p.batch * p.heads_q, n_splits),
         q, k, v, o_acc, m, l, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(o_acc),
         *p.row_stat_strides(m),
-        p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right, n_splits,
+        p.seqlen_q, p.seqlen_k, p.totals, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right,
+        n_splits, score.args_of(p),
         HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        IS_VARLEN=p.varlen, UPCAST=p.upcast(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        IS_VARLEN=p.varlen, UPCAST=p.upcast(q), SCORE=score.mod_of(p), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     lse = torch.where(l == 0, float("inf"), (m + torch.log2(l)) * math.log(2.0))
     return o_acc.to(q.dtype), lse, saved
 
 
-def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
-    cfg = _config(p, "BWD")
+def backward(plan, p: Problem, dout, dlse, q, k, v, out, lse, saved):
+    cfg = plan.config
     m, l = saved[0], saved[1]
-    n_splits = splits(p.batch * p.heads_k, p.key_blocks(cfg.block_n), q.device, MAX_BWD_SPLITS)
+    n_splits = splits(p.batch * p.heads_k, p.key_blocks(cfg.block_n), q.device, MAX_BWD_SPLITS, plan.splits)
     dq_acc = torch.zeros((n_splits, *q.shape), dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     cu_q, cu_k = p.cu_pointers(q.device)
@@ -244,10 +242,10 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
         *p.seq_strides(dout), *p.seq_strides(dq_acc[0]), *p.seq_strides(dk), *p.seq_strides(dv),
         *p.row_stat_strides(m),
-        p.seqlen_q, p.seqlen_k, p.heads_k, p.group, p.softmax_scale, p.scale_log2,
-        p.window_left, p.window_right, n_splits, dq_acc.stride(0),
+        p.seqlen_q, p.seqlen_k, p.totals, p.heads_k, p.group, p.softmax_scale, p.scale_log2,
+        p.window_left, p.window_right, n_splits, dq_acc.stride(0), score.args_of(p),
         HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        IS_VARLEN=p.varlen, UPCAST=p.upcast(q), HAS_DLSE=dlse is not None,
+        IS_VARLEN=p.varlen, UPCAST=p.upcast(q), HAS_DLSE=dlse is not None, SCORE=score.mod_of(p),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # The splits' partial dQs, summed in a fixed order: deterministic, no atomics.  One split
     # needs no sum (and no extra pass over the fp32 dQ).

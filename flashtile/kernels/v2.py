@@ -8,55 +8,56 @@ Backward: a Q-parallel pass computes dQ and, on the way, D = rowsum(dO * O); the
 per K/V block recomputes P from Q, K and the saved logsumexp and accumulates dK, dV on chip.
 dQ comes from its own pass instead of fp32 atomics.  That pass recomputes QK^T and dO V^T
 (7 matmuls instead of 5), in exchange for no fp32 dQ buffer, no atomic traffic, and gradients
-that are bitwise deterministic.  GQA heads
-sharing a K/V head are summed inside the dK/dV program, so repeated K/V is never materialised.
+that are bitwise deterministic.  GQA heads sharing a K/V head are summed inside the dK/dV
+program, so repeated K/V is never materialised.
+
+Scores go through the score hook (score.py) where they are formed, dS where it is formed.
 """
 import torch
 import triton
 import triton.language as tl
 
+from flashtile.kernels import score
 from flashtile.kernels.blocks import band_mask, program_sequence, program_tile, visited_blocks
-from flashtile.kernels.configs import v2_bwd_config, v2_fwd_config
 from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import Problem
-from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile,
-                                     online_softmax_step, row_delta, store_tile)
+from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile, online_softmax_step, row_delta,
+                                     store_tile, values_product)
 
 
 @triton.jit
 def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d, lo, hi,
-                seqlen_k, dlo, dhi, scale_log2,
+                seqlen_k, dlo, dhi, scale_log2, site,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
+                MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr):
     for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         cols = n0 + offs_n
         k = load_tile(k_base + cols[:, None] * sks + offs_d[None, :], cols, seqlen_k, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
-        # The scale stays on the scores here (scale 1 below): folding it into the exponent's
-        # FMA gave v3 +2-5% on the H200 but v2 0.94-1.01x, within the run-to-run spread.
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        # The scale stays on the scores here (scale 1 below), unlike v3's exponent.
+        s = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, rows[:, None], cols[None, :], site, SCORE)
         if MASK:
             s = tl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), s, float("-inf"))
         p, alpha, m_i = online_softmax_step(s, m_i, 1.0)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_tile(v_base + cols[:, None] * svs + offs_d[None, :], cols, seqlen_k, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
-        acc = acc * alpha[:, None] + tl.dot(as_operand(p, v_base.dtype.element_ty, UPCAST), v)
+        acc = acc * alpha[:, None] + values_product(p, v, v_base.dtype.element_ty, UPCAST, MASK)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
-                seqlen_q, seqlen_k, heads_q, group, scale_log2, window_left, window_right,
+                seqlen_q, seqlen_k, totals, heads_q, group, scale_log2, window_left, window_right, score_args,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-                UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
+                UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr):
     bh, block, blocks = program_tile(seqlen_q, BLOCK_M)
     # Each head's heaviest (latest, for causal) Q blocks first: better balance on the last wave.
     m0 = (blocks - 1 - block) * BLOCK_M
     batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
-        bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
+        bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, totals, window_left, window_right, IS_VARLEN)
     if m0 >= seqlen_q:
         return
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -67,20 +68,21 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
     v_base = V + batch * svb + k_start * svs + (head // group) * svh
     q = load_tile(q_base + rows[:, None] * sqs + offs_d[None, :], rows, seqlen_q, offs_d,
                   HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+    site = (batch, head, seqlen_k - seqlen_q, score_args)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     lo, full_lo, full_hi, hi = visited_blocks(m0, BLOCK_M, BLOCK_N, seqlen_k, dlo, dhi)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                                full_lo, full_hi, seqlen_k, dlo, dhi, scale_log2,
-                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, UPCAST, NUM_STAGES)
+                                full_lo, full_hi, seqlen_k, dlo, dhi, scale_log2, site,
+                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, UPCAST, NUM_STAGES, SCORE)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                                lo, full_lo, seqlen_k, dlo, dhi, scale_log2,
-                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES)
+                                lo, full_lo, seqlen_k, dlo, dhi, scale_log2, site,
+                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES, SCORE)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                                full_hi, hi, seqlen_k, dlo, dhi, scale_log2,
-                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES)
+                                full_hi, hi, seqlen_k, dlo, dhi, scale_log2, site,
+                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES, SCORE)
     out, lse = finalize_rows(acc, m_i, l_i)
     store_tile(O + batch * sob + q_start * sos + head * soh + rows[:, None] * sos + offs_d[None, :],
                out, rows, seqlen_q, offs_d, HEAD_DIM)
@@ -89,9 +91,9 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
 
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k, offs_m, offs_d,
-                 lo, hi, seqlen_q, dlo, dhi, scale_log2,
+                 lo, hi, seqlen_q, dlo, dhi, scale_log2, site,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                 MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
+                 MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr):
     """Accumulate dK, dV of one K tile over the Q blocks [lo, hi), working on transposed scores."""
     for m0 in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
         cols = m0 + offs_m
@@ -99,14 +101,19 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, 
                       HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
         # Rows past the sequence read lse = +inf, so their probabilities are exactly 0.
         lse = tl.load(lse_base + cols, mask=cols < seqlen_q, other=float("inf")) * LOG2E
-        pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse[None, :])
+        yT = score.scaled_logits(tl.dot(k, tl.trans(q)), scale_log2, cols[None, :], rows_k[:, None], site, SCORE)
+        pT = tl.math.exp2(yT - lse[None, :])
         if MASK:
-            pT = tl.where(band_mask(rows_k, cols, seqlen_q, -dhi, -dlo), pT, 0.0)
+            visible = band_mask(rows_k, cols, seqlen_q, -dhi, -dlo)
+            pT = tl.where(visible, pT, 0.0)
         do = load_tile(do_base + cols[:, None] * sds + offs_d[None, :], cols, seqlen_q, offs_d,
                        HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
         dv += tl.dot(as_operand(pT, q_base.dtype.element_ty, UPCAST), do)
         delta = tl.load(delta_base + cols, mask=cols < seqlen_q, other=0.0)
         dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        if MASK:  # a masked pair adds nothing, even where dP is not finite
+            dsT = tl.where(visible, dsT, 0.0)
+        dsT = score.grad(dsT, yT, cols[None, :], rows_k[:, None], site, SCORE)
         dk += tl.dot(as_operand(dsT, q_base.dtype.element_ty, UPCAST), q)
     return dk, dv
 
@@ -115,15 +122,15 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, 
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                      sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
                      sdkb, sdks, sdkh, sdvb, sdvs, sdvh, slb, slh,
-                     seqlen_q, seqlen_k, heads_k, group, softmax_scale, scale_log2,
-                     window_left, window_right,
+                     seqlen_q, seqlen_k, totals, heads_k, group, softmax_scale, scale_log2,
+                     window_left, window_right, score_args,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
+                     UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr):
     bh, block, _ = program_tile(seqlen_k, BLOCK_N)
     n0 = block * BLOCK_N
     batch, head_k, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
-        bh, heads_k, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
+        bh, heads_k, CU_Q, CU_K, seqlen_q, seqlen_k, totals, window_left, window_right, IS_VARLEN)
     if n0 >= seqlen_k:
         return
     rows_k = n0 + tl.arange(0, BLOCK_N)
@@ -139,19 +146,20 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
     lo, full_lo, full_hi, hi = visited_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, -dhi, -dlo)
     for g in range(group):
         head = head_k * group + g
+        site = (batch, head, seqlen_k - seqlen_q, score_args)
         q_base = Q + batch * sqb + q_start * sqs + head * sqh
         do_base = DO + batch * sdb + q_start * sds + head * sdh
         lse_base = LSE + batch * slb + head * slh + q_start
         delta_base = DELTA + batch * slb + head * slh + q_start
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
-                              offs_m, offs_d, full_lo, full_hi, seqlen_q, dlo, dhi, scale_log2,
-                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, False, UPCAST, NUM_STAGES)
+                              offs_m, offs_d, full_lo, full_hi, seqlen_q, dlo, dhi, scale_log2, site,
+                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, False, UPCAST, NUM_STAGES, SCORE)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
-                              offs_m, offs_d, lo, full_lo, seqlen_q, dlo, dhi, scale_log2,
-                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, UPCAST, NUM_STAGES)
+                              offs_m, offs_d, lo, full_lo, seqlen_q, dlo, dhi, scale_log2, site,
+                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, UPCAST, NUM_STAGES, SCORE)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
-                              offs_m, offs_d, full_hi, hi, seqlen_q, dlo, dhi, scale_log2,
-                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, UPCAST, NUM_STAGES)
+                              offs_m, offs_d, full_hi, hi, seqlen_q, dlo, dhi, scale_log2, site,
+                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, UPCAST, NUM_STAGES, SCORE)
     store_tile(DK + batch * sdkb + (k_start + rows_k[:, None]) * sdks + head_k * sdkh + offs_d[None, :],
                dk * softmax_scale, rows_k, seqlen_k, offs_d, HEAD_DIM)
     store_tile(DV + batch * sdvb + (k_start + rows_k[:, None]) * sdvs + head_k * sdvh + offs_d[None, :],
@@ -160,19 +168,24 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
 
 @triton.jit
 def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d, lo, hi,
-               seqlen_k, dlo, dhi, scale_log2,
+               seqlen_k, dlo, dhi, scale_log2, site,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
+               MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr):
     for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         cols = n0 + offs_n
         k = load_tile(k_base + cols[:, None] * sks + offs_d[None, :], cols, seqlen_k, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
         v = load_tile(v_base + cols[:, None] * svs + offs_d[None, :], cols, seqlen_k, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None])
+        y = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, rows[:, None], cols[None, :], site, SCORE)
+        p = tl.math.exp2(y - lse[:, None])
         if MASK:
-            p = tl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), p, 0.0)
+            visible = band_mask(rows, cols, seqlen_k, dlo, dhi)
+            p = tl.where(visible, p, 0.0)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        if MASK:  # a masked pair adds nothing, even where dP is not finite
+            ds = tl.where(visible, ds, 0.0)
+        ds = score.grad(ds, y, rows[:, None], cols[None, :], site, SCORE)
         dq += tl.dot(as_operand(ds, k_base.dtype.element_ty, UPCAST), k)
     return dq
 
@@ -180,21 +193,20 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, of
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K,
                    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, sdb, sds, sdh,
-                   sdqb, sdqs, sdqh, slb, slh, seqlen_q, seqlen_k, heads_q, group, softmax_scale,
-                   scale_log2, window_left, window_right,
+                   sdqb, sdqs, sdqh, slb, slh, seqlen_q, seqlen_k, totals, heads_q, group, softmax_scale,
+                   scale_log2, window_left, window_right, score_args,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-                   UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_DLSE: tl.constexpr):
+                   UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_DLSE: tl.constexpr, SCORE: tl.constexpr):
     """dQ of one Q block; also D = rowsum(dO * O) - dlse of its rows, stored for the dK/dV kernel.
 
     Computing D here, where dO is loaded anyway, saves the separate pass over O and dO that
-    FlashAttention-2 runs first (a tenth of the backward at seqlen 1k); it is why this kernel
-    runs before the dK/dV kernel.
+    FlashAttention-2 runs first; it is why this kernel runs before the dK/dV kernel.
     """
     bh, block, blocks = program_tile(seqlen_q, BLOCK_M)
     m0 = (blocks - 1 - block) * BLOCK_M
     batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
-        bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, window_left, window_right, IS_VARLEN)
+        bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, totals, window_left, window_right, IS_VARLEN)
     if m0 >= seqlen_q:
         return
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -212,28 +224,29 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K,
     lse = tl.load(LSE + stat, mask=rows < seqlen_q, other=float("inf")) * LOG2E
     k_base = K + batch * skb + k_start * sks + (head // group) * skh
     v_base = V + batch * svb + k_start * svs + (head // group) * svh
+    site = (batch, head, seqlen_k - seqlen_q, score_args)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     lo, full_lo, full_hi, hi = visited_blocks(m0, BLOCK_M, BLOCK_N, seqlen_k, dlo, dhi)
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                    full_lo, full_hi, seqlen_k, dlo, dhi, scale_log2,
-                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, UPCAST, NUM_STAGES)
+                    full_lo, full_hi, seqlen_k, dlo, dhi, scale_log2, site,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, UPCAST, NUM_STAGES, SCORE)
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                    lo, full_lo, seqlen_k, dlo, dhi, scale_log2,
-                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES)
+                    lo, full_lo, seqlen_k, dlo, dhi, scale_log2, site,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES, SCORE)
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                    full_hi, hi, seqlen_k, dlo, dhi, scale_log2,
-                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES)
+                    full_hi, hi, seqlen_k, dlo, dhi, scale_log2, site,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES, SCORE)
     store_tile(DQ + batch * sdqb + (q_start + rows[:, None]) * sdqs + head * sdqh + offs_d[None, :],
                dq * softmax_scale, rows, seqlen_q, offs_d, HEAD_DIM)
 
 
-def forward(p: Problem, q, k, v):
+def forward(plan, p: Problem, q, k, v):
     """Returns (out, lse, saved); lse is (b, h, sq) or, for varlen, (h, total_q), natural log.
 
     ``saved`` (what the backward needs beyond lse) is empty for this version."""
     out = torch.empty_like(q)
     lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
-    cfg = v2_fwd_config(p, q.dtype)
+    cfg = plan.config
     cu_q, cu_k = p.cu_pointers(q.device)
     grid = (p.batch * p.heads_q * p.query_blocks(cfg.block_m),)
     launch(
@@ -241,28 +254,30 @@ def forward(p: Problem, q, k, v):
         q, k, v, out, lse, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
         *p.row_stat_strides(lse),
-        p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right,
+        p.seqlen_q, p.seqlen_k, p.totals, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right,
+        score.args_of(p),
         HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        IS_VARLEN=p.varlen, UPCAST=p.upcast(q), NUM_STAGES=cfg.num_stages,
+        IS_VARLEN=p.varlen, UPCAST=p.upcast(q), NUM_STAGES=cfg.num_stages, SCORE=score.mod_of(p),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse, lse.new_empty(0)
 
 
-def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
+def backward(plan, p: Problem, dout, dlse, q, k, v, out, lse, saved):
     """dq, dk, dv.  ``dlse`` (the gradient reaching the logsumexp) may be None."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
     cu_q, cu_k = p.cu_pointers(q.device)
-    common = dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=p.varlen, UPCAST=p.upcast(q))
-    kv_cfg, q_cfg = v2_bwd_config(p, q.dtype)
+    common = dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=p.varlen, UPCAST=p.upcast(q),
+                  SCORE=score.mod_of(p))
+    kv_cfg, q_cfg = plan.config
     # The dQ pass writes D, which the dK/dV pass reads: launched first, on the same stream.
     launch(
         _bwd_dq_kernel, (p.batch * p.heads_q * p.query_blocks(q_cfg.block_m),),
         q, k, v, out, dout, lse, delta if dlse is None else dlse, delta, dq, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
         *p.seq_strides(dout), *p.seq_strides(dq), *p.row_stat_strides(lse),
-        p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.softmax_scale, p.scale_log2,
-        p.window_left, p.window_right, BLOCK_M=q_cfg.block_m, BLOCK_N=q_cfg.block_n,
+        p.seqlen_q, p.seqlen_k, p.totals, p.heads_q, p.group, p.softmax_scale, p.scale_log2,
+        p.window_left, p.window_right, score.args_of(p), BLOCK_M=q_cfg.block_m, BLOCK_N=q_cfg.block_n,
         NUM_STAGES=q_cfg.num_stages, HAS_DLSE=dlse is not None, num_warps=q_cfg.num_warps,
         num_stages=q_cfg.num_stages, **common)
     launch(
@@ -270,7 +285,7 @@ def backward(p: Problem, dout, dlse, q, k, v, out, lse, saved):
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),
         *p.seq_strides(dk), *p.seq_strides(dv), *p.row_stat_strides(lse),
-        p.seqlen_q, p.seqlen_k, p.heads_k, p.group, p.softmax_scale, p.scale_log2,
-        p.window_left, p.window_right, BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n,
+        p.seqlen_q, p.seqlen_k, p.totals, p.heads_k, p.group, p.softmax_scale, p.scale_log2,
+        p.window_left, p.window_right, score.args_of(p), BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n,
         NUM_STAGES=kv_cfg.num_stages, num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, **common)
     return dq, dk, dv

@@ -1,11 +1,10 @@
-"""v3's backward for Hopper in Gluon, warp-specialized (where configs.v3_backward picks it).
+"""v3's backward for Hopper in Gluon, warp-specialized.
 
 Each kernel is one CTA of two consumer warpgroups (64 rows each) and a producer warp streaming
 tiles by TMA through a ``STAGES``-deep shared-memory ring, products on warpgroup MMA with the
 probabilities as register operands (up to d128).  In the two passes up to d128 each consumer
 warpgroup is a partition of its own, so no barrier spans both and they drift apart (as the
-forward's consumers do): 0-25% (mostly 5-11%) faster than one 8-warp partition at 1k-16k,
-both passes contributing.  The single pass and d256, whose warpgroups share each block's dS,
+forward's consumers do).  The single pass and d256, whose warpgroups share each block's dS,
 keep one partition of both.
 
 - dK/dV pass (K/V-stationary, FlashAttention-3's structure): 128 K/V rows against every Q/dO
@@ -13,54 +12,50 @@ keep one partition of both.
   dK += dS^T Q.  Results leave by TMA store through the buffers of operands no longer read.
   The producer also copies each Q block's lse and D into the ring beside it (cp.async), so
   that no block waits on global memory for them.
-- Single pass (``backward_reduce``, FlashAttention-3's): the dK/dV pass also writes dS to shared
-  memory and computes each Q block's share of dQ, dS K (each warpgroup half the head dim),
-  which a TMA reduce-add adds to an fp32 dQ in global memory; dS and the fp32 staging have two
-  buffers each, so a block waits only for the reduce of two blocks back.  5 matmuls per block
-  pair, but the summation order of dQ varies from run to run.  With 128-row Q blocks (d64,
-  FlashAttention-3's tiles: _kv_consumers_shared_scores) P^T goes through shared memory too and
-  every gradient product reads its operands from there.
-- Two passes (``backward``, deterministic): first a dQ pass (Q-stationary: 128 query rows
+- Single pass (plan "v3-gluon-reduce", FlashAttention-3's): the dK/dV pass also writes dS to
+  shared memory and computes each Q block's share of dQ, dS K (each warpgroup half the head
+  dim), which a TMA reduce-add adds to an fp32 dQ in global memory; dS and the fp32 staging
+  have two buffers each, so a block waits only for the reduce of two blocks back.  5 matmuls
+  per block pair, but the summation order of dQ varies from run to run.  With 128-row Q blocks
+  (d64, FlashAttention-3's tiles: _kv_consumers_shared_scores) P^T goes through shared memory
+  too and every gradient product reads its operands from there.
+- Two passes (plan "v3-gluon", deterministic): first a dQ pass (Q-stationary: 128 query rows
   against every K/V block of their band; S = Q K^T, dP = dO V^T, dQ += dS K), which also writes
   D = rowsum(dO * O) - dlse, then the dK/dV pass.  7 matmuls per block pair, no atomics.
 
 Tiles (a stationary row block of one head) are walked with one head's row blocks adjacent
 (blocks.split_tile), so the CTAs resident together stream the same head's blocks through L2.
-The two passes up to d128 run persistent CTAs, one per SM (pass_schedule): the stationary
-tile has two slots, so the next tile's loads land while this one's gradients leave, and no CTA
-teardown and launch comes between tiles.  Tiles of equal length (no band) are strided over,
-every CTAs-th (1.06-1.10x at d128 1k-4k, 0.99-1.04x at d64: H200,
-benchmarks/results/2026-12-02_H200_146aa2b/INDEX.md); a band's (causal, window: uneven, longest
-first within a head) are taken from the forward's atomic tile counter as CTAs free up, the
-producer handing each tile's number to the consumers (1.05-1.11x at d64 causal 1k-2k, 1.05x at
-d128 causal 1k: benchmarks/results/2026-12-02_H200_a031d76/INDEX.md).  d256 and the single pass
-run a CTA per tile (one slot: no shared memory for a second).
+The two passes up to d128 run persistent CTAs, one per SM (pass_schedule): the stationary tile
+has two slots, so the next tile's loads land while this one's gradients leave.  Tiles of equal
+length (no band) are strided over; a band's (causal, window: uneven, longest first within a
+head) are taken from the scheduler's atomic tile counter as CTAs free up.  d256 and the single
+pass run a CTA per tile (one slot: no shared memory for a second).
 
-Batched problems with head dims up to 128 (the accumulators of 128 rows stay in registers),
-and at d256 the two passes with SPLIT_D: 64 stationary rows shared by both warpgroups, each
-holding half the head dim of the gradients, S / dP split by streamed rows, P and dS through
-shared memory (every product from shared memory): v3's backward at d256 (and d192).  Anything
-else keeps v2's kernels.
+Head dims up to 128 keep the accumulators of 128 rows in registers; at d256 the two passes
+split the head dim (SPLIT_D): 64 stationary rows shared by both warpgroups, each holding half
+the head dim of the gradients, S / dP split by streamed rows, P and dS through shared memory.
 """
 from typing import NamedTuple
 
 import torch
-from triton._C.libtriton import ir
+import triton
+import triton.language as tl
 from triton.experimental import gluon
+from triton.language.core import _aggregate as aggregate
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from flashtile.kernels.blocks import band_blocks, band_mask, band_rows_mask, split_tile
-from flashtile.kernels import configs
-from flashtile.kernels.configs import (GLUON_HEAD_DIMS, gluon_backward_persistent, gluon_bwd_stationary_rows,
-                                       split_head_dim, v3_gluon_bwd_config)
+from flashtile.kernels import configs, score
+from flashtile.kernels import tma as tma_host
+from flashtile.kernels.blocks import band_blocks, band_mask, band_rows_mask
+from flashtile.kernels.configs import gluon_bwd_stationary_rows, split_head_dim
+from flashtile.kernels.gluon.pipeline import buffer_of, release, tma_reduce_add
+from flashtile.kernels.gluon.scheduler import (end_tiles, next_tile, no_counter, publish_tile, read_next_tile,
+                                               read_tile, sm_count, start_tiles, stationary_tile, tile_counter)
 from flashtile.kernels.launch import launch
-from flashtile.kernels.tiles import LOG2E, row_delta
-from flashtile.kernels.v3_gluon import (broadcast, end_tiles, next_tile, publish_tile, read_next_tile, read_tile,
-                                       sm_count, tile_counter, tma_descriptor)
+from flashtile.kernels.tiles import LOG2E, load_tile, row_delta
 
 # 12 warps (8 consumer, one producer warp rounded up to a warpgroup): 168 registers each at
 # launch, moved to 240 for the consumers (dK, dV, S^T, dP^T live there) and 24 for the producer.
@@ -77,136 +72,196 @@ _SCORES_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, eleme
 _STATS_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
 
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """Add a shared-memory block into global memory by TMA (cp.reduce.async.bulk.tensor): Gluon
-    3.6 builds the operation but its hopper.tma module exposes no function for it."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+@gluon.constexpr_function
+def _value(x):
+    """A run-time integer, or one triton specialised to a constant (an argument equal to 1)."""
+    return x if isinstance(x, gl.tensor) else gl.constexpr(x)
 
 
-@gluon.jit
-def _pass_buffers(a_desc, b_desc, c_desc, d_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                  SLOTS: gl.constexpr):
+Value = (gl.tensor, gl.constexpr)
+
+
+@aggregate
+class PassBuffers:
     """Shared memory of one pass: SLOTS buffers of the stationary pair of tiles (a, b), one per
     tile in flight, and a ring of STAGES streamed pairs (c, d); mbarriers (stationary slot ready,
     stationary slot empty, ring slot ready, ring slot empty; "empty" ones take one arrival from
-    each of CONSUMERS consumer partitions); the producer's tile numbers for the consumers (two:
-    tile parity)."""
-    a = gl.allocate_shared_memory(a_desc.dtype, [SLOTS] + a_desc.block_type.shape, a_desc.layout)
-    b = gl.allocate_shared_memory(b_desc.dtype, [SLOTS] + b_desc.block_type.shape, b_desc.layout)
-    c = gl.allocate_shared_memory(c_desc.dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
-    d = gl.allocate_shared_memory(d_desc.dtype, [STAGES] + d_desc.block_type.shape, d_desc.layout)
-    stationary_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    stationary_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    ring_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ring_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(SLOTS):
-        mbarrier.init(stationary_ready.index(i), count=1)
-        mbarrier.init(stationary_empty.index(i), count=CONSUMERS)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ring_ready.index(i), count=1)
-        mbarrier.init(ring_empty.index(i), count=CONSUMERS)
-    tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    return a, b, c, d, tile_ids, (stationary_ready, stationary_empty, ring_ready, ring_empty)
+    each consumer partition); the producer's tile numbers for the consumers (two: tile parity)."""
+    a: gl.shared_memory_descriptor
+    b: gl.shared_memory_descriptor
+    c: gl.shared_memory_descriptor
+    d: gl.shared_memory_descriptor
+    tile_ids: gl.shared_memory_descriptor
+    stationary_ready: gl.shared_memory_descriptor
+    stationary_empty: gl.shared_memory_descriptor
+    ring_ready: gl.shared_memory_descriptor
+    ring_empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, a, b, c, d, tile_ids, stationary_ready, stationary_empty, ring_ready, ring_empty):
+        self.a = a
+        self.b = b
+        self.c = c
+        self.d = d
+        self.tile_ids = tile_ids
+        self.stationary_ready = stationary_ready
+        self.stationary_empty = stationary_empty
+        self.ring_ready = ring_ready
+        self.ring_empty = ring_empty
+
+    @gluon.jit
+    def allocate(a_desc, b_desc, c_desc, d_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                 SLOTS: gl.constexpr):
+        a = gl.allocate_shared_memory(a_desc.dtype, [SLOTS] + a_desc.block_type.shape, a_desc.layout)
+        b = gl.allocate_shared_memory(b_desc.dtype, [SLOTS] + b_desc.block_type.shape, b_desc.layout)
+        c = gl.allocate_shared_memory(c_desc.dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
+        d = gl.allocate_shared_memory(d_desc.dtype, [STAGES] + d_desc.block_type.shape, d_desc.layout)
+        stationary_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        stationary_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        ring_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ring_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(SLOTS):
+            mbarrier.init(stationary_ready.index(i), count=1)
+            mbarrier.init(stationary_empty.index(i), count=CONSUMERS)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ring_ready.index(i), count=1)
+            mbarrier.init(ring_empty.index(i), count=CONSUMERS)
+        tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        return PassBuffers(a, b, c, d, tile_ids, stationary_ready, stationary_empty, ring_ready, ring_empty)
+
+
+@aggregate
+class PassWalk:
+    """A pass's tiles (stationary row blocks of one head each) and the band."""
+    num_tiles: Value
+    heads: Value
+    group: Value
+    seqlen_q: Value
+    seqlen_k: Value
+    window_left: Value
+    window_right: Value
+
+    @gluon.constexpr_function
+    def __init__(self, num_tiles, heads, group, seqlen_q, seqlen_k, window_left, window_right):
+        self.num_tiles = _value(num_tiles)
+        self.heads = _value(heads)
+        self.group = _value(group)
+        self.seqlen_q = _value(seqlen_q)
+        self.seqlen_k = _value(seqlen_k)
+        self.window_left = _value(window_left)
+        self.window_right = _value(window_right)
+
+
+@aggregate
+class RowStats:
+    """The logsumexp and D of the query rows, in global memory, and (the dK/dV pass) a slot in
+    shared memory per ring slot that the producer copies each streamed block's into."""
+    LSE: gl.tensor
+    DELTA: gl.tensor
+    lse_smem: gl.shared_memory_descriptor
+    delta_smem: gl.shared_memory_descriptor
+    slb: Value
+    slh: Value
+
+    @gluon.constexpr_function
+    def __init__(self, LSE, DELTA, lse_smem, delta_smem, slb, slh):
+        self.LSE = LSE
+        self.DELTA = DELTA
+        self.lse_smem = lse_smem
+        self.delta_smem = delta_smem
+        self.slb = _value(slb)
+        self.slh = _value(slh)
+
+
+@aggregate
+class DeltaInputs:
+    """What the dQ pass computes D = rowsum(dO * O) - dlse from: O (by pointer) and dlse."""
+    O: gl.tensor
+    sob: Value
+    sos: Value
+    soh: Value
+    head_dim: Value
+    DLSE: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, O, sob, sos, soh, head_dim, DLSE):
+        self.O = O
+        self.sob = _value(sob)
+        self.sos = _value(sos)
+        self.soh = _value(soh)
+        self.head_dim = _value(head_dim)
+        self.DLSE = DLSE
 
 
 @gluon.jit
-def _stationary_tile(t, heads, seqlen, ROWS: gl.constexpr, LONGEST_FIRST: gl.constexpr):
-    """(batch, head, first row) of tile ``t``: ROWS stationary rows of one head, one head's
-    tiles adjacent (blocks.split_tile); LONGEST_FIRST: its row blocks from the last (the dQ
-    pass: causal rows that see the most keys first)."""
-    bh, block, blocks = split_tile(t, seqlen, ROWS)
-    if LONGEST_FIRST:
-        block = blocks - 1 - block
-    return bh // heads, bh % heads, block * ROWS
-
-
-@gluon.jit
-def _buffer_of(count, BUFFERS: gl.constexpr):
-    """Buffer and mbarrier phase of the ``count``-th use of a BUFFERS-deep set of buffers (the
-    ring, the stationary slots), counted from 0 since the launch."""
-    return count % BUFFERS, (count // BUFFERS) & 1
-
-
-@gluon.jit
-def _release_stationary(stationary_empty, slot):
-    """The partition's results have left the stationary slot (its TMA stores waited for by the
-    thread that issued them): the producer may load the next tile into it."""
-    gl.thread_barrier()
-    mbarrier.arrive(stationary_empty.index(slot))
-
-
-@gluon.jit
-def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_smem, tile_ids, bars, walk, column_stats,
-              COUNTER, ROWS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, KEY_ROWS: gl.constexpr,
-              STATS_IN_RING: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
-    """The producer warp of either pass, over the CTA's tiles of ``walk`` (v3_gluon.next_tile:
-    one, every num_programs-th, or taken from COUNTER), each tile's number handed to the
+def _producer(a_desc, b_desc, c_desc, d_desc, buf, walk, stats, counter, ROWS: gl.constexpr, BLOCK: gl.constexpr,
+              STAGES: gl.constexpr, KEY_ROWS: gl.constexpr, STATS_IN_RING: gl.constexpr, PERSISTENT: gl.constexpr,
+              DYNAMIC: gl.constexpr):
+    """The producer warp of either pass, over the CTA's tiles of ``walk`` (scheduler.next_tile:
+    one, every num_programs-th, or taken from the counter), each tile's number handed to the
     consumers: its stationary pair (a, b), ROWS rows of one head, into a free slot of its
     buffers; then the streamed pairs (c, d), BLOCK rows at a time, over the band of the
     stationary rows, through the STAGES-slot ring.  KEY_ROWS (the dK/dV pass): the stationary
     rows are key rows of a K/V head, and every query head of its group streams by; else one
     query head's rows, against its K/V head's blocks."""
-    stationary_ready, stationary_empty, ring_ready, ring_empty = bars
-    num_tiles, heads, group, seqlen_q, seqlen_k, window_left, window_right = walk
-    SLOTS: gl.constexpr = a_smem.shape[0]
-    LSE, DELTA, lse_smem, delta_smem, slb, slh = column_stats
+    num_tiles, heads, group = walk.num_tiles, walk.heads, walk.group
+    SLOTS: gl.constexpr = buf.a.shape[0]
     stats_layout: gl.constexpr = gl.BlockedLayout([BLOCK // 32], [32], [1], [0])
     offs = gl.arange(0, BLOCK, layout=stats_layout)
     it = 0  # streamed blocks issued so far: ring slot and mbarrier phase
     tile_i = 0
     t = gl.program_id(0)
+    start_tiles(counter, DYNAMIC)
     while t < num_tiles:
         if KEY_ROWS:
-            batch, head, r0 = _stationary_tile(t, heads, seqlen_k, ROWS, False)
+            batch, head, r0 = stationary_tile(t, heads, walk.seqlen_k, ROWS, False)
             first_head = head * group
             streamed_heads = group
         else:
-            batch, head, r0 = _stationary_tile(t, heads, seqlen_q, ROWS, True)
+            batch, head, r0 = stationary_tile(t, heads, walk.seqlen_q, ROWS, True)
             first_head = head // group
             streamed_heads = 1
-        s, s_phase = _buffer_of(tile_i, SLOTS)
-        stationary = stationary_ready.index(s)
-        mbarrier.wait(stationary_empty.index(s), s_phase ^ 1)
-        publish_tile(tile_ids, tile_i, t)
-        following = next_tile(t, num_tiles, COUNTER, PERSISTENT, DYNAMIC)
+        s, s_phase = buffer_of(tile_i, SLOTS)
+        stationary = buf.stationary_ready.index(s)
+        mbarrier.wait(buf.stationary_empty.index(s), s_phase ^ 1)
+        publish_tile(buf.tile_ids, tile_i, t)
+        following = next_tile(t, num_tiles, counter, PERSISTENT, DYNAMIC)
         mbarrier.expect(stationary, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(a_desc, [batch, r0, head, 0], stationary, a_smem.index(s))
-        tma.async_copy_global_to_shared(b_desc, [batch, r0, head, 0], stationary, b_smem.index(s))
-        dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(r0, ROWS, BLOCK, seqlen_q, seqlen_k, window_left,
-                                                               window_right, KEY_ROWS)
-        it = _stream(c_desc, d_desc, c_smem, d_smem, ring_ready, ring_empty, batch, first_head, streamed_heads, lo,
-                     n_blocks, it, seqlen_q, LSE, DELTA, lse_smem, delta_smem, slb, slh, offs, BLOCK, STAGES,
-                     STATS_IN_RING)
+        tma.async_copy_global_to_shared(a_desc, [batch, r0, head, 0], stationary, buf.a.index(s))
+        tma.async_copy_global_to_shared(b_desc, [batch, r0, head, 0], stationary, buf.b.index(s))
+        dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(r0, ROWS, BLOCK, walk.seqlen_q, walk.seqlen_k,
+                                                               walk.window_left, walk.window_right, KEY_ROWS)
+        it = _stream(c_desc, d_desc, buf, batch, first_head, streamed_heads, lo, n_blocks, it, walk.seqlen_q, stats,
+                     offs, BLOCK, STAGES, STATS_IN_RING)
         t = following
         tile_i += 1
-    end_tiles(tile_ids, tile_i, stationary_ready, stationary_empty, num_tiles, COUNTER, PERSISTENT, DYNAMIC)
+    end_tiles(buf.tile_ids, tile_i, buf.stationary_ready, buf.stationary_empty, num_tiles, PERSISTENT)
 
 
 @gluon.jit
-def _stream(c_desc, d_desc, c_smem, d_smem, ring_ready, ring_empty, batch, first_head, heads, lo, n_blocks, it,
-            seqlen_q, LSE, DELTA, lse_smem, delta_smem, slb, slh, offs, BLOCK: gl.constexpr,
-            STAGES: gl.constexpr, STATS_IN_RING: gl.constexpr):
+def _stream(c_desc, d_desc, buf, batch, first_head, heads, lo, n_blocks, it, seqlen_q, stats, offs,
+            BLOCK: gl.constexpr, STAGES: gl.constexpr, STATS_IN_RING: gl.constexpr):
     """One tile's streamed pairs: n_blocks blocks from row lo of each of ``heads`` heads from
     ``first_head``, the first into the ring's slot of block ``it``; returns the next block's count."""
     for g in range(heads):
         for i in range(n_blocks):
-            slot, phase = _buffer_of(it, STAGES)
-            mbarrier.wait(ring_empty.index(slot), phase ^ 1)
+            slot, phase = buffer_of(it, STAGES)
+            mbarrier.wait(buf.ring_empty.index(slot), phase ^ 1)
             if STATS_IN_RING:
                 # lse and D of the block's query rows beside it, by cp.async: the slot's barrier
                 # also waits for them (each lane's arrive counts once its copies land).  Rows past
                 # the sequence read 0: their Q and dO rows are zero and the band mask drops them.
                 rows = lo + i * BLOCK + offs
-                stats = batch.to(gl.int64) * slb + (first_head + g) * slh + rows
-                async_copy.async_copy_global_to_shared(lse_smem.index(slot), LSE + stats, mask=rows < seqlen_q)
-                async_copy.async_copy_global_to_shared(delta_smem.index(slot), DELTA + stats, mask=rows < seqlen_q)
-                async_copy.mbarrier_arrive(ring_ready.index(slot))
-            mbarrier.expect(ring_ready.index(slot), c_desc.block_type.nbytes + d_desc.block_type.nbytes)
+                at = batch.to(gl.int64) * stats.slb + (first_head + g) * stats.slh + rows
+                async_copy.async_copy_global_to_shared(stats.lse_smem.index(slot), stats.LSE + at,
+                                                       mask=rows < seqlen_q)
+                async_copy.async_copy_global_to_shared(stats.delta_smem.index(slot), stats.DELTA + at,
+                                                       mask=rows < seqlen_q)
+                async_copy.mbarrier_arrive(buf.ring_ready.index(slot))
+            mbarrier.expect(buf.ring_ready.index(slot), c_desc.block_type.nbytes + d_desc.block_type.nbytes)
             coord = [batch, lo + i * BLOCK, first_head + g, 0]
-            tma.async_copy_global_to_shared(c_desc, coord, ring_ready.index(slot), c_smem.index(slot))
-            tma.async_copy_global_to_shared(d_desc, coord, ring_ready.index(slot), d_smem.index(slot))
+            tma.async_copy_global_to_shared(c_desc, coord, buf.ring_ready.index(slot), buf.c.index(slot))
+            tma.async_copy_global_to_shared(d_desc, coord, buf.ring_ready.index(slot), buf.d.index(slot))
             it += 1
     return it
 
@@ -217,7 +272,7 @@ def _add_dq(dq, staging, dq_desc, batch, m0, head):
     staging.reshape(dq.shape).store(dq)
     fence_async_shared()
     gl.thread_barrier()  # staged by both warpgroups
-    _tma_reduce_add(dq_desc, [batch, m0, head, 0], staging)
+    tma_reduce_add(dq_desc, [batch, m0, head, 0], staging)
 
 
 @gluon.constexpr_function
@@ -240,20 +295,41 @@ def _column_stats(LSE, DELTA, stats, cols, seqlen_q, valid):
 
 
 @gluon.jit
-def _probs_t(sT, lse, rows_k, m0, band, seqlen_q, scale_log2, ROW_BOUNDS: gl.constexpr):
-    """P^T of the Q block from m0 from S^T, masked where the block crosses an edge of the band
-    (its column indices built only there, as _probs builds its).  ROW_BOUNDS: by two bounds per
-    key row (band_rows_mask: 2-9% fewer instructions in the loop), else by band_mask (d64's
-    single pass: there the row bounds cost 16 bytes of spills, and 1% of its time)."""
+def _in_band_t(x, rows_k, m0, band, seqlen_q, ROW_BOUNDS: gl.constexpr):
+    """``x`` (key rows x the Q block from m0) with 0 outside the band, where the block crosses an
+    edge of it (its column indices built only there).  ROW_BOUNDS: by two bounds per key row
+    (band_rows_mask: fewer instructions in the loop), else by band_mask (d64's single pass: there
+    the row bounds spill)."""
     dlo, dhi, full_lo, full_hi = band
-    pT = gl.exp2(sT * scale_log2 - lse[None, :])
     if (m0 < full_lo) | (m0 >= full_hi):
-        cols = m0 + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, sT.type.layout))
+        cols = m0 + gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, x.type.layout))
         if ROW_BOUNDS:
-            pT = gl.where(band_rows_mask(rows_k, cols, seqlen_q, -dhi, -dlo), pT, 0.0)
+            x = gl.where(band_rows_mask(rows_k, cols, seqlen_q, -dhi, -dlo), x, 0.0)
         else:
-            pT = gl.where(band_mask(rows_k, cols, seqlen_q, -dhi, -dlo), pT, 0.0)
-    return pT
+            x = gl.where(band_mask(rows_k, cols, seqlen_q, -dhi, -dlo), x, 0.0)
+    return x
+
+
+@gluon.jit
+def _probs_t(sT, lse, rows_k, m0, band, seqlen_q, scale_log2, site, SCORE: gl.constexpr, ROW_BOUNDS: gl.constexpr):
+    """P^T of the Q block from m0 from S^T (through the score hook) and the logits it came from."""
+    cols = m0 + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, sT.type.layout))
+    yT = score.logits(sT, scale_log2, cols[None, :], rows_k[:, None], site, SCORE)
+    pT = gl.exp2(yT * score.exp_scale(scale_log2, SCORE) - lse[None, :])
+    return _in_band_t(pT, rows_k, m0, band, seqlen_q, ROW_BOUNDS), yT
+
+
+@gluon.jit
+def _ds_t(pT, dpT, delta, yT, rows_k, m0, band, seqlen_q, site, SCORE: gl.constexpr):
+    """dS^T = P^T (dP^T - D) with respect to the scaled scores.  Where the block crosses an edge
+    of the band, a pair of probability 0 (outside it) adds nothing, even where dP^T is not finite
+    (a masked key's V holding inf)."""
+    dlo, dhi, full_lo, full_hi = band
+    if (m0 < full_lo) | (m0 >= full_hi):
+        dpT = gl.where(pT == 0.0, 0.0, dpT)
+    dsT = pT * (dpT - delta[None, :])
+    cols = m0 + gl.arange(0, pT.shape[1], layout=gl.SliceLayout(0, pT.type.layout))
+    return score.grad(dsT, yT, cols[None, :], rows_k[:, None], site, SCORE)
 
 
 @gluon.jit
@@ -275,7 +351,7 @@ def _scores(a, b, c_smem, d_smem, ready, count, s_zero, ROWS: gl.constexpr, HEAD
     stationary rows' scores against it from shared memory, issued and left in flight: a c^T and
     b d^T (S and dP in the dQ pass, S^T and dP^T in the dK/dV pass).  Returns the slot, the
     pair as 2-D tiles of ROWS rows and the two products."""
-    slot, phase = _buffer_of(count, STAGES)
+    slot, phase = buffer_of(count, STAGES)
     mbarrier.wait(ready.index(slot), phase)
     c = c_smem.index(slot).reshape([ROWS, HEAD_DIM_PAD])
     d = d_smem.index(slot).reshape([ROWS, HEAD_DIM_PAD])
@@ -286,20 +362,20 @@ def _scores(a, b, c_smem, d_smem, ready, count, s_zero, ROWS: gl.constexpr, HEAD
 
 @gluon.jit
 def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, m0, band, seqlen_q, scale_log2,
-                   op_layout: gl.constexpr):
+                   site, op_layout: gl.constexpr, SCORE: gl.constexpr):
     """One streamed Q block's products against a consumer partition's K/V rows, once its S^T and
     dP^T are in flight (_scores): dV += P^T dO and dK += dS^T Q with P^T and dS^T as register
     operands; lse and D from the block's ring slot.  dV and dK are left in flight (with the
     operands they read): the caller waits for them."""
     lse = lse_ref.load(gl.SliceLayout(0, s_zero.type.layout)) * LOG2E
     sT = warpgroup_mma_wait(1, deps=[sT])
-    pT = _probs_t(sT, lse, rows_k, m0, band, seqlen_q, scale_log2, True)
+    pT, yT = _probs_t(sT, lse, rows_k, m0, band, seqlen_q, scale_log2, site, SCORE, True)
     pT_op = gl.convert_layout(pT.to(q.dtype), op_layout)
     dv = warpgroup_mma(pT_op, do, dv, is_async=True)
     # D only now: loaded with lse, its registers were held across the S^T wait (d128 spilled more).
     delta = delta_ref.load(gl.SliceLayout(0, s_zero.type.layout))
     dpT = warpgroup_mma_wait(1, deps=[dpT])
-    dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+    dsT = _ds_t(pT, dpT, delta, yT, rows_k, m0, band, seqlen_q, site, SCORE).to(q.dtype)
     dsT_op = gl.convert_layout(dsT, op_layout)
     dk = warpgroup_mma(dsT_op, q, dk, is_async=True)
     return dk, dv, dsT, pT_op, dsT_op
@@ -311,18 +387,17 @@ def _kv_tile(t, tile_i, walk, k_smem, v_smem, BLOCK_M: gl.constexpr, BLOCK_N: gl
     head, first key row), its stationary slot and the K and V blocks there, and the band of
     BLOCK_M-row Q blocks its rows see (blocks.band_blocks: dlo, dhi, lo, full_lo, full_hi,
     n_blocks)."""
-    num_tiles, heads_k, group, seqlen_q, seqlen_k, window_left, window_right = walk
-    batch, head_k, n0 = _stationary_tile(t, heads_k, seqlen_k, BLOCK_N, False)
-    kv_slot = _buffer_of(tile_i, k_smem.shape[0])[0]
-    band = band_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right, True)
+    batch, head_k, n0 = stationary_tile(t, walk.heads, walk.seqlen_k, BLOCK_N, False)
+    kv_slot = buffer_of(tile_i, k_smem.shape[0])[0]
+    band = band_blocks(n0, BLOCK_N, BLOCK_M, walk.seqlen_q, walk.seqlen_k, walk.window_left, walk.window_right, True)
     return batch, head_k, n0, kv_slot, k_smem.index(kv_slot), v_smem.index(kv_slot), band
 
 
 @gluon.jit
-def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk,
-                 dk_desc, dv_desc, ds_smem, dq_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-                 DQ_REDUCE: gl.constexpr, PERSISTENT: gl.constexpr):
+def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats, dk_desc, dv_desc, ds_smem, dq_smem,
+                 dq_desc, softmax_scale, scale_log2, score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr, PERSISTENT: gl.constexpr,
+                 SCORE: gl.constexpr):
     """dK and dV of a consumer partition's K/V rows: of WARPGROUPS warpgroups (64 rows each),
     partition WHICH of the CTA's.
 
@@ -331,9 +406,11 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, 
     (DQ_REDUCE) runs one partition of both (WARPGROUPS 2): each Q block's dQ share, dS K, needs
     both warpgroups' dS^T, which meet in shared memory, and the two add the block's fp32 dQ by
     one TMA reduce-add.  (A partition per warpgroup measured up to 17% slower there at d128:
-    it spilled 356 bytes against 60.)"""
-    kv_ready, kv_empty, q_ready, q_empty = bars
-    num_tiles, heads_k, group, seqlen_q, seqlen_k, window_left, window_right = walk
+    it spilled more.)"""
+    k_smem, v_smem, q_smem, do_smem, tile_ids = buf.a, buf.b, buf.c, buf.d, buf.tile_ids
+    kv_ready, kv_empty, q_ready, q_empty = buf.stationary_ready, buf.stationary_empty, buf.ring_ready, buf.ring_empty
+    num_tiles, group, seqlen_q = walk.num_tiles, walk.group, walk.seqlen_q
+    lse_smem, delta_smem = stats.lse_smem, stats.delta_smem
     SLOTS: gl.constexpr = k_smem.shape[0]
     ROWS: gl.constexpr = WARPGROUP_ROWS * WARPGROUPS
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, WARPGROUPS, 1)
@@ -354,19 +431,20 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, q_smem, k_smem, 
         dv = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
         for g in range(group):
             head = head_k * group + g
+            site = (batch, head, walk.seqlen_k - seqlen_q, score_args)
             for i in range(n_blocks):
                 dk, dv = _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_smem, delta_smem,
                                    ds_smem, dq_smem, dq_desc, dk, dv, s_zero, rows_k, it, lo + i * BLOCK_M,
-                                   (dlo, dhi, full_lo, full_hi), batch, head, seqlen_q, softmax_scale, scale_log2,
+                                   (dlo, dhi, full_lo, full_hi), batch, head, seqlen_q, softmax_scale, scale_log2, site,
                                    op_layout, WHICH * ROWS, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, DQ_REDUCE,
-                                   HEAD_DIM_PAD > 64)
+                                   HEAD_DIM_PAD > 64, SCORE)
                 it += 1
         # The partition's rows of K and V stage its dK and dV (as 2-D tiles, and as TMA sees them).
         k_rows = k_block.reshape([BLOCK_N, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
         v_rows = v_block.reshape([BLOCK_N, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
         _store_dkdv(dk, dv, k_rows, v_rows, k_block.slice(WHICH * ROWS, ROWS, dim=1),
                     v_block.slice(WHICH * ROWS, ROWS, dim=1), dk_desc, dv_desc, batch, r0, head_k, softmax_scale)
-        _release_stationary(kv_empty, kv_slot)
+        release(kv_empty, kv_slot)
         tile_i += 1
         t = read_next_tile(tile_ids, tile_i, kv_ready, num_tiles, SLOTS, PERSISTENT)
 
@@ -376,26 +454,21 @@ def _per_iteration(x, it):
     """``x``, as a value the compiler takes to change with the loop counter ``it``.  The K/V
     slot of a tile goes through it: seen as invariant, the wgmma descriptors of every K and V
     slice built from it were hoisted out of the streamed-block loop and held across it, and the
-    d128 consumer spilled (6-9 local loads per block with two slots, 108 bytes with one; 0 loads
-    and 4 bytes this way)."""
+    d128 consumer spilled."""
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [x, it], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
 def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_smem, delta_smem, ds_smem, dq_smem,
-              dq_desc, dk, dv, s_zero, rows_k, it, m0, band, batch, head, seqlen_q, softmax_scale, scale_log2,
+              dq_desc, dk, dv, s_zero, rows_k, it, m0, band, batch, head, seqlen_q, softmax_scale, scale_log2, site,
               op_layout: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr,
-              SLOT_PER_ITERATION: gl.constexpr):
+              SLOT_PER_ITERATION: gl.constexpr, SCORE: gl.constexpr):
     """_kv_consumer's step: the streamed block ``it`` of the ring (query rows from m0 of ``head``)
     against the partition's ROWS rows from ROW0 of the K/V tile in stationary slot ``kv_slot``.
     SLOT_PER_ITERATION (from d128): the slot is taken as this iteration's value (_per_iteration),
-    so the wgmma descriptors built from it are not held across the loop.  With a CTA per tile
-    that measured 1.02x against 0.98x (each against the module before, H200 d128 1k-4k); at d64,
-    where they fit in registers, 0.95-0.97x against 0.99-1.00x
-    (benchmarks/results/2026-12-02_H200_146aa2b/experiments, persistent_bwd_run1 and _146aa2b).
-    At 90fe747 (a CTA per tile) the d128 causal launches took 0.95-0.97 of the time without it
-    (null pair 0.98-1.03; benchmarks/results/2026-12-02_H200_a031d76/experiments/ab_90fe747_146aa2b)."""
+    so the wgmma descriptors built from it are not held across the loop (at d64 they fit in
+    registers, and holding them is faster)."""
     if SLOT_PER_ITERATION:
         kv_slot = _per_iteration(kv_slot, it)
     k_tile = k_smem.index(kv_slot).reshape([BLOCK_N, HEAD_DIM_PAD])
@@ -404,7 +477,8 @@ def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_sm
     slot, q, do, sT, dpT = _scores(k_rows, v_rows, q_smem, do_smem, q_ready, it, s_zero, BLOCK_M, HEAD_DIM_PAD,
                                    STAGES)
     dk, dv, dsT, pT_op, dsT_op = _dkdv_products(sT, dpT, q, do, lse_smem.index(slot), delta_smem.index(slot),
-                                                dk, dv, s_zero, rows_k, m0, band, seqlen_q, scale_log2, op_layout)
+                                                dk, dv, s_zero, rows_k, m0, band, seqlen_q, scale_log2, site, op_layout,
+                                                SCORE)
     if DQ_REDUCE:
         # dS and the fp32 dQ staging have two buffers each: one written here was last read two
         # blocks ago (dS by that block's dQ product, the staging by its reduce, which
@@ -424,10 +498,9 @@ def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_sm
 
 
 @gluon.jit
-def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk, LSE, DELTA, slb, slh, dk_desc,
-                          dv_desc, ds_smem, p_smem, softmax_scale, scale_log2, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-                          PERSISTENT: gl.constexpr):
+def _kv_consumers_split_d(bufs, walk, row_stats, dk_desc, dv_desc, ds_smem, p_smem, softmax_scale, scale_log2,
+                          score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                          STAGES: gl.constexpr, PERSISTENT: gl.constexpr, SCORE: gl.constexpr):
     """SPLIT_D (d256, where one warpgroup's registers do not hold dK and dV of 64 rows): both
     consumer warpgroups, one partition of 8 warps, own the same 64 K/V rows and half the head
     dim each; each computes S^T and dP^T for half of the Q block's rows, and P^T and dS^T meet
@@ -435,9 +508,11 @@ def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk,
     both read them whole for their half of dV and dK: one barrier per block.
 
     Each Q block's lse and D are loaded from global memory one block ahead (the registers have
-    room for them here, and it measured ~4% faster than through the ring at 4k-16k)."""
-    kv_ready, kv_empty, q_ready, q_empty = bars
-    num_tiles, heads_k, group, seqlen_q, seqlen_k, window_left, window_right = walk
+    room for them here, and that is faster than through the ring)."""
+    k_smem, v_smem, q_smem, do_smem, tile_ids = bufs.a, bufs.b, bufs.c, bufs.d, bufs.tile_ids
+    kv_ready, kv_empty, q_ready, q_empty = bufs.stationary_ready, bufs.stationary_empty, bufs.ring_ready, bufs.ring_empty
+    num_tiles, group, seqlen_q = walk.num_tiles, walk.group, walk.seqlen_q
+    LSE, DELTA, slb, slh = row_stats.LSE, row_stats.DELTA, row_stats.slb, row_stats.slh
     SLOTS: gl.constexpr = k_smem.shape[0]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, 1, 2)
@@ -470,11 +545,14 @@ def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk,
                 lse_next, delta_next = _column_stats(LSE, DELTA, next_stats, next_cols, seqlen_q,
                                                      g + next_head < group)
                 sT = warpgroup_mma_wait(1, deps=[sT])
-                pT = _probs_t(sT, lse, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2, True)
+                site = (batch, head_k * group + g, walk.seqlen_k - seqlen_q, score_args)
+                pT, yT = _probs_t(sT, lse, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2, site,
+                                  SCORE, True)
                 dpT = warpgroup_mma_wait(0, deps=[dpT])
                 buf = it % 2
                 p_smem.index(buf).store(pT.to(dtype))
-                ds_smem.index(buf).store((pT * (dpT - delta[None, :])).to(dtype))
+                dsT = _ds_t(pT, dpT, delta, yT, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, site, SCORE)
+                ds_smem.index(buf).store(dsT.to(dtype))
                 fence_async_shared()
                 gl.thread_barrier()  # both warpgroups' halves of P^T and dS^T written
                 dv = warpgroup_mma(p_smem.index(buf), do, dv, is_async=True)
@@ -484,16 +562,16 @@ def _kv_consumers_split_d(q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk,
                 lse, delta, stats = lse_next, delta_next, next_stats
                 it += 1
         _store_dkdv(dk, dv, k_tile, v_tile, k_block, v_block, dk_desc, dv_desc, batch, n0, head_k, softmax_scale)
-        _release_stationary(kv_empty, kv_slot)
+        release(kv_empty, kv_slot)
         tile_i += 1
         t = read_next_tile(tile_ids, tile_i, kv_ready, num_tiles, SLOTS, PERSISTENT)
 
 
 @gluon.jit
-def _kv_consumers_shared_scores(q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk, dk_desc, dv_desc, p_smem,
-                                ds_smem, staging, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2,
-                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                                STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+def _kv_consumers_shared_scores(buf, walk, stats, dk_desc, dv_desc, p_smem, ds_smem, staging, dq_desc, softmax_scale,
+                                scale_log2, score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+                                SCORE: gl.constexpr):
     """The single pass with 128-row Q blocks (FlashAttention-3's d64 tiles: 128 x 128), both
     consumer warpgroups one partition: each computes S^T and dP^T of all BLOCK_N key rows against
     half the Q block's columns (so a thread holds the lse and D of 16 columns, not 32), and P^T
@@ -502,8 +580,10 @@ def _kv_consumers_shared_scores(q_smem, k_smem, v_smem, do_smem, tile_ids, bars,
     reduce-add.  Two barriers per block: P^T and dS^T written (and the previous reduce done
     reading the dQ staging), dQ staged (and, each warpgroup having waited for its products,
     P^T and dS^T read: the next block may overwrite them)."""
-    kv_ready, kv_empty, q_ready, q_empty = bars
-    num_tiles, heads_k, group, seqlen_q, seqlen_k, window_left, window_right = walk
+    k_smem, v_smem, q_smem, do_smem, tile_ids = buf.a, buf.b, buf.c, buf.d, buf.tile_ids
+    kv_ready, kv_empty, q_ready, q_empty = buf.stationary_ready, buf.stationary_empty, buf.ring_ready, buf.ring_empty
+    num_tiles, group, seqlen_q = walk.num_tiles, walk.group, walk.seqlen_q
+    lse_smem, delta_smem = stats.lse_smem, stats.delta_smem
     SLOTS: gl.constexpr = k_smem.shape[0]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, 1, 2)
@@ -534,11 +614,14 @@ def _kv_consumers_shared_scores(q_smem, k_smem, v_smem, do_smem, tile_ids, bars,
                                                HEAD_DIM_PAD, STAGES)
                 lse = lse_smem.index(slot).load(cols_layout) * LOG2E
                 sT = warpgroup_mma_wait(1, deps=[sT])
-                pT = _probs_t(sT, lse, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2, False)
+                site = (batch, head, walk.seqlen_k - seqlen_q, score_args)
+                pT, yT = _probs_t(sT, lse, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2, site,
+                                  SCORE, False)
                 p_smem.store(pT.to(dtype))
                 delta = delta_smem.index(slot).load(cols_layout)
                 dpT = warpgroup_mma_wait(0, deps=[dpT])
-                ds_smem.store((pT * (dpT - delta[None, :])).to(dtype))
+                dsT = _ds_t(pT, dpT, delta, yT, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, site, SCORE)
+                ds_smem.store(dsT.to(dtype))
                 fence_async_shared()
                 tma.store_wait(0)  # the previous block's reduce has read the staging buffer
                 gl.thread_barrier()  # both warpgroups' halves of P^T and dS^T written
@@ -551,7 +634,7 @@ def _kv_consumers_shared_scores(q_smem, k_smem, v_smem, do_smem, tile_ids, bars,
                 it += 1
         _store_dkdv(dk, dv, k_block.reshape([BLOCK_N, HEAD_DIM_PAD]), v_block.reshape([BLOCK_N, HEAD_DIM_PAD]),
                     k_block, v_block, dk_desc, dv_desc, batch, n0, head_k, softmax_scale)
-        _release_stationary(kv_empty, kv_slot)
+        release(kv_empty, kv_slot)
         tile_i += 1
         t = read_next_tile(tile_ids, tile_i, kv_ready, num_tiles, SLOTS, PERSISTENT)
     tma.store_wait(0)
@@ -559,42 +642,41 @@ def _kv_consumers_shared_scores(q_smem, k_smem, v_smem, do_smem, tile_ids, bars,
 
 @gluon.jit
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, slb, slh, num_tiles,
-                 heads_k, group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2, COUNTER,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                 heads_k, group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2, counter,
+                 score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                  STAGES: gl.constexpr, SLOTS: gl.constexpr, DQ_REDUCE: gl.constexpr, SPLIT_D: gl.constexpr,
-                 SHARED_SCORES: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+                 SHARED_SCORES: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SCORE: gl.constexpr):
     # The two passes: a partition per consumer warpgroup; SPLIT_D and DQ_REDUCE: one of both.
     ONE_PARTITION: gl.constexpr = SPLIT_D or DQ_REDUCE
-    k_smem, v_smem, q_smem, do_smem, tile_ids, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, STAGES,
-                                                                    1 if ONE_PARTITION else 2, SLOTS)
-    walk = (num_tiles, heads_k, group, seqlen_q, seqlen_k, window_left, window_right)
+    # The stationary pair is K and V, the streamed one Q and dO.
+    buf = PassBuffers.allocate(k_desc, v_desc, q_desc, do_desc, STAGES, 1 if ONE_PARTITION else 2, SLOTS)
+    walk = PassWalk(num_tiles, heads_k, group, seqlen_q, seqlen_k, window_left, window_right)
     if SPLIT_D:
         # dS^T and P^T of both warpgroups, two buffers each.
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
         p_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
+        stats = RowStats(LSE, DELTA, buf.a, buf.a, slb, slh)  # (lse and D loaded from global memory here)
         gl.warp_specialize([
-            (_kv_consumers_split_d, (q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk, LSE, DELTA, slb, slh,
-                                     dk_desc, dv_desc, ds_smem, p_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
-                                     HEAD_DIM_PAD, STAGES, PERSISTENT)),
-            (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, tile_ids, bars, walk,
-                         (LSE, DELTA, k_smem, k_smem, slb, slh), COUNTER, BLOCK_N, BLOCK_M, STAGES, True, False,
-                         PERSISTENT, DYNAMIC)),
+            (_kv_consumers_split_d, (buf, walk, stats, dk_desc, dv_desc, ds_smem, p_smem, softmax_scale, scale_log2,
+                                     score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, PERSISTENT, SCORE)),
+            (_producer, (k_desc, v_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M, STAGES, True,
+                         False, PERSISTENT, DYNAMIC)),
         ], [1], [PRODUCER_REGS])
     else:
         # lse and D of each streamed block, in the ring beside it (SPLIT_D's: _kv_consumers_split_d).
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], _STATS_LAYOUT)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], _STATS_LAYOUT)
+        stats = RowStats(LSE, DELTA, lse_smem, delta_smem, slb, slh)
         if SHARED_SCORES:
             # P^T and dS^T of both warpgroups, and the fp32 dQ block the TMA reduce reads.
             p_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
             ds_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
             staging = gl.allocate_shared_memory(dq_desc.dtype, dq_desc.block_type.shape, dq_desc.layout)
             gl.warp_specialize([
-                (_kv_consumers_shared_scores, (q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk, dk_desc, dv_desc,
-                                               p_smem, ds_smem, staging, dq_desc, lse_smem, delta_smem, softmax_scale,
-                                               scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, PERSISTENT)),
-                (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, tile_ids, bars,
-                             walk, (LSE, DELTA, lse_smem, delta_smem, slb, slh), COUNTER, BLOCK_N, BLOCK_M, STAGES,
+                (_kv_consumers_shared_scores, (buf, walk, stats, dk_desc, dv_desc, p_smem, ds_smem, staging, dq_desc,
+                                               softmax_scale, scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD,
+                                               STAGES, PERSISTENT, SCORE)),
+                (_producer, (k_desc, v_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M, STAGES,
                              True, True, PERSISTENT, DYNAMIC)),
             ], [1], [PRODUCER_REGS])
         elif DQ_REDUCE:
@@ -602,25 +684,21 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
             ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
             dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [2] + dq_desc.block_type.shape, dq_desc.layout)
             gl.warp_specialize([
-                (_kv_consumer, (0, 2, q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk, dk_desc, dv_desc, ds_smem,
-                                dq_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
-                                HEAD_DIM_PAD, STAGES, True, PERSISTENT)),
-                (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, tile_ids, bars,
-                             walk, (LSE, DELTA, lse_smem, delta_smem, slb, slh), COUNTER, BLOCK_N, BLOCK_M, STAGES,
+                (_kv_consumer, (0, 2, buf, walk, stats, dk_desc, dv_desc, ds_smem, dq_smem, dq_desc, softmax_scale,
+                                scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, True, PERSISTENT,
+                                SCORE)),
+                (_producer, (k_desc, v_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M, STAGES,
                              True, True, PERSISTENT, DYNAMIC)),
             ], [1], [PRODUCER_REGS])
-        # (Each call spells out the producer's arguments: a tuple bound to a name would lose its
-        # constexprs.)  k_smem stands for the buffers only DQ_REDUCE reads.
-        else:
+        else:  # (buf.a stands for the buffers only DQ_REDUCE reads)
             gl.warp_specialize([
-                (_kv_consumer, (0, 1, q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk, dk_desc, dv_desc, k_smem,
-                                k_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
-                                HEAD_DIM_PAD, STAGES, False, PERSISTENT)),
-                (_kv_consumer, (1, 1, q_smem, k_smem, v_smem, do_smem, tile_ids, bars, walk, dk_desc, dv_desc, k_smem,
-                                k_smem, dq_desc, lse_smem, delta_smem, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
-                                HEAD_DIM_PAD, STAGES, False, PERSISTENT)),
-                (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, tile_ids, bars,
-                             walk, (LSE, DELTA, lse_smem, delta_smem, slb, slh), COUNTER, BLOCK_N, BLOCK_M, STAGES,
+                (_kv_consumer, (0, 1, buf, walk, stats, dk_desc, dv_desc, buf.a, buf.a, dq_desc, softmax_scale,
+                                scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, False, PERSISTENT,
+                                SCORE)),
+                (_kv_consumer, (1, 1, buf, walk, stats, dk_desc, dv_desc, buf.a, buf.a, dq_desc, softmax_scale,
+                                scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, False, PERSISTENT,
+                                SCORE)),
+                (_producer, (k_desc, v_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M, STAGES,
                              True, True, PERSISTENT, DYNAMIC)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -648,14 +726,37 @@ def _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch,
 
 
 @gluon.jit
-def _probs(s, lse, rows, n0, band, seqlen_k, scale_log2, BLOCK_N: gl.constexpr, col_layout: gl.constexpr):
-    """P of one K/V block in the dQ pass from S, masked where the block crosses an edge of the band."""
+def _in_band(x, rows, n0, band, seqlen_k, BLOCK_N: gl.constexpr, col_layout: gl.constexpr):
+    """``x`` (the dQ pass's rows x the K/V block from n0) with 0 outside the band, where the block
+    crosses an edge of it."""
     dlo, dhi, full_lo, full_hi = band
-    p = gl.exp2(s * scale_log2 - lse[:, None])
     if (n0 < full_lo) | (n0 >= full_hi):
         cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
-        p = gl.where(band_rows_mask(rows, cols, seqlen_k, dlo, dhi), p, 0.0)
-    return p
+        x = gl.where(band_rows_mask(rows, cols, seqlen_k, dlo, dhi), x, 0.0)
+    return x
+
+
+@gluon.jit
+def _probs(s, lse, rows, n0, band, seqlen_k, scale_log2, site, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
+           SCORE: gl.constexpr):
+    """P of one K/V block in the dQ pass from S (through the score hook) and the logits it came from."""
+    cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
+    y = score.logits(s, scale_log2, rows[:, None], cols[None, :], site, SCORE)
+    p = gl.exp2(y * score.exp_scale(scale_log2, SCORE) - lse[:, None])
+    return _in_band(p, rows, n0, band, seqlen_k, BLOCK_N, col_layout), y
+
+
+@gluon.jit
+def _ds(p, dp, delta, y, rows, n0, band, seqlen_k, site, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
+        SCORE: gl.constexpr):
+    """dS = P (dP - D) with respect to the scaled scores; where the block crosses an edge of the
+    band, a pair of probability 0 (outside it) adds nothing, even where dP is not finite."""
+    ds = p * (dp - delta[:, None])
+    dlo, dhi, full_lo, full_hi = band
+    if (n0 < full_lo) | (n0 >= full_hi):
+        ds = gl.where(p == 0.0, 0.0, ds)
+    cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
+    return score.grad(ds, y, rows[:, None], cols[None, :], site, SCORE)
 
 
 @gluon.jit
@@ -668,16 +769,20 @@ def _store_dq(dq, q, q_smem, dq_desc, batch, m0, head, softmax_scale):
 
 
 @gluon.jit
-def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, tile_ids, bars, walk, O, sob, sos, soh,
-                  head_dim, LSE, DLSE, DELTA, slb, slh, ds_smem, dq_desc, softmax_scale, scale_log2,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr, PERSISTENT: gl.constexpr):
+def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem, dq_desc, softmax_scale, scale_log2,
+                  score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                  STAGES: gl.constexpr, HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr, PERSISTENT: gl.constexpr,
+                  SCORE: gl.constexpr):
     """Consumer warpgroup WHICH, a partition of its own: dQ of query rows [64 * WHICH, 64 * WHICH +
     64) of each of the CTA's tiles, and their D.  With SPLIT_D (d256) both warpgroups are one
     partition (WHICH 0) and own the tile's 64 rows, half the head dim of dQ each; S and dP are
     split by K/V rows and dS meets in shared memory (two buffers, one barrier per block)."""
-    q_ready, q_empty, kv_ready, kv_empty = bars
-    num_tiles, heads_q, group, seqlen_q, seqlen_k, window_left, window_right = walk
+    q_smem, do_smem, k_smem, v_smem, tile_ids = bufs.a, bufs.b, bufs.c, bufs.d, bufs.tile_ids
+    q_ready, q_empty, kv_ready, kv_empty = bufs.stationary_ready, bufs.stationary_empty, bufs.ring_ready, bufs.ring_empty
+    num_tiles, heads_q, seqlen_q, seqlen_k = walk.num_tiles, walk.heads, walk.seqlen_q, walk.seqlen_k
+    window_left, window_right = walk.window_left, walk.window_right
+    LSE, DELTA, slb, slh = row_stats.LSE, row_stats.DELTA, row_stats.slb, row_stats.slh
+    O, sob, sos, soh, head_dim, DLSE = delta_in.O, delta_in.sob, delta_in.sos, delta_in.soh, delta_in.head_dim, delta_in.DLSE
     SLOTS: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = WARPGROUP_ROWS
     dtype: gl.constexpr = q_smem.dtype
@@ -689,8 +794,8 @@ def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, tile_ids
     tile_i = 0
     t = read_tile(tile_ids, tile_i, q_ready, SLOTS)  # the tile's Q and dO landed
     while t < num_tiles:
-        batch, head, m0 = _stationary_tile(t, heads_q, seqlen_q, BLOCK_M, True)
-        q_slot = _buffer_of(tile_i, SLOTS)[0]
+        batch, head, m0 = stationary_tile(t, heads_q, seqlen_q, BLOCK_M, True)
+        q_slot = buffer_of(tile_i, SLOTS)[0]
         q_block = q_smem.index(q_slot)
         r0 = m0 + WHICH * ROWS
         q = q_block.reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
@@ -699,6 +804,7 @@ def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, tile_ids
                                          seqlen_q, do, gl.SliceLayout(1, s_layout), ROWS, HEAD_DIM_PAD, HAS_DLSE,
                                          8 if SPLIT_D else 4)
         dq = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
+        site = (batch, head, seqlen_k - seqlen_q, score_args)
         # The band of the whole tile's rows: both warpgroups step through the same blocks.
         dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(m0, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k,
                                                                window_left, window_right, False)
@@ -706,10 +812,11 @@ def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, tile_ids
             n0 = lo + i * BLOCK_N
             slot, k, v, s, dp = _scores(q, do, k_smem, v_smem, kv_ready, j, s_zero, BLOCK_N, HEAD_DIM_PAD, STAGES)
             s = warpgroup_mma_wait(1, deps=[s])
-            p = _probs(s, lse, rows, n0, (dlo, dhi, full_lo, full_hi), seqlen_k, scale_log2, BLOCK_N,
-                       gl.SliceLayout(0, s_layout))
+            p, y = _probs(s, lse, rows, n0, (dlo, dhi, full_lo, full_hi), seqlen_k, scale_log2, site, BLOCK_N,
+                          gl.SliceLayout(0, s_layout), SCORE)
             dp = warpgroup_mma_wait(0, deps=[dp])
-            ds = (p * (dp - delta[:, None])).to(dtype)
+            ds = _ds(p, dp, delta, y, rows, n0, (dlo, dhi, full_lo, full_hi), seqlen_k, site, BLOCK_N,
+                     gl.SliceLayout(0, s_layout), SCORE).to(dtype)
             if SPLIT_D:
                 buf = j % 2
                 ds_smem.index(buf).store(ds)
@@ -724,7 +831,7 @@ def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, tile_ids
             mbarrier.arrive(kv_empty.index(slot))
             j += 1
         _store_dq(dq, q, q_block.slice(WHICH * ROWS, ROWS, dim=1), dq_desc, batch, r0, head, softmax_scale)
-        _release_stationary(q_empty, q_slot)
+        release(q_empty, q_slot)
         tile_i += 1
         t = read_next_tile(tile_ids, tile_i, q_ready, num_tiles, SLOTS, PERSISTENT)
 
@@ -732,106 +839,131 @@ def _dq_consumers(WHICH: gl.constexpr, q_smem, do_smem, k_smem, v_smem, tile_ids
 @gluon.jit
 def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh,
                num_tiles, heads_q, group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
-               COUNTER, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
-               SLOTS: gl.constexpr, HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr, PERSISTENT: gl.constexpr,
-               DYNAMIC: gl.constexpr):
-    # With SPLIT_D both consumer warpgroups are one partition; else each is its own.
-    q_smem, do_smem, k_smem, v_smem, tile_ids, bars = _pass_buffers(q_desc, do_desc, k_desc, v_desc, STAGES,
-                                                                    1 if SPLIT_D else 2, SLOTS)
-    walk = (num_tiles, heads_q, group, seqlen_q, seqlen_k, window_left, window_right)
+               counter, score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+               STAGES: gl.constexpr, SLOTS: gl.constexpr, HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr,
+               PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SCORE: gl.constexpr):
+    # With SPLIT_D both consumer warpgroups are one partition; else each is its own.  The
+    # stationary pair is Q and dO, the streamed one K and V.
+    buf = PassBuffers.allocate(q_desc, do_desc, k_desc, v_desc, STAGES, 1 if SPLIT_D else 2, SLOTS)
+    walk = PassWalk(num_tiles, heads_q, group, seqlen_q, seqlen_k, window_left, window_right)
+    stats = RowStats(LSE, DELTA, buf.a, buf.a, slb, slh)  # (the dQ pass reads no statistics from the ring)
+    delta_in = DeltaInputs(O, sob, sos, soh, head_dim, DLSE)
     if SPLIT_D:
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], _SCORES_LAYOUT)  # both halves
         gl.warp_specialize([
-            (_dq_consumers, (0, q_smem, do_smem, k_smem, v_smem, tile_ids, bars, walk, O, sob, sos, soh, head_dim, LSE,
-                             DLSE, DELTA, slb, slh, ds_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
-                             HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D, PERSISTENT)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, tile_ids, bars, walk,
-                         (LSE, DELTA, q_smem, q_smem, slb, slh), COUNTER, BLOCK_M, BLOCK_N, STAGES, False, False,
-                         PERSISTENT, DYNAMIC)),
+            (_dq_consumers, (0, buf, walk, stats, delta_in, ds_smem, dq_desc, softmax_scale, scale_log2, score_args,
+                             BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D, PERSISTENT, SCORE)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, buf, walk, stats, counter, BLOCK_M, BLOCK_N, STAGES, False,
+                         False, PERSISTENT, DYNAMIC)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_dq_consumers, (0, q_smem, do_smem, k_smem, v_smem, tile_ids, bars, walk, O, sob, sos, soh, head_dim, LSE,
-                             DLSE, DELTA, slb, slh, q_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
-                             HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D, PERSISTENT)),
-            (_dq_consumers, (1, q_smem, do_smem, k_smem, v_smem, tile_ids, bars, walk, O, sob, sos, soh, head_dim, LSE,
-                             DLSE, DELTA, slb, slh, q_smem, dq_desc, softmax_scale, scale_log2, BLOCK_M, BLOCK_N,
-                             HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D, PERSISTENT)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, tile_ids, bars, walk,
-                         (LSE, DELTA, q_smem, q_smem, slb, slh), COUNTER, BLOCK_M, BLOCK_N, STAGES, False, False,
-                         PERSISTENT, DYNAMIC)),
+            (_dq_consumers, (0, buf, walk, stats, delta_in, buf.a, dq_desc, softmax_scale, scale_log2, score_args,
+                             BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D, PERSISTENT, SCORE)),
+            (_dq_consumers, (1, buf, walk, stats, delta_in, buf.a, dq_desc, softmax_scale, scale_log2, score_args,
+                             BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D, PERSISTENT, SCORE)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, buf, walk, stats, counter, BLOCK_M, BLOCK_N, STAGES, False,
+                         False, PERSISTENT, DYNAMIC)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def supports(p, q, k, v, dout) -> bool:
-    """Batched problems on a GPU, head dims 64, 128 and (two passes only) 256, layouts the 4-D
-    descriptors describe (the tensors as tma_ready returns them)."""
-    return (q.is_cuda and not p.varlen and p.head_dim_pad in GLUON_HEAD_DIMS and p.head_dim % 8 == 0
-            and not any(map(broadcast, (q, k, v, dout))))
+def backward(plan, p, dout, dlse, q, k, v, out, lse, saved):
+    """dq, dk, dv by the plan's kernels: the two passes ("v3-gluon") or the single pass adding dQ
+    by TMA reduce-add ("v3-gluon-reduce").  ``dlse`` (gradient reaching the logsumexp) may be None."""
+    q, k, v, dout = (tma_host.ready(x) for x in (q, k, v, dout))
+    if plan.kernel == "v3-gluon-reduce":
+        return _single_pass(plan.config, p, dout, q, k, v, lse, _delta(p, out, dout, dlse, lse))
+    return _two_passes(plan.config, p, dout, dlse, q, k, v, out, lse)
 
 
-def backward(p, dout, dlse, q, k, v, out, lse):
-    """dq, dk, dv by the two passes; q, k, v and dout TMA-ready.  ``dlse`` (gradient reaching the
-    logsumexp) may be None."""
-    cfg = v3_gluon_bwd_config(p)
+def _two_passes(cfg, p, dout, dlse, q, k, v, out, lse):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
     pad = p.head_dim_pad
     rows = gluon_bwd_stationary_rows(pad)
     tiles = p.batch * p.heads_q * p.query_blocks(rows)
-    schedule = pass_schedule(p, tiles, q.device)
+    schedule = pass_schedule(p, cfg, tiles, q.device)
     launch(
         _dq_kernel, (schedule.ctas,),
-        tma_descriptor(q, rows, pad), tma_descriptor(dout, rows, pad), tma_descriptor(k, cfg.dq_block_n, pad),
-        tma_descriptor(v, cfg.dq_block_n, pad), tma_descriptor(dq, partition_rows(pad), pad),
+        tma_host.descriptor(q, rows, pad), tma_host.descriptor(dout, rows, pad),
+        tma_host.descriptor(k, cfg.dq_block_n, pad), tma_host.descriptor(v, cfg.dq_block_n, pad),
+        tma_host.descriptor(dq, partition_rows(pad), pad),
         out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, delta if dlse is None else dlse, delta,
         lse.stride(0), lse.stride(1), tiles, p.heads_q, p.group, p.seqlen_q, p.seqlen_k, p.window_left,
-        p.window_right, p.softmax_scale, p.scale_log2, schedule.counter(lse), BLOCK_M=rows, BLOCK_N=cfg.dq_block_n,
-        HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, HAS_DLSE=dlse is not None, SPLIT_D=split_head_dim(pad),
-        **schedule.constants(), **launch_options(pad))
+        p.window_right, p.softmax_scale, p.scale_log2, schedule.counter(lse.device), score.args_of(p),
+        BLOCK_M=rows, BLOCK_N=cfg.dq_block_n, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, HAS_DLSE=dlse is not None,
+        SPLIT_D=split_head_dim(pad), SCORE=score.mod_of(p), **schedule.constants(), **launch_options(pad))
     # D, written by the dQ pass, is read here: launched after it on the same stream.
     _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, None)
     return dq, dk, dv
 
 
-def backward_reduce(p, dout, q, k, v, lse, delta):
+def _single_pass(cfg, p, dout, q, k, v, lse, delta):
     """dq, dk, dv in one K/V-stationary pass, FlashAttention-3's: each Q block's dQ share added
     in fp32 by TMA reduce-add (summation order varies from run to run); ``delta`` holds
     D = rowsum(dO * O) - dlse already.  Head dims up to 128 (the fp32 dQ staging of SPLIT_D's
     64-row blocks does not fit in shared memory next to its operands)."""
     if split_head_dim(p.head_dim_pad):
         raise ValueError("the single-pass Gluon backward takes head dims up to 128")
-    cfg = v3_gluon_bwd_config(p, single_pass=True)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc)
     return dq_acc.to(q.dtype), dk, dv
 
 
+@triton.jit
+def _delta_kernel(O, DO, DLSE, DELTA, sob, sos, soh, sdb, sds, sdh, slb, slh, seqlen_q, heads_q,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """D = rowsum(dO * O) - dlse for the rows of one block, before the single pass."""
+    bh = tl.program_id(0)
+    m0 = tl.program_id(1) * BLOCK_M
+    batch = (bh // heads_q).to(tl.int64)
+    head = (bh % heads_q).to(tl.int64)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    o = load_tile(O + batch * sob + rows[:, None] * sos + head * soh + offs_d[None, :],
+                  rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, True)
+    do = load_tile(DO + batch * sdb + rows[:, None] * sds + head * sdh + offs_d[None, :],
+                   rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, True)
+    stat = batch * slb + head * slh + rows
+    tl.store(DELTA + stat, row_delta(o, do, DLSE, stat, rows, seqlen_q, HAS_DLSE), mask=rows < seqlen_q)
+
+
+def _delta(p, out, dout, dlse, lse):
+    """D = rowsum(dO * O) - dlse, for the single pass (the two passes compute it in their dQ pass)."""
+    delta = torch.empty_like(lse)
+    launch(
+        _delta_kernel, (p.batch * p.heads_q, p.query_blocks(64)),
+        out, dout, delta if dlse is None else dlse, delta, out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1), p.seqlen_q, p.heads_q,
+        HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=64, HAS_DLSE=dlse is not None, num_warps=4)
+    return delta
+
+
 def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
     pad = p.head_dim_pad
     rows = gluon_bwd_stationary_rows(pad)
     out_rows = partition_rows(pad, dq_acc is not None)
-    dk_desc = tma_descriptor(dk, out_rows, pad)
+    dk_desc = tma_host.descriptor(dk, out_rows, pad)
     dq_reduce = dq_acc is not None
     tiles = p.batch * p.heads_k * p.key_blocks(rows)
-    schedule = pass_schedule(p, tiles, q.device, dq_reduce)
+    schedule = pass_schedule(p, cfg, tiles, q.device, dq_reduce)
     launch(
         _dkdv_kernel, (schedule.ctas,),
-        tma_descriptor(q, cfg.kv_block_m, pad), tma_descriptor(k, rows, pad), tma_descriptor(v, rows, pad),
-        tma_descriptor(dout, cfg.kv_block_m, pad), dk_desc, tma_descriptor(dv, out_rows, pad),
-        dk_desc if dq_acc is None else tma_descriptor(dq_acc, cfg.kv_block_m, pad),  # not read without dq_acc
+        tma_host.descriptor(q, cfg.kv_block_m, pad), tma_host.descriptor(k, rows, pad), tma_host.descriptor(v, rows, pad),
+        tma_host.descriptor(dout, cfg.kv_block_m, pad), dk_desc, tma_host.descriptor(dv, out_rows, pad),
+        dk_desc if dq_acc is None else tma_host.descriptor(dq_acc, cfg.kv_block_m, pad),  # not read without dq_acc
         lse, delta, lse.stride(0), lse.stride(1), tiles, p.heads_k, p.group, p.seqlen_q, p.seqlen_k,
-        p.window_left, p.window_right, p.softmax_scale, p.scale_log2, schedule.counter(lse),
+        p.window_left, p.window_right, p.softmax_scale, p.scale_log2, schedule.counter(lse.device), score.args_of(p),
         BLOCK_M=cfg.kv_block_m, BLOCK_N=rows, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, DQ_REDUCE=dq_reduce,
-        SPLIT_D=split_head_dim(pad), SHARED_SCORES=shared_scores(cfg, pad, dq_reduce), **schedule.constants(),
-        **launch_options(pad, dq_reduce))
+        SPLIT_D=split_head_dim(pad), SHARED_SCORES=shared_scores(cfg, pad, dq_reduce), SCORE=score.mod_of(p),
+        **schedule.constants(), **launch_options(pad, dq_reduce))
 
 
 class Schedule(NamedTuple):
     """How a pass's CTAs take its tiles: ``ctas`` CTAs, each tile's stationary rows in one of
     ``slots`` shared-memory slots; with fewer CTAs than tiles each takes every ctas-th tile, or
-    (``dynamic``) the next no CTA has taken, from an atomic counter (v3_gluon.next_tile)."""
+    (``dynamic``) the next no CTA has taken, from an atomic counter (scheduler.next_tile)."""
     ctas: int
     slots: int
     persistent: bool
@@ -840,21 +972,21 @@ class Schedule(NamedTuple):
     def constants(self):
         return dict(SLOTS=self.slots, PERSISTENT=self.persistent, DYNAMIC=self.dynamic)
 
-    def counter(self, stand_in):
-        """The tile counter of the current stream (dynamic), else ``stand_in``'s storage (not read)."""
-        return tile_counter(stand_in.device) if self.dynamic else stand_in.view(torch.int32)
+    def counter(self, device):
+        """The tile counter of the current stream (dynamic), else a stand-in never read."""
+        return tile_counter(device) if self.dynamic else no_counter(device)
 
 
-def pass_schedule(p, tiles, device, dq_reduce=False) -> Schedule:
+def pass_schedule(p, cfg, tiles, device, dq_reduce=False) -> Schedule:
     """The schedule of a pass of ``tiles`` tiles.  Up to d128 in the two passes, more tiles than
     SMs: a CTA per SM (the most that fit), two slots for the stationary tile, so that a tile's
     loads and its predecessor's stores overlap the streaming instead of a CTA's teardown and
     launch coming between them; tiles of equal length are strided over, a band's (causal,
-    window: uneven lengths, longest first) taken as CTAs free up.  Otherwise a CTA per tile,
-    one slot: d256 and the single pass have no shared memory for a second slot.
-    FLASHTILE_V3_ABLATE=persistent: a CTA per tile everywhere."""
+    window: uneven lengths, longest first) taken as CTAs free up.  Otherwise (or without
+    ``cfg.persistent``) a CTA per tile, one slot: d256 and the single pass have no shared
+    memory for a second slot."""
     sms = sm_count(device.index)
-    if gluon_backward_persistent() and not one_consumer_partition(p.head_dim_pad, dq_reduce) and tiles > sms:
+    if cfg.persistent and not one_consumer_partition(p.head_dim_pad, dq_reduce) and tiles > sms:
         return Schedule(sms, 2, True, p.banded)
     return Schedule(tiles, 1, False, False)
 

@@ -1,0 +1,228 @@
+"""The one place that decides what runs: a version, a problem and options in, a frozen plan out.
+
+``forward_plan`` and ``backward_plan`` return a ``Plan``: which kernel (a name below) and its
+tiles; ``run_forward`` and ``run_backward`` execute one.  Kernel modules compute what a plan
+tells them and choose nothing.
+
+Forward kernels:
+  "tiled"        the PyTorch implementation (CPU tensors outside the interpreter; empty problems)
+  "v1"           FlashAttention-1 (kernels/v1.py)
+  "v2"           FlashAttention-2 (kernels/v2.py)
+  "v3-gluon"     FlashAttention-3's warp-specialized forward in Gluon (kernels/gluon/forward.py)
+  "v3-triton"    the Hopper forward in plain Triton (kernels/v3.py): what the Gluon kernel does
+                 not take (varlen, broadcast layouts, the interpreter)
+Backward kernels:
+  "tiled", "v1", "v2"   as above
+  "v3-gluon"     two warp-specialized Gluon passes, dQ then dK/dV, bitwise reproducible
+                 (kernels/gluon/backward.py)
+  "v3-gluon-reduce"  one K/V-stationary Gluon pass adding dQ by TMA reduce-add (FlashAttention-3's)
+"""
+import functools
+import importlib
+from dataclasses import dataclass, replace
+
+import torch
+
+from flashtile import options as _options
+from flashtile.kernels import configs
+from flashtile.kernels.configs import Config
+
+VERSIONS = ("v1", "v2", "v3")
+# Every accepted value of ``version``: "tiled" is the PyTorch implementation, runnable anywhere.
+VERSION_CHOICES = ("auto", *VERSIONS, "tiled")
+
+
+def why_not(version: str, device: torch.device) -> str | None:
+    """None if ``version`` can run on ``device``; otherwise the reason it cannot."""
+    if version == "tiled":
+        return None
+    if device.type == "cpu":
+        if _options.interpreting():
+            return None
+        return ("Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 set before importing "
+                "flashtile to run them on CPU tensors; version='auto' uses the PyTorch tiled path on CPU")
+    if device.type != "cuda":
+        return f"device type {device.type!r} is not supported"
+    major, minor = _capability(device.index)
+    if version == "v3" and major != 9:
+        return f"v3 uses Hopper TMA and warp specialization (compute capability 9.0); this GPU is {major}.{minor}"
+    if major < 8:
+        return f"flashtile needs compute capability >= 8.0; this GPU is {major}.{minor}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)  # asked at every call; a device's capability does not change
+def _capability(index):
+    return torch.cuda.get_device_capability(index)
+
+
+def resolve_version(version: str, device: torch.device) -> str:
+    """Map 'auto' to the best version for the device and refuse versions that cannot run."""
+    if version == "auto":
+        if device.type == "cpu" and not _options.interpreting():
+            return "tiled"
+        if device.type == "cuda" and why_not("v3", device) is None:
+            return "v3"
+        return "v2"
+    reason = why_not(version, device)
+    if reason is not None:
+        raise RuntimeError(f"version={version!r} cannot run on {device}: {reason}")
+    return version
+
+
+@dataclass(frozen=True)
+class Plan:
+    kernel: str
+    config: object = None  # the kernel's tiles: Config, GluonSchedule, GluonBackward or a pair
+    splits: int | None = None  # v1: programs per (batch, head) (None: enough to fill the GPU)
+    unmasked: bool = False     # v3-triton: one loop without masks (no band, whole K tiles)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a plan depends on besides the problem: where the kernels run."""
+    gluon: bool        # the Gluon kernels take these tensors
+    interpreter: bool  # Triton kernels run on the CPU interpreter (its small tiles)
+
+
+# The GPU as the tile tables and the IO model see it: Gluon kernels, no interpreter.
+HOPPER = Target(gluon=True, interpreter=False)
+
+
+def broadcast(x) -> bool:
+    """A stride 0 (a broadcast batch or head), which the Gluon kernels' 4-D descriptors do not take."""
+    return 0 in x.stride()[:-1]
+
+
+def target_of(p, *tensors) -> Target:
+    """The Gluon kernels take batched problems on a GPU, at the head dims they are built for, in
+    layouts a 4-D TMA descriptor describes (aligned copies are made where needed: tma.ready)."""
+    interpreter = _options.interpreting()
+    gluon = (tensors[0].is_cuda and not interpreter and not p.varlen and p.head_dim_pad in configs.GLUON_HEAD_DIMS
+             and p.head_dim % 8 == 0 and not any(map(broadcast, tensors)))
+    return Target(gluon, interpreter)
+
+
+def _tiles(opts, target, table, default):
+    """``default``, the interpreter's tile under it, or the options' override of ``table``."""
+    override = opts.tile(table)
+    if override is not None:
+        return Config(*override[:4], *(bool(x) for x in override[4:]))
+    return configs.INTERPRETER if target.interpreter else default
+
+
+def forward_plan(p, version: str, target: Target, opts) -> Plan:
+    """The forward kernel and tiles of problem ``p`` under ``version`` (already resolved)."""
+    if p.empty or version == "tiled":
+        return Plan("tiled")
+    if version == "v1":
+        from flashtile.kernels import v1  # its tiles follow the paper's rule
+        fwd, _ = v1.block_sizes(p.head_dim_pad)
+        cfg = Config(*fwd, 4 if p.head_dim_pad <= 64 else 8, 1)
+        return Plan("v1", _tiles(opts, target, "v1_fwd", cfg), splits=opts.v1_splits)
+    if version == "v2":
+        return _v2_forward(p, target, opts)
+    kernel = opts.forward or "gluon"
+    if kernel == "gluon" and target.gluon:
+        return Plan("v3-gluon", gluon_schedule(p, opts))
+    if kernel == "v2" or (kernel == "gluon" and p.banded and p.seqlen_k <= configs.SHORT_KEYS):
+        # Short bands the Gluon kernel does not take run faster in v2 than in plain Triton.
+        return _v2_forward(p, target, opts)
+    return v3_triton_forward(p, target, opts)
+
+
+def _v2_forward(p, target, opts) -> Plan:
+    table = configs.v2_fwd_table(p.banded, p.seqlen_k)
+    return Plan("v2", _tiles(opts, target, "v2_fwd", configs.by_head_dim(table, p.head_dim_pad)))
+
+
+def v3_triton_forward(p, target, opts) -> Plan:
+    """The plain-Triton Hopper forward's plan (v3's where the Gluon kernel does not run)."""
+    def tiles(unmasked, ws):
+        table = configs.v3_fwd_table(unmasked, ws)
+        return _tiles(opts, target, "v3_fwd", configs.by_head_dim(table, p.head_dim_pad))
+
+    # One unmasked loop: no band, batched, whole K tiles.
+    cfg = tiles(not p.banded and not p.varlen, True)
+    unmasked = not p.banded and not p.varlen and p.seqlen_k % cfg.block_n == 0
+    # Triton 3.6's warp specialization: not under the interpreter, and the logsumexp's 1-D TMA
+    # store needs 16-byte aligned rows (seqlen_q % 4 == 0).
+    ws = unmasked and not target.interpreter and p.seqlen_q % 4 == 0
+    if cfg.warp_specialize and not ws:
+        cfg = tiles(unmasked, False)
+    return Plan("v3-triton", replace(cfg, warp_specialize=cfg.warp_specialize and ws), unmasked=unmasked)
+
+
+def gluon_schedule(p, opts) -> configs.GluonSchedule:
+    """The Gluon forward's schedule: the table's tiles (or the override: block_n, stages,
+    consumers), with the ablated techniques off."""
+    override = opts.tile("v3_gluon")
+    if override is not None:
+        block_n, stages, consumers = override
+        if consumers not in (2, 3) or (consumers == 3 and p.head_dim_pad > 64):
+            raise ValueError(f"kernel option tiles.v3_gluon={override}: 2 consumers, or 3 up to head dim 64")
+        cfg = configs.GluonSchedule(block_n, stages, consumers=consumers)
+    else:
+        cfg = replace(configs.by_head_dim(configs.V3_GLUON, p.head_dim_pad),
+                      consumers=configs.gluon_consumers(p.head_dim_pad, p.banded, p.seqlen_q))
+    return replace(cfg, **{t: False for t in opts.ablate})
+
+
+def backward_plan(p, version: str, target: Target, opts) -> Plan:
+    """The backward kernels and tiles of problem ``p`` under ``version`` (already resolved)."""
+    if p.empty or version == "tiled":
+        return Plan("tiled")
+    if version == "v1":
+        from flashtile.kernels import v1
+        _, bwd = v1.block_sizes(p.head_dim_pad)
+        cfg = Config(*bwd, 4 if p.head_dim_pad <= 64 else 8, 1)
+        return Plan("v1", _tiles(opts, target, "v1_bwd", cfg), splits=opts.v1_splits)
+    kernel = "v2" if version == "v2" or not target.gluon else _v3_backward_kernel(p, opts)
+    if kernel == "v2":
+        kv = configs.by_head_dim(configs.v2_bwd_kv_table(p.banded), p.head_dim_pad)
+        dq = configs.by_head_dim(configs.V2_BWD_Q, p.head_dim_pad)
+        return Plan("v2", (_tiles(opts, target, "v2_bwd_kv", kv), _tiles(opts, target, "v2_bwd_q", dq)))
+    reduce = kernel == "v3-gluon-reduce"
+    table = "v3_gluon_bwd_reduce" if reduce else "v3_gluon_bwd"
+    override = opts.tile(table)
+    cfg = (configs.GluonBackward(*override) if override is not None else
+           configs.by_head_dim(configs.V3_GLUON_BWD_REDUCE if reduce else configs.V3_GLUON_BWD, p.head_dim_pad))
+    return Plan(kernel, replace(cfg, persistent="persistent" not in opts.ablate))
+
+
+def _v3_backward_kernel(p, opts) -> str:
+    """v3's backward where the Gluon kernels run: by default the single pass from
+    GLUON_REDUCE_MIN_KEYS keys (d64, d128), the two Gluon passes below that, at d256 (the head
+    dim split between the warpgroups) and whenever gradients must be bitwise reproducible."""
+    if opts.backward == "v2":
+        return "v2"
+    single_pass_possible = not p.deterministic and not configs.split_head_dim(p.head_dim_pad)
+    if opts.backward == "gluon-reduce":
+        return "v3-gluon-reduce" if single_pass_possible else "v3-gluon"
+    if opts.backward == "gluon":
+        return "v3-gluon"
+    if single_pass_possible and configs.gluon_reduce_by_default(p.head_dim_pad, p.seqlen_k):
+        return "v3-gluon-reduce"
+    return "v3-gluon"
+
+
+_FORWARD_MODULES = {"tiled": "flashtile.tiled", "v1": "flashtile.kernels.v1", "v2": "flashtile.kernels.v2",
+                    "v3-triton": "flashtile.kernels.v3", "v3-gluon": "flashtile.kernels.gluon.forward"}
+_BACKWARD_MODULES = {"tiled": "flashtile.tiled", "v1": "flashtile.kernels.v1", "v2": "flashtile.kernels.v2",
+                     "v3-gluon": "flashtile.kernels.gluon.backward",
+                     "v3-gluon-reduce": "flashtile.kernels.gluon.backward"}
+
+
+@functools.lru_cache(maxsize=None)  # asked at every call: import_module costs a few us
+def _module(name: str):
+    return importlib.import_module(name)
+
+
+def run_forward(plan: Plan, p, q, k, v):
+    """(out, lse, saved) of the plan's forward kernel; ``saved``: what its backward needs beyond lse."""
+    return _module(_FORWARD_MODULES[plan.kernel]).forward(plan, p, q, k, v)
+
+
+def run_backward(plan: Plan, p, dout, dlse, q, k, v, out, lse, saved):
+    """(dq, dk, dv) of the plan's backward kernels; ``dlse`` may be None."""
+    return _module(_BACKWARD_MODULES[plan.kernel]).backward(plan, p, dout, dlse, q, k, v, out, lse, saved)

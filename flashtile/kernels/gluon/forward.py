@@ -1,0 +1,689 @@
+"""FlashAttention-3's forward for Hopper, written in Gluon: the scheduling plain Triton cannot express.
+
+One CTA runs a producer and ``CONSUMERS`` consumer partitions (``gl.warp_specialize``) over a
+persistent loop of tiles (scheduler.py):
+
+- a producer warp issues the TMA loads: the tile's Q, 64 rows per consumer, once per tile, into
+  one of ``Q_SLOTS`` buffers, then K and V blocks into a ``STAGES``-deep shared-memory ring
+  (``*_ready`` / ``*_empty`` mbarriers);
+- two consumer warpgroups (three at d64 on long sequences: 192-row tiles, fewer registers each),
+  each owning 64 query rows of the tile, run the GEMMs on warpgroup MMA (P stays in registers as
+  the PV product's A operand; up to d128 with two consumers Q is S = Q K^T's register operand,
+  loaded once per tile: q_in_registers) and the online softmax.
+
+Ping-pong: the consumers take turns to issue their GEMMs (the ``turn`` mbarriers, passed round
+them in order), so one warpgroup's softmax runs while another's GEMMs occupy the tensor cores.
+Intra-warpgroup overlap: inside a consumer, S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued
+together, and the softmax of S_j is written to run while the PV product is in flight (ptxas
+hoists the PV product's wait above the exponentials; what remains is the two GEMMs in flight
+together: docs/v3.md).  Persistent scheduler: ``min(tiles, SMs)`` CTAs loop over tiles.  With
+two Q buffers (where shared memory has room: d64, d128) the producer loads the next tile's Q
+and first K/V blocks while the consumers finish this one; with one (d256) the consumers free it
+once their last S = Q K^T is done, so the next tile's Q loads under the last PV product and the
+epilogue.  Tiles of uneven length (causal, window) come from an atomic counter, longest first,
+across groups of heads whose K/V share L2 (heads_sharing_l2); tiles of equal length are strided
+over, one head after another.
+
+Batched (non-varlen) problems only: Q/K/V/O are seen by TMA as (batch, seqlen, heads, head_dim),
+so loads past a sequence or head dim read zeros and stores past them are dropped.  O leaves by
+TMA store from shared memory: a staging buffer per consumer (d64, d128), or at d256 one that
+the two consumers take in turn (o_staging_buffers).  Band masks cost one comparison per key
+(two where a sliding window has a left edge: LEFT_EDGE), only on blocks crossing an edge of the
+consumer's rows (blocks.band_edge_masks).  Gluon does not run under the interpreter: the CPU
+suite compiles this file for sm_90; numerics are checked on the GPU.
+"""
+import torch
+from triton.experimental import gluon
+from triton.language.core import _aggregate as aggregate
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+from flashtile.kernels import score
+from flashtile.kernels import tma as tma_host
+from flashtile.kernels.blocks import band_blocks, band_edge_masks
+from flashtile.kernels.configs import WARPGROUP_ROWS
+from flashtile.kernels.gluon.scheduler import (end_tiles, next_tile, no_counter, publish_tile, read_next_tile,
+                                               read_tile, sm_count, start_tiles, tile_counter)
+from flashtile.kernels.launch import launch
+from flashtile.kernels.tiles import finalize_rows, online_softmax_step
+
+PRODUCER_REGS = gl.constexpr(24)      # the TMA-issuing warp needs almost none
+SHARED_MEMORY = 232448 - 1024         # the H100/H200 per-block limit, less room for the mbarriers
+L2_BUDGET = 32 * 2**20                # K/V bytes of the heads walked together (the H200 has 50 MB of L2)
+
+
+@aggregate
+class Schedule:
+    """The kernel's compile-time schedule (kernel_constants says what each is)."""
+    ROWS: gl.constexpr
+    BLOCK_N: gl.constexpr
+    HEAD_DIM_PAD: gl.constexpr
+    STAGES: gl.constexpr
+    CONSUMERS: gl.constexpr
+    Q_SLOTS: gl.constexpr
+    O_BUFFERS: gl.constexpr
+    PINGPONG: gl.constexpr
+    OVERLAP: gl.constexpr
+    PERSISTENT: gl.constexpr
+    DYNAMIC: gl.constexpr
+    Q_IN_REGISTERS: gl.constexpr
+    LEFT_EDGE: gl.constexpr
+    SCORE: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
+                 PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE):
+        self.ROWS = gl.constexpr(ROWS)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.HEAD_DIM_PAD = gl.constexpr(HEAD_DIM_PAD)
+        self.STAGES = gl.constexpr(STAGES)
+        self.CONSUMERS = gl.constexpr(CONSUMERS)
+        self.Q_SLOTS = gl.constexpr(Q_SLOTS)
+        self.O_BUFFERS = gl.constexpr(O_BUFFERS)
+        self.PINGPONG = gl.constexpr(PINGPONG)
+        self.OVERLAP = gl.constexpr(OVERLAP)
+        self.PERSISTENT = gl.constexpr(PERSISTENT)
+        self.DYNAMIC = gl.constexpr(DYNAMIC)
+        self.Q_IN_REGISTERS = gl.constexpr(Q_IN_REGISTERS)
+        self.LEFT_EDGE = gl.constexpr(LEFT_EDGE)
+        self.SCORE = gl.constexpr(SCORE)
+
+
+@aggregate
+class Buffers:
+    """Shared memory: Q (Q_SLOTS tiles, a part per consumer: slot s is buffers CONSUMERS * s +
+    consumer), the K/V ring, O's staging buffers, the tile numbers the producer hands over (two
+    slots: tile parity), and the mbarriers.  "ready" barriers complete when TMA has landed the
+    bytes; "empty" ones when every consumer is done with the buffer; ``turn`` passes the tensor
+    cores round the consumers; ``o_free`` hands a shared O buffer on."""
+    q: gl.shared_memory_descriptor
+    k: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    o: gl.shared_memory_descriptor
+    tile_ids: gl.shared_memory_descriptor
+    q_ready: gl.shared_memory_descriptor
+    q_empty: gl.shared_memory_descriptor
+    k_ready: gl.shared_memory_descriptor
+    k_empty: gl.shared_memory_descriptor
+    v_ready: gl.shared_memory_descriptor
+    v_empty: gl.shared_memory_descriptor
+    turn: gl.shared_memory_descriptor
+    o_free: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, q, k, v, o, tile_ids, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, o_free):
+        self.q = q
+        self.k = k
+        self.v = v
+        self.o = o
+        self.tile_ids = tile_ids
+        self.q_ready = q_ready
+        self.q_empty = q_empty
+        self.k_ready = k_ready
+        self.k_empty = k_empty
+        self.v_ready = v_ready
+        self.v_empty = v_empty
+        self.turn = turn
+        self.o_free = o_free
+
+    @gluon.jit
+    def allocate(q_desc, k_desc, v_desc, o_desc, S: gl.constexpr):
+        q = gl.allocate_shared_memory(q_desc.dtype, [S.CONSUMERS * S.Q_SLOTS] + q_desc.block_type.shape,
+                                      q_desc.layout)
+        k = gl.allocate_shared_memory(k_desc.dtype, [S.STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v = gl.allocate_shared_memory(v_desc.dtype, [S.STAGES] + v_desc.block_type.shape, v_desc.layout)
+        if S.O_BUFFERS > 0:
+            o = gl.allocate_shared_memory(o_desc.dtype, [S.O_BUFFERS] + o_desc.block_type.shape, o_desc.layout)
+        else:
+            o = q  # a placeholder: O leaves from registers
+        tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        q_ready = gl.allocate_shared_memory(gl.int64, [S.Q_SLOTS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [S.Q_SLOTS, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [S.STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [S.STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [S.STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [S.STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [S.CONSUMERS, 1], mbarrier.MBarrierLayout())
+        o_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())  # one O buffer, shared
+        for i in gl.static_range(S.Q_SLOTS):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=S.CONSUMERS)
+        for i in gl.static_range(S.STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=S.CONSUMERS)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=S.CONSUMERS)
+        for i in gl.static_range(S.CONSUMERS):
+            mbarrier.init(turn.index(i), count=1)
+        mbarrier.init(o_free.index(0), count=1)
+        return Buffers(q, k, v, o, tile_ids, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, o_free)
+
+
+@gluon.constexpr_function
+def _value(x):
+    """A run-time integer, or one triton specialised to a constant (an argument equal to 1)."""
+    return x if isinstance(x, gl.tensor) else gl.constexpr(x)
+
+
+Value = (gl.tensor, gl.constexpr)
+
+
+@aggregate
+class TileWalk:
+    """The persistent walk over (batch x head, query block) tiles: its sizes and the band."""
+    num_tiles: Value
+    batch_heads: Value
+    heads_q: Value
+    group: Value
+    head_group: Value
+    m_blocks: Value
+    seqlen_q: Value
+    seqlen_k: Value
+    window_left: Value
+    window_right: Value
+
+    @gluon.constexpr_function
+    def __init__(self, num_tiles, batch_heads, heads_q, group, head_group, m_blocks, seqlen_q, seqlen_k,
+                 window_left, window_right):
+        self.num_tiles = _value(num_tiles)
+        self.batch_heads = _value(batch_heads)
+        self.heads_q = _value(heads_q)
+        self.group = _value(group)
+        self.head_group = _value(head_group)
+        self.m_blocks = _value(m_blocks)
+        self.seqlen_q = _value(seqlen_q)
+        self.seqlen_k = _value(seqlen_k)
+        self.window_left = _value(window_left)
+        self.window_right = _value(window_right)
+
+    @gluon.jit
+    def tile(self, t, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Tile ``t``: (batch, head, first query row, band, first visited K/V block, their count).
+
+        Heads are walked in groups of ``head_group`` whose K and V fit in L2 together, so the
+        CTAs running at one time re-read K/V from L2 rather than HBM.  Inside a group, query
+        blocks run from the last to the first (causal tiles come longest first), the group's
+        heads adjacent.  (Which blocks need a mask the consumers decide for their own rows.)"""
+        group_tiles = self.head_group * self.m_blocks
+        first_head = t // group_tiles * self.head_group
+        heads_here = gl.minimum(self.head_group, self.batch_heads - first_head)  # the last group may be smaller
+        r = t % group_tiles
+        m0 = (self.m_blocks - 1 - r // heads_here) * TILE_M
+        bh = first_head + r % heads_here
+        dlo, dhi, lo, _, _, n_blocks = band_blocks(m0, TILE_M, BLOCK_N, self.seqlen_q, self.seqlen_k,
+                                                   self.window_left, self.window_right, False)
+        return bh // self.heads_q, bh % self.heads_q, m0, dlo, dhi, lo, n_blocks
+
+
+@aggregate
+class Outputs:
+    """Where a consumer's rows go: O by TMA (``o_desc``) or, without staging, by pointer; the
+    logsumexp by pointer."""
+    o_desc: tma.tensor_descriptor
+    O: gl.tensor
+    sob: Value
+    sos: Value
+    soh: Value
+    head_dim: Value
+    LSE: gl.tensor
+    slb: Value
+    slh: Value
+
+    @gluon.constexpr_function
+    def __init__(self, o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh):
+        self.o_desc = o_desc
+        self.O = O
+        self.sob = _value(sob)
+        self.sos = _value(sos)
+        self.soh = _value(soh)
+        self.head_dim = _value(head_dim)
+        self.LSE = LSE
+        self.slb = _value(slb)
+        self.slh = _value(slh)
+
+
+# Where _exact_rows finds Q, K, V and O: 64-bit words in shared memory (each pointer as an
+# integer, then its batch, sequence and head strides; then the head dim), written before the
+# partitions start.  As kernel arguments captured by the consumer partitions they would take
+# registers through the main loop for a path that almost never runs.
+_STASH_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+Q_AT, K_AT, V_AT, O_AT, HEAD_DIM_AT = gl.constexpr(0), gl.constexpr(4), gl.constexpr(8), gl.constexpr(12), gl.constexpr(16)
+STASH_WORDS = gl.constexpr(32)
+
+
+@gluon.jit
+def _stash_tensors(Q, sqb, sqs, sqh, K, skb, sks, skh, V, svb, svs, svh, O, sob, sos, soh, head_dim):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    i = gl.arange(0, STASH_WORDS, layout=layout)
+    words = gl.zeros([STASH_WORDS], gl.int64, layout)
+    words = gl.where(i == 0, Q.to(gl.int64, bitcast=True), words)
+    words = gl.where(i == 1, sqb, words)
+    words = gl.where(i == 2, sqs, words)
+    words = gl.where(i == 3, sqh, words)
+    words = gl.where(i == 4, K.to(gl.int64, bitcast=True), words)
+    words = gl.where(i == 5, skb, words)
+    words = gl.where(i == 6, sks, words)
+    words = gl.where(i == 7, skh, words)
+    words = gl.where(i == 8, V.to(gl.int64, bitcast=True), words)
+    words = gl.where(i == 9, svb, words)
+    words = gl.where(i == 10, svs, words)
+    words = gl.where(i == 11, svh, words)
+    words = gl.where(i == 12, O.to(gl.int64, bitcast=True), words)
+    words = gl.where(i == 13, sob, words)
+    words = gl.where(i == 14, sos, words)
+    words = gl.where(i == 15, soh, words)
+    words = gl.where(i == 16, head_dim, words)
+    stash = gl.allocate_shared_memory(gl.int64, [STASH_WORDS], _STASH_LAYOUT)
+    stash.store(words)
+    return stash
+
+
+@gluon.jit
+def _stashed(stash, AT: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    i = gl.arange(0, STASH_WORDS, layout=layout)
+    return gl.max(gl.where(i == AT, stash.load(layout), 0), 0)
+
+
+@gluon.jit
+def _rows_of(stash, AT: gl.constexpr, batch, head, dtype: gl.constexpr):
+    """The pointer to (batch, sequence start, head) of the tensor stashed at AT, and its row stride."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    i = gl.arange(0, STASH_WORDS, layout=layout)
+    words = stash.load(layout)
+    base = gl.max(gl.where(i == AT, words, 0), 0).to(gl.pointer_type(dtype), bitcast=True)
+    sb = gl.max(gl.where(i == AT + 1, words, 0), 0)
+    ss = gl.max(gl.where(i == AT + 2, words, 0), 0)
+    sh = gl.max(gl.where(i == AT + 3, words, 0), 0)
+    return base + batch.to(gl.int64) * sb + head.to(gl.int64) * sh, ss
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, buf, walk, counter, S: gl.constexpr):
+    it = 0  # K/V blocks issued so far: ring slot and mbarrier phase
+    tile_i = 0
+    t = gl.program_id(0)
+    start_tiles(counter, S.DYNAMIC)
+    while t < walk.num_tiles:
+        batch, head, m0, dlo, dhi, lo, n_blocks = walk.tile(t, S.CONSUMERS * S.ROWS, S.BLOCK_N)
+        head_k = head // walk.group
+        # Every consumer is done with the Q this slot held (and has read that tile's number).
+        q_slot = tile_i % S.Q_SLOTS
+        mbarrier.wait(buf.q_empty.index(q_slot), (tile_i // S.Q_SLOTS & 1) ^ 1)
+        publish_tile(buf.tile_ids, tile_i, t)
+        t = next_tile(t, walk.num_tiles, counter, S.PERSISTENT, S.DYNAMIC)
+        q_bar = buf.q_ready.index(q_slot)
+        mbarrier.expect(q_bar, S.CONSUMERS * q_desc.block_type.nbytes)
+        for c in gl.static_range(S.CONSUMERS):
+            tma.async_copy_global_to_shared(q_desc, [batch, m0 + c * S.ROWS, head, 0], q_bar,
+                                            buf.q.index(S.CONSUMERS * q_slot + c))
+        for j in range(n_blocks):
+            n0 = lo + j * S.BLOCK_N
+            slot = it % S.STAGES
+            phase = (it // S.STAGES) & 1
+            mbarrier.wait(buf.k_empty.index(slot), phase ^ 1)
+            mbarrier.expect(buf.k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [batch, n0, head_k, 0], buf.k_ready.index(slot),
+                                            buf.k.index(slot))
+            mbarrier.wait(buf.v_empty.index(slot), phase ^ 1)
+            mbarrier.expect(buf.v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [batch, n0, head_k, 0], buf.v_ready.index(slot),
+                                            buf.v.index(slot))
+            it += 1
+        tile_i += 1
+    end_tiles(buf.tile_ids, tile_i, buf.q_ready, buf.q_empty, walk.num_tiles, S.PERSISTENT)
+
+
+@gluon.jit
+def _block_logits(s, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2, col_layout: gl.constexpr,
+                  S: gl.constexpr):
+    """The scores of block n0 as the softmax takes them: through the score hook (score.logits),
+    then -inf outside the band (the edges the block crosses: blocks.band_edge_masks)."""
+    offs = gl.arange(0, S.BLOCK_N, layout=col_layout)
+    s = score.logits(s, scale_log2, rows[:, None], (n0 + offs)[None, :], site, S.SCORE)
+    return band_edge_masks(s, rows, offs, n0, S.BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
+                           float("-inf"), S.LEFT_EDGE)
+
+
+@gluon.jit
+def _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH: gl.constexpr, PINGPONG: gl.constexpr):
+    """Start S = Q K^T on K/V ring slot ``slot`` once it is this consumer's turn and K has landed.
+    Turns go round the consumers in order; consumer 0 takes the first without waiting."""
+    if PINGPONG:
+        mbarrier.wait(buf.turn.index(WHICH), (turns & 1) ^ (WHICH == 0))
+    mbarrier.wait(buf.k_ready.index(slot), phase)
+    k = buf.k.index(slot)
+    kT = k.reshape([k.shape[1], k.shape[3]]).permute((1, 0))
+    return warpgroup_mma(q_op, kT, s_zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _pass_turn(turn, WHICH: gl.constexpr):
+    """The tensor cores' turn goes to the next consumer (ping-pong with two)."""
+    mbarrier.arrive(turn.index((WHICH + 1) % turn.shape[0]))
+
+
+@gluon.jit
+def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, scale_log2, score_args, S: gl.constexpr):
+    """Consumer warpgroup WHICH: rows [64 * WHICH, 64 * WHICH + 64) of every tile handed over.
+
+    Per K/V block j: (wait for its turn) issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, (pass the
+    turn), wait for S_j only, softmax, wait for the PV product, rescale O.  The first block has
+    no PV product to overlap; the last one follows the loop."""
+    ROWS: gl.constexpr = S.ROWS
+    BLOCK_N: gl.constexpr = S.BLOCK_N
+    HEAD_DIM_PAD: gl.constexpr = S.HEAD_DIM_PAD
+    STAGES: gl.constexpr = S.STAGES
+    dtype: gl.constexpr = buf.q.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM_PAD, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    exp_scale = score.exp_scale(scale_log2, S.SCORE)
+    it = 0     # K/V blocks consumed so far: ring slot and mbarrier phase
+    turns = 0  # ping-pong turns taken so far
+    tile_i = 0
+    t = read_tile(buf.tile_ids, tile_i, buf.q_ready, S.Q_SLOTS)
+    while t < walk.num_tiles:
+        batch, head, m0, dlo, dhi, lo, n_blocks = walk.tile(t, S.CONSUMERS * ROWS, BLOCK_N)
+        q_slot = tile_i % S.Q_SLOTS
+        q_op = buf.q.index(S.CONSUMERS * q_slot + WHICH).reshape([ROWS, HEAD_DIM_PAD])  # S = Q K^T's A
+        if S.Q_IN_REGISTERS:
+            # Q as the register operand: only K is read from shared memory, and Q's buffer is
+            # free for the producer's next tile at once.
+            q_op = q_op.load(q_layout)
+            mbarrier.arrive(buf.q_empty.index(q_slot))
+        row0 = m0 + WHICH * ROWS  # this consumer's first row
+        rows = row0 + gl.arange(0, ROWS, layout=s_rows)
+        site = (batch, head, walk.seqlen_k - walk.seqlen_q, score_args)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
+        l_i = gl.zeros([ROWS], gl.float32, s_rows)
+        acc = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, o_layout)
+        if n_blocks > 0:
+            # First block: nothing to overlap with yet.
+            slot = it % STAGES
+            phase = (it // STAGES) & 1
+            s = _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH, S.PINGPONG)
+            if S.PINGPONG:
+                _pass_turn(buf.turn, WHICH)
+                turns += 1
+            s = warpgroup_mma_wait(0, deps=[s])
+            mbarrier.arrive(buf.k_empty.index(slot))
+            s = _block_logits(s, site, rows, row0, lo, walk.seqlen_k, dlo, dhi, scale_log2, s_cols, S)
+            p, alpha, m_i = online_softmax_step(s, m_i, exp_scale)
+            l_i = gl.sum(p, 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            prev_slot = slot
+            prev_phase = phase
+            it += 1
+            for j in range(1, n_blocks):
+                n0 = lo + j * BLOCK_N
+                slot = it % STAGES
+                phase = (it // STAGES) & 1
+                v_prev = buf.v.index(prev_slot).reshape([BLOCK_N, HEAD_DIM_PAD])
+                s = _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH, S.PINGPONG)
+                if S.OVERLAP:
+                    # O += P_{j-1} V_{j-1} goes out with S_j; the softmax below runs under it.
+                    mbarrier.wait(buf.v_ready.index(prev_slot), prev_phase)
+                    acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+                if S.PINGPONG:
+                    _pass_turn(buf.turn, WHICH)
+                    turns += 1
+                if S.OVERLAP:
+                    s = warpgroup_mma_wait(1, deps=[s])
+                else:
+                    s = warpgroup_mma_wait(0, deps=[s])
+                    mbarrier.wait(buf.v_ready.index(prev_slot), prev_phase)
+                    acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+                mbarrier.arrive(buf.k_empty.index(slot))
+                s = _block_logits(s, site, rows, row0, n0, walk.seqlen_k, dlo, dhi, scale_log2, s_cols, S)
+                p, alpha, m_i = online_softmax_step(s, m_i, exp_scale)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                # p_op of the previous block is read by the in-flight wgmma: keep it alive until here.
+                acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+                mbarrier.arrive(buf.v_empty.index(prev_slot))
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                prev_slot = slot
+                prev_phase = phase
+                it += 1
+            if not S.Q_IN_REGISTERS:
+                # The last S = Q K^T has completed: the producer may load the next tile's Q into
+                # this buffer under the last PV product and the epilogue (d256 has one Q buffer).
+                # Not inside the loop: a branch there costs d256 spills.
+                mbarrier.arrive(buf.q_empty.index(q_slot))
+            mbarrier.wait(buf.v_ready.index(prev_slot), prev_phase)
+            v_prev = buf.v.index(prev_slot).reshape([BLOCK_N, HEAD_DIM_PAD])
+            acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+            acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+            mbarrier.arrive(buf.v_empty.index(prev_slot))
+        elif not S.Q_IN_REGISTERS:
+            mbarrier.arrive(buf.q_empty.index(q_slot))  # a tile with no K/V block
+        out, lse = finalize_rows(acc, gl.convert_layout(m_i, o_rows), gl.convert_layout(l_i, o_rows))
+        use = tile_i * S.CONSUMERS + WHICH
+        # An output that is not finite (inf - inf and NaN - NaN are NaN) is recomputed by the
+        # masking rule (_exact_rows, which stores its rows itself); else the rows leave as usual.
+        if gl.max(gl.max(((acc - acc) != 0).to(gl.int32), 1), 0) > 0:
+            _exact_rows(lse, batch, head, row0, use, WHICH, buf, stash, outputs, walk, scale_log2, score_args, S)
+        else:
+            _store_rows(out.to(dtype), lse, buf, use, WHICH, outputs, batch, head, row0, walk.seqlen_q, o_layout, S)
+        tile_i += 1
+        t = read_next_tile(buf.tile_ids, tile_i, buf.q_ready, walk.num_tiles, S.Q_SLOTS, S.PERSISTENT)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _exact_rows(lse, batch, head, row0, use, WHICH: gl.constexpr, buf, stash, outputs, walk, scale_log2,
+                score_args, S: gl.constexpr):
+    """The consumer's rows computed again, key by key, by the masking rule, and stored with their
+    logsumexp ``lse`` (natural log, from the main loop): a key outside a row's band contributes
+    nothing, whatever its value.  The tensor cores' P V turns a masked key's probability of 0
+    times an infinite value into NaN; a consumer whose output came out not finite (rare: V holds
+    inf or NaN) comes here.  From Q, K and V in global memory, 64 columns of the output at a
+    time, so that it needs few registers: the main loop keeps its own."""
+    CHUNK: gl.constexpr = 64
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    rows = row0 + gl.arange(0, S.ROWS, layout=rows_layout)
+    offs = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
+    dlo, dhi, lo, _, _, n_blocks = band_blocks(row0 - WHICH * S.ROWS, S.CONSUMERS * S.ROWS, S.BLOCK_N, walk.seqlen_q,
+                                               walk.seqlen_k, walk.window_left, walk.window_right, False)
+    site = (batch, head, walk.seqlen_k - walk.seqlen_q, score_args)
+    lse2 = gl.convert_layout(lse, rows_layout) * 1.4426950408889634  # +inf for rows that see no key: p = 0
+    in_seq = rows < walk.seqlen_q
+    head_k = head // walk.group
+    dtype: gl.constexpr = buf.q.dtype
+    q_base, sqs = _rows_of(stash, Q_AT, batch, head, dtype)
+    k_base, sks = _rows_of(stash, K_AT, batch, head_k, dtype)
+    v_base, svs = _rows_of(stash, V_AT, batch, head_k, dtype)
+    o_base, sos = _rows_of(stash, O_AT, batch, head, dtype)
+    head_dim = _stashed(stash, HEAD_DIM_AT)
+    q_rows = q_base + rows.to(gl.int64)[:, None] * sqs
+    o_rows = o_base + rows.to(gl.int64)[:, None] * sos
+    hi = gl.minimum(lo + n_blocks * S.BLOCK_N, walk.seqlen_k)
+    for c in range(S.HEAD_DIM_PAD // CHUNK):
+        cols = c * CHUNK + offs
+        acc = gl.zeros([S.ROWS, CHUNK], gl.float32, layout)
+        for key in range(lo, hi):
+            s = gl.zeros([S.ROWS], gl.float32, rows_layout)
+            for d in range(S.HEAD_DIM_PAD // CHUNK):
+                dims = d * CHUNK + offs
+                in_dim = dims < head_dim
+                q = gl.load(q_rows + dims[None, :], mask=in_seq[:, None] & in_dim[None, :], other=0.0)
+                k = gl.load(k_base + key.to(gl.int64) * sks + dims, mask=in_dim, other=0.0)
+                s += gl.sum(q.to(gl.float32) * k.to(gl.float32)[None, :], 1)
+            y = score.logits(s, scale_log2, rows, key, site, S.SCORE)
+            visible = (key - rows >= dlo) & (key - rows <= dhi) & in_seq
+            p = gl.where(visible, gl.exp2(y * score.exp_scale(scale_log2, S.SCORE) - lse2), 0.0)
+            v = gl.load(v_base + key.to(gl.int64) * svs + cols, mask=cols < head_dim, other=0.0)
+            acc += gl.where(visible[:, None], p[:, None] * v.to(gl.float32)[None, :], 0.0)
+        gl.store(o_rows + cols[None, :], acc.to(dtype), mask=in_seq[:, None] & (cols[None, :] < head_dim))
+    if S.O_BUFFERS == 1:  # the shared staging buffer's turn, passed on unused
+        mbarrier.wait(buf.o_free.index(0), (use & 1) ^ 1)
+        mbarrier.arrive(buf.o_free.index(0))
+    gl.store(outputs.LSE + batch.to(gl.int64) * outputs.slb + head * outputs.slh + rows, lse2 * 0.6931471805599453,
+             mask=in_seq)
+
+
+@gluon.jit
+def _store_rows(out, lse, buf, use, WHICH: gl.constexpr, outputs, batch, head, row0, seqlen_q,
+                o_layout: gl.constexpr, S: gl.constexpr):
+    """One consumer's O rows and their logsumexp; rows past the sequence, lanes past the head dim
+    dropped.  O goes by TMA store through a staging buffer in shared memory: one per consumer,
+    or one the two consumers take in turn (``use``: this consumer's turn, counted over the CTA),
+    or, with O_BUFFERS == 0, straight from registers."""
+    ROWS: gl.constexpr = S.ROWS
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    if S.O_BUFFERS > 0:
+        SHARED: gl.constexpr = S.O_BUFFERS == 1
+        o_buf = buf.o.index(0 if SHARED else WHICH)
+        if SHARED:
+            # Turns alternate (each waits for the one before), so a parity names the turn awaited.
+            mbarrier.wait(buf.o_free.index(0), (use & 1) ^ 1)
+        else:
+            tma.store_wait(0)  # this consumer's previous store has left its buffer
+        o_buf.reshape([ROWS, S.HEAD_DIM_PAD]).store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(outputs.o_desc, [batch, row0, head, 0], o_buf)
+        if SHARED:
+            tma.store_wait(0)
+            gl.thread_barrier()  # every thread past the wait before the buffer is handed on
+            mbarrier.arrive(buf.o_free.index(0))
+    else:  # without shared memory for staging: two-byte stores (the head dim's mask splits pairs)
+        cols = gl.arange(0, S.HEAD_DIM_PAD, layout=gl.SliceLayout(0, o_layout))
+        ptrs = (outputs.O + batch.to(gl.int64) * outputs.sob + rows[:, None].to(gl.int64) * outputs.sos
+                + head * outputs.soh + cols[None, :])
+        gl.store(ptrs, out, mask=(rows[:, None] < seqlen_q) & (cols[None, :] < outputs.head_dim))
+    gl.store(outputs.LSE + batch.to(gl.int64) * outputs.slb + head * outputs.slh + rows, lse, mask=rows < seqlen_q)
+
+
+@gluon.jit
+def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, skh, V, svb, svs, svh,
+                O, sob, sos, soh, head_dim, LSE, slb, slh,
+                batch_heads, heads_q, group, head_group, m_blocks, num_tiles,
+                seqlen_q, seqlen_k, window_left, window_right, scale_log2, counter, score_args,
+                ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
+                PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
+                DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr):
+    S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
+                               PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE)
+    buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
+    walk = TileWalk(num_tiles, batch_heads, heads_q, group, head_group, m_blocks, seqlen_q, seqlen_k, window_left,
+                    window_right)
+    stash = _stash_tensors(Q, sqb, sqs, sqh, K, skb, sks, skh, V, svb, svs, svh, O, sob, sos, soh, head_dim)
+    outputs = Outputs(o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh)
+    # The partitions are listed as written (Gluon builds no list at run time): one list per count.
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_consumer, (0, buf, walk, stash, outputs, scale_log2, score_args, S)),
+            (_consumer, (1, buf, walk, stash, outputs, scale_log2, score_args, S)),
+            (_consumer, (2, buf, walk, stash, outputs, scale_log2, score_args, S)),
+            (_producer, (q_desc, k_desc, v_desc, buf, walk, counter, S)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, buf, walk, stash, outputs, scale_log2, score_args, S)),
+            (_consumer, (1, buf, walk, stash, outputs, scale_log2, score_args, S)),
+            (_producer, (q_desc, k_desc, v_desc, buf, walk, counter, S)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# The consumer warpgroups and the producer warp (rounded up to a warpgroup) share the SM's 64K
+# registers: an even share each at launch, rebalanced by setmaxnreg to CONSUMER_REGS per
+# consumer thread (O, S and P of 64 rows live there) and PRODUCER_REGS, as in FlashAttention-3:
+# 240 with two consumers, 160 with three.
+CONSUMER_REGS = {2: 240, 3: 160}
+REGISTERS = 65536
+
+
+def launch_options(consumers):
+    """num_warps (the first consumer's, the default partition) and the launch's register cap."""
+    threads = (consumers + 1) * 128
+    return dict(num_warps=4, maxnreg=REGISTERS // threads // 8 * 8)
+
+
+def kernel_constants(p, cfg, element_size):
+    """The kernel's compile-time arguments for problem ``p`` under schedule ``cfg``."""
+    rows = WARPGROUP_ROWS
+    tile_bytes = cfg.tile_m * p.head_dim_pad * element_size  # Q or O of one tile
+    ring_bytes = 2 * cfg.num_stages * cfg.block_n * p.head_dim_pad * element_size
+    # O staged for its TMA store, then a second Q buffer, where shared memory holds them.
+    o_buffers = o_staging_buffers(tile_bytes, ring_bytes, cfg.consumers)
+    next_q = (cfg.next_q and cfg.persistent and o_buffers == cfg.consumers
+              and 3 * tile_bytes + ring_bytes <= SHARED_MEMORY)
+    return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
+                PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_BUFFERS=o_buffers, PERSISTENT=cfg.persistent,
+                # Tiles of uneven length (a band) from the atomic counter; equal ones strided over.
+                DYNAMIC=cfg.persistent and p.banded, Q_SLOTS=2 if next_q else 1, CONSUMERS=cfg.consumers,
+                CONSUMER_REGS=CONSUMER_REGS[cfg.consumers],
+                Q_IN_REGISTERS=q_in_registers(p.head_dim_pad, cfg),
+                # A sliding window's left edge: without one (causal, none) only the right is tested.
+                LEFT_EDGE=p.window_left >= 0, SCORE=score.mod_of(p))
+
+
+def o_staging_buffers(tile_bytes, ring_bytes, consumers):
+    """Shared-memory buffers O is staged in for its TMA store: one per consumer where Q, the K/V
+    ring and those fit (d64, d128); else one that two consumers take in turn (d256: Q and the
+    two-slot ring leave 32 KB, one consumer's rows); else none, and O leaves from registers (as
+    two-byte stores: the head dim's mask splits the pairs)."""
+    if 2 * tile_bytes + ring_bytes <= SHARED_MEMORY:
+        return consumers
+    if consumers == 2 and tile_bytes + tile_bytes // consumers + ring_bytes <= SHARED_MEMORY:
+        return 1
+    return 0
+
+
+def q_in_registers(head_dim_pad, cfg) -> bool:
+    """Whether S = Q K^T takes Q from registers (loaded once per tile) rather than shared memory:
+    with both operands there each consumer reads Q and K from shared memory for every K/V block,
+    near the bandwidth shared memory serves at d64 and d128.  Up to d128 with two consumers:
+    d256's O takes half of a consumer's registers, and three consumers' 160 registers spill."""
+    return cfg.q_registers and head_dim_pad <= 128 and cfg.consumers == 2
+
+
+def heads_sharing_l2(p, element_size):
+    """How many (batch, head) pairs the tile walk keeps together.  Tiles of equal length: one,
+    its row blocks adjacent, so the CTAs resident together read the same K/V blocks at about the
+    same time.  A band's tiles, taken longest first: as many as have K and V fit in L2_BUDGET, at
+    least one, at most all (one at a time leaves each head's short tiles to the end of the walk,
+    unbalanced)."""
+    if not p.banded:
+        return 1
+    kv_bytes_per_head = 2 * p.seqlen_k * p.head_dim_pad * element_size
+    return max(1, min(p.batch * p.heads_q, L2_BUDGET // kv_bytes_per_head))
+
+
+def forward(plan, p, q, k, v):
+    """Output and logsumexp (and an empty ``saved``) under the plan's schedule."""
+    q, k, v = (tma_host.ready(x) for x in (q, k, v))
+    cfg = plan.config
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=q.device)
+    consts = kernel_constants(p, cfg, q.element_size())
+    rows = consts["ROWS"]
+    m_blocks = p.query_blocks(cfg.tile_m)
+    batch_heads = p.batch * p.heads_q
+    num_tiles = m_blocks * batch_heads
+    programs = min(num_tiles, sm_count(q.device.index)) if cfg.persistent else num_tiles
+    head_group = heads_sharing_l2(p, q.element_size())
+    pad = p.head_dim_pad
+    launch(
+        _fwd_kernel, (programs,),
+        tma_host.descriptor(q, rows, pad), tma_host.descriptor(k, cfg.block_n, pad),
+        tma_host.descriptor(v, cfg.block_n, pad), tma_host.descriptor(out, rows, pad),
+        q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
+        v, v.stride(0), v.stride(1), v.stride(2),
+        out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, lse.stride(0), lse.stride(1),
+        batch_heads, p.heads_q, p.group, head_group, m_blocks, num_tiles,
+        p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.scale_log2,
+        tile_counter(q.device) if consts["DYNAMIC"] else no_counter(q.device), score.args_of(p),
+        **consts, **launch_options(cfg.consumers))
+    return out, lse, lse.new_empty(0)

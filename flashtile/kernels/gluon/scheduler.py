@@ -1,0 +1,150 @@
+"""The persistent tile scheduler of the Gluon kernels: which tile each CTA takes next.
+
+A persistent launch runs ``min(tiles, SMs)`` CTAs that loop over tiles.  Tiles of equal length
+are strided over (every num_programs-th: PERSISTENT); tiles of uneven length (a causal or
+window band, ordered longest first) are taken from an atomic counter as CTAs free up (DYNAMIC),
+so the walk balances itself.  A CTA's producer picks the tiles and hands each tile's number to
+its consumers through shared memory (publish_tile / read_tile), ordered by the mbarrier of the
+slot the tile's loads land in.
+
+The counter is one int64 per stream, epoch-tagged: each launch gets a new epoch (its high 32
+bits, ``counter = (pointer, epoch << 32)``), every CTA first raises the counter to the epoch's
+base (atomic max: the first CTA of a launch resets it, the others find it there), then takes
+tiles by atomic add, counting from the base.  Nothing has to set it back at the end, so a
+launch that dies half-way leaves nothing a later launch can misread.
+"""
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from flashtile.kernels.blocks import split_tile
+
+
+@gluon.jit
+def start_tiles(counter, DYNAMIC: gl.constexpr):
+    """Before a CTA's first take from the counter: raise it to this launch's epoch base."""
+    if DYNAMIC:
+        pointer, base = counter
+        gl.atomic_max(pointer, base)
+
+
+@gluon.jit
+def next_tile(t, num_tiles, counter, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """The tile a CTA's producer takes after tile ``t``: DYNAMIC, the first no CTA has taken
+    yet (the counter counts the tiles past the first num_programs, from the epoch's base);
+    PERSISTENT, every num_programs-th (tiles of equal length); else none (one tile per CTA)."""
+    if DYNAMIC:
+        pointer, base = counter
+        t = gl.num_programs(0) + (gl.atomic_add(pointer, 1) - base).to(gl.int32)
+    elif PERSISTENT:
+        t += gl.num_programs(0)
+    else:
+        t = num_tiles
+    return t
+
+
+@gluon.jit
+def end_tiles(tile_ids, tile_i, ready, empty, num_tiles, PERSISTENT: gl.constexpr):
+    """No tile left after the producer's ``tile_i`` tiles: it tells the consumers with a tile
+    number past the end, in the next slot (barriers ``ready`` / ``empty`` of the slots) once
+    that is free; a CTA of one tile (not PERSISTENT) ends without (read_next_tile)."""
+    if PERSISTENT:
+        SLOTS: gl.constexpr = ready.shape[0]
+        slot = tile_i % SLOTS
+        mbarrier.wait(empty.index(slot), (tile_i // SLOTS & 1) ^ 1)
+        publish_tile(tile_ids, tile_i, num_tiles)
+        mbarrier.arrive(ready.index(slot))
+
+
+@gluon.jit
+def publish_tile(tile_ids, tile_i, t):
+    """The producer's tile number for the consumers (tile_i: how many tiles this CTA has taken)."""
+    # Written before the slot's ready barrier's arrival, read after its phase completes: the
+    # mbarrier orders the two.  Two slots: the producer runs at most one tile ahead of a consumer
+    # still reading its number.
+    tile_ids.index(tile_i & 1).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+
+
+@gluon.jit
+def read_tile(tile_ids, tile_i, ready, SLOTS: gl.constexpr):
+    """Wait for the loads of the CTA's ``tile_i``-th tile (the barriers ``ready`` of its SLOTS
+    slots) to land; its tile number (past the end: no tile left)."""
+    mbarrier.wait(ready.index(tile_i % SLOTS), tile_i // SLOTS & 1)
+    ids = tile_ids.index(tile_i & 1).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    return gl.max(ids, 0)
+
+
+@gluon.jit
+def read_next_tile(tile_ids, tile_i, ready, num_tiles, SLOTS: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The consumers' ``tile_i``-th tile after their first (read_tile); past the end: none left.
+    A CTA of one tile (not PERSISTENT) takes no second (its producer says nothing more)."""
+    t = num_tiles
+    if PERSISTENT:
+        t = read_tile(tile_ids, tile_i, ready, SLOTS)
+    return t
+
+
+@gluon.jit
+def stationary_tile(t, heads, seqlen, ROWS: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+    """(batch, head, first row) of tile ``t``: ROWS stationary rows of one head, one head's
+    tiles adjacent (blocks.split_tile); LONGEST_FIRST: its row blocks from the last (the dQ
+    pass: causal rows that see the most keys first)."""
+    bh, block, blocks = split_tile(t, seqlen, ROWS)
+    if LONGEST_FIRST:
+        block = blocks - 1 - block
+    return bh // heads, bh % heads, block * ROWS
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# Epochs run from 1 to below 2**31 (a launch's tiles are counted in the low 32 bits); at the
+# end of that range a counter is zeroed and its epochs start again.
+EPOCH_BITS = 32
+MAX_EPOCH = 2**31 - 1
+
+
+class _StreamCounter:
+    """A stream's counter and the epoch its last launch used."""
+
+    def __init__(self, device):
+        self.buffer = torch.zeros(1, dtype=torch.int64, device=device)
+        self.epoch = 0
+
+    def next_launch(self):
+        if self.epoch == MAX_EPOCH:
+            self.buffer.zero_()  # on the stream, ahead of the launch
+            self.epoch = 0
+        self.epoch += 1
+        return self.buffer, self.epoch << EPOCH_BITS
+
+
+def tile_counter(device):
+    """``(pointer, epoch base)`` of the dynamic walk for a launch on the current stream: one
+    buffer per stream, allocated and zeroed once, a new epoch per launch (launches on one stream
+    run in order, never sharing an epoch).  A CUDA graph being captured gets a buffer of its own,
+    zeroed inside the graph, so each replay starts from nothing and never shares memory with
+    eager launches."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int64, device=device), 1 << EPOCH_BITS
+    return _stream_counter(device.index, torch.cuda.current_stream(device).cuda_stream).next_launch()
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_counter(device_index, stream):
+    return _StreamCounter(torch.device("cuda", device_index))
+
+
+def no_counter(device):
+    """What a static walk passes for the counter (never read)."""
+    return _placeholder(device.index), 1 << EPOCH_BITS
+
+
+@functools.lru_cache(maxsize=None)
+def _placeholder(device_index):
+    return torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", device_index))

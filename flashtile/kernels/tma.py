@@ -1,0 +1,44 @@
+"""Tensors as the Hopper copy engine (TMA) reads them, on the host side.
+
+TMA reads from a 16-byte aligned base with strides in 16-byte multiples; ``ready`` makes an
+aligned copy of the rare tensor that is not.  The Gluon kernels see (batch, seqlen, heads,
+head_dim) tensors through 4-D descriptors whose block is ``rows`` rows of one head
+(``descriptor``); the plain-Triton kernel builds its descriptors on the device.
+"""
+import functools
+
+import torch
+from triton.experimental.gluon import language as gl
+
+from flashtile.kernels.launch import Descriptor, descriptor_spec
+
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+
+
+def aligned(x) -> bool:
+    """TMA reads from a 16-byte aligned base with strides in 16-byte multiples (the last is 1)."""
+    return x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+
+
+def ready(x):
+    """``x``, or an aligned copy of the rare tensor that is not (a fresh allocation: ``contiguous``
+    would hand back a contiguous tensor whose base is misaligned)."""
+    return x if aligned(x) else x.clone(memory_format=torch.contiguous_format)
+
+
+@functools.lru_cache(maxsize=None)
+def block_layout(rows, head_dim_pad, dtype):
+    # Cached: computing it costs tens of microseconds of Python, a tenth of a short forward.
+    block = [1, rows, 1, head_dim_pad]
+    return block, gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[dtype])
+
+
+@functools.lru_cache(maxsize=None)
+def _block_spec(rows, head_dim_pad, dtype):
+    block, layout = block_layout(rows, head_dim_pad, dtype)
+    return block, layout, descriptor_spec(dtype, block, layout)
+
+
+def descriptor(x, rows, head_dim_pad):
+    """(batch, seqlen, heads, head_dim) as TMA sees it; one block is ``rows`` rows of one head."""
+    return Descriptor(x, *_block_spec(rows, head_dim_pad, x.dtype))

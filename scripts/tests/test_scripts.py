@@ -1,0 +1,53 @@
+"""The maintained scripts' own logic, on made-up inputs (no GPU)."""
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+
+def test_bars_table_counts_cells_at_or_above_the_baseline(monkeypatch, tmp_path, capsys):
+    # scripts/bars_table.py: one table from a run split by head dim, v3 over the baseline and
+    # over v2 per mode, the count of cells v3 holds, an earlier run's ratios beside them.
+    import bars_table
+
+    def records(d, tflops):
+        return [dict(provider=p, d=d, causal=False, sq=1024, mode=m, tflops=t)
+                for (p, m), t in tflops.items()]
+
+    run = [tmp_path / "d64.json", tmp_path / "d128.json"]
+    run[0].write_text(json.dumps(records(64, {("flashtile-v3", "fwd"): 400, ("sdpa-cudnn", "fwd"): 500,
+                                              ("flashtile-v2", "fwd"): 200, ("flashtile-v3", "bwd"): 300,
+                                              ("sdpa-cudnn", "bwd"): 300})))
+    run[1].write_text(json.dumps(records(128, {("flashtile-v3", "fwd"): 600, ("sdpa-cudnn", "fwd"): 500})))
+    before = tmp_path / "before.json"
+    before.write_text(json.dumps(records(64, {("flashtile-v3", "fwd"): 250, ("sdpa-cudnn", "fwd"): 500})))
+    bars_table.main([*map(str, run), "--previous", str(before)])
+    out = capsys.readouterr().out
+    assert "fwd: v3 >= sdpa-cudnn in 1 of 2 cells, bwd: v3 >= sdpa-cudnn in 1 of 1 cells" in out
+    assert "| 64 | no | 1024 | 400 | 500 | 0.800 | 2.00 | 300 | 300 | 1.000 |  | 0.500 / - |" in out
+    assert "| 128 | no | 1024 | 600 | 500 | 1.200 |  |  |  |  |  | - / - |" in out
+
+
+def test_ncu_stalls_splits_the_samples_by_region(monkeypatch, tmp_path, capsys):
+    # scripts/ncu_stalls.py: Nsight Compute's SASS page (a preamble, then one row per
+    # instruction) split into hot loops (run at least half as often as the most run
+    # instruction), idle warps (NOPs sampled only at a barrier) and the rest.
+    import ncu_stalls
+
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "stall_barrier", "stall_wait", "stall_long_sb", "stall_barrier (Not Issued)"]
+    rows = [["0x10", "MUFU.EX2 R1, R1", "60", "1,000", "0", "60", "0", "0"],
+            ["0x20", "@!P0 BRA 0x10", "20", "900", "5", "15", "0", "0"],
+            ["0x30", "NOP", "15", "10", "15", "0", "0", "15"],
+            ["0x40", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1], R2", "5", "100", "0", "0", "5", "0"]]
+    path = tmp_path / "sass.csv"
+    path.write_text('"Kernel Name","_fwd_kernel"\n' + "\n".join(",".join(f'"{x}"' for x in r)
+                                                             for r in [header] + rows) + "\n")
+    ncu_stalls.main([str(path)])
+    out = capsys.readouterr().out
+    assert "| hot loops | 80.0% | wait 93.8%, barrier 6.2% |" in out
+    assert "| idle at a barrier | 15.0% | barrier 100.0% |" in out
+    assert "| rest | 5.0% | long_sb 100.0% |" in out
+    assert "Hot loops' samples by opcode: MUFU 75.0%, BRA 25.0%" in out

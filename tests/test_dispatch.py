@@ -1,0 +1,201 @@
+"""Which kernel runs, with which tiles: dispatch.py's plans, the options that steer them, and the
+host-side choices the Gluon kernels make from a plan (schedules, shared memory, TMA layouts)."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from flashtile import dispatch
+from flashtile.dispatch import HOPPER, Plan, Target
+from flashtile.kernels import configs, tma
+from flashtile.kernels.configs import Config, GluonBackward, GluonSchedule
+from flashtile.kernels.gluon import backward as gluon_bwd
+from flashtile.kernels.gluon import forward as gluon_fwd
+from flashtile.kernels.problem import Problem
+from flashtile.options import KernelOptions
+
+NO_GLUON = Target(gluon=False, interpreter=False)
+INTERPRETER = Target(gluon=False, interpreter=True)
+NONE = KernelOptions()
+
+
+def problem(seqlen=1024, window_right=-1, head_dim=128, **kw):
+    return Problem(2, 8, 8, seqlen, seqlen, head_dim, 0.1, -1, window_right, None, None, **kw)
+
+
+def forward(p, target=HOPPER, opts=NONE, version="v3"):
+    return dispatch.forward_plan(p, version, target, opts)
+
+
+def backward(p, target=HOPPER, opts=NONE, version="v3"):
+    return dispatch.backward_plan(p, version, target, opts)
+
+
+def test_options_round_trip_and_refuse_what_they_do_not_know():
+    opts = KernelOptions(forward="triton", backward="gluon-reduce", ablate={"overlap", "pingpong"},
+                         tiles={"v2_fwd": (128, 64, 4, 3), "v3_gluon": (64, 2, 2)}, v1_splits=3)
+    assert KernelOptions.parse(str(opts)) == opts
+    assert str(opts) == ("forward=triton;backward=gluon-reduce;v1_splits=3;ablate=overlap,pingpong;"
+                         "tiles.v2_fwd=128,64,4,3;tiles.v3_gluon=64,2,2")
+    assert KernelOptions.parse("") == NONE and str(NONE) == ""
+    for text, match in (("forward=v9", "forward='v9'"), ("ablate=warp_magic", "unknown techniques"),
+                        ("tiles.v9=1", "unknown table"), ("tiles.v3_gluon=1,2", "expected 3"),
+                        ("v1_splits=0", "v1_splits=0"), ("colour=blue", "unknown key"), ("forward", "key=value")):
+        with pytest.raises(ValueError, match=match):
+            KernelOptions.parse(text)
+
+
+def test_v3_forward_routing():
+    # The Gluon kernel for what it takes (short causal bands too); what it does not take runs
+    # v2's forward on short bands and the plain-Triton kernel otherwise; the interpreter runs
+    # plain Triton; options force a kernel.
+    assert forward(problem()) == Plan("v3-gluon", GluonSchedule(128, 2))
+    assert forward(problem(configs.SHORT_KEYS, 0)).kernel == "v3-gluon"
+    assert forward(problem(configs.SHORT_KEYS, 0), NO_GLUON).kernel == "v2"
+    assert forward(problem(2 * configs.SHORT_KEYS, 0), NO_GLUON).kernel == "v3-triton"
+    assert forward(problem(configs.SHORT_KEYS, -1), NO_GLUON).kernel == "v3-triton"
+    assert forward(problem(), INTERPRETER) == Plan("v3-triton", configs.INTERPRETER, unmasked=True)
+    assert forward(problem(), opts=KernelOptions(forward="v2")).kernel == "v2"
+    assert forward(problem(), opts=KernelOptions(forward="triton")).kernel == "v3-triton"
+    # versions v1, v2 and "tiled" and empty problems
+    assert forward(problem(), version="v2").kernel == "v2"
+    assert forward(problem(), version="v1") == Plan("v1", Config(128, 128, 8, 1))
+    assert forward(problem(), version="tiled").kernel == "tiled"
+    assert forward(replace(problem(), seqlen_k=0)).kernel == "tiled"
+    assert forward(replace(problem(), batch=0)).kernel == "tiled"
+
+
+def test_v3_triton_forward_plan():
+    # One unmasked (warp-specialized at d128) loop without a band and with whole K tiles; the
+    # band's tiles otherwise; warp specialization only where Triton 3.6 can apply it.
+    plan = dispatch.v3_triton_forward(problem(4096), HOPPER, NONE)
+    assert plan == Plan("v3-triton", Config(128, 128, 4, 2, True), unmasked=True)
+    assert dispatch.v3_triton_forward(problem(4096 + 4), HOPPER, NONE) == \
+        Plan("v3-triton", Config(128, 64, 8, 3), unmasked=False)
+    assert dispatch.v3_triton_forward(replace(problem(4096), seqlen_q=4095), HOPPER, NONE) == \
+        Plan("v3-triton", Config(128, 128, 8, 3), unmasked=True)
+    assert dispatch.v3_triton_forward(problem(4096, 0), HOPPER, NONE).unmasked is False
+
+
+def test_gluon_schedule_from_the_tables_the_ablation_and_tile_overrides():
+    assert dispatch.gluon_schedule(problem(head_dim=256), NONE) == GluonSchedule(64, 2)
+    assert dispatch.gluon_schedule(problem(4096), KernelOptions(ablate={"pingpong", "persistent"})) == \
+        GluonSchedule(128, 2, pingpong=False, persistent=False)
+    assert dispatch.gluon_schedule(problem(4096), KernelOptions(tiles={"v3_gluon": (64, 4, 2)})) == \
+        GluonSchedule(64, 4)
+    with pytest.raises(ValueError, match="3 up to head dim 64"):
+        dispatch.gluon_schedule(problem(4096), KernelOptions(tiles={"v3_gluon": (64, 4, 3)}))
+    # d64 takes three consumers from THREE_CONSUMERS_FROM query rows (a band: from more).
+    d64 = problem(4096, head_dim=64)
+    assert dispatch.gluon_schedule(d64, NONE).consumers == 3
+    assert dispatch.gluon_schedule(replace(d64, seqlen_q=1024), NONE).consumers == 2
+    assert dispatch.gluon_schedule(replace(d64, window_right=0), NONE).consumers == 2
+    assert dispatch.gluon_schedule(replace(d64, window_right=0, seqlen_q=8192), NONE).consumers == 3
+
+
+def test_v3_backward_routing():
+    # The single pass from GLUON_REDUCE_MIN_KEYS keys at d64 and d128, the two passes below that,
+    # at d256 (head dim split) and whenever deterministic; v2's where Gluon does not run.
+    p = problem(1024, 0)
+    p64, p256 = replace(p, head_dim=64), replace(p, head_dim=256)
+    assert [backward(x).kernel for x in (p64, p, p256, replace(p, head_dim=192))] == ["v3-gluon"] * 4
+    long = replace(p, seqlen_k=configs.GLUON_REDUCE_MIN_KEYS[128])
+    assert backward(long).kernel == "v3-gluon-reduce"
+    assert backward(replace(long, deterministic=True)).kernel == "v3-gluon"
+    long64 = replace(p64, seqlen_k=configs.GLUON_REDUCE_MIN_KEYS[64])
+    assert backward(long64) == Plan("v3-gluon-reduce", GluonBackward(128, 128, 2))
+    assert backward(replace(long64, seqlen_k=long64.seqlen_k - 1)) == Plan("v3-gluon", GluonBackward(64, 128, 3))
+    assert backward(replace(long64, head_dim=256)).kernel == "v3-gluon"  # no single pass at d256
+    assert backward(p, NO_GLUON).kernel == "v2"
+    assert backward(p, INTERPRETER) == Plan("v2", (configs.INTERPRETER, configs.INTERPRETER))
+    assert backward(p, opts=KernelOptions(backward="v2")).kernel == "v2"
+    assert backward(p64, opts=KernelOptions(backward="gluon-reduce")).kernel == "v3-gluon-reduce"
+    assert backward(replace(p64, deterministic=True), opts=KernelOptions(backward="gluon-reduce")).kernel == "v3-gluon"
+    assert backward(p256, opts=KernelOptions(backward="gluon-reduce")).kernel == "v3-gluon"
+    assert backward(long, opts=KernelOptions(backward="gluon")).kernel == "v3-gluon"
+    assert backward(p, opts=KernelOptions(ablate={"persistent"})).config.persistent is False
+
+
+def test_a_tile_override_never_changes_the_algorithm():
+    # Tiles of the table a plan reads are replaced; which kernel runs is not.
+    for p in (problem(1024), problem(4096), problem(4096, 0, head_dim=64)):
+        for table, values in (("v3_gluon_bwd", (128, 64, 3)), ("v3_gluon_bwd_reduce", (64, 64, 3)),
+                              ("v2_bwd_kv", (32, 64, 4, 2)), ("v3_gluon", (64, 2, 2)), ("v3_fwd", (64, 64, 4, 2))):
+            opts = KernelOptions(tiles={table: values})
+            assert backward(p, opts=opts).kernel == backward(p).kernel
+            assert forward(p, opts=opts).kernel == forward(p).kernel
+    long = problem(4096)
+    assert backward(long, opts=KernelOptions(tiles={"v3_gluon_bwd_reduce": (64, 64, 3)})).config == \
+        GluonBackward(64, 64, 3)
+    assert backward(long, opts=KernelOptions(tiles={"v3_gluon_bwd": (64, 64, 3)})).config == \
+        backward(long).config  # (the two passes' table: not read for the single pass)
+
+
+def test_gluon_takes_only_what_its_descriptors_describe():
+    q = torch.randn(2, 64, 4, 64, dtype=torch.bfloat16)
+    p = Problem.of(q, q, None, None, None, None, 0.1, -1, -1)
+    on_gpu = type("T", (), {"is_cuda": True, "stride": q.stride})()
+    assert dispatch.target_of(p, on_gpu, on_gpu, on_gpu).gluon in (True, False)  # interpreter-dependent
+    assert not dispatch.target_of(p, q, q, q).gluon  # CPU tensors
+    assert dispatch.broadcast(q[:1].expand(2, 64, 4, 64))
+    assert not dispatch.broadcast(q.transpose(1, 2).contiguous().transpose(1, 2))
+    # tma.ready copies what TMA cannot read, including a contiguous tensor on a misaligned base.
+    shifted = torch.randn(2 * 64 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 64, 4, 64)
+    assert shifted.is_contiguous() and not tma.aligned(shifted)
+    for x in (shifted, torch.randn(2, 64, 4, 68, dtype=torch.bfloat16)[..., :64]):
+        ready = tma.ready(x)
+        assert tma.aligned(ready) and torch.equal(ready, x)
+    assert tma.ready(q) is q
+
+
+def test_gluon_backward_pass_schedule(monkeypatch):
+    # The two passes up to d128 run a CTA per SM with two stationary slots when there are more
+    # tiles than SMs: tiles of equal length strided over, a band's taken from the tile counter;
+    # d256, the single pass, the ablation and as few tiles as SMs keep a CTA per tile.
+    Schedule = gluon_bwd.Schedule
+    monkeypatch.setattr(gluon_bwd, "sm_count", lambda device_index: 132)
+    plain = problem(1024)
+    cfg = GluonBackward(64, 64, 2)
+    gpu = torch.device("cuda", 0)
+    assert gluon_bwd.pass_schedule(plain, cfg, 512, gpu) == Schedule(132, 2, True, False)
+    assert gluon_bwd.pass_schedule(replace(plain, head_dim=64), cfg, 512, gpu) == Schedule(132, 2, True, False)
+    assert gluon_bwd.pass_schedule(plain, cfg, 132, gpu) == Schedule(132, 1, False, False)
+    assert gluon_bwd.pass_schedule(replace(plain, window_right=0), cfg, 512, gpu) == Schedule(132, 2, True, True)
+    assert gluon_bwd.pass_schedule(replace(plain, window_left=64), cfg, 512, gpu) == Schedule(132, 2, True, True)
+    assert gluon_bwd.pass_schedule(plain, cfg, 512, gpu, dq_reduce=True) == Schedule(512, 1, False, False)
+    assert gluon_bwd.pass_schedule(replace(plain, head_dim=256), cfg, 512, gpu) == Schedule(512, 1, False, False)
+    assert gluon_bwd.pass_schedule(plain, replace(cfg, persistent=False), 512, gpu) == Schedule(512, 1, False, False)
+    assert Schedule(132, 2, True, True).constants() == dict(SLOTS=2, PERSISTENT=True, DYNAMIC=True)
+
+
+def test_gluon_forward_launch_constants():
+    # Shared memory: each consumer stages O in a buffer of its own where Q, the K/V ring and those
+    # fit (d64, d128), else the two share one (d256); a second Q buffer where that fits too;
+    # persistent CTAs take banded (uneven) tiles from the counter and stride over equal ones.
+    for head_dim, own_buffers in ((64, True), (128, True), (256, False)):
+        cfg = configs.by_head_dim(configs.V3_GLUON, head_dim)
+        consts = gluon_fwd.kernel_constants(problem(4096, head_dim=head_dim), cfg, 2)
+        assert consts["O_BUFFERS"] == (cfg.consumers if own_buffers else 1)
+        assert not consts["DYNAMIC"] and consts["SCORE"] is None
+        assert consts["Q_SLOTS"] == (2 if own_buffers else 1)
+        assert gluon_fwd.kernel_constants(problem(4096, head_dim=head_dim), replace(cfg, next_q=False),
+                                          2)["Q_SLOTS"] == 1
+        # Q in registers for S = Q K^T up to d128 with two consumers (three would spill)
+        assert consts["Q_IN_REGISTERS"] == (head_dim <= 128)
+        assert not gluon_fwd.kernel_constants(problem(4096, head_dim=head_dim), replace(cfg, q_registers=False),
+                                              2)["Q_IN_REGISTERS"]
+    assert gluon_fwd.o_staging_buffers(2**16, 2**17 + 2**15, 2) == 0  # no room left for 32 KB
+    causal = problem(4096, 0)
+    cfg = configs.by_head_dim(configs.V3_GLUON, 128)
+    assert gluon_fwd.kernel_constants(causal, cfg, 2)["DYNAMIC"]
+    assert not gluon_fwd.kernel_constants(causal, replace(cfg, persistent=False), 2)["DYNAMIC"]
+    assert gluon_fwd.kernel_constants(replace(causal, softcap=30.0), cfg, 2)["SCORE"] is not None
+    # The band's left edge is tested only where a window has one.
+    assert not gluon_fwd.kernel_constants(causal, cfg, 2)["LEFT_EDGE"]
+    assert gluon_fwd.kernel_constants(replace(causal, window_left=0), cfg, 2)["LEFT_EDGE"]
+    # Banded walks interleave the heads whose K/V fit in L2; equal tiles go one head at a time.
+    assert gluon_fwd.heads_sharing_l2(replace(causal, batch=16, heads_q=16, seqlen_q=1024, seqlen_k=1024), 2) == 64
+    assert gluon_fwd.heads_sharing_l2(replace(causal, seqlen_q=16384, seqlen_k=16384), 2) == 4
+    assert gluon_fwd.heads_sharing_l2(replace(causal, heads_q=2, heads_k=2, seqlen_q=1024, seqlen_k=1024), 2) == 4
+    assert gluon_fwd.heads_sharing_l2(replace(causal, seqlen_q=2 ** 20, seqlen_k=2 ** 20, head_dim=256), 2) == 1
+    assert gluon_fwd.heads_sharing_l2(problem(1024), 2) == 1

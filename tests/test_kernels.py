@@ -1,0 +1,413 @@
+"""Every version's kernels, forward and all three gradients, against the float64 oracle: the
+feature grid (causal, windows, GQA, head dims, varlen, softcap, strides, empty and non-finite
+inputs) and each v3 kernel forced where it would not run by default."""
+import math
+
+import pytest
+import torch
+from attention_check import check_against_reference, make_qkv, max_err
+from conftest import DEVICE, ON_GPU
+
+from flashtile import flash_attn_func, flash_attn_varlen_func, standard_attention
+from flashtile.kernels import configs
+from flashtile.kernels.gluon import backward as gluon_bwd
+from flashtile.kernels.gluon import scheduler
+
+VERSIONS = ["v1", "v2", "v3", "tiled"]
+DTYPES = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16]
+# Sequence lengths that are not block multiples, with seqlen_q < / = / > seqlen_k.
+SEQLENS = ([(1000, 1000), (511, 1537), (2049, 700), (4096, 4096)] if ON_GPU
+           else [(113, 113), (70, 131), (131, 70)])
+BATCH, HEADS = (2, 4) if ON_GPU else (1, 2)
+# Softcap's tanh runs as one MUFU instruction on the GPU (relative error about 2**-11), as in
+# FlashAttention-3, whose tests allow 3x the PyTorch error with softcap.
+SOFTCAP_RULE = (3.0, 1e-5)
+
+
+def attention(version, **kw):
+    return lambda a, b, c: flash_attn_func(a, b, c, version=version, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seqlens", SEQLENS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_matches_oracle(version, causal, seqlens, dtype):
+    # GQA: 2 query heads per K/V head.
+    q, k, v = make_qkv(BATCH, *seqlens, 2 * HEADS, HEADS, 64, dtype, DEVICE)
+    check_against_reference(attention(version, causal=causal), q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim", [20, 96, 128, 192, 256] if ON_GPU else [20, 96, 256])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_head_dims(version, head_dim):
+    # 20 is padded to 24 (a multiple of 8, as flash_attn pads), the scale staying 20's.
+    seqlen = 777 if ON_GPU else 67
+    q, k, v = make_qkv(BATCH, seqlen, seqlen, HEADS, HEADS, head_dim, DTYPES[0], DEVICE)
+    check_against_reference(attention(version, causal=True), q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("window", [(16, 8), (-1, 5), (40, -1)])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sliding_window(version, window):
+    sq, sk = (900, 1300) if ON_GPU else (90, 130)
+    q, k, v = make_qkv(BATCH, sq, sk, HEADS, 1, 64, DTYPES[0], DEVICE)  # MQA
+    check_against_reference(attention(version, window_size=window), q, k, v, window_size=window)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_softcap(version, causal):
+    # Gemma 2's score cap, forward and backward, with GQA and lengths off the block grid; the
+    # scores are scaled up so that the cap bends them (a cap of 5 on scores reaching ~15).
+    sq, sk = (700, 1000) if ON_GPU else (70, 100)
+    q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, 64, DTYPES[0], DEVICE)
+    q = q * 3
+    check_against_reference(attention(version, causal=causal, softcap=5.0), q, k, v, causal=causal, softcap=5.0,
+                            rules=(SOFTCAP_RULE, (3.0, 1e-4)))
+
+
+@pytest.mark.parametrize("kernel", ["gluon", "triton"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_v3_both_forward_kernels_on_short_bands(kernel, head_dim):
+    # v3's two forwards, the Gluon one (its default on the GPU) and the plain-Triton fallback
+    # (varlen, stride-0 layouts), each on short causal bands.
+    sq, sk = (300, 1000) if ON_GPU else (40, 70)
+    q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, head_dim, DTYPES[-1], DEVICE)
+    check_against_reference(attention("v3", causal=True, kernel_options=f"forward={kernel}"), q, k, v, causal=True)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
+@pytest.mark.parametrize("window", [(-1, 0), (40, 8)])
+def test_v3_forward_three_consumers_on_bands(monkeypatch, window):
+    # d64's three consumer warpgroups (192-row tiles, tails that are not tile multiples) on bands,
+    # which take them only from 8k queries by default: here from any length.
+    monkeypatch.setitem(configs.THREE_CONSUMERS_FROM, True, 0)
+    q, k, v = make_qkv(BATCH, 1000, 1300, 2 * HEADS, HEADS, 64, DTYPES[0], DEVICE)
+    check_against_reference(attention("v3", window_size=window, kernel_options="tiles.v3_gluon=128,3,3"), q, k, v,
+                            window_size=window)
+
+
+def _causal_gluon_forward():
+    """A causal v3 forward on the Gluon kernel (tiles from its counter): the call and its eager output."""
+    q, k, v = make_qkv(BATCH, 1000, 1000, 2 * HEADS, HEADS, 128, DTYPES[0], DEVICE)
+
+    def call():
+        return flash_attn_func(q, k, v, causal=True, version="v3")
+    return call, call()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
+def test_v3_tile_counter_survives_a_stale_value():
+    # Causal tiles come from an epoch-tagged counter per stream: a launch raises it to its own
+    # epoch before taking a tile, so garbage left in it (a launch that died half-way) skips
+    # nothing.  Launches back to back, on the default and a side stream, with the counters
+    # poisoned in between, give the same output bit for bit.
+    call, first = _causal_gluon_forward()
+    stream = torch.cuda.current_stream().cuda_stream
+    counter = scheduler._stream_counter(first.device.index, stream)
+    for poison in (1 << 40, counter.epoch << scheduler.EPOCH_BITS | 12345, 2**62):
+        counter.buffer.fill_(poison)
+        assert torch.equal(call(), first)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        again = [call() for _ in range(3)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, first) for out in again)
+    # At the end of its epochs a counter is zeroed and starts again.
+    counter.epoch = scheduler.MAX_EPOCH
+    assert torch.equal(call(), first) and counter.epoch == 1
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon backward runs on the GPU only")
+def test_v3_causal_backward_takes_its_tiles_from_the_counter(monkeypatch):
+    # The two Gluon passes over causal tiles on persistent CTAs (here 3) take each tile from the
+    # stream's counter, as the forward does: backwards back to back give the same gradients bit
+    # for bit.
+    monkeypatch.setattr(gluon_bwd, "sm_count", lambda device_index: 3)
+    q, k, v = (x.requires_grad_() for x in make_qkv(BATCH, 1000, 1000, 2 * HEADS, HEADS, 64, DTYPES[0], DEVICE))
+    out = flash_attn_func(q, k, v, causal=True, version="v3", kernel_options="backward=gluon")
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for _ in range(2):
+        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(again, first))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_v3_causal_forward_replays_in_a_cuda_graph():
+    # A captured launch takes a tile counter of its own, zeroed at each replay: replays of the
+    # causal Gluon forward overwrite a poisoned output with the eager result, bit for bit.
+    call, eager = _causal_gluon_forward()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("kernels, head_dim", [("gluon", 64), ("gluon", 128), ("gluon", 192), ("gluon", 256),
+                                               ("gluon-reduce", 64), ("gluon-reduce", 128)])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 8)])
+def test_v3_gluon_backward(monkeypatch, kernels, head_dim, window, tiles=""):
+    # v3's Gluon backwards (on the GPU; the interpreter keeps v2's), two passes or one with dQ by
+    # TMA reduce-add (d64 and d128; the two passes split the head dim at d256), against the
+    # oracle: GQA, seqlens that are not block multiples, causal and a sliding window.  As if the
+    # GPU had 3 SMs: where a pass runs persistent CTAs each takes several tiles.
+    monkeypatch.setattr(gluon_bwd, "sm_count", lambda device_index: 3)
+    sq, sk = (700, 1000) if ON_GPU else (40, 70)
+    q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, head_dim, DTYPES[0], DEVICE)
+    check_against_reference(attention("v3", window_size=window, kernel_options=f"backward={kernels};{tiles}"),
+                            q, k, v, window_size=window)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 8)])
+def test_v3_single_pass_with_64_row_q_blocks(monkeypatch, window):
+    # d64's single pass runs 128-row Q blocks (_kv_consumers_shared_scores, in
+    # test_v3_gluon_backward); with 64-row ones (a tile override) it runs d128's consumers.
+    test_v3_gluon_backward(monkeypatch, "gluon-reduce", 64, window, "tiles.v3_gluon_bwd_reduce=64,128,3")
+
+
+@pytest.mark.parametrize("kernels", ["gluon", "gluon-reduce"])
+def test_v3_gluon_backward_through_logsumexp(kernels):
+    test_gradient_through_logsumexp("v3", head_dim=64, kernel_options=f"backward={kernels}")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_bf16(version):
+    q, k, v = make_qkv(1, 77, 93, 2, 1, 32, torch.bfloat16, DEVICE)
+    check_against_reference(attention(version, causal=True), q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_logsumexp(version):
+    q, k, v = make_qkv(BATCH, 100, 70, HEADS, HEADS, 32, DTYPES[0], DEVICE)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True, version=version)
+    _, ref_lse = standard_attention(q, k, v, causal=True, upcast=True, return_lse=True)
+    assert lse.dtype == torch.float32 and lse.shape == (BATCH, HEADS, 100)
+    # bottom-right causal with seqlen_q > seqlen_k: the first 30 rows see no key.
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert (out[:, :30] == 0).all()
+    finite = torch.isfinite(ref_lse)
+    assert max_err(lse[finite], ref_lse[finite]) < 1e-2
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_fully_masked_rows_have_zero_output_and_finite_grads(version):
+    q, k, v = make_qkv(1, 50, 20, 2, 2, 32, DTYPES[0], DEVICE)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = flash_attn_func(*leaves, causal=True, version=version)
+    out.float().square().sum().backward()
+    assert (out[:, :30] == 0).all()
+    assert all(torch.isfinite(x.grad).all() for x in leaves)
+    assert (leaves[0].grad[:, :30] == 0).all()
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_masked_keys_contribute_nothing_whatever_their_value(version, value):
+    # The masking rule: a key outside a row's band adds nothing to it, even an infinite or NaN
+    # value (the tensor cores' P V would make 0 * inf = NaN).  A sliding window (4, 0): key J is
+    # seen by rows J..J+4 only.  Their outputs (and the gradients through them) are not finite,
+    # as in exact arithmetic; every other row, and the gradient of every key those rows do not
+    # reach, equals attention with that value replaced by 0.  Rows that see no key stay 0.
+    seqlen, J = (1100, 700) if ON_GPU else (90, 50)
+    window = (4, 0)
+    q, k, v = make_qkv(1, seqlen, seqlen, 2, 2, 64, DTYPES[0], DEVICE)
+    poisoned = v.clone()
+    poisoned[0, J] = value
+    dout = torch.randn_like(q)
+    leaves = [x.clone().requires_grad_() for x in (q, k, poisoned)]
+    out = flash_attn_func(*leaves, window_size=window, version=version)
+    dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+    clean = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = standard_attention(*clean, window_size=window, upcast=True)
+    ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, clean, dout.double())
+    seeing = torch.zeros(seqlen, dtype=torch.bool, device=DEVICE)
+    seeing[J:J + window[0] + 1] = True  # rows that see key J
+    reached = torch.zeros(seqlen, dtype=torch.bool, device=DEVICE)
+    reached[J - window[0]:J + window[0] + 1] = True  # keys those rows see
+    assert not torch.isfinite(out[0, seeing]).all(dim=-1).any()
+    assert torch.isfinite(out[0, ~seeing]).all()
+    assert max_err(out[0, ~seeing], ref[0, ~seeing]) < 2e-2
+    assert torch.isfinite(dq[0, ~seeing]).all() and max_err(dq[0, ~seeing], ref_dq[0, ~seeing]) < 5e-2
+    assert torch.isfinite(dk[0, ~reached]).all() and max_err(dk[0, ~reached], ref_dk[0, ~reached]) < 5e-2
+    assert torch.isfinite(dv).all() and max_err(dv, ref_dv) < 5e-2
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_rows_that_see_no_key_stay_zero_next_to_non_finite_values(version):
+    # Bottom-right causal with more queries than keys: the first rows see no key; the key they
+    # sit next to in the diagonal block holds inf.
+    q, k, v = make_qkv(1, 80, 40, 2, 2, 32, DTYPES[0], DEVICE)
+    v[0, 39] = float("inf")
+    out = flash_attn_func(q, k, v, causal=True, version=version)
+    assert (out[0, :40] == 0).all()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_gradient_through_logsumexp(version, head_dim=32, kernel_options=None):
+    """A loss that uses softmax_lse gets its gradient too (it folds into D in the backward)."""
+    q, k, v = make_qkv(1, 45, 60, 2, 2, head_dim, DTYPES[0], DEVICE)
+    w = torch.randn(1, 2, 45, device=DEVICE)
+
+    def grads(fn, dtype=None):
+        leaves = [x.clone().to(dtype or x.dtype).requires_grad_() for x in (q, k, v)]
+        out, lse = fn(*leaves)
+        (out.double().sum() + (lse.double() * w).sum()).backward()
+        return [x.grad for x in leaves]
+
+    ours = grads(lambda *a: flash_attn_func(*a, causal=True, return_attn_probs=True, version=version,
+                                            kernel_options=kernel_options)[:2])
+    oracle = grads(lambda *a: standard_attention(*a, causal=True, upcast=True, return_lse=True), torch.float64)
+    pt = grads(lambda *a: standard_attention(*a, causal=True, return_lse=True))
+    for g, g_ref, g_pt in zip(ours, oracle, pt):
+        assert max_err(g, g_ref) <= 3 * max_err(g_pt, g_ref) + 1e-4
+
+
+def _varlen_case(lengths_q, lengths_k, heads_q=4, heads_k=2, d=64):
+    cu_q = torch.tensor([0] + lengths_q, device=DEVICE).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lengths_k, device=DEVICE).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lengths_q), heads_q, d, dtype=DTYPES[0], device=DEVICE)
+    k = torch.randn(sum(lengths_k), heads_k, d, dtype=DTYPES[0], device=DEVICE)
+    return q, k, torch.randn_like(k), cu_q, cu_k
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_varlen(version, causal):
+    lengths_q = [37, 0, 93, 70] if not ON_GPU else [370, 1, 930, 2000]
+    lengths_k = [50, 20, 93, 33] if not ON_GPU else [500, 200, 930, 1333]
+    q, k, v, cu_q, cu_k = _varlen_case(lengths_q, lengths_k)
+    dout = torch.randn_like(q)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse, _ = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                         return_attn_probs=True, version=version)
+    assert lse.shape == (4, sum(lengths_q))
+    grads = torch.autograd.grad(out, leaves, dout)
+    # Each sequence on its own, through the batched path, gives the same numbers; on the GPU,
+    # v3's varlen runs the plain-Triton forward and v2's backward, so the batched calls here take
+    # those too (the Gluon kernels are checked against the oracle elsewhere).
+    for b in range(len(lengths_q)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lengths_q[b] == 0:
+            continue
+        one = [x[None].clone().requires_grad_() for x in (q[qs], k[ks], v[ks])]
+        o1 = flash_attn_func(*one, causal=causal, version=version, kernel_options="forward=triton;backward=v2")
+        g1 = torch.autograd.grad(o1, one, dout[qs][None])
+        torch.testing.assert_close(out[qs], o1[0], atol=2e-3, rtol=0)
+        for g, gb, s in zip(grads, g1, (qs, ks, ks)):
+            torch.testing.assert_close(g[s], gb[0], atol=5e-3, rtol=0)
+    b = 2
+    qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+    ref = standard_attention(q[qs][None], k[ks][None], v[ks][None], causal=causal, upcast=True)
+    pt = standard_attention(q[qs][None], k[ks][None], v[ks][None], causal=causal)
+    assert max_err(out[qs][None], ref) <= 2 * max_err(pt, ref) + 1e-5
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_varlen_offsets_given_as_a_strided_view(version):
+    # Offsets as a column of a (batch + 1, 2) table, the other column poisoned: every kernel reads
+    # offsets as contiguous, so the API hands them a contiguous copy.
+    lengths = [30, 45, 17]
+    q, k, v, cu, _ = _varlen_case(lengths, lengths)
+    table = torch.stack([cu, torch.full_like(cu, 99)], dim=1)
+    strided = table[:, 0]
+    assert strided.stride(0) == 2
+    out = flash_attn_varlen_func(q, k, v, strided, strided, 45, 45, causal=True, version=version)
+    expected = flash_attn_varlen_func(q, k, v, cu, cu, 45, 45, causal=True, version=version)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_empty_problems(version):
+    # flash_attn's conventions: no key gives out 0 and logsumexp +inf; no query, or no batch,
+    # empty outputs; gradients 0 (and of the right shapes).
+    q, k, v = make_qkv(2, 9, 7, 2, 2, 32, DTYPES[0], DEVICE)
+    for qq, kk, vv in ((q, k[:, :0], v[:, :0]), (q[:, :0], k, v), (q[:0], k[:0], v[:0])):
+        leaves = [x.clone().requires_grad_() for x in (qq, kk, vv)]
+        out, lse, _ = flash_attn_func(*leaves, causal=True, return_attn_probs=True, version=version)
+        assert out.shape == qq.shape and (out == 0).all() and (lse == float("inf")).all()
+        out.float().sum().backward()
+        assert all(x.grad is not None and x.grad.shape == x.shape and (x.grad == 0).all() for x in leaves)
+    # varlen with every key sequence empty
+    lengths = [3, 4]
+    q, k, v, cu_q, _ = _varlen_case(lengths, lengths)
+    cu_k = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    out, lse, _ = flash_attn_varlen_func(q, k[:0], v[:0], cu_q, cu_k, 4, 0, return_attn_probs=True, version=version)
+    assert (out == 0).all() and (lse == float("inf")).all()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_window_sides_as_wide_as_the_sequences_are_unbounded(version):
+    # Sides at or beyond the sequence lengths (2**31 - 1, 2**63, 2**70) are the unbounded band:
+    # the same output as -1, never an overflow in the kernels' band arithmetic; one short of that
+    # is a real bound, matching the reference.
+    sq, sk = 70, 90
+    q, k, v = make_qkv(1, sq, sk, 2, 2, 32, DTYPES[0], DEVICE)
+    unbounded = flash_attn_func(q, k, v, version=version)
+    for side in (sk, 2**31 - 1, 2**31, 2**63, 2**70):
+        assert torch.equal(flash_attn_func(q, k, v, window_size=(side, max(sq, side)), version=version), unbounded)
+        assert torch.equal(flash_attn_func(q, k, v, window_size=(-1, side + sq), version=version), unbounded)
+    for window in ((sk - 2, -1), (-1, sq - 2), (0, 0)):
+        check_against_reference(attention(version, window_size=window), q, k, v, window_size=window)
+
+
+@pytest.mark.parametrize("version", ["v2", "tiled"] + (["v1", "v3"] if ON_GPU else []))
+def test_strided_inputs(version):
+    """Tensors viewed from (b, h, s, d) storage, and a head dim that is not unit-stride."""
+    b, s, h, d = 1, 70, 2, 32
+    q = torch.randn(b, h, s, d, dtype=DTYPES[0], device=DEVICE).transpose(1, 2)
+    k = torch.randn(b, h, s, d, dtype=DTYPES[0], device=DEVICE).transpose(1, 2)
+    v = torch.randn(b, h, d, s, dtype=DTYPES[0], device=DEVICE).permute(0, 3, 1, 2)  # stride(-1) != 1
+    assert v.stride(-1) != 1
+    check_against_reference(attention(version), q, k, v)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_backward_is_deterministic(version, kernel_options=None):
+    q, k, v = make_qkv(1, 90, 90, 4, 1, 32, DTYPES[0], DEVICE)
+    dout = torch.randn_like(q)
+
+    def grads():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = flash_attn_func(*leaves, causal=True, deterministic=True, version=version, kernel_options=kernel_options)
+        return torch.autograd.grad(out, leaves, dout)
+
+    for a, b in zip(grads(), grads()):
+        assert torch.equal(a, b)
+
+
+def test_deterministic_never_takes_reduce_add():
+    test_backward_is_deterministic("v3", kernel_options="backward=gluon-reduce")
+
+
+def test_default_scale_is_inverse_sqrt_head_dim():
+    q, k, v = make_qkv(1, 20, 20, 1, 1, 64, DTYPES[0], DEVICE)
+    a = flash_attn_func(q, k, v, version="v2")
+    b = flash_attn_func(q, k, v, softmax_scale=1 / math.sqrt(64), version="v2")
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n_splits", [1, 3])
+def test_v1_split_over_programs(n_splits):
+    # FA1's num_splits: one program per (batch, head) as in the paper, or rows/columns shared by 3.
+    q, k, v = make_qkv(BATCH, 131, 97, 2 * HEADS, HEADS, 32, DTYPES[0], DEVICE)
+    check_against_reference(attention("v1", causal=True, kernel_options=f"v1_splits={n_splits}"), q, k, v,
+                            causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_unmasked_fast_path(version, head_dim):
+    # Block-multiple lengths, no mask: the kernels' unmasked single-loop path, with the
+    # logsumexp checked too (the backward depends on it).
+    seqlen = 1024 if ON_GPU else 64
+    q, k, v = make_qkv(BATCH, seqlen, seqlen, HEADS, HEADS, head_dim, DTYPES[0], DEVICE)
+    _, lse, ref_lse = check_against_reference(
+        lambda a, b, c: flash_attn_func(a, b, c, return_attn_probs=True, version=version)[:2], q, k, v)
+    assert max_err(lse, ref_lse) < 1e-2

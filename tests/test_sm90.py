@@ -1,0 +1,196 @@
+"""Hopper code checked without a GPU: kernels compiled for sm_90 and their TTGIR read."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def compile_for_sm90(tmp_path, only, head_dim, kernel_options="", softcap=0.0):
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_sm90.py"), "--head-dims",
+                          str(head_dim), "--only", only, "--dump", str(tmp_path), "--options", kernel_options,
+                          "--softcap", str(softcap)], capture_output=True, text=True, env=env, timeout=600)
+    if res.returncode != 0 or "FAILED" in res.stdout:
+        pytest.fail(f"sm_90 compile failed:\n{res.stdout}\n{res.stderr[-2000:]}")
+    return (tmp_path / f"{only}_d{head_dim}.ttgir").read_text()
+
+
+def test_v3_warp_specialized_partitions_store_their_own_rows(tmp_path):
+    # Each consumer warpgroup stores O and the logsumexp of the same rows: the second one at
+    # m0 + 64, never m0 + 128 (Triton 3.6's double offset on pointer stores, see v3.py).
+    # The shipped d128 config is the warp-specialized one.
+    ttgir = compile_for_sm90(tmp_path, "v3.fwd", 128)
+    assert "ttg.warp_specialize" in ttgir
+    partitions = re.split(r"\n\s*partition\d+\(", ttgir)[1:]
+    assert len(partitions) >= 2
+    stores = []
+    for part in partitions:
+        o_rows = re.findall(r"async_tma_copy_local_to_global %o_desc\w*\[(%\w+),", part)
+        lse_rows = re.findall(r"async_tma_copy_local_to_global %lse_desc\w*\[(%\w+)\]", part)
+        if o_rows:
+            assert lse_rows == o_rows
+            stores.append(o_rows[0])
+    assert len(stores) == 2
+
+
+def test_every_kernel_compiles_for_sm90_with_varlen():
+    # Varlen changes the index types (cu_seqlens loads) that TMA and loop bounds see, which the
+    # interpreter does not check: compile every kernel's varlen form for Hopper.
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_sm90.py"), "--head-dims", "128",
+                          "--varlen"], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0 and "FAILED" not in res.stdout, res.stdout + res.stderr[-2000:]
+    assert res.stdout.count("wgmma=True") == 6
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_v3_gluon_forward_compiles_for_sm90(tmp_path, monkeypatch, head_dim):
+    # The Gluon kernel does not run under the interpreter: its Hopper structure is checked here,
+    # its numbers on the GPU (scripts/gpu_check.sh gluon).
+    ttgir = compile_for_sm90(tmp_path, "v3.fwd_gluon", head_dim)
+    ptx = (tmp_path / f"v3.fwd_gluon_d{head_dim}.ptx").read_text()
+    # One consumer warpgroup in the default region, the others and the TMA producer as workers,
+    # registers moved from the producer to the consumers: two consumers of 240 registers, or at
+    # d64 (compile_sm90 takes 4k queries) three of 160.
+    consumers = 3 if head_dim == 64 else 2
+    assert "ttg.warp_specialize" in ttgir and len(re.findall(r"partition\d+\(", ttgir)) == consumers
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{ {2: 240, 3: 160}[consumers]}", ptx)
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
+    assert "cp.async.bulk.tensor.4d.shared::cluster.global" in ptx  # TMA loads
+    # O += P V with P in registers (a brace list as the A operand); S = Q K^T with Q in registers
+    # too where two consumers have room (d128), else from shared memory.
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx)
+    assert any(n == str(head_dim) and a == "{" for n, a in wgmma), "PV product without P in registers"
+    assert any(a == "%" for _, a in wgmma) == (head_dim != 128), "QK^T product's Q operand"
+    # O staged in shared memory and stored by TMA at every head dim (d256's two consumers share
+    # one buffer); only the rare rows recomputed by the masking rule leave by pointer.
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
+    assert_consumer_loops(tmp_path / f"v3.fwd_gluon_d{head_dim}.cubin", head_dim, consumers, monkeypatch)
+
+
+def assert_consumer_loops(cubin, head_dim, consumers, monkeypatch):
+    """Each consumer's K/V loop, in SASS: per block the k-steps of S = Q K^T (head dim / 16) and
+    of O += P V (block_n / 16), and no spill traffic."""
+    from flashtile.kernels import configs
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    from sass_loops import hot_loops, loop_stats, sass
+    block_n = configs.by_head_dim(configs.V3_GLUON, head_dim).block_n
+    loops = hot_loops(sass(cubin.read_bytes()))
+    assert len(loops) == consumers
+    for loop in loops:
+        size, mma, spills, _ = loop_stats(loop)
+        assert mma == head_dim // 16 + block_n // 16 and spills == 0, (size, mma, spills)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_v3_gluon_window_forward_compiles_for_sm90(tmp_path, monkeypatch, head_dim):
+    # A sliding window's left edge is tested only where the window has one (LEFT_EDGE): the
+    # kernel built with it keeps the causal one's K/V loops.
+    compile_for_sm90(tmp_path, "v3.fwd_gluon_window", head_dim)
+    assert_consumer_loops(tmp_path / f"v3.fwd_gluon_window_d{head_dim}.cubin", head_dim, 2, monkeypatch)
+
+
+@pytest.mark.parametrize("kernel", ["v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon", "v3.bwd_reduce_gluon",
+                                    "v3.bwd_dq_gluon_causal", "v3.bwd_dkdv_gluon_causal",
+                                    "v3.bwd_dq_gluon_tile", "v3.bwd_dkdv_gluon_tile"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_v3_gluon_backward_kernels_compile_for_sm90(tmp_path, kernel, head_dim):
+    # v3's Gluon backward: a TMA producer warp and two consumer warpgroups, in the two passes a
+    # partition each (no barrier spans both), in the single pass one partition (both
+    # warpgroups' dS^T meet for the dQ product); S and dP from shared memory, the gradient
+    # products with P / dS in registers, except in d64's single pass (128-row Q blocks: P^T and
+    # dS^T through shared memory, every product from there).  The two passes as launched
+    # persistent (two stationary slots; a band's tiles, "_causal", taken from the atomic tile
+    # counter) and with a CTA per tile ("_tile": one slot).
+    ttgir = compile_for_sm90(tmp_path, kernel, head_dim)
+    ptx = (tmp_path / f"{kernel}_d{head_dim}.ptx").read_text()
+    single_pass = kernel == "v3.bwd_reduce_gluon"
+    assert "ttg.warp_specialize" in ttgir
+    assert len(re.findall(r"partition\d+\(", ttgir)) == (1 if single_pass else 2)
+    assert bool(re.search(r"bar\.sync\s+\d+, 256;", ptx)) == single_pass
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)
+    assert "cp.async.bulk.tensor.4d.shared::cluster.global" in ptx  # TMA loads
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx      # TMA stores of the gradients
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx)
+    shared_scores = single_pass and head_dim == 64
+    assert any(n == str(head_dim) and a == "{" for n, a in wgmma) != shared_scores, "register A operands"
+    assert any(n in ("64", "128") and a == "%" for n, a in wgmma), "S / dP not from shared memory"
+    reduces = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)
+    assert len(reduces) == single_pass, "dQ by TMA reduce-add in the single pass only"
+    # The K/V-stationary pass gets each Q block's lse and D through the ring (cp.async counted on
+    # the slot's mbarrier); the dQ pass reads its rows' once.
+    assert ("cp.async.mbarrier.arrive" in ptx) == (not kernel.startswith("v3.bwd_dq_gluon"))
+    assert ("atom.global" in ptx) == kernel.endswith("_causal")
+
+
+@pytest.mark.parametrize("kernel", ["v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon"])
+def test_v3_gluon_backward_splits_the_head_dim_at_d256(tmp_path, kernel):
+    # At d256 the two passes split the work between the consumer warpgroups (32-column halves
+    # of S / dP, 128-column halves of the gradients), every product from shared memory.
+    ttgir = compile_for_sm90(tmp_path, kernel, 256)
+    ptx = (tmp_path / f"{kernel}_d256.ptx").read_text()
+    assert "ttg.warp_specialize" in ttgir
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)
+    assert "cp.async.bulk.tensor.4d.shared::cluster.global" in ptx  # TMA loads
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx      # TMA stores of the gradients
+    wgmma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx))
+    assert wgmma == {("32", "%"), ("128", "%")}
+    assert "cp.async.mbarrier.arrive" not in ptx  # lse and D loaded a block ahead into registers here
+
+
+def test_v3_gluon_ablation_switches_remove_their_technique(tmp_path):
+    def compiled(ablate, kernel="v3.fwd_gluon"):
+        ttgir = compile_for_sm90(tmp_path / (ablate or "shipped"), kernel, 128, f"ablate={ablate}" if ablate else "")
+        return ttgir, (tmp_path / (ablate or "shipped") / f"{kernel}_d128.ptx").read_text()
+
+    def waits(ttgir):
+        return ttgir.count("ttng.wait_barrier")
+
+    shipped, shipped_ptx = compiled("")
+    no_pingpong, _ = compiled("pingpong")
+    no_overlap, _ = compiled("overlap")
+    _, no_persistent_ptx = compiled("persistent")
+    no_next_q, _ = compiled("next_q")
+    _, no_q_registers_ptx = compiled("q_registers")
+    _, causal_ptx = compiled("", "v3.fwd_gluon_causal")
+    _, causal_no_persistent_ptx = compiled("persistent", "v3.fwd_gluon_causal")
+    # Ping-pong: each consumer waits for its turn before the first block's GEMM and in the loop.
+    assert waits(shipped) == waits(no_pingpong) + 4
+    # Intra-warpgroup overlap: waiting for S while the PV product stays in flight (1 pending).
+    assert "pendings = 1" in shipped and "pendings = 1" not in no_overlap
+    # Persistent CTAs take causal tiles (uneven lengths) from an atomic counter and stride over
+    # equal ones; one CTA per tile needs no counter.
+    assert "atom.global" in causal_ptx and "atom.global" not in causal_no_persistent_ptx
+    # The counter is epoch-tagged: raised to the launch's epoch first, then taken from; nothing
+    # sets it back at the end.
+    assert re.search(r"atom\.global\.\S*max\.s64", causal_ptx) and re.search(r"atom\.global\.\S*add\.u64", causal_ptx)
+    assert ".exch." not in causal_ptx
+    assert "atom.global" not in shipped_ptx
+    assert shipped_ptx.count("%nctaid.x") > no_persistent_ptx.count("%nctaid.x")
+    # The next tile's Q: two tiles' Q halves (4 x 64 rows) in shared memory instead of one's.
+    assert "memdesc<4x1x64x1x128xbf16" in shipped and "memdesc<4x1x64x1x128xbf16" not in no_next_q
+    # Q in registers: no wgmma reads its A operand from shared memory; switched off, S = Q K^T does.
+    smem_a = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, %"
+    assert not re.search(smem_a, shipped_ptx) and re.search(smem_a, no_q_registers_ptx)
+
+
+@pytest.mark.parametrize("kernel", ["v3.fwd_gluon", "v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon", "v3.bwd_reduce_gluon"])
+def test_softcap_goes_through_the_score_hook(tmp_path, kernel):
+    # Softcap is one tanh.approx per score where S is formed (forward, and the backward's
+    # recomputation of P), none without it; the backward's dS gets its derivative by FMA.
+    compile_for_sm90(tmp_path / "plain", kernel, 128)
+    compile_for_sm90(tmp_path / "softcap", kernel, 128, softcap=30.0)
+    plain = (tmp_path / "plain" / f"{kernel}_d128.ptx").read_text()
+    capped = (tmp_path / "softcap" / f"{kernel}_d128.ptx").read_text()
+    assert "tanh.approx.f32" not in plain and "tanh.approx.f32" in capped
+
+
+def test_plain_triton_kernels_take_the_score_hook(tmp_path):
+    for kernel in ("v2.fwd", "v2.bwd_dq", "v2.bwd_dkdv", "v1.fwd", "v1.bwd", "v3.fwd_band"):
+        compile_for_sm90(tmp_path / kernel, kernel, 64, softcap=30.0)
+        assert "tanh.approx.f32" in (tmp_path / kernel / f"{kernel}_d64.ptx").read_text(), kernel
