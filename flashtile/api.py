@@ -16,7 +16,8 @@ def _check_differentiation_mode(q, k, v):
     if torch.compiler.is_compiling():
         return
     tensors = (q, k, v)
-    if any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)):
+    if torch._C._functorch.maybe_current_level() is not None and any(
+            map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)):
         raise NotImplementedError("flashtile does not support torch.func transforms (grad, vmap, jvp, jacrev, ...): "
                                   "differentiate with torch.autograd (loss.backward() or torch.autograd.grad)")
     if forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(x).tangent is not None for x in tensors):
@@ -56,7 +57,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
     q, k, v = (validation.last_dim_contiguous(x) for x in (q, k, v))
     out, lse, _ = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
-                                softcap, version, bool(deterministic), str(opts))
+                                softcap, version, bool(deterministic), options.text(opts))
     if pad:
         out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out

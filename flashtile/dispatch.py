@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from flashtile import options as _options
-from flashtile.kernels import configs
+from flashtile.kernels import configs, score
 from flashtile.kernels.configs import Config
 
 VERSIONS = ("v1", "v2", "v3")
@@ -51,9 +51,14 @@ def why_not(version: str, device: torch.device) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)  # asked at every call; a device's capability does not change
+_CAPABILITIES: dict = {}  # asked at every call; a plain dict, which torch.compile traces through
+
+
 def _capability(index):
-    return torch.cuda.get_device_capability(index)
+    found = _CAPABILITIES.get(index)
+    if found is None:
+        found = _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
+    return found
 
 
 def resolve_version(version: str, device: torch.device) -> str:
@@ -113,6 +118,17 @@ def _tiles(opts, target, table, default):
 
 def forward_plan(p, version: str, target: Target, opts) -> Plan:
     """The forward kernel and tiles of problem ``p`` under ``version`` (already resolved)."""
+    # Asked at every call, the same few problems coming back: remembered, but for varlen
+    # problems, whose offsets tables (a problem's fields) are new tensors at every call.
+    return _forward_plan(p, version, target, opts) if p.varlen else _forward_plan_cached(p, version, target, opts)
+
+
+def backward_plan(p, version: str, target: Target, opts) -> Plan:
+    """The backward kernels and tiles of problem ``p`` under ``version`` (already resolved)."""
+    return _backward_plan(p, version, target, opts) if p.varlen else _backward_plan_cached(p, version, target, opts)
+
+
+def _forward_plan(p, version, target, opts) -> Plan:
     if p.empty or version == "tiled":
         return Plan("tiled")
     if version == "v1":
@@ -168,8 +184,7 @@ def gluon_schedule(p, opts) -> configs.GluonSchedule:
     return replace(cfg, **{t: False for t in opts.ablate})
 
 
-def backward_plan(p, version: str, target: Target, opts) -> Plan:
-    """The backward kernels and tiles of problem ``p`` under ``version`` (already resolved)."""
+def _backward_plan(p, version, target, opts) -> Plan:
     if p.empty or version == "tiled":
         return Plan("tiled")
     if version == "v1":
@@ -190,13 +205,19 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
     return Plan(kernel, replace(cfg, persistent="persistent" not in opts.ablate))
 
 
+_forward_plan_cached = functools.lru_cache(maxsize=1024)(_forward_plan)
+_backward_plan_cached = functools.lru_cache(maxsize=1024)(_backward_plan)
+
+
 def _v3_backward_kernel(p, opts) -> str:
     """v3's backward where the Gluon kernels run: by default the single pass from
     GLUON_REDUCE_MIN_KEYS keys (d64, d128), the two Gluon passes below that, at d256 (the head
-    dim split between the warpgroups) and whenever gradients must be bitwise reproducible."""
+    dim split between the warpgroups), whenever gradients must be bitwise reproducible, and with
+    a score modification (the single pass has no registers for its logits: it spills)."""
     if opts.backward == "v2":
         return "v2"
-    single_pass_possible = not p.deterministic and not configs.split_head_dim(p.head_dim_pad)
+    single_pass_possible = (not p.deterministic and not configs.split_head_dim(p.head_dim_pad)
+                            and score.mod_of(p) is None)
     if opts.backward == "gluon-reduce":
         return "v3-gluon-reduce" if single_pass_possible else "v3-gluon"
     if opts.backward == "gluon":

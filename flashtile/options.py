@@ -97,6 +97,17 @@ class KernelOptions:
 ENVIRONMENT = KernelOptions.parse(os.environ.get("FLASHTILE_KERNEL_OPTIONS", ""))
 
 
+_TEXTS: dict = {}  # a plain dict, not functools.lru_cache: torch.compile traces through it
+
+
+def text(options: KernelOptions) -> str:
+    """``str(options)``, worked out once per options (it travels through the custom op as text)."""
+    found = _TEXTS.get(options)
+    if found is None:
+        found = _TEXTS[options] = str(options)
+    return found
+
+
 def resolve(options) -> KernelOptions:
     """``kernel_options=`` as given (None: the environment's; a dict or a string: parsed)."""
     if options is None:

@@ -33,6 +33,8 @@ def _scalar(name, x):
 
 def integer(name, x, minimum=None) -> int:
     """``x`` as a Python int: an Integral (not a bool) or an integer 0-d tensor."""
+    if type(x) is int and (minimum is None or x >= minimum):  # the common case, at once
+        return x
     x = _scalar(name, x)
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name} must be an integer, got {x!r} ({type(x).__name__})")
@@ -44,6 +46,8 @@ def integer(name, x, minimum=None) -> int:
 
 def real(name, x, lo=None, hi=None, lo_open=False, hi_open=False) -> float:
     """``x`` as a finite Python float inside [lo, hi] (open ends where asked)."""
+    if type(x) is float and x == 0.0 and lo == 0.0 and not lo_open:  # an option left off, at once
+        return x
     x = _scalar(name, x)
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {x!r} ({type(x).__name__})")
@@ -65,6 +69,10 @@ def real(name, x, lo=None, hi=None, lo_open=False, hi_open=False) -> float:
 
 def window(window_size) -> tuple[int, int]:
     """(left, right) of ``window_size``: a pair of ints >= -1 (a sequence, numpy array or tensor of two)."""
+    if type(window_size) is tuple and len(window_size) == 2:  # the common case, at once
+        left, right = window_size
+        if type(left) is int and type(right) is int and left >= -1 and right >= -1:
+            return window_size
     if isinstance(window_size, torch.Tensor):
         if window_size.numel() != 2 or window_size.is_floating_point() or window_size.dtype == torch.bool:
             raise ValueError(f"window_size must hold two integers, got {window_size!r}")

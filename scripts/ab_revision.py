@@ -4,14 +4,16 @@ with a null pair and baseline providers.
     python scripts/ab_revision.py extract cba9634        # here: .ab/flashtile_cba9634 (carry .ab to a GPU)
     python scripts/ab_revision.py run cba9634 --cells "128 8192 plain fwd; 64 1024 causal bwd" --out ab.json
 
-``extract`` copies the package as it was at the revision (``git archive``) into
+``warm`` compiles every cell's kernels of both (one process per cell, --jobs at a time), so
+that ``run`` measures with triton's cache filled.  ``extract`` copies the package as it was at
+the revision (``git archive``) into
 ``.ab/flashtile_<rev>``, renamed so that it imports next to the tree's: its imports and its
 torch.library namespace point at the new name.  ``run`` loads it and measures, in the same
 rounds with their order rotated (bench.compare): "tree" (the working tree's v3), "rev" (the
 revision's v3), "tree_again" (the spread two identical variants show on the machine) and the
 --baseline providers.  Cells: "HEAD_DIM SEQLEN causal|plain fwd|bwd", ';'-separated, shapes as
-the bars (batch x seqlen = --tokens, heads x head_dim = --hidden), or --bars for the whole bars
-grid.  Prints Markdown (each variant's best time, and tree's time over each other's: > 1, that
+the bars (batch x seqlen = --tokens, heads x head_dim = --hidden), or --bars for the bars grid
+of some head dims.  Prints Markdown (each variant's best time, and tree's time over each other's: > 1, that
 variant faster); --out writes JSON.
 """
 import argparse
@@ -85,9 +87,10 @@ def report(title, names, cases, best, rounds, out=None, meta=None):
             json.dump(dict(**(meta or {}), rounds=rounds, **bench.environment(), rows=rows), f, indent=1)
 
 
-def run(args):
+def add_revision_provider(rev_name):
+    """Provider "rev-v3": the revision's v3, imported from .ab."""
     sys.path.insert(0, os.path.join(ROOT, ".ab"))
-    rev = importlib.import_module(package_name(args.rev))
+    rev = importlib.import_module(package_name(rev_name))
 
     def rev_v3(q, k, v, causal, softcap=0.0, kernel_options=None):
         if softcap:
@@ -95,8 +98,38 @@ def run(args):
         return rev.flash_attn_func(q, k, v, causal=causal, version="v3")
 
     bench.PROVIDERS["rev-v3"] = rev_v3
-    cells = BARS if args.bars else [c.strip() for c in args.cells.split(";") if c.strip()]
-    cases = parse_cells(cells, args.tokens, args.hidden)
+
+
+def cells_of(args):
+    if args.bars:
+        dims = {int(d) for d in args.bars.split(",")}
+        return [c for c in BARS if int(c.split()[0]) in dims]
+    return [c.strip() for c in args.cells.split(";") if c.strip()]
+
+
+def warm(args):
+    """Each cell's kernels compiled, tree's and the revision's, a process per cell."""
+    pending, cells = [], cells_of(args)
+    while cells or pending:
+        while cells and len(pending) < args.jobs:
+            pending.append(subprocess.Popen([sys.executable, __file__, "warm-one", args.rev, "--cells", cells.pop(),
+                                             "--tokens", str(args.tokens), "--hidden", str(args.hidden)]))
+        pending[0].wait()
+        pending = [p for p in pending if p.poll() is None]
+
+
+def warm_one(args):
+    import torch
+    add_revision_provider(args.rev)
+    for case in parse_cells(cells_of(args), args.tokens, args.hidden):
+        for provider in ("flashtile-v3", "rev-v3"):
+            bench.make_step(provider, case, torch.device("cuda"))()
+    torch.cuda.synchronize()
+
+
+def run(args):
+    add_revision_provider(args.rev)
+    cases = parse_cells(cells_of(args), args.tokens, args.hidden)
     variants = {"tree": ("flashtile-v3", None), "rev": ("rev-v3", None), "tree_again": ("flashtile-v3", None)}
     for provider in filter(None, args.baseline.split(",")):
         variants[provider] = (provider, None)
@@ -107,20 +140,19 @@ def run(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("action", choices=("extract", "run"))
+    ap.add_argument("action", choices=("extract", "warm", "warm-one", "run"))
     ap.add_argument("rev")
     ap.add_argument("--cells", default="")
-    ap.add_argument("--bars", action="store_true", help="every bars cell: d64/128/256 x causal x 1k-16k x fwd/bwd")
+    ap.add_argument("--bars", default="", metavar="HEAD_DIMS",
+                    help="the bars cells of these head dims (e.g. 64,128,256): causal and not x 1k-16k x fwd/bwd")
     ap.add_argument("--baseline", default="sdpa-cudnn", help="','-separated providers; '' for none")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--out", help="JSON file of the results")
+    ap.add_argument("--jobs", type=int, default=12, help="warm: processes compiling at a time")
     args = ap.parse_args(argv)
-    if args.action == "extract":
-        print(extract(args.rev))
-    else:
-        run(args)
+    {"extract": lambda a: print(extract(a.rev)), "warm": warm, "warm-one": warm_one, "run": run}[args.action](args)
 
 
 if __name__ == "__main__":

@@ -312,24 +312,22 @@ def _in_band_t(x, rows_k, m0, band, seqlen_q, ROW_BOUNDS: gl.constexpr):
 
 @gluon.jit
 def _probs_t(sT, lse, rows_k, m0, band, seqlen_q, scale_log2, site, SCORE: gl.constexpr, ROW_BOUNDS: gl.constexpr):
-    """P^T of the Q block from m0 from S^T (through the score hook) and the logits it came from."""
+    """P^T of the Q block from m0 from S^T (through the score hook), and P^T times the hook's
+    derivative f', what dS^T is formed from (dS^T = P^T f' (dP^T - D)): taken now, the logits
+    need not stay in registers until dP^T has landed."""
     cols = m0 + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, sT.type.layout))
     yT = score.logits(sT, scale_log2, cols[None, :], rows_k[:, None], site, SCORE)
-    pT = gl.exp2(yT * score.exp_scale(scale_log2, SCORE) - lse[None, :])
-    return _in_band_t(pT, rows_k, m0, band, seqlen_q, ROW_BOUNDS), yT
+    pT = _in_band_t(gl.exp2(yT * score.exp_scale(scale_log2, SCORE) - lse[None, :]), rows_k, m0, band, seqlen_q,
+                    ROW_BOUNDS)
+    return pT, score.grad(pT, yT, cols[None, :], rows_k[:, None], site, SCORE)
 
 
 @gluon.jit
-def _ds_t(pT, dpT, delta, yT, rows_k, m0, band, seqlen_q, site, SCORE: gl.constexpr):
-    """dS^T = P^T (dP^T - D) with respect to the scaled scores.  Where the block crosses an edge
-    of the band, a pair of probability 0 (outside it) adds nothing, even where dP^T is not finite
-    (a masked key's V holding inf)."""
-    dlo, dhi, full_lo, full_hi = band
-    if (m0 < full_lo) | (m0 >= full_hi):
-        dpT = gl.where(pT == 0.0, 0.0, dpT)
-    dsT = pT * (dpT - delta[None, :])
-    cols = m0 + gl.arange(0, pT.shape[1], layout=gl.SliceLayout(0, pT.type.layout))
-    return score.grad(dsT, yT, cols[None, :], rows_k[:, None], site, SCORE)
+def _ds_t(pT_ds, dpT, delta, rows_k, m0, band, seqlen_q, ROW_BOUNDS: gl.constexpr):
+    """dS^T = P^T f' (dP^T - D), with respect to the scaled scores (``pT_ds``: P^T f', _probs_t);
+    a pair outside the band adds nothing, even where dP^T or D is not finite (a masked key's V,
+    or the row's output, holding inf)."""
+    return _in_band_t(pT_ds * (dpT - delta[None, :]), rows_k, m0, band, seqlen_q, ROW_BOUNDS)
 
 
 @gluon.jit
@@ -369,13 +367,13 @@ def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, m
     operands they read): the caller waits for them."""
     lse = lse_ref.load(gl.SliceLayout(0, s_zero.type.layout)) * LOG2E
     sT = warpgroup_mma_wait(1, deps=[sT])
-    pT, yT = _probs_t(sT, lse, rows_k, m0, band, seqlen_q, scale_log2, site, SCORE, True)
+    pT, pT_ds = _probs_t(sT, lse, rows_k, m0, band, seqlen_q, scale_log2, site, SCORE, True)
     pT_op = gl.convert_layout(pT.to(q.dtype), op_layout)
     dv = warpgroup_mma(pT_op, do, dv, is_async=True)
     # D only now: loaded with lse, its registers were held across the S^T wait (d128 spilled more).
     delta = delta_ref.load(gl.SliceLayout(0, s_zero.type.layout))
     dpT = warpgroup_mma_wait(1, deps=[dpT])
-    dsT = _ds_t(pT, dpT, delta, yT, rows_k, m0, band, seqlen_q, site, SCORE).to(q.dtype)
+    dsT = _ds_t(pT_ds, dpT, delta, rows_k, m0, band, seqlen_q, True).to(q.dtype)
     dsT_op = gl.convert_layout(dsT, op_layout)
     dk = warpgroup_mma(dsT_op, q, dk, is_async=True)
     return dk, dv, dsT, pT_op, dsT_op
@@ -546,12 +544,12 @@ def _kv_consumers_split_d(bufs, walk, row_stats, dk_desc, dv_desc, ds_smem, p_sm
                                                      g + next_head < group)
                 sT = warpgroup_mma_wait(1, deps=[sT])
                 site = (batch, head_k * group + g, walk.seqlen_k - seqlen_q, score_args)
-                pT, yT = _probs_t(sT, lse, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2, site,
-                                  SCORE, True)
+                pT, pT_ds = _probs_t(sT, lse, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2,
+                                     site, SCORE, True)
                 dpT = warpgroup_mma_wait(0, deps=[dpT])
                 buf = it % 2
                 p_smem.index(buf).store(pT.to(dtype))
-                dsT = _ds_t(pT, dpT, delta, yT, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, site, SCORE)
+                dsT = _ds_t(pT_ds, dpT, delta, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, True)
                 ds_smem.index(buf).store(dsT.to(dtype))
                 fence_async_shared()
                 gl.thread_barrier()  # both warpgroups' halves of P^T and dS^T written
@@ -615,12 +613,12 @@ def _kv_consumers_shared_scores(buf, walk, stats, dk_desc, dv_desc, p_smem, ds_s
                 lse = lse_smem.index(slot).load(cols_layout) * LOG2E
                 sT = warpgroup_mma_wait(1, deps=[sT])
                 site = (batch, head, walk.seqlen_k - seqlen_q, score_args)
-                pT, yT = _probs_t(sT, lse, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2, site,
-                                  SCORE, False)
+                pT, pT_ds = _probs_t(sT, lse, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2,
+                                     site, SCORE, False)
                 p_smem.store(pT.to(dtype))
                 delta = delta_smem.index(slot).load(cols_layout)
                 dpT = warpgroup_mma_wait(0, deps=[dpT])
-                dsT = _ds_t(pT, dpT, delta, yT, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, site, SCORE)
+                dsT = _ds_t(pT_ds, dpT, delta, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, False)
                 ds_smem.store(dsT.to(dtype))
                 fence_async_shared()
                 tma.store_wait(0)  # the previous block's reduce has read the staging buffer
@@ -739,24 +737,24 @@ def _in_band(x, rows, n0, band, seqlen_k, BLOCK_N: gl.constexpr, col_layout: gl.
 @gluon.jit
 def _probs(s, lse, rows, n0, band, seqlen_k, scale_log2, site, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
            SCORE: gl.constexpr):
-    """P of one K/V block in the dQ pass from S (through the score hook) and the logits it came from."""
+    """P of one K/V block in the dQ pass from S (through the score hook), and P f' (as _probs_t)."""
     cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
     y = score.logits(s, scale_log2, rows[:, None], cols[None, :], site, SCORE)
-    p = gl.exp2(y * score.exp_scale(scale_log2, SCORE) - lse[:, None])
-    return _in_band(p, rows, n0, band, seqlen_k, BLOCK_N, col_layout), y
+    p = _in_band(gl.exp2(y * score.exp_scale(scale_log2, SCORE) - lse[:, None]), rows, n0, band, seqlen_k, BLOCK_N,
+                 col_layout)
+    return p, score.grad(p, y, rows[:, None], cols[None, :], site, SCORE)
 
 
 @gluon.jit
-def _ds(p, dp, delta, y, rows, n0, band, seqlen_k, site, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
-        SCORE: gl.constexpr):
-    """dS = P (dP - D) with respect to the scaled scores; where the block crosses an edge of the
-    band, a pair of probability 0 (outside it) adds nothing, even where dP is not finite."""
-    ds = p * (dp - delta[:, None])
+def _ds(p_ds, dp, delta, n0, band):
+    """dS = P f' (dP - D), with respect to the scaled scores (``p_ds``: P f', _probs); where the
+    block crosses an edge of the band, a pair of probability 0 (outside it) adds nothing, even
+    where dP or D is not finite."""
+    ds = p_ds * (dp - delta[:, None])
     dlo, dhi, full_lo, full_hi = band
     if (n0 < full_lo) | (n0 >= full_hi):
-        ds = gl.where(p == 0.0, 0.0, ds)
-    cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
-    return score.grad(ds, y, rows[:, None], cols[None, :], site, SCORE)
+        ds = gl.where(p_ds == 0.0, 0.0, ds)
+    return ds
 
 
 @gluon.jit
@@ -812,11 +810,10 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
             n0 = lo + i * BLOCK_N
             slot, k, v, s, dp = _scores(q, do, k_smem, v_smem, kv_ready, j, s_zero, BLOCK_N, HEAD_DIM_PAD, STAGES)
             s = warpgroup_mma_wait(1, deps=[s])
-            p, y = _probs(s, lse, rows, n0, (dlo, dhi, full_lo, full_hi), seqlen_k, scale_log2, site, BLOCK_N,
-                          gl.SliceLayout(0, s_layout), SCORE)
+            p, p_ds = _probs(s, lse, rows, n0, (dlo, dhi, full_lo, full_hi), seqlen_k, scale_log2, site, BLOCK_N,
+                             gl.SliceLayout(0, s_layout), SCORE)
             dp = warpgroup_mma_wait(0, deps=[dp])
-            ds = _ds(p, dp, delta, y, rows, n0, (dlo, dhi, full_lo, full_hi), seqlen_k, site, BLOCK_N,
-                     gl.SliceLayout(0, s_layout), SCORE).to(dtype)
+            ds = _ds(p_ds, dp, delta, n0, (dlo, dhi, full_lo, full_hi)).to(dtype)
             if SPLIT_D:
                 buf = j % 2
                 ds_smem.index(buf).store(ds)

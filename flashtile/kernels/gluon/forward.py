@@ -482,54 +482,67 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, scale_log2, score_
 @gluon.jit
 def _exact_rows(lse, batch, head, row0, use, WHICH: gl.constexpr, buf, stash, outputs, walk, scale_log2,
                 score_args, S: gl.constexpr):
-    """The consumer's rows computed again, key by key, by the masking rule, and stored with their
-    logsumexp ``lse`` (natural log, from the main loop): a key outside a row's band contributes
-    nothing, whatever its value.  The tensor cores' P V turns a masked key's probability of 0
-    times an infinite value into NaN; a consumer whose output came out not finite (rare: V holds
-    inf or NaN) comes here.  From Q, K and V in global memory, 64 columns of the output at a
-    time, so that it needs few registers: the main loop keeps its own."""
-    CHUNK: gl.constexpr = 64
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
-    rows = row0 + gl.arange(0, S.ROWS, layout=rows_layout)
-    offs = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
+    """The consumer's rows computed again by the masking rule, and stored with their logsumexp
+    ``lse`` (natural log, from the main loop): a key outside a row's band contributes nothing,
+    whatever its value.  The tensor cores' P V turns a masked key's probability of 0 times an
+    infinite value into NaN; a consumer whose output came out not finite (rare: V holds inf or
+    NaN) comes here.  The work is a function of its own (_exact_rows_cold, not inlined, scalar
+    arguments only), so that the main loop's register allocation does not see it."""
+    rows = row0 + gl.arange(0, S.ROWS, layout=lse.type.layout)
+    in_seq = rows < walk.seqlen_q
+    lse_rows = outputs.LSE + batch.to(gl.int64) * outputs.slb + head * outputs.slh
+    gl.store(lse_rows + rows, lse, mask=in_seq)
+    if S.O_BUFFERS == 1:  # the shared staging buffer's turn, passed on unused
+        mbarrier.wait(buf.o_free.index(0), (use & 1) ^ 1)
+        mbarrier.arrive(buf.o_free.index(0))
+    gl.thread_barrier()  # the logsumexp written before the function reads it back
     dlo, dhi, lo, _, _, n_blocks = band_blocks(row0 - WHICH * S.ROWS, S.CONSUMERS * S.ROWS, S.BLOCK_N, walk.seqlen_q,
                                                walk.seqlen_k, walk.window_left, walk.window_right, False)
-    site = (batch, head, walk.seqlen_k - walk.seqlen_q, score_args)
-    lse2 = gl.convert_layout(lse, rows_layout) * 1.4426950408889634  # +inf for rows that see no key: p = 0
-    in_seq = rows < walk.seqlen_q
-    head_k = head // walk.group
     dtype: gl.constexpr = buf.q.dtype
+    head_k = head // walk.group
     q_base, sqs = _rows_of(stash, Q_AT, batch, head, dtype)
     k_base, sks = _rows_of(stash, K_AT, batch, head_k, dtype)
     v_base, svs = _rows_of(stash, V_AT, batch, head_k, dtype)
     o_base, sos = _rows_of(stash, O_AT, batch, head, dtype)
-    head_dim = _stashed(stash, HEAD_DIM_AT)
+    _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_rows, _stashed(stash, HEAD_DIM_AT),
+                     row0, dlo, dhi, lo, gl.minimum(lo + n_blocks * S.BLOCK_N, walk.seqlen_k), walk.seqlen_q,
+                     walk.seqlen_k - walk.seqlen_q, batch, head, scale_log2, score_args[0], S.ROWS, S.HEAD_DIM_PAD,
+                     S.SCORE)
+
+
+@gluon.jit(noinline=True)
+def _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_rows, head_dim, row0, dlo, dhi, lo, hi,
+                     seqlen_q, offset, batch, head, scale_log2, score_arg, ROWS: gl.constexpr,
+                     HEAD_DIM_PAD: gl.constexpr, SCORE: gl.constexpr):
+    """_exact_rows' work, key by key, 64 columns of the output at a time (few registers)."""
+    CHUNK: gl.constexpr = 64
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    rows = row0 + gl.arange(0, ROWS, layout=rows_layout)
+    offs = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
+    in_seq = rows < seqlen_q
+    site = (batch, head, offset, (score_arg,))
+    # +inf for rows that see no key: p = 0
+    lse2 = gl.load(lse_rows + rows, mask=in_seq, other=float("inf")) * 1.4426950408889634
     q_rows = q_base + rows.to(gl.int64)[:, None] * sqs
     o_rows = o_base + rows.to(gl.int64)[:, None] * sos
-    hi = gl.minimum(lo + n_blocks * S.BLOCK_N, walk.seqlen_k)
-    for c in range(S.HEAD_DIM_PAD // CHUNK):
+    for c in range(HEAD_DIM_PAD // CHUNK):
         cols = c * CHUNK + offs
-        acc = gl.zeros([S.ROWS, CHUNK], gl.float32, layout)
+        acc = gl.zeros([ROWS, CHUNK], gl.float32, layout)
         for key in range(lo, hi):
-            s = gl.zeros([S.ROWS], gl.float32, rows_layout)
-            for d in range(S.HEAD_DIM_PAD // CHUNK):
+            s = gl.zeros([ROWS], gl.float32, rows_layout)
+            for d in range(HEAD_DIM_PAD // CHUNK):
                 dims = d * CHUNK + offs
                 in_dim = dims < head_dim
                 q = gl.load(q_rows + dims[None, :], mask=in_seq[:, None] & in_dim[None, :], other=0.0)
                 k = gl.load(k_base + key.to(gl.int64) * sks + dims, mask=in_dim, other=0.0)
                 s += gl.sum(q.to(gl.float32) * k.to(gl.float32)[None, :], 1)
-            y = score.logits(s, scale_log2, rows, key, site, S.SCORE)
+            y = score.logits(s, scale_log2, rows, key, site, SCORE)
             visible = (key - rows >= dlo) & (key - rows <= dhi) & in_seq
-            p = gl.where(visible, gl.exp2(y * score.exp_scale(scale_log2, S.SCORE) - lse2), 0.0)
+            p = gl.where(visible, gl.exp2(y * score.exp_scale(scale_log2, SCORE) - lse2), 0.0)
             v = gl.load(v_base + key.to(gl.int64) * svs + cols, mask=cols < head_dim, other=0.0)
             acc += gl.where(visible[:, None], p[:, None] * v.to(gl.float32)[None, :], 0.0)
-        gl.store(o_rows + cols[None, :], acc.to(dtype), mask=in_seq[:, None] & (cols[None, :] < head_dim))
-    if S.O_BUFFERS == 1:  # the shared staging buffer's turn, passed on unused
-        mbarrier.wait(buf.o_free.index(0), (use & 1) ^ 1)
-        mbarrier.arrive(buf.o_free.index(0))
-    gl.store(outputs.LSE + batch.to(gl.int64) * outputs.slb + head * outputs.slh + rows, lse2 * 0.6931471805599453,
-             mask=in_seq)
+        gl.store(o_rows + cols[None, :], acc.to(o_base.dtype.element_ty), mask=in_seq[:, None] & (cols[None, :] < head_dim))
 
 
 @gluon.jit
