@@ -128,14 +128,18 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
     return _backward_plan(p, version, target, opts) if p.varlen else _backward_plan_cached(p, version, target, opts)
 
 
+def _v1_plan(p, target, opts, mode) -> Plan:
+    from flashtile.kernels import v1  # its tiles follow the paper's rule
+    fwd, bwd = v1.block_sizes(p.head_dim_pad)
+    cfg = Config(*(fwd if mode == "fwd" else bwd), 4 if p.head_dim_pad <= 64 else 8, 1)
+    return Plan("v1", _tiles(opts, target, f"v1_{mode}", cfg), splits=opts.v1_splits)
+
+
 def _forward_plan(p, version, target, opts) -> Plan:
     if p.empty or version == "tiled":
         return Plan("tiled")
     if version == "v1":
-        from flashtile.kernels import v1  # its tiles follow the paper's rule
-        fwd, _ = v1.block_sizes(p.head_dim_pad)
-        cfg = Config(*fwd, 4 if p.head_dim_pad <= 64 else 8, 1)
-        return Plan("v1", _tiles(opts, target, "v1_fwd", cfg), splits=opts.v1_splits)
+        return _v1_plan(p, target, opts, "fwd")
     if version == "v2":
         return _v2_forward(p, target, opts)
     kernel = opts.forward or "gluon"
@@ -188,10 +192,7 @@ def _backward_plan(p, version, target, opts) -> Plan:
     if p.empty or version == "tiled":
         return Plan("tiled")
     if version == "v1":
-        from flashtile.kernels import v1
-        _, bwd = v1.block_sizes(p.head_dim_pad)
-        cfg = Config(*bwd, 4 if p.head_dim_pad <= 64 else 8, 1)
-        return Plan("v1", _tiles(opts, target, "v1_bwd", cfg), splits=opts.v1_splits)
+        return _v1_plan(p, target, opts, "bwd")
     kernel = "v2" if version == "v2" or not target.gluon else _v3_backward_kernel(p, opts)
     if kernel == "v2":
         kv = configs.by_head_dim(configs.v2_bwd_kv_table(p.banded), p.head_dim_pad)

@@ -3,6 +3,8 @@
 For each kernel: whether the PTX uses wgmma and TMA, whether TTGIR is warp-specialized,
 shared memory, and compile errors.  ``--dump DIR`` writes the TTGIR/PTX (and the cubin) for reading;
 ``--loops`` adds each hot loop's SASS (sass_loops.py: instructions, HGMMAs, spill traffic).
+
+    python scripts/compile_sm90.py --loops --dump /tmp/sm90
 """
 import argparse
 import pathlib

@@ -3,6 +3,8 @@ attention in the same dtype, for the output and the three gradients (bf16, b2 h8
 
 Writes JSON records and prints a Markdown table; the error ratio to standard attention is
 what the FlashAttention accuracy rule bounds (<= 2 for the output, <= 3 for gradients).
+
+    python scripts/exactness_check.py --out exactness.json > exactness.md
 """
 import argparse
 import json

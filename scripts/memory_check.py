@@ -2,6 +2,8 @@
 
 One call per cell (no timing loop): at 128k tokens a single pass already takes seconds.
 Out-of-memory is a result: it is recorded, not raised.
+
+    python scripts/memory_check.py --providers standard,flashtile-v2,flashtile-v3 --out memory.json
 """
 import argparse
 import json

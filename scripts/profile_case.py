@@ -5,6 +5,8 @@ alone) runs --warmup times (compiles, fills the launch cache, ramps the clocks),
 times between cudaProfilerStart and cudaProfilerStop, so that `ncu --profile-from-start off`
 sees only those.  Shapes as the bars: batch x seqlen = --tokens, heads x head_dim = --hidden.
 On a CPU (the interpreter) it runs the calls without the profiler range, as a check of itself.
+
+    ncu --profile-from-start off python scripts/profile_case.py --head-dim 128 --seqlen 2048 --mode bwd
 """
 import argparse
 

@@ -253,27 +253,24 @@ STASH_WORDS = gl.constexpr(32)
 
 
 @gluon.jit
+def _stash_tensor(words, i, AT: gl.constexpr, ptr, stride_b, stride_s, stride_h):
+    """One tensor's address and strides, as words AT to AT + 3."""
+    words = gl.where(i == AT, ptr.to(gl.int64, bitcast=True), words)
+    words = gl.where(i == AT + 1, stride_b, words)
+    words = gl.where(i == AT + 2, stride_s, words)
+    return gl.where(i == AT + 3, stride_h, words)
+
+
+@gluon.jit
 def _stash_tensors(Q, sqb, sqs, sqh, K, skb, sks, skh, V, svb, svs, svh, O, sob, sos, soh, head_dim):
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     i = gl.arange(0, STASH_WORDS, layout=layout)
     words = gl.zeros([STASH_WORDS], gl.int64, layout)
-    words = gl.where(i == 0, Q.to(gl.int64, bitcast=True), words)
-    words = gl.where(i == 1, sqb, words)
-    words = gl.where(i == 2, sqs, words)
-    words = gl.where(i == 3, sqh, words)
-    words = gl.where(i == 4, K.to(gl.int64, bitcast=True), words)
-    words = gl.where(i == 5, skb, words)
-    words = gl.where(i == 6, sks, words)
-    words = gl.where(i == 7, skh, words)
-    words = gl.where(i == 8, V.to(gl.int64, bitcast=True), words)
-    words = gl.where(i == 9, svb, words)
-    words = gl.where(i == 10, svs, words)
-    words = gl.where(i == 11, svh, words)
-    words = gl.where(i == 12, O.to(gl.int64, bitcast=True), words)
-    words = gl.where(i == 13, sob, words)
-    words = gl.where(i == 14, sos, words)
-    words = gl.where(i == 15, soh, words)
-    words = gl.where(i == 16, head_dim, words)
+    words = _stash_tensor(words, i, Q_AT, Q, sqb, sqs, sqh)
+    words = _stash_tensor(words, i, K_AT, K, skb, sks, skh)
+    words = _stash_tensor(words, i, V_AT, V, svb, svs, svh)
+    words = _stash_tensor(words, i, O_AT, O, sob, sos, soh)
+    words = gl.where(i == HEAD_DIM_AT, head_dim, words)
     stash = gl.allocate_shared_memory(gl.int64, [STASH_WORDS], _STASH_LAYOUT)
     stash.store(words)
     return stash
