@@ -28,7 +28,7 @@ def _check_differentiation_mode(q, k, v):
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                window_size, softcap, alibi_slopes, deterministic, return_attn_probs, version, kernel_options):
     varlen = cu_seqlens_q is not None
-    softcap = validation.feature_options(dropout_p, softcap, alibi_slopes)
+    softcap = validation.feature_options(dropout_p, softcap)
     if version not in dispatch.VERSION_CHOICES:
         raise ValueError(f"version must be one of {dispatch.VERSION_CHOICES}, got {version!r}")
     validation.check_qkv(q, k, v, varlen)
@@ -43,6 +43,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         max_seqlen_k = validation.integer("max_seqlen_k", max_seqlen_k, minimum=0)
     else:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
+    alibi_slopes = validation.alibi_slopes(alibi_slopes, cu_seqlens_q.numel() - 1 if varlen else q.shape[0],
+                                           q.shape[-2], q.device)
     opts = options.resolve(kernel_options)
     version = dispatch.resolve_version(version, q.device)
     head_dim = q.shape[-1]
@@ -56,8 +58,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if pad:
         q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
     q, k, v = (validation.last_dim_contiguous(x) for x in (q, k, v))
-    out, lse, _ = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
-                                softcap, version, bool(deterministic), options.text(opts))
+    out, lse, _ = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, scale,
+                                left, right, softcap, version, bool(deterministic), options.text(opts))
     if pad:
         out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
@@ -72,7 +74,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     nheads a multiple of nheads_k (GQA/MQA).  fp16 or bf16, head dim up to 256 (padded to a
     multiple of 8).  window_size=(left, right) limits keys to [i - left, i + right] around the
     aligned diagonal (-1: unbounded).  softcap > 0 caps the scaled scores at softcap * tanh(x /
-    softcap) (Gemma 2).  ``version``: "v1", "v2", "v3", "auto" (the best this device runs) or
+    softcap) (Gemma 2).  alibi_slopes: float32 (nheads,) or (batch, nheads); adds ALiBi's bias
+    -slope * |i + seqlen_k - seqlen_q - j| to the scaled (and capped) scores.  ``version``: "v1", "v2", "v3", "auto" (the best this device runs) or
     "tiled" (the PyTorch implementation).  ``deterministic=True`` guarantees bitwise
     reproducible gradients (v3 then runs its two-pass backward rather than the single pass
     whose dQ reduce-add order varies).  Returns ``out``, or ``(out, softmax_lse, None)`` when

@@ -99,12 +99,19 @@ def broadcast(x) -> bool:
     return 0 in x.stride()[:-1]
 
 
+def gluon_takes(p) -> bool:
+    """Whether the Gluon kernels take problem ``p``: batched, at the head dims they are built for,
+    with score modifications of scalar arguments only (the forward's recompute of non-finite
+    rows passes the softcap alone; ALiBi's slopes are a tensor, which the Triton kernels take)."""
+    return (not p.varlen and p.head_dim_pad in configs.GLUON_HEAD_DIMS and p.head_dim % 8 == 0
+            and p.alibi_slopes is None)
+
+
 def target_of(p, *tensors) -> Target:
-    """The Gluon kernels take batched problems on a GPU, at the head dims they are built for, in
-    layouts a 4-D TMA descriptor describes (aligned copies are made where needed: tma.ready)."""
+    """The Gluon kernels take the problems of ``gluon_takes`` on a GPU, in layouts a 4-D TMA
+    descriptor describes (aligned copies are made where needed: tma.ready)."""
     interpreter = _options.interpreting()
-    gluon = (tensors[0].is_cuda and not interpreter and not p.varlen and p.head_dim_pad in configs.GLUON_HEAD_DIMS
-             and p.head_dim % 8 == 0 and not any(map(broadcast, tensors)))
+    gluon = tensors[0].is_cuda and not interpreter and gluon_takes(p) and not any(map(broadcast, tensors))
     return Target(gluon, interpreter)
 
 
@@ -118,14 +125,14 @@ def _tiles(opts, target, table, default):
 
 def forward_plan(p, version: str, target: Target, opts) -> Plan:
     """The forward kernel and tiles of problem ``p`` under ``version`` (already resolved)."""
-    # Asked at every call, the same few problems coming back: remembered, but for varlen
-    # problems, whose offsets tables (a problem's fields) are new tensors at every call.
-    return _forward_plan(p, version, target, opts) if p.varlen else _forward_plan_cached(p, version, target, opts)
+    # Asked at every call, the same few problems coming back: remembered, but for problems that
+    # hold tensors (varlen offsets, ALiBi slopes), new at every call.
+    return _forward_plan(p, version, target, opts) if p.holds_tensors else _forward_plan_cached(p, version, target, opts)
 
 
 def backward_plan(p, version: str, target: Target, opts) -> Plan:
     """The backward kernels and tiles of problem ``p`` under ``version`` (already resolved)."""
-    return _backward_plan(p, version, target, opts) if p.varlen else _backward_plan_cached(p, version, target, opts)
+    return _backward_plan(p, version, target, opts) if p.holds_tensors else _backward_plan_cached(p, version, target, opts)
 
 
 def _v1_plan(p, target, opts, mode) -> Plan:

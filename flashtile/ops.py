@@ -33,10 +33,10 @@ def _options(text: str) -> options.KernelOptions:
     return options.KernelOptions.parse(text)
 
 
-def _problem(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+def _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
              window_right, softcap, deterministic=False):
     return Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                      window_right, softcap, deterministic)
+                      window_right, softcap, deterministic, alibi_slopes)
 
 
 def _saved_shape(p, version: str, lse_shape):
@@ -45,10 +45,10 @@ def _saved_shape(p, version: str, lse_shape):
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-             max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+             alibi_slopes: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
              softcap: float, version: str, deterministic: bool, kernel_options: str) -> tuple[Tensor, Tensor, Tensor]:
-    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                 window_right, softcap)
+    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
+                 window_left, window_right, softcap)
     if p.varlen and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     plan = dispatch.forward_plan(p, version, dispatch.target_of(p, q, k, v), _options(kernel_options))
@@ -60,10 +60,10 @@ attention_forward = torch.library.custom_op("flashtile::attention_forward", _for
 
 
 @attention_forward.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-      softcap, version, deterministic, kernel_options):
-    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                 window_right, softcap)
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+      window_right, softcap, version, deterministic, kernel_options):
+    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
+                 window_left, window_right, softcap)
     lse_shape = p.row_stat_shape(q.shape[0])
     return (torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32),
             q.new_empty(_saved_shape(p, version, lse_shape), dtype=torch.float32))
@@ -71,11 +71,11 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
 
 def _backward_kernels(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                       lse: Tensor, saved: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                      max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int,
+                      alibi_slopes: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int,
                       window_right: int, softcap: float, version: str, deterministic: bool,
                       kernel_options: str) -> tuple[Tensor, Tensor, Tensor]:
-    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                 window_right, softcap, deterministic)
+    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
+                 window_left, window_right, softcap, deterministic)
     plan = dispatch.backward_plan(p, version, dispatch.target_of(p, q, k, v, dout), _options(kernel_options))
     with on_device_of(q):
         return dispatch.run_backward(plan, p, dout, dlse, q, k, v, out, lse, saved)
@@ -90,9 +90,9 @@ def _(dout, dlse, q, k, v, out, lse, saved, *args):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, *ctx.args = inputs
+    q, k, v, cu_q, cu_k, alibi, *ctx.args = inputs
     out, lse, saved = output
-    ctx.save_for_backward(q, k, v, out, lse, saved, cu_q, cu_k)
+    ctx.save_for_backward(q, k, v, out, lse, saved, cu_q, cu_k, alibi)
     ctx.set_materialize_grads(False)
 
 
@@ -109,11 +109,11 @@ def _gradients(ctx, dout, dlse, backward_op):
             b"flashtile's attention is differentiable once: a second derivative (create_graph=True through "
             b"its backward, e.g. a gradient penalty) is not supported", 3)
         grads = refuse(*(g.detach().requires_grad_() for g in grads))
-    return (*grads, None, None, *(None for _ in ctx.args))
+    return (*grads, None, None, None, *(None for _ in ctx.args))
 
 
 def _first_derivatives(ctx, dout, dlse, backward_op):
-    q, k, v, out, lse, saved, cu_q, cu_k = ctx.saved_tensors
+    q, k, v, out, lse, saved, cu_q, cu_k, alibi = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     # Unit stride along head_dim, and rows the kernels' 32-bit offsets reach (q passed that
@@ -124,7 +124,7 @@ def _first_derivatives(ctx, dout, dlse, backward_op):
     # None, the usual case, costs nothing.
     if dlse is not None:
         dlse = dlse.contiguous()
-    return backward_op(dout, dlse, q, k, v, out, lse, saved, cu_q, cu_k, *ctx.args)
+    return backward_op(dout, dlse, q, k, v, out, lse, saved, cu_q, cu_k, alibi, *ctx.args)
 
 
 torch.library.register_autograd("flashtile::attention_forward",
@@ -146,11 +146,11 @@ class _EagerAttention(torch.autograd.Function):
         return _gradients(ctx, dout, dlse, _backward_kernels)
 
 
-def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-              window_right, softcap, version, deterministic, kernel_options):
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
+              window_left, window_right, softcap, version, deterministic, kernel_options):
     """(out, lse, saved) with autograd: the custom op under torch.compile, else the Function."""
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-            window_right, softcap, version, deterministic, kernel_options)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
+            window_left, window_right, softcap, version, deterministic, kernel_options)
     if torch.compiler.is_compiling():
         return attention_forward(*args)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):

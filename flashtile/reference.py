@@ -8,6 +8,7 @@ import math
 import torch
 
 from flashtile import validation
+from flashtile.kernels import score
 
 
 def band_mask(seqlen_q, seqlen_k, window_left=-1, window_right=-1, device=None,
@@ -31,7 +32,7 @@ def band_mask(seqlen_q, seqlen_k, window_left=-1, window_right=-1, device=None,
 
 
 def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None,
-                       upcast=False, return_lse=False, softcap=0.0):
+                       upcast=False, return_lse=False, softcap=0.0, alibi_slopes=None):
     """softmax(Q K^T * scale) V with the full score matrix in memory.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with
@@ -39,7 +40,8 @@ def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scal
     program does, in the input dtype: scores = Q K^T, masked, ``torch.softmax`` (fp32 inside,
     input dtype out), probabilities @ V.  With ``upcast=True`` everything runs in float64 and
     the float64 result is returned.  Rows that see no key give 0 (and logsumexp +inf).
-    ``softcap`` > 0 replaces the scaled scores x by softcap * tanh(x / softcap).
+    ``softcap`` > 0 replaces the scaled scores x by softcap * tanh(x / softcap); ``alibi_slopes``
+    (float32, (nheads,) or (batch, nheads)) then adds -slope * |i + seqlen_k - seqlen_q - j|.
     Returns ``out`` or ``(out, lse)`` with lse (batch, nheads, seqlen_q).
     """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -49,8 +51,11 @@ def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scal
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k * scale)
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
+    bias = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(scores.dtype)
+        bias = score.alibi_bias(slopes if slopes.dim() == 2 else slopes[None], q.shape[1], k.shape[1])
+    scores = score.reference(scores, softcap, bias)
     left, right = validation.band(causal, window_size, q.shape[1], k.shape[1])
     visible = None
     if left >= 0 or right >= 0:

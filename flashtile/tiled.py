@@ -51,15 +51,28 @@ def _weighted_values(probs, values, visible):
     return torch.where(visible[..., None], terms, 0.0).sum(-2)
 
 
-def _scores(p, qblk, kblk):
+def _slopes(p, b):
+    """Sequence b's ALiBi slopes as (heads_k, group), or None."""
+    if p.alibi_slopes is None:
+        return None
+    slopes = p.alibi_slopes[b] if p.alibi_slopes.dim() == 2 else p.alibi_slopes
+    return slopes.reshape(p.heads_k, p.group)
+
+
+def _bias(slopes, i0, i1, j0, j1, sq, sk):
+    return None if slopes is None else score.alibi_bias(slopes, sq, sk, slice(i0, i1), slice(j0, j1))
+
+
+def _scores(p, qblk, kblk, bias):
     s = torch.einsum("hgqd,hkd->hgqk", qblk, kblk) * p.softmax_scale
-    return score.reference(s, p.softcap)
+    return score.reference(s, p.softcap, bias)
 
 
 def forward(plan, p, q, k, v):
     out = torch.empty_like(q)
     lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
-    for qs, ks in _sequences(p):
+    for b, (qs, ks) in enumerate(_sequences(p)):
+        slopes = _slopes(p, b)
         qg, kg, vg = _grouped(q[qs], p.heads_k), k[ks].float().permute(1, 0, 2), v[ks].float().permute(1, 0, 2)
         sq, sk = qg.shape[2], kg.shape[1]
         o_seq = torch.zeros_like(qg)
@@ -72,7 +85,8 @@ def forward(plan, p, q, k, v):
             for j0 in range(0, sk, BLOCK):
                 j1 = min(j0 + BLOCK, sk)
                 visible = _visible(p, i0, i1, j0, j1, sq, sk, q.device)
-                s = _scores(p, qg[:, :, i0:i1], kg[:, j0:j1]).masked_fill(~visible, float("-inf"))
+                bias = _bias(slopes, i0, i1, j0, j1, sq, sk)
+                s = _scores(p, qg[:, :, i0:i1], kg[:, j0:j1], bias).masked_fill(~visible, float("-inf"))
                 m_new = torch.maximum(m, s.amax(-1))
                 m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
                 probs = torch.exp(s - m_ref[..., None])
@@ -93,7 +107,8 @@ def forward(plan, p, q, k, v):
 
 def backward(plan, p, dout, dlse, q, k, v, out, lse, saved):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for qs, ks in _sequences(p):
+    for b, (qs, ks) in enumerate(_sequences(p)):
+        slopes = _slopes(p, b)
         qg, dog, og = (_grouped(x[qs], p.heads_k) for x in (q, dout, out))
         kg, vg = k[ks].float().permute(1, 0, 2), v[ks].float().permute(1, 0, 2)
         sq, sk = qg.shape[2], kg.shape[1]
@@ -109,14 +124,13 @@ def backward(plan, p, dout, dlse, q, k, v, out, lse, saved):
             for j0 in range(0, sk, BLOCK):
                 j1 = min(j0 + BLOCK, sk)
                 visible = _visible(p, i0, i1, j0, j1, sq, sk, q.device)
-                y = _scores(p, qg[:, :, i0:i1], kg[:, j0:j1])
+                bias = _bias(slopes, i0, i1, j0, j1, sq, sk)
+                y = _scores(p, qg[:, :, i0:i1], kg[:, j0:j1], bias)
                 probs = torch.exp(y - seq_lse[:, :, i0:i1, None]).masked_fill(~visible, 0.0)
                 dvg[:, j0:j1] += torch.einsum("hgqk,hgqd->hkd", probs, dog[:, :, i0:i1])
                 dp = torch.einsum("hgqd,hkd->hgqk", dog[:, :, i0:i1], vg[:, j0:j1])
                 ds = (probs * (dp - delta[:, :, i0:i1, None])).masked_fill(~visible, 0.0)
-                if p.softcap > 0:  # d/dx softcap * tanh(x / softcap) = 1 - tanh^2
-                    ds = ds * (1 - (y / p.softcap) ** 2)
-                ds = ds * p.softmax_scale
+                ds = score.reference_grad(ds, y, p.softcap, bias) * p.softmax_scale
                 dqg[:, :, i0:i1] += torch.einsum("hgqk,hkd->hgqd", ds, kg[:, j0:j1])
                 dkg[:, j0:j1] += torch.einsum("hgqk,hgqd->hkd", ds, qg[:, :, i0:i1])
         dq[qs] = _ungrouped(dqg).to(q.dtype)

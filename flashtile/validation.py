@@ -191,15 +191,29 @@ def check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                          f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
 
 
-def feature_options(dropout_p, softcap, alibi_slopes) -> float:
+def feature_options(dropout_p, softcap) -> float:
     """Refuse invalid values by name, then features not implemented; the softcap as a float."""
     dropout_p = real("dropout_p", dropout_p, 0.0, 1.0, hi_open=True)
     softcap = real("softcap", softcap, 0.0)
     if dropout_p != 0.0:
         raise NotImplementedError("dropout_p != 0 is not supported yet")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes is not supported yet")
     return softcap
+
+
+def alibi_slopes(slopes, batch: int, heads: int, device):
+    """ALiBi's slopes as the kernels read them: float32, (heads,) or (batch, heads) as flash_attn
+    takes them, on the tensors' device, contiguous; None stays None."""
+    if slopes is None:
+        return None
+    _check_tensor("alibi_slopes", slopes)
+    if slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
+    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}) (nheads or "
+                         f"(batch, nheads)), got {tuple(slopes.shape)}")
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes must be on {device}, like q, got {slopes.device}")
+    return slopes.contiguous()
 
 
 def softmax_scale(scale, head_dim: int) -> float:

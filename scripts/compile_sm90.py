@@ -28,18 +28,19 @@ FP32_POINTERS = {"LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE"}
 INT_POINTERS = {"CU_Q", "CU_K"}
 FLOAT_SCALARS = {"scale_log2", "softmax_scale"}
 TUPLES = {"totals": ("i32", "i32"), "score_args": ("fp32",), "counter": ("*i64", "i64")}
+ALIBI_TUPLES = dict(TUPLES, score_args=("fp32", "*fp32", "i32"))  # softcap, slopes, their batch stride
 
 
-def signature(fn, dtype, constexprs, descriptors=None):
+def signature(fn, dtype, constexprs, descriptors=None, tuples=TUPLES):
     """Triton signature strings; ``descriptors`` maps tensor-descriptor arguments to (block, layout)
-    or (block, layout, element type)."""
+    or (block, layout, element type); ``tuples`` the types inside tuple arguments."""
     sig = {}
     for param in fn.params:
         name = param.name
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in TUPLES:
-            sig[name] = TUPLES[name]
+        elif name in tuples:
+            sig[name] = tuples[name]
         elif descriptors and name in descriptors:
             block, layout, *element = descriptors[name]  # (block, layout[, element type if not dtype])
             sig[name] = f"tensordesc<{element[0] if element else dtype}[{', '.join(map(str, block))}],{layout}>"
@@ -50,15 +51,15 @@ def signature(fn, dtype, constexprs, descriptors=None):
     return sig
 
 
-def compile_one(fn, dtype, constexprs, options, descriptors=None):
+def compile_one(fn, dtype, constexprs, options, descriptors=None, tuples=TUPLES):
     source = GluonASTSource if fn.is_gluon() else ASTSource
-    src = source(fn, signature(fn, dtype, constexprs, descriptors), constexprs)
+    src = source(fn, signature(fn, dtype, constexprs, descriptors, tuples), constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def problem(head_dim, causal=False, window_left=-1, softcap=0.0, seqlen=4096):
+def problem(head_dim, causal=False, window_left=-1, softcap=0.0, seqlen=4096, alibi=False):
     return Problem(1, 16, 16, seqlen, seqlen, head_dim, 0.1, window_left, 0 if causal else -1, None, None,
-                   softcap=softcap)
+                   softcap=softcap, alibi_slopes=torch.zeros(16) if alibi else None)
 
 
 def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0):
@@ -112,9 +113,10 @@ def _options(cfg):
     return dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0):
-    """(name, kernel, constexprs, compile options, descriptor blocks) of every kernel as launched."""
-    p = problem(head_dim, softcap=softcap)
+def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=False):
+    """(name, kernel, constexprs, compile options, descriptor blocks) of every kernel as launched
+    (with ``alibi``, those that take it: the Gluon kernels do not)."""
+    p = problem(head_dim, softcap=softcap, alibi=alibi)
     base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=varlen, UPCAST=False,
                 SCORE=score.mod_of(p))
     f = dispatch.forward_plan(p, "v2", dispatch.HOPPER, opts).config
@@ -131,14 +133,14 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0):
     yield "v1.bwd", v1._bwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, HAS_DLSE=False), \
         _options(c1), None
     for banded in ((True,) if varlen else (False, True)):  # varlen always takes the banded loop
-        p3 = problem(head_dim, causal=banded, softcap=softcap)
-        plan = dispatch.v3_triton_forward(p3 if not varlen else problem(head_dim, True, softcap=softcap),
+        p3 = problem(head_dim, causal=banded, softcap=softcap, alibi=alibi)
+        plan = dispatch.v3_triton_forward(p3 if not varlen else problem(head_dim, True, softcap=softcap, alibi=alibi),
                                          dispatch.HOPPER, opts)
         c3 = plan.config
         yield f"v3.fwd{'_band' if banded else ''}", v3._fwd_kernel, dict(
             base, BLOCK_M=c3.block_m, BLOCK_N=c3.block_n, NUM_STAGES=c3.num_stages, UNMASKED=plan.unmasked,
             WARP_SPECIALIZE=plan.unmasked and c3.warp_specialize), _options(c3), None
-    if not varlen:  # the Gluon kernels take batched problems only
+    if not varlen and not alibi:  # the Gluon kernels take batched problems only, without ALiBi
         yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, softcap=softcap))
         yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, causal=True, softcap=softcap))
         yield ("v3.fwd_gluon_window", gluon_fwd._fwd_kernel,
@@ -171,14 +173,16 @@ def main():
     ap.add_argument("--loops", action="store_true", help="each hot loop's SASS instruction mix")
     ap.add_argument("--options", default="", help="kernel options, as FLASHTILE_KERNEL_OPTIONS takes them")
     ap.add_argument("--softcap", type=float, default=0.0, help="compile the kernels with this softcap")
+    ap.add_argument("--alibi", action="store_true", help="compile the kernels that take ALiBi with it")
     args = ap.parse_args()
     opts = KernelOptions.parse(args.options)
+    tuples = ALIBI_TUPLES if args.alibi else TUPLES
     for d in (int(x) for x in args.head_dims.split(",")):
-        for name, fn, constexprs, options, descriptors in cases(d, args.varlen, opts, args.softcap):
+        for name, fn, constexprs, options, descriptors in cases(d, args.varlen, opts, args.softcap, args.alibi):
             if args.only and name != args.only:
                 continue
             try:
-                k = compile_one(fn, "bf16", constexprs, options, descriptors)
+                k = compile_one(fn, "bf16", constexprs, options, descriptors, tuples)
             except Exception as e:  # report and go on: one broken kernel should not hide the rest
                 print(f"d{d:<4} {name:18} FAILED: {str(e).splitlines()[0][:200]}")
                 continue

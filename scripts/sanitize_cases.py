@@ -3,7 +3,7 @@
 Each version (v1, v2, v3) on shapes that hit every code path once: sequence lengths that are not
 block multiples (masked tails), a block-multiple length (v3's unmasked TMA path), causal with
 seqlen_q != seqlen_k, a sliding window, GQA, varlen (with offsets given as a strided view),
-softcap, and head dims that need padding.  Prints one line per case; memcheck reports any
+softcap, ALiBi, and head dims that need padding.  Prints one line per case; memcheck reports any
 out-of-bounds or misaligned access.
 
     compute-sanitizer --tool memcheck python scripts/sanitize_cases.py --kernel-options "backward=gluon"
@@ -28,15 +28,24 @@ CASES = [
     (2, 2100, 2100, 8, 8, 64, False, (-1, -1), 0.0),  # v3's three-consumer forward (192-row tiles), wrapping
     (1, 8200, 8200, 2, 2, 64, True, (-1, -1), 0.0),   # the same on a band (tiles from the counter)
 ]
+# Run with ALiBi, one slope per (batch, head): the slopes read through the score hook's pointer.
+ALIBI_CASES = [
+    (2, 77, 300, 4, 2, 96, True, (-1, -1), 0.0),
+    (2, 300, 200, 4, 4, 128, False, (64, 16), 30.0),
+]
 
 
-def run(version, case, device, kernel_options):
+def slopes(batch, heads, device):
+    return torch.rand(batch, heads, device=device) * 0.5
+
+
+def run(version, case, device, kernel_options, alibi=False):
     b, sq, sk, hq, hk, d, causal, window, softcap = case
     q = torch.randn(b, sq, hq, d, device=device, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(b, sk, hk, d, device=device, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(b, sk, hk, d, device=device, dtype=torch.bfloat16, requires_grad=True)
     out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, version=version,
-                          kernel_options=kernel_options)
+                          alibi_slopes=slopes(b, hq, device) if alibi else None, kernel_options=kernel_options)
     out.backward(torch.randn_like(out))
     if device == "cuda":
         torch.cuda.synchronize()
@@ -49,7 +58,7 @@ def run_varlen(version, device, kernel_options):
     q, k, v = (torch.randn(231, 2, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     out = flash_attn_varlen_func(q, k, v, lens, lens, 130, 130, causal=True, version=version,
-                                 kernel_options=kernel_options)
+                                 alibi_slopes=slopes(3, 2, device), kernel_options=kernel_options)
     out.backward(torch.randn_like(out))
     if device == "cuda":
         torch.cuda.synchronize()
@@ -65,6 +74,9 @@ def main():
         for case in CASES:
             run(version, case, args.device, args.kernel_options)
             print(f"{version} {case} ok", flush=True)
+        for case in ALIBI_CASES:
+            run(version, case, args.device, args.kernel_options, alibi=True)
+            print(f"{version} {case} alibi ok", flush=True)
         run_varlen(version, args.device, args.kernel_options)
         print(f"{version} varlen ok", flush=True)
 

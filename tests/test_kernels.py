@@ -1,5 +1,5 @@
 """Every version's kernels, forward and all three gradients, against the float64 oracle: the
-feature grid (causal, windows, GQA, head dims, varlen, softcap, strides, empty and non-finite
+feature grid (causal, windows, GQA, head dims, varlen, softcap, ALiBi, strides, empty and non-finite
 inputs) and each v3 kernel forced where it would not run by default."""
 import math
 
@@ -65,6 +65,39 @@ def test_softcap(version, causal):
     q = q * 3
     check_against_reference(attention(version, causal=causal, softcap=5.0), q, k, v, causal=causal, softcap=5.0,
                             rules=(SOFTCAP_RULE, (3.0, 1e-4)))
+
+
+def alibi_slopes(*shape):
+    """BLOOM's slopes 2^(-8 i / heads) over the last dim, scaled per leading index so that rows
+    of a (batch, heads) table differ."""
+    heads = shape[-1]
+    slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1, device=DEVICE) / heads)
+    return (slopes * (1 + torch.rand(shape[:-1] + (1,), device=DEVICE))).float().expand(shape).contiguous()
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_alibi(version, causal, per_batch):
+    # flash_attn's ALiBi bias -slope * |i + seqlen_k - seqlen_q - j| on the scaled scores, one
+    # slope per query head or per (batch, head), with GQA and seqlen_q != seqlen_k (the bias is
+    # zero on the bottom-right diagonal), forward and backward.
+    sq, sk = (700, 1000) if ON_GPU else (70, 100)
+    q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, 64, DTYPES[0], DEVICE)
+    slopes = alibi_slopes(BATCH, 2 * HEADS) if per_batch else alibi_slopes(2 * HEADS)
+    check_against_reference(attention(version, causal=causal, alibi_slopes=slopes), q, k, v, causal=causal,
+                            alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_alibi_with_softcap_and_window(version):
+    # ALiBi after the cap, inside a sliding window: the two score modifications composed.
+    sq, sk = (900, 700) if ON_GPU else (90, 70)
+    q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, 64, DTYPES[0], DEVICE)
+    q = q * 3
+    slopes, window = alibi_slopes(BATCH, 2 * HEADS), (30, 10)
+    check_against_reference(attention(version, window_size=window, softcap=5.0, alibi_slopes=slopes), q, k, v,
+                            window_size=window, softcap=5.0, alibi_slopes=slopes, rules=(SOFTCAP_RULE, (3.0, 1e-4)))
 
 
 @pytest.mark.parametrize("kernel", ["gluon", "triton"])
@@ -307,6 +340,37 @@ def test_varlen(version, causal):
     ref = standard_attention(q[qs][None], k[ks][None], v[ks][None], causal=causal, upcast=True)
     pt = standard_attention(q[qs][None], k[ks][None], v[ks][None], causal=causal)
     assert max_err(out[qs][None], ref) <= 2 * max_err(pt, ref) + 1e-5
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_varlen_alibi_takes_each_sequence_slopes(version):
+    # (batch, heads) slopes with packed sequences: sequence b reads row b, and its bias follows
+    # its own bottom-right diagonal.
+    lengths_q = [37, 0, 93, 70] if not ON_GPU else [370, 1, 930, 2000]
+    lengths_k = [50, 20, 93, 33] if not ON_GPU else [500, 200, 930, 1333]
+    q, k, v, cu_q, cu_k = _varlen_case(lengths_q, lengths_k)
+    slopes = alibi_slopes(len(lengths_q), q.shape[1])
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
+                                 alibi_slopes=slopes, version=version)
+    dout = torch.randn_like(q)
+    grads = torch.autograd.grad(out, leaves, dout)
+    for b in (0, 2, 3):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        one = [x[None].detach() for x in (q[qs], k[ks], v[ks])]
+        oracle, oracle_grads = _with_grads(lambda *t: standard_attention(*t, causal=True, alibi_slopes=slopes[b],
+                                                                          upcast=True), one, dout[qs][None].double())
+        pt, pt_grads = _with_grads(lambda *t: standard_attention(*t, causal=True, alibi_slopes=slopes[b]), one,
+                                   dout[qs][None])
+        assert max_err(out[qs][None], oracle) <= 2 * max_err(pt, oracle) + 1e-5
+        for g, s, g_ref, g_pt in zip(grads, (qs, ks, ks), oracle_grads, pt_grads):
+            assert max_err(g[s][None], g_ref) <= 3 * max_err(g_pt, g_ref) + 1e-4
+
+
+def _with_grads(fn, inputs, dout):
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    out = fn(*leaves)
+    return out, torch.autograd.grad(out, leaves, dout)
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -10,11 +10,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def compile_for_sm90(tmp_path, only, head_dim, kernel_options="", softcap=0.0):
+def compile_for_sm90(tmp_path, only, head_dim, kernel_options="", softcap=0.0, alibi=False):
     env = dict(os.environ, TRITON_INTERPRET="0")
     res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_sm90.py"), "--head-dims",
                           str(head_dim), "--only", only, "--dump", str(tmp_path), "--options", kernel_options,
-                          "--softcap", str(softcap)], capture_output=True, text=True, env=env, timeout=600)
+                          "--softcap", str(softcap)] + (["--alibi"] if alibi else []),
+                         capture_output=True, text=True, env=env, timeout=600)
     if res.returncode != 0 or "FAILED" in res.stdout:
         pytest.fail(f"sm_90 compile failed:\n{res.stdout}\n{res.stderr[-2000:]}")
     return (tmp_path / f"{only}_d{head_dim}.ttgir").read_text()
@@ -194,3 +195,12 @@ def test_plain_triton_kernels_take_the_score_hook(tmp_path):
     for kernel in ("v2.fwd", "v2.bwd_dq", "v2.bwd_dkdv", "v1.fwd", "v1.bwd", "v3.fwd_band"):
         compile_for_sm90(tmp_path / kernel, kernel, 64, softcap=30.0)
         assert "tanh.approx.f32" in (tmp_path / kernel / f"{kernel}_d64.ptx").read_text(), kernel
+
+
+def test_alibi_compiles_into_every_kernel_that_takes_it(tmp_path):
+    # ALiBi's slopes travel as a pointer inside the score hook's argument tuple; every Triton
+    # kernel compiles with it for sm_90 (the warp-specialized d128 forward included), its
+    # distances |i + offset - j| as integer abs.
+    for kernel in ("v2.fwd", "v2.bwd_dq", "v2.bwd_dkdv", "v1.fwd", "v1.bwd", "v3.fwd", "v3.fwd_band"):
+        compile_for_sm90(tmp_path / kernel, kernel, 128, softcap=30.0, alibi=True)
+        assert "abs.s32" in (tmp_path / kernel / f"{kernel}_d128.ptx").read_text(), kernel

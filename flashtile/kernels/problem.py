@@ -36,10 +36,11 @@ class Problem:
     softcap: float = 0.0   # scores become softcap * tanh(scores / softcap); 0: off
     total_q: int = 0       # rows of the packed q and k (varlen)
     total_k: int = 0
+    alibi_slopes: Optional[torch.Tensor] = None  # fp32 (heads,) or (batch, heads): ALiBi's bias
 
     @classmethod
     def of(cls, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-           softmax_scale, window_left, window_right, softcap=0.0, deterministic=False):
+           softmax_scale, window_left, window_right, softcap=0.0, deterministic=False, alibi_slopes=None):
         varlen = cu_seqlens_q is not None
         return cls(
             batch=cu_seqlens_q.numel() - 1 if varlen else q.shape[0],
@@ -49,11 +50,17 @@ class Problem:
             head_dim=q.shape[-1], softmax_scale=softmax_scale,
             window_left=window_left, window_right=window_right,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, deterministic=deterministic,
-            softcap=softcap, total_q=q.shape[0] if varlen else 0, total_k=k.shape[0] if varlen else 0)
+            softcap=softcap, total_q=q.shape[0] if varlen else 0, total_k=k.shape[0] if varlen else 0,
+            alibi_slopes=alibi_slopes)
 
     @property
     def varlen(self) -> bool:
         return self.cu_seqlens_q is not None
+
+    @property
+    def holds_tensors(self) -> bool:
+        """Whether the problem carries tensors (offsets, slopes): then it is no cache key."""
+        return self.cu_seqlens_q is not None or self.alibi_slopes is not None
 
     @property
     def empty(self) -> bool:

@@ -14,8 +14,9 @@ compile-time argument, with this signature:
     backward(ds, y, q_idx, kv_idx, batch, head, offset, args) -> ds * f'(x), with y = f(x)
 
 ``q_idx`` and ``kv_idx`` are the positions of the rows and columns inside their sequences,
-shaped to broadcast against the score tile; ``offset`` is seqlen_k - seqlen_q of the sequence
-(the bottom-right diagonal); ``args`` a tuple of run-time values (``ScoreMod.args``).  A
+shaped to broadcast against the score tile; ``batch`` the sequence (varlen: its index) and
+``head`` the query head; ``offset`` is seqlen_k - seqlen_q of the sequence (the bottom-right
+diagonal); ``args`` a tuple of run-time values (``args_of``), tensors among them as pointers.  A
 feature is one such pair here and its arguments; no kernel changes.
 """
 from dataclasses import dataclass
@@ -63,16 +64,50 @@ def _softcap_grad(ds, y, q_idx, kv_idx, batch, head, offset, args):
     return ds * (1.0 - t * t)
 
 
+@triton.jit
+def _alibi_bias(q_idx, kv_idx, batch, head, offset, args):
+    """flash_attn's ALiBi bias, negated and in log2 units: slope * |i + offset - j| * log2(e),
+    the slope of (batch, head) read from args[1] with batch stride args[2] (0: one per head)."""
+    slope = tl.load(args[1] + batch * args[2] + head) * 1.4426950408889634
+    return slope * tl.abs(q_idx + offset - kv_idx).to(tl.float32)
+
+
+@triton.jit
+def _alibi(x, q_idx, kv_idx, batch, head, offset, args):
+    return x - _alibi_bias(q_idx, kv_idx, batch, head, offset, args)
+
+
+@triton.jit
+def _softcap_alibi(x, q_idx, kv_idx, batch, head, offset, args):
+    # As flash_attn: the cap on the scaled scores first, then the bias.
+    return _softcap(x, q_idx, kv_idx, batch, head, offset, args) - _alibi_bias(q_idx, kv_idx, batch, head, offset,
+                                                                               args)
+
+
+@triton.jit
+def _softcap_alibi_grad(ds, y, q_idx, kv_idx, batch, head, offset, args):
+    capped = y + _alibi_bias(q_idx, kv_idx, batch, head, offset, args)
+    return _softcap_grad(ds, capped, q_idx, kv_idx, batch, head, offset, args)
+
+
 SOFTCAP = ScoreMod("softcap", _softcap, _softcap_grad)
+ALIBI = ScoreMod("alibi", _alibi)  # a bias: f'(x) = 1
+SOFTCAP_ALIBI = ScoreMod("softcap+alibi", _softcap_alibi, _softcap_alibi_grad)
 
 
 def mod_of(p):
     """The problem's score modification, or None."""
+    if p.alibi_slopes is not None:
+        return SOFTCAP_ALIBI if p.softcap > 0 else ALIBI
     return SOFTCAP if p.softcap > 0 else None
 
 
 def args_of(p) -> tuple:
-    """The run-time arguments of the problem's score modification (one float when there is none)."""
+    """The run-time arguments of the problem's score modification: the softcap in log2 units
+    (one float also when there is none), then with ALiBi its slopes and their batch stride."""
+    if p.alibi_slopes is not None:
+        slopes = p.alibi_slopes
+        return (p.softcap * LOG2E, slopes, slopes.stride(0) if slopes.dim() == 2 else 0)
     return (p.softcap * LOG2E,)
 
 
@@ -115,9 +150,26 @@ def grad(ds, y, q_idx, kv_idx, site, MOD: tl.constexpr):
         return MOD.backward(ds, y, q_idx, kv_idx, batch, head, offset, args)
 
 
-def reference(scores, softcap: float):
-    """The same modification on natural-log scores in PyTorch (tiled path, standard attention)."""
-    if softcap > 0:
-        return softcap * torch.tanh(scores / softcap)
-    return scores
+def alibi_bias(slopes, seqlen_q: int, seqlen_k: int, rows=slice(None), cols=slice(None)):
+    """flash_attn's ALiBi bias -slope * |i + seqlen_k - seqlen_q - j| in PyTorch: ``slopes`` of
+    shape (..., heads) gives (..., heads, rows, cols) (``rows``/``cols``: ranges of a block)."""
+    i = torch.arange(seqlen_q, device=slopes.device)[rows]
+    j = torch.arange(seqlen_k, device=slopes.device)[cols]
+    distance = (i[:, None] + (seqlen_k - seqlen_q) - j[None, :]).abs().to(slopes.dtype)
+    return -slopes[..., None, None] * distance
 
+
+def reference(scores, softcap: float, bias=None):
+    """The same modification on natural-log scores in PyTorch (tiled path, standard attention):
+    the cap, then the bias (ALiBi's, from :func:`alibi_bias`)."""
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    return scores if bias is None else scores + bias
+
+
+def reference_grad(ds, logits, softcap: float, bias=None):
+    """dS with respect to the scaled scores, given dS with respect to ``logits`` = reference(...)."""
+    if softcap > 0:
+        capped = logits if bias is None else logits - bias
+        ds = ds * (1 - (capped / softcap) ** 2)
+    return ds
