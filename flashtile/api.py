@@ -26,7 +26,7 @@ def _check_differentiation_mode(q, k, v):
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-               window_size, softcap, alibi_slopes, deterministic, return_attn_probs, version, kernel_options):
+               window_size, softcap, alibi_slopes, deterministic, return_attn_probs, sinks, version, kernel_options):
     varlen = cu_seqlens_q is not None
     softcap = validation.feature_options(dropout_p, softcap)
     if version not in dispatch.VERSION_CHOICES:
@@ -45,6 +45,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
     alibi_slopes = validation.alibi_slopes(alibi_slopes, cu_seqlens_q.numel() - 1 if varlen else q.shape[0],
                                            q.shape[-2], q.device)
+    sinks = validation.sinks(sinks, q.shape[-2], q.device)
     opts = options.resolve(kernel_options)
     version = dispatch.resolve_version(version, q.device)
     head_dim = q.shape[-1]
@@ -58,8 +59,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if pad:
         q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
     q, k, v = (validation.last_dim_contiguous(x) for x in (q, k, v))
-    out, lse, _ = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, scale,
-                                left, right, softcap, version, bool(deterministic), options.text(opts))
+    out, lse, _ = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, max_seqlen_q, max_seqlen_k,
+                                scale, left, right, softcap, version, bool(deterministic), options.text(opts))
     if pad:
         out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
@@ -67,7 +68,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                    version="auto", kernel_options=None):
+                    sinks=None, version="auto", kernel_options=None):
     """Exact attention softmax(q k^T * scale) v without materialising the score matrix.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim),
@@ -75,44 +76,48 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     multiple of 8).  window_size=(left, right) limits keys to [i - left, i + right] around the
     aligned diagonal (-1: unbounded).  softcap > 0 caps the scaled scores at softcap * tanh(x /
     softcap) (Gemma 2).  alibi_slopes: float32 (nheads,) or (batch, nheads); adds ALiBi's bias
-    -slope * |i + seqlen_k - seqlen_q - j| to the scaled (and capped) scores.  ``version``: "v1", "v2", "v3", "auto" (the best this device runs) or
+    -slope * |i + seqlen_k - seqlen_q - j| to the scaled (and capped) scores.  sinks: (nheads,),
+    one learnable logit per query head that joins each row's softmax denominator and adds
+    nothing to the output (gpt-oss); softmax_lse then includes it.  ``version``: "v1", "v2", "v3", "auto" (the best this device runs) or
     "tiled" (the PyTorch implementation).  ``deterministic=True`` guarantees bitwise
     reproducible gradients (v3 then runs its two-pass backward rather than the single pass
     whose dQ reduce-add order varies).  Returns ``out``, or ``(out, softmax_lse, None)`` when
     ``return_attn_probs``.  ``kernel_options``: developer switches (options.KernelOptions).
     """
     return _attention(q, k, v, None, None, None, None, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs, version, kernel_options)
+                      alibi_slopes, deterministic, return_attn_probs, sinks, version, kernel_options)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              deterministic=False, return_attn_probs=False, *, version="auto",
+                              deterministic=False, return_attn_probs=False, *, sinks=None, version="auto",
                               kernel_options=None):
     """qkv: (batch, seqlen, 3, nheads, headdim)."""
     if getattr(qkv, "dim", lambda: 0)() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got {tuple(getattr(qkv, 'shape', ()))}")
     q, k, v = qkv.unbind(dim=2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs, version=version, kernel_options=kernel_options)
+                           deterministic, return_attn_probs, sinks=sinks, version=version,
+                           kernel_options=kernel_options)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             deterministic=False, return_attn_probs=False, *, version="auto",
+                             deterministic=False, return_attn_probs=False, *, sinks=None, version="auto",
                              kernel_options=None):
     """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
     if getattr(kv, "dim", lambda: 0)() != 5 or kv.shape[2] != 2:
         raise ValueError(f"kv must be (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(getattr(kv, 'shape', ()))}")
     k, v = kv.unbind(dim=2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs, version=version, kernel_options=kernel_options)
+                           deterministic, return_attn_probs, sinks=sinks, version=version,
+                           kernel_options=kernel_options)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, *, version="auto", kernel_options=None):
+                           return_attn_probs=False, *, sinks=None, version="auto", kernel_options=None):
     """Sequences of different lengths packed along the token dim.
 
     q: (total_q, nheads, headdim), k/v: (total_k, nheads_k, headdim); cu_seqlens_*: int32
@@ -123,5 +128,5 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k are required for flash_attn_varlen_func")
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                      causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, version,
+                      causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, sinks, version,
                       kernel_options)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch._C import _functions as autograd_functions
 
-from flashtile import dispatch, options, validation
+from flashtile import dispatch, options, sinks as attention_sinks, validation
 from flashtile.kernels.problem import Problem
 
 
@@ -45,7 +45,7 @@ def _saved_shape(p, version: str, lse_shape):
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-             alibi_slopes: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+             alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
              softcap: float, version: str, deterministic: bool, kernel_options: str) -> tuple[Tensor, Tensor, Tensor]:
     p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
                  window_left, window_right, softcap)
@@ -53,15 +53,18 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu
         validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     plan = dispatch.forward_plan(p, version, dispatch.target_of(p, q, k, v), _options(kernel_options))
     with on_device_of(q):
-        return dispatch.run_forward(plan, p, q, k, v)
+        out, lse, saved = dispatch.run_forward(plan, p, q, k, v)
+        if sinks is not None:
+            out, lse, saved = attention_sinks.join(p.varlen, out, lse, saved, sinks)
+    return out, lse, saved
 
 
 attention_forward = torch.library.custom_op("flashtile::attention_forward", _forward, mutates_args=())
 
 
 @attention_forward.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-      window_right, softcap, version, deterministic, kernel_options):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, max_seqlen_q, max_seqlen_k, softmax_scale,
+      window_left, window_right, softcap, version, deterministic, kernel_options):
     p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
                  window_left, window_right, softcap)
     lse_shape = p.row_stat_shape(q.shape[0])
@@ -90,9 +93,9 @@ def _(dout, dlse, q, k, v, out, lse, saved, *args):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, alibi, *ctx.args = inputs
+    q, k, v, cu_q, cu_k, alibi, sinks, *ctx.args = inputs
     out, lse, saved = output
-    ctx.save_for_backward(q, k, v, out, lse, saved, cu_q, cu_k, alibi)
+    ctx.save_for_backward(q, k, v, out, lse, saved, cu_q, cu_k, alibi, sinks)
     ctx.set_materialize_grads(False)
 
 
@@ -104,16 +107,19 @@ def _gradients(ctx, dout, dlse, backward_op):
     with torch.no_grad():
         grads = _first_derivatives(ctx, dout, dlse, backward_op)
     q, k, v = ctx.saved_tensors[:3]
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, dout, dlse)):
+    sinks = ctx.saved_tensors[-1]
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks, dout, dlse)):
         refuse = autograd_functions.DelayedError(
             b"flashtile's attention is differentiable once: a second derivative (create_graph=True through "
-            b"its backward, e.g. a gradient penalty) is not supported", 3)
+            b"its backward, e.g. a gradient penalty) is not supported", len(grads))
         grads = refuse(*(g.detach().requires_grad_() for g in grads))
-    return (*grads, None, None, None, *(None for _ in ctx.args))
+    dq, dk, dv, *dsinks = grads
+    return (dq, dk, dv, None, None, None, dsinks[0] if dsinks else None, *(None for _ in ctx.args))
 
 
 def _first_derivatives(ctx, dout, dlse, backward_op):
-    q, k, v, out, lse, saved, cu_q, cu_k, alibi = ctx.saved_tensors
+    """dq, dk, dv, and d sinks where there are sinks."""
+    q, k, v, out, lse, saved, cu_q, cu_k, alibi, sinks = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     # Unit stride along head_dim, and rows the kernels' 32-bit offsets reach (q passed that
@@ -124,7 +130,10 @@ def _first_derivatives(ctx, dout, dlse, backward_op):
     # None, the usual case, costs nothing.
     if dlse is not None:
         dlse = dlse.contiguous()
-    return backward_op(dout, dlse, q, k, v, out, lse, saved, cu_q, cu_k, alibi, *ctx.args)
+    grads = backward_op(dout, dlse, q, k, v, out, lse, saved, cu_q, cu_k, alibi, *ctx.args)
+    if sinks is None:
+        return grads
+    return (*grads, attention_sinks.gradient(cu_q is not None, sinks, out, lse, dout, dlse))
 
 
 torch.library.register_autograd("flashtile::attention_forward",
@@ -146,13 +155,14 @@ class _EagerAttention(torch.autograd.Function):
         return _gradients(ctx, dout, dlse, _backward_kernels)
 
 
-def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, max_seqlen_q, max_seqlen_k, softmax_scale,
               window_left, window_right, softcap, version, deterministic, kernel_options):
     """(out, lse, saved) with autograd: the custom op under torch.compile, else the Function."""
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, max_seqlen_q, max_seqlen_k, softmax_scale,
             window_left, window_right, softcap, version, deterministic, kernel_options)
     if torch.compiler.is_compiling():
         return attention_forward(*args)
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                         or (sinks is not None and sinks.requires_grad))):
         return _forward(*args)  # nothing to differentiate: no autograd node to build
     return _EagerAttention.apply(*args)

@@ -32,7 +32,7 @@ def band_mask(seqlen_q, seqlen_k, window_left=-1, window_right=-1, device=None,
 
 
 def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None,
-                       upcast=False, return_lse=False, softcap=0.0, alibi_slopes=None):
+                       upcast=False, return_lse=False, softcap=0.0, alibi_slopes=None, sinks=None):
     """softmax(Q K^T * scale) V with the full score matrix in memory.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with
@@ -42,6 +42,7 @@ def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scal
     the float64 result is returned.  Rows that see no key give 0 (and logsumexp +inf).
     ``softcap`` > 0 replaces the scaled scores x by softcap * tanh(x / softcap); ``alibi_slopes``
     (float32, (nheads,) or (batch, nheads)) then adds -slope * |i + seqlen_k - seqlen_q - j|.
+    ``sinks`` (nheads,): one more logit per row, of value zero, in the softmax (the lse includes it).
     Returns ``out`` or ``(out, lse)`` with lse (batch, nheads, seqlen_q).
     """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -61,7 +62,11 @@ def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scal
     if left >= 0 or right >= 0:
         visible = band_mask(q.shape[1], k.shape[1], left, right, device=q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
+    sink = None if sinks is None else sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
     if not (upcast or return_lse):
+        if sink is not None:  # a column of its own, dropped after the softmax
+            probs = torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1]
+            return torch.einsum("bhqk,bkhd->bqhd", probs, v)
         probs = torch.softmax(scores, dim=-1)
         # Query r sees keys up to r + (seqlen_k - seqlen_q) + right, so the first rows see none
         # when seqlen_q > seqlen_k + right: their softmax of -inf is NaN, and their output is 0.
@@ -70,9 +75,13 @@ def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scal
         return torch.einsum("bhqk,bkhd->bqhd", probs, v)
     s = scores.to(torch.float64 if upcast else torch.float32)
     m = s.amax(dim=-1, keepdim=True).detach()
+    if sink is not None:
+        m = torch.maximum(m, sink.to(s.dtype).detach())
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     e = torch.exp(s - m)
     l = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        l = l + torch.exp(sink.to(s.dtype) - m)
     probs = e / torch.where(l == 0, torch.ones_like(l), l)
     out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
     if not return_lse:

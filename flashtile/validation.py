@@ -216,6 +216,20 @@ def alibi_slopes(slopes, batch: int, heads: int, device):
     return slopes.contiguous()
 
 
+def sinks(x, heads: int, device):
+    """Attention sinks: one logit per query head, (heads,), floating point, on the tensors' device."""
+    if x is None:
+        return None
+    _check_tensor("sinks", x)
+    if not x.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor, got {x.dtype}")
+    if tuple(x.shape) != (heads,):
+        raise ValueError(f"sinks must have shape ({heads},) (one logit per query head), got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"sinks must be on {device}, like q, got {x.device}")
+    return x
+
+
 def softmax_scale(scale, head_dim: int) -> float:
     """The softmax scale: 1 / sqrt(head_dim) by default, else a finite number in (0, MAX_SOFTMAX_SCALE]."""
     if scale is None:

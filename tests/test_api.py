@@ -66,6 +66,10 @@ class TestRefusedBeforeLaunch:
         (dict(alibi_slopes=torch.ones(2, dtype=torch.float64)), TypeError, "alibi_slopes must be float32"),
         (dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must have shape \(2,\) or \(1, 2\)"),
         (dict(alibi_slopes=torch.ones(2, device="meta")), ValueError, "alibi_slopes must be on"),
+        (dict(sinks=[0.5, 0.25]), TypeError, "sinks must be a torch.Tensor"),
+        (dict(sinks=torch.ones(2, dtype=torch.int32)), TypeError, "sinks must be a floating-point tensor"),
+        (dict(sinks=torch.ones(1, 2)), ValueError, r"sinks must have shape \(2,\)"),
+        (dict(sinks=torch.ones(2, device="meta")), ValueError, "sinks must be on"),
         # Invalid values are named as such, not as features missing.
         (dict(dropout_p=None), TypeError, "dropout_p must be a real number"),
         (dict(dropout_p=-0.1), ValueError, r"dropout_p must be in \[0.0, 1.0\)"),
@@ -172,7 +176,7 @@ def test_double_backward_is_refused_not_silently_wrong(qkv):
         if entry == "eager":
             out = flash_attn_func(*leaves, version="v2")
         else:
-            out = ops.attention_forward(*leaves, None, None, None, 16, 16, 32 ** -0.5, -1, -1, 0.0, "v2", False, "")[0]
+            out = ops.attention_forward(*leaves, None, None, None, None, 16, 16, 32 ** -0.5, -1, -1, 0.0, "v2", False, "")[0]
         g, = torch.autograd.grad(out.float().sum(), leaves[0], create_graph=True)
         with pytest.raises(RuntimeError, match="differentiable once"):
             (g.float().square().sum() + leaves[0].float().sum()).backward()
@@ -200,15 +204,16 @@ def test_forward_mode_and_function_transforms_are_refused(qkv):
 def test_torch_compile_fullgraph_forward_and_backward():
     q, k, v = (x.requires_grad_() for x in make_qkv(1, 40, 40, 2, 2, 32, torch.float16, DEVICE))
     slopes = torch.tensor([0.25, 0.0625], device=DEVICE)
+    sinks = torch.tensor([0.5, -1.0], device=DEVICE, requires_grad=True)
 
-    def layer(q, k, v):
-        return (flash_attn_func(q, k, v, causal=True, softcap=20.0, alibi_slopes=slopes) * 2).sum()
+    def layer(q, k, v, sinks):
+        return (flash_attn_func(q, k, v, causal=True, softcap=20.0, alibi_slopes=slopes, sinks=sinks) * 2).sum()
 
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    loss = compiled(q, k, v)
-    grads = torch.autograd.grad(loss, (q, k, v))
-    eager = torch.autograd.grad(layer(q, k, v), (q, k, v))
-    torch.testing.assert_close(loss, layer(q, k, v))
+    loss = compiled(q, k, v, sinks)
+    grads = torch.autograd.grad(loss, (q, k, v, sinks))
+    eager = torch.autograd.grad(layer(q, k, v, sinks), (q, k, v, sinks))
+    torch.testing.assert_close(loss, layer(q, k, v, sinks))
     for a, b in zip(grads, eager):
         torch.testing.assert_close(a, b)
 
@@ -235,7 +240,7 @@ def test_eager_function_and_custom_op_agree(version):
     # Eager calls skip the custom op's autograd wrapper (ops.py); both paths must give the same
     # outputs and gradients, including a loss that reaches the logsumexp only.
     q, k, v = make_qkv(1, 40, 48, 2, 1, 32, torch.float16, DEVICE)
-    args = (None, None, None, 40, 48, 32 ** -0.5, -1, 0, 0.0, version, False, "")
+    args = (None, None, None, None, 40, 48, 32 ** -0.5, -1, 0, 0.0, version, False, "")
     results = []
     for entry in (ops.attention, ops.attention_forward):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -251,7 +256,7 @@ def test_calls_without_gradients_build_no_autograd_node():
     # Under no_grad, or with inputs that need no gradient, ops.attention skips the autograd
     # Function: the outputs must match the ones with gradients, bit for bit, with no node.
     q, k, v = make_qkv(1, 40, 48, 2, 1, 32, torch.float16, DEVICE)
-    args = (None, None, None, 40, 48, 32 ** -0.5, -1, 0, 0.0, "v2", False, "")
+    args = (None, None, None, None, 40, 48, 32 ** -0.5, -1, 0, 0.0, "v2", False, "")
     with_grad = ops.attention(*(x.clone().requires_grad_() for x in (q, k, v)), *args)
     assert with_grad[0].grad_fn is not None
     with torch.no_grad():

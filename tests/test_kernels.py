@@ -1,5 +1,5 @@
 """Every version's kernels, forward and all three gradients, against the float64 oracle: the
-feature grid (causal, windows, GQA, head dims, varlen, softcap, ALiBi, strides, empty and non-finite
+feature grid (causal, windows, GQA, head dims, varlen, softcap, ALiBi, sinks, strides, empty and non-finite
 inputs) and each v3 kernel forced where it would not run by default."""
 import math
 
@@ -98,6 +98,54 @@ def test_alibi_with_softcap_and_window(version):
     slopes, window = alibi_slopes(BATCH, 2 * HEADS), (30, 10)
     check_against_reference(attention(version, window_size=window, softcap=5.0, alibi_slopes=slopes), q, k, v,
                             window_size=window, softcap=5.0, alibi_slopes=slopes, rules=(SOFTCAP_RULE, (3.0, 1e-4)))
+
+
+def _sink_case(flash, reference, q, k, v, sinks):
+    """Output, logsumexp and the gradients of q, k, v and the sinks (a loss reaching the output
+    and the logsumexp) of flash and of the reference in float64 and in the input dtype."""
+    dout, dlse = torch.randn_like(q), None
+
+    def run(fn, inputs, upcast):
+        nonlocal dlse
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        out, lse = fn(*leaves)
+        if dlse is None:
+            dlse = torch.randn_like(lse)
+        loss = (out * (dout.double() if upcast else dout)).sum() + (lse * dlse).sum()
+        return out.detach(), lse.detach(), torch.autograd.grad(loss, leaves)
+
+    ours = run(flash, (q, k, v, sinks), False)
+    oracle = run(lambda *t: reference(*t, upcast=True), (q, k, v, sinks), True)
+    pytorch = run(lambda *t: reference(*t, upcast=False), (q, k, v, sinks), False)
+    return ours, oracle, pytorch
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sinks(version, causal):
+    # A learnable logit per head in every row's softmax (gpt-oss): output, logsumexp (which
+    # includes it) and the gradients of q, k, v and the sinks, through a loss that also reaches
+    # the logsumexp.  seqlen_q > seqlen_k: with causal, the first rows see only the sink.
+    sq, sk = (1100, 700) if ON_GPU else (110, 70)
+    q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, 64, DTYPES[0], DEVICE)
+    sinks = torch.randn(2 * HEADS, device=DEVICE) * 2
+
+    def flash(a, b, c, s):
+        out, lse, _ = flash_attn_func(a, b, c, causal=causal, sinks=s, return_attn_probs=True, version=version)
+        return out, lse
+
+    def reference(a, b, c, s, upcast):
+        return standard_attention(a, b, c, causal=causal, sinks=s, upcast=upcast, return_lse=True)
+
+    (out, lse, grads), (ref, ref_lse, ref_grads), (pt, _, pt_grads) = _sink_case(flash, reference, q, k, v, sinks)
+    assert max_err(out, ref) <= 2 * max_err(pt, ref) + 1e-5
+    assert max_err(lse, ref_lse) <= 1e-3
+    if causal:  # rows that see no key: output 0, logsumexp = the sink
+        assert (out[:, :sq - sk] == 0).all()
+        torch.testing.assert_close(lse[:, :, :sq - sk], sinks[None, :, None].expand(BATCH, -1, sq - sk))
+    for name, g, g_ref, g_pt in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, pt_grads):
+        assert torch.isfinite(g).all(), name
+        assert max_err(g, g_ref) <= 3 * max_err(g_pt, g_ref) + 1e-4, name
 
 
 @pytest.mark.parametrize("kernel", ["gluon", "triton"])
@@ -365,6 +413,35 @@ def test_varlen_alibi_takes_each_sequence_slopes(version):
         assert max_err(out[qs][None], oracle) <= 2 * max_err(pt, oracle) + 1e-5
         for g, s, g_ref, g_pt in zip(grads, (qs, ks, ks), oracle_grads, pt_grads):
             assert max_err(g[s][None], g_ref) <= 3 * max_err(g_pt, g_ref) + 1e-4
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_varlen_sinks(version):
+    # Sinks with packed sequences (softmax_lse as (nheads, total_q)): each sequence as the
+    # batched call gives it, the sinks' gradient summed over all of them.
+    lengths_q = [37, 0, 93, 70] if not ON_GPU else [370, 1, 930, 2000]
+    lengths_k = [50, 20, 93, 33] if not ON_GPU else [500, 200, 930, 1333]
+    q, k, v, cu_q, cu_k = _varlen_case(lengths_q, lengths_k)
+    sinks = torch.randn(q.shape[1], device=DEVICE)
+    dout = torch.randn_like(q)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    out, lse, _ = flash_attn_varlen_func(*leaves[:3], cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
+                                         sinks=leaves[3], return_attn_probs=True, version=version)
+    grads = torch.autograd.grad(out, leaves, dout)
+    dsinks = torch.zeros_like(sinks)
+    for b in range(len(lengths_q)):
+        if lengths_q[b] == 0:
+            continue
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        one = [x[None].detach() for x in (q[qs], k[ks], v[ks])]
+        oracle, oracle_lse = standard_attention(*one, causal=True, sinks=sinks, upcast=True, return_lse=True)
+        pt = standard_attention(*one, causal=True, sinks=sinks)
+        assert max_err(out[qs][None], oracle) <= 2 * max_err(pt, oracle) + 1e-5
+        assert max_err(lse[:, qs], oracle_lse[0]) <= 1e-3
+        one_sinks = sinks.clone().requires_grad_()
+        o1 = standard_attention(*one, causal=True, sinks=one_sinks, upcast=True)
+        dsinks += torch.autograd.grad(o1, one_sinks, dout[qs][None].double())[0]
+    torch.testing.assert_close(grads[3], dsinks, atol=2e-3, rtol=2e-3)
 
 
 def _with_grads(fn, inputs, dout):
