@@ -78,11 +78,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     softcap) (Gemma 2).  alibi_slopes: float32 (nheads,) or (batch, nheads); adds ALiBi's bias
     -slope * |i + seqlen_k - seqlen_q - j| to the scaled (and capped) scores.  sinks: (nheads,),
     one learnable logit per query head that joins each row's softmax denominator and adds
-    nothing to the output (gpt-oss); softmax_lse then includes it.  ``version``: "v1", "v2", "v3", "auto" (the best this device runs) or
-    "tiled" (the PyTorch implementation).  ``deterministic=True`` guarantees bitwise
-    reproducible gradients (v3 then runs its two-pass backward rather than the single pass
-    whose dQ reduce-add order varies).  Returns ``out``, or ``(out, softmax_lse, None)`` when
-    ``return_attn_probs``.  ``kernel_options``: developer switches (options.KernelOptions).
+    nothing to the output (gpt-oss); softmax_lse then includes it.  ``version``: "v1", "v2", "v3",
+    "auto" (the best this device runs) or "tiled" (the PyTorch implementation).
+    ``deterministic=True`` guarantees bitwise reproducible gradients (v3 then runs its two-pass
+    backward rather than the single pass whose dQ reduce-add order varies).  Returns ``out``, or
+    ``(out, softmax_lse, None)`` when ``return_attn_probs``.  ``kernel_options``: developer
+    switches (options.KernelOptions).
     """
     return _attention(q, k, v, None, None, None, None, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs, sinks, version, kernel_options)
@@ -130,3 +131,28 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                       causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, sinks, version,
                       kernel_options)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, sinks=None, version="auto", kernel_options=None):
+    """qkv: (total_tokens, 3, nheads, headdim); one offsets table for queries and keys."""
+    if getattr(qkv, "dim", lambda: 0)() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be (total_tokens, 3, nheads, headdim), got {tuple(getattr(qkv, 'shape', ()))}")
+    q, k, v = qkv.unbind(dim=1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  sinks=sinks, version=version, kernel_options=kernel_options)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None,
+                                    version="auto", kernel_options=None):
+    """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim)."""
+    if getattr(kv, "dim", lambda: 0)() != 4 or kv.shape[1] != 2:
+        raise ValueError(f"kv must be (total_k, 2, nheads_k, headdim), got {tuple(getattr(kv, 'shape', ()))}")
+    k, v = kv.unbind(dim=1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, sinks=sinks, version=version, kernel_options=kernel_options)

@@ -36,6 +36,8 @@ class Case:
     mode: str
     dtype: str = "bf16"
     softcap: float = 0.0
+    alibi: bool = False   # ALiBi slopes 2^(-8 i / h), as BLOOM's
+    sinks: bool = False   # one learnable logit per head (gpt-oss)
 
     @property
     def torch_dtype(self):
@@ -47,32 +49,34 @@ class Case:
 
 
 def paper_grid(head_dims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384),
-               causals=(False, True), modes=("fwd", "bwd"), dtype="bf16", tokens=16384, hidden=2048, softcap=0.0):
+               causals=(False, True), modes=("fwd", "bwd"), dtype="bf16", tokens=16384, hidden=2048, softcap=0.0,
+               alibi=False, sinks=False):
     """The FlashAttention papers' sweep: batch x seqlen = 16k tokens, hidden 2048."""
-    return [Case(max(1, tokens // s), hidden // d, hidden // d, s, s, d, c, m, dtype, softcap)
+    return [Case(max(1, tokens // s), hidden // d, hidden // d, s, s, d, c, m, dtype, softcap, alibi, sinks)
             for d in head_dims for c in causals for m in modes for s in seqlens]
 
 
-# ---- providers: each maps (q, k, v, case options) in (b, s, h, d) to the output ----
+# ---- providers: each maps (q, k, v, causal, score features) in (b, s, h, d) to the output ----
+# Score features are keywords of flash_attn_func (softcap, alibi_slopes, sinks), passed only when set.
 
 def _flashtile(version):
-    def run(q, k, v, causal, softcap=0.0, kernel_options=None):
-        return api.flash_attn_func(q, k, v, causal=causal, softcap=softcap, version=version,
-                                   kernel_options=kernel_options)
+    def run(q, k, v, causal, kernel_options=None, **features):
+        return api.flash_attn_func(q, k, v, causal=causal, version=version, kernel_options=kernel_options,
+                                   **features)
     return run
 
 
-def _no_softcap(provider, softcap):
-    if softcap:
-        raise NotImplementedError(f"{provider} takes no softcap")
+def _plain_only(provider, features):
+    if features:
+        raise NotImplementedError(f"{provider} takes no {', '.join(sorted(features))}")
 
 
 def _sdpa(backend_name):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backend = getattr(SDPBackend, backend_name)
 
-    def run(q, k, v, causal, softcap=0.0, kernel_options=None):
-        _no_softcap(backend_name, softcap)
+    def run(q, k, v, causal, kernel_options=None, **features):
+        _plain_only(backend_name, features)
         with sdpa_kernel(backend):
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
@@ -81,16 +85,16 @@ def _sdpa(backend_name):
     return run
 
 
-def _standard(q, k, v, causal, softcap=0.0, kernel_options=None):
-    return standard_attention(q, k, v, causal=causal, softcap=softcap)
+def _standard(q, k, v, causal, kernel_options=None, **features):
+    return standard_attention(q, k, v, causal=causal, **features)
 
 
 _FLEX_CACHE = {}
 
 
-def _flex(q, k, v, causal, softcap=0.0, kernel_options=None):
+def _flex(q, k, v, causal, kernel_options=None, **features):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    _no_softcap("flex", softcap)
+    _plain_only("flex", features)
     if "fn" not in _FLEX_CACHE:
         # A grid compiles once per shape and grad mode: allow that many recompiles, and fail
         # rather than fall back silently to the unfused eager path when the limit is reached.
@@ -177,19 +181,35 @@ def measure(provider: str, case: Case, device=None, cuda_graph=False, kernel_opt
     return _measure(provider, case, device, cuda_graph, kernel_options)
 
 
+def score_features(case, device):
+    """The flash_attn_func keywords of ``case``'s score features, only those that are set."""
+    features = {}
+    if case.softcap:
+        features["softcap"] = case.softcap
+    if case.alibi:
+        features["alibi_slopes"] = torch.exp2(-8.0 * torch.arange(1, case.h + 1, device=device) / case.h)
+    if case.sinks:
+        features["sinks"] = torch.randn(case.h, device=device)
+    return features
+
+
 def make_step(provider, case, device, kernel_options=None):
     """One call of ``provider`` on fresh inputs of ``case``: the forward without gradients, the
     backward alone (autograd.grad of one forward's output), or both."""
     provider_fn = PROVIDERS[provider]
+    features = score_features(case, device)
 
     def fn(q, k, v, causal):
-        return provider_fn(q, k, v, causal, softcap=case.softcap, kernel_options=kernel_options)
+        return provider_fn(q, k, v, causal, kernel_options=kernel_options, **features)
     q = torch.randn(case.b, case.sq, case.h, case.d, dtype=case.torch_dtype, device=device)
     k = torch.randn(case.b, case.sk, case.h_k, case.d, dtype=case.torch_dtype, device=device)
     v = torch.randn_like(k)
     grad = case.mode != "fwd"
     for x in (q, k, v):
         x.requires_grad_(grad)
+    if "sinks" in features:  # learnable: their gradient is part of the backward
+        features["sinks"].requires_grad_(grad)
+    inputs = (q, k, v, *(x for x in features.values() if isinstance(x, torch.Tensor) and x.requires_grad))
     dout = torch.randn_like(q)
     if case.mode == "fwd":
         def step():
@@ -199,10 +219,10 @@ def make_step(provider, case, device, kernel_options=None):
         out = fn(q, k, v, case.causal)
 
         def step():
-            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            torch.autograd.grad(out, inputs, dout, retain_graph=True)
     else:
         def step():
-            torch.autograd.grad(fn(q, k, v, case.causal), (q, k, v), dout)
+            torch.autograd.grad(fn(q, k, v, case.causal), inputs, dout)
     return step
 
 

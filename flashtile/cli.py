@@ -56,6 +56,8 @@ def parser():
     b.add_argument("--name", default="bench")
     b.add_argument("--no-plots", action="store_true")
     b.add_argument("--softcap", type=float, default=0.0, help="scores capped at softcap * tanh(x / softcap)")
+    b.add_argument("--alibi", action="store_true", help="ALiBi bias with slopes 2^(-8i/h)")
+    b.add_argument("--sinks", action="store_true", help="one learnable sink logit per head")
     b.add_argument("--kernel-options", default="",
                    help="developer switches for the flashtile providers (options.KernelOptions text form)")
     b.add_argument("--cuda-graphs", action="store_true",
@@ -105,7 +107,8 @@ def cmd_bench(args):
         print(f"--kernel-options: {e}", file=sys.stderr)
         return 2
     cases = bench.paper_grid(args.head_dims, args.seqlens, [c == "true" for c in args.causal], args.modes,
-                             args.dtype, args.tokens, args.hidden, softcap=args.softcap)
+                             args.dtype, args.tokens, args.hidden, softcap=args.softcap,
+                             alibi=args.alibi, sinks=args.sinks)
     failures = []
 
     def failed(msg):

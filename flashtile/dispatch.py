@@ -100,11 +100,8 @@ def broadcast(x) -> bool:
 
 
 def gluon_takes(p) -> bool:
-    """Whether the Gluon kernels take problem ``p``: batched, at the head dims they are built for,
-    with score modifications of scalar arguments only (the forward's recompute of non-finite
-    rows passes the softcap alone; ALiBi's slopes are a tensor, which the Triton kernels take)."""
-    return (not p.varlen and p.head_dim_pad in configs.GLUON_HEAD_DIMS and p.head_dim % 8 == 0
-            and p.alibi_slopes is None)
+    """Whether the Gluon kernels take problem ``p``: batched, at the head dims they are built for."""
+    return not p.varlen and p.head_dim_pad in configs.GLUON_HEAD_DIMS and p.head_dim % 8 == 0
 
 
 def target_of(p, *tensors) -> Target:
@@ -255,3 +252,4 @@ def run_forward(plan: Plan, p, q, k, v):
 def run_backward(plan: Plan, p, dout, dlse, q, k, v, out, lse, saved):
     """(dq, dk, dv) of the plan's backward kernels; ``dlse`` may be None."""
     return _module(_BACKWARD_MODULES[plan.kernel]).backward(plan, p, dout, dlse, q, k, v, out, lse, saved)
+

@@ -45,7 +45,8 @@ def _saved_shape(p, version: str, lse_shape):
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-             alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+             alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+             softmax_scale: float, window_left: int, window_right: int,
              softcap: float, version: str, deterministic: bool, kernel_options: str) -> tuple[Tensor, Tensor, Tensor]:
     p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
                  window_left, window_right, softcap)
@@ -74,7 +75,8 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, max_seqlen_q, ma
 
 def _backward_kernels(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                       lse: Tensor, saved: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                      alibi_slopes: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int,
+                      alibi_slopes: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+                      window_left: int,
                       window_right: int, softcap: float, version: str, deterministic: bool,
                       kernel_options: str) -> tuple[Tensor, Tensor, Tensor]:
     p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
@@ -131,7 +133,7 @@ def _first_derivatives(ctx, dout, dlse, backward_op):
     if dlse is not None:
         dlse = dlse.contiguous()
     grads = backward_op(dout, dlse, q, k, v, out, lse, saved, cu_q, cu_k, alibi, *ctx.args)
-    if sinks is None:
+    if sinks is None or not ctx.needs_input_grad[6]:
         return grads
     return (*grads, attention_sinks.gradient(cu_q is not None, sinks, out, lse, dout, dlse))
 

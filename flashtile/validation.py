@@ -17,7 +17,7 @@ HEAD_DIM_MULTIPLE = 8  # head dims are padded to a multiple of this (as flash_at
 MAX_SOFTMAX_SCALE = 2.0**16
 
 
-def _check_tensor(name, x):
+def check_tensor(name, x):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
 
@@ -108,7 +108,7 @@ def band(causal: bool, window_size, seqlen_q: int, seqlen_k: int) -> tuple[int, 
 def check_qkv(q, k, v, varlen: bool):
     """Validate q, k, v of the batched (b, s, h, d) or varlen (total, h, d) layout."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, x)
+        check_tensor(name, x)
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; flashtile supports torch.float16 and torch.bfloat16")
     if not (q.dtype == k.dtype == v.dtype):
@@ -161,7 +161,7 @@ def check_sequence_span(q, k, v, seqlen_q: int, seqlen_k: int, varlen: bool):
 def offsets(name, cu, device):
     """A varlen offsets table as the kernels read it: int32, 1-D (batch + 1,), on ``device``,
     contiguous (a strided view is copied: the kernels index it as contiguous)."""
-    _check_tensor(name, cu)
+    check_tensor(name, cu)
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} must be torch.int32, got {cu.dtype}")
     if cu.dim() != 1 or cu.numel() < 2:
@@ -205,7 +205,7 @@ def alibi_slopes(slopes, batch: int, heads: int, device):
     takes them, on the tensors' device, contiguous; None stays None."""
     if slopes is None:
         return None
-    _check_tensor("alibi_slopes", slopes)
+    check_tensor("alibi_slopes", slopes)
     if slopes.dtype != torch.float32:
         raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
     if tuple(slopes.shape) not in ((heads,), (batch, heads)):
@@ -220,7 +220,7 @@ def sinks(x, heads: int, device):
     """Attention sinks: one logit per query head, (heads,), floating point, on the tensors' device."""
     if x is None:
         return None
-    _check_tensor("sinks", x)
+    check_tensor("sinks", x)
     if not x.is_floating_point():
         raise TypeError(f"sinks must be a floating-point tensor, got {x.dtype}")
     if tuple(x.shape) != (heads,):

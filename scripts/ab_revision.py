@@ -92,9 +92,8 @@ def add_revision_provider(rev_name):
     sys.path.insert(0, os.path.join(ROOT, ".ab"))
     rev = importlib.import_module(package_name(rev_name))
 
-    def rev_v3(q, k, v, causal, softcap=0.0, kernel_options=None):
-        if softcap:
-            raise NotImplementedError("the revision's provider takes no softcap")
+    def rev_v3(q, k, v, causal, kernel_options=None, **features):
+        bench._plain_only("the revision's v3", features)
         return rev.flash_attn_func(q, k, v, causal=causal, version="v3")
 
     bench.PROVIDERS["rev-v3"] = rev_v3

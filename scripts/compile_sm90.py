@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from flashtile import dispatch
+from flashtile import dispatch, sinks
 from flashtile.kernels import configs, score, tma, v1, v2, v3
 from flashtile.kernels.gluon import backward as gluon_bwd
 from flashtile.kernels.gluon import forward as gluon_fwd
@@ -24,7 +24,7 @@ from flashtile.kernels.problem import Problem
 from flashtile.options import KernelOptions
 from sass_loops import describe
 
-FP32_POINTERS = {"LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE"}
+FP32_POINTERS = {"LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE", "SINKS", "JOINED", "SHARE"}
 INT_POINTERS = {"CU_Q", "CU_K"}
 FLOAT_SCALARS = {"scale_log2", "softmax_scale"}
 TUPLES = {"totals": ("i32", "i32"), "score_args": ("fp32",), "counter": ("*i64", "i64")}
@@ -62,10 +62,10 @@ def problem(head_dim, causal=False, window_left=-1, softcap=0.0, seqlen=4096, al
                    softcap=softcap, alibi_slopes=torch.zeros(16) if alibi else None)
 
 
-def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0):
+def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0, alibi=False):
     """v3's Gluon forward with the constants and launch options gluon/forward.py would use;
     ``window_left`` >= 0: a sliding window's left edge, tested in the kernel only then."""
-    p = problem(head_dim, causal, window_left, softcap)
+    p = problem(head_dim, causal, window_left, softcap, alibi=alibi)
     cfg = dispatch.gluon_schedule(p, opts)
     consts = gluon_fwd.kernel_constants(p, cfg, 2)
     q_block = tma.block_layout(consts["ROWS"], p.head_dim_pad, torch.bfloat16)
@@ -74,13 +74,14 @@ def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0):
     return consts, gluon_fwd.launch_options(cfg.consumers), descriptors
 
 
-def gluon_bwd_case(head_dim_pad, opts, dq_pass, dq_reduce=False, persistent=True, causal=False, softcap=0.0):
+def gluon_bwd_case(head_dim_pad, opts, dq_pass, dq_reduce=False, persistent=True, causal=False, softcap=0.0,
+                   alibi=False):
     """One of v3's Gluon backward kernels with the constants and launch options gluon/backward.py
     would use; ``dq_reduce``: the dK/dV kernel adding dQ by TMA (the single pass);
     ``persistent``: as launched persistent where the pass can be (two stationary slots, tiles
     strided over or, ``causal``, taken from the tile counter), else a CTA per tile."""
     b = gluon_bwd
-    p = problem(head_dim_pad, causal, softcap=softcap)
+    p = problem(head_dim_pad, causal, softcap=softcap, alibi=alibi)
     table = configs.V3_GLUON_BWD_REDUCE if dq_reduce else configs.V3_GLUON_BWD
     override = opts.tile("v3_gluon_bwd_reduce" if dq_reduce else "v3_gluon_bwd")
     cfg = configs.GluonBackward(*override) if override else configs.by_head_dim(table, head_dim_pad)
@@ -114,11 +115,13 @@ def _options(cfg):
 
 
 def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=False):
-    """(name, kernel, constexprs, compile options, descriptor blocks) of every kernel as launched
-    (with ``alibi``, those that take it: the Gluon kernels do not)."""
+    """(name, kernel, constexprs, compile options, descriptor blocks) of every kernel as launched."""
     p = problem(head_dim, softcap=softcap, alibi=alibi)
     base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=varlen, UPCAST=False,
                 SCORE=score.mod_of(p))
+    rows = dict(BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=64)
+    yield "sinks.join", sinks._join_kernel, rows, {}, None
+    yield "sinks.gradient", sinks._share_kernel, dict(rows, HAS_DLSE=True), {}, None
     f = dispatch.forward_plan(p, "v2", dispatch.HOPPER, opts).config
     yield "v2.fwd", v2._fwd_kernel, dict(base, BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages), \
         _options(f), None
@@ -140,28 +143,28 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
         yield f"v3.fwd{'_band' if banded else ''}", v3._fwd_kernel, dict(
             base, BLOCK_M=c3.block_m, BLOCK_N=c3.block_n, NUM_STAGES=c3.num_stages, UNMASKED=plan.unmasked,
             WARP_SPECIALIZE=plan.unmasked and c3.warp_specialize), _options(c3), None
-    if not varlen and not alibi:  # the Gluon kernels take batched problems only, without ALiBi
-        yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, softcap=softcap))
-        yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, causal=True, softcap=softcap))
+    if not varlen:  # the Gluon kernels take batched problems only
+        yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, softcap=softcap, alibi=alibi))
+        yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, causal=True, softcap=softcap, alibi=alibi))
         yield ("v3.fwd_gluon_window", gluon_fwd._fwd_kernel,
-               *gluon_case(head_dim, opts, causal=True, window_left=512, softcap=softcap))
-        yield ("v3.bwd_dq_gluon", gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, opts, True, softcap=softcap))
+               *gluon_case(head_dim, opts, causal=True, window_left=512, softcap=softcap, alibi=alibi))
+        yield ("v3.bwd_dq_gluon", gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, opts, True, softcap=softcap, alibi=alibi))
         yield ("v3.bwd_dkdv_gluon", gluon_bwd._dkdv_kernel,
-               *gluon_bwd_case(p.head_dim_pad, opts, False, softcap=softcap))
+               *gluon_bwd_case(p.head_dim_pad, opts, False, softcap=softcap, alibi=alibi))
         if not configs.split_head_dim(p.head_dim_pad):  # up to d128
             # The two passes over a band's tiles (persistent, from the tile counter), and with a
             # CTA per tile (as few tiles as SMs).
             yield ("v3.bwd_dq_gluon_causal", gluon_bwd._dq_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, True, causal=True, softcap=softcap))
+                   *gluon_bwd_case(p.head_dim_pad, opts, True, causal=True, softcap=softcap, alibi=alibi))
             yield ("v3.bwd_dkdv_gluon_causal", gluon_bwd._dkdv_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, False, causal=True, softcap=softcap))
+                   *gluon_bwd_case(p.head_dim_pad, opts, False, causal=True, softcap=softcap, alibi=alibi))
             yield ("v3.bwd_dq_gluon_tile", gluon_bwd._dq_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, True, False, False, softcap=softcap))
+                   *gluon_bwd_case(p.head_dim_pad, opts, True, False, False, softcap=softcap, alibi=alibi))
             yield ("v3.bwd_dkdv_gluon_tile", gluon_bwd._dkdv_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, False, False, False, softcap=softcap))
+                   *gluon_bwd_case(p.head_dim_pad, opts, False, False, False, softcap=softcap, alibi=alibi))
             # The single pass (it does not split the head dim).
             yield ("v3.bwd_reduce_gluon", gluon_bwd._dkdv_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, False, True, softcap=softcap))
+                   *gluon_bwd_case(p.head_dim_pad, opts, False, True, softcap=softcap, alibi=alibi))
 
 
 def main():

@@ -14,7 +14,8 @@
 #   ablation  v3's techniques switched off one at a time, d128 8k (ablation_v3.*)
 #   ab      the working tree's v3 against a revision's (AB_REV, extracted into .ab by
 #           scripts/ab_revision.py: carry .ab) over the bars grid, with a null pair and cuDNN (ab.*)
-#   softcap v3 with softcap 30 against v3 without, d128 8k, forward and backward (softcap.*)
+#   features v3 with each score feature (softcap 30, ALiBi, sinks) against v3 without, d128 8k,
+#           forward and backward (features.md, features_*.json; FEATURES: a ','-separated subset)
 #   gluon   v3's Gluon forward: its tile sweep at 1k and 16k
 #           (sweep_gluon_*.jsonl)
 #   profile Nsight Compute over v3's kernels on a few bars cells (PROFILE_CASES: "head_dim seqlen
@@ -76,11 +77,14 @@ for stage in $stages; do
       python scripts/ab_revision.py warm "${AB_REV:?AB_REV names the revision in .ab}" --bars 64,128,256
       python scripts/ab_revision.py run "$AB_REV" --bars 64,128,256 \
         --rounds "${AB_ROUNDS:-2}" --out "$OUT/ab.json" 2>&1 | tee "$OUT/ab.md" || status=1 ;;
-    softcap)
-      for cap in 0 30; do
-        python -m flashtile bench --head-dims 128 --seqlens 8192 --causal false,true --softcap $cap \
-          --providers flashtile-v3 --repeats 3 --no-plots --out "$OUT" --name "softcap_$cap" 2>&1 | grep -v "bench:"
-      done | tee "$OUT/softcap.md" || status=1 ;;
+    features)
+      IFS=',' read -ra features <<< "${FEATURES:-none,softcap 30,alibi,sinks}"
+      for feature in "${features[@]}"; do
+        set -- $feature
+        python -m flashtile bench --head-dims 128 --seqlens 8192 --causal false,true \
+          $([ "$1" != none ] && echo "--$*") --providers flashtile-v3 --repeats 3 --no-plots --out "$OUT" \
+          --name "features_$1" 2>&1 | grep -v "bench:"
+      done | tee "$OUT/features.md" || status=1 ;;
     gluon)
       # (v3's default forward wherever it applies: the tests stage checks it)
       for seqlen in 1024 16384; do

@@ -3,7 +3,7 @@
 Each version (v1, v2, v3) on shapes that hit every code path once: sequence lengths that are not
 block multiples (masked tails), a block-multiple length (v3's unmasked TMA path), causal with
 seqlen_q != seqlen_k, a sliding window, GQA, varlen (with offsets given as a strided view),
-softcap, ALiBi, and head dims that need padding.  Prints one line per case; memcheck reports any
+softcap, ALiBi, sinks, and head dims that need padding.  Prints one line per case; memcheck reports any
 out-of-bounds or misaligned access.
 
     compute-sanitizer --tool memcheck python scripts/sanitize_cases.py --kernel-options "backward=gluon"
@@ -28,7 +28,8 @@ CASES = [
     (2, 2100, 2100, 8, 8, 64, False, (-1, -1), 0.0),  # v3's three-consumer forward (192-row tiles), wrapping
     (1, 8200, 8200, 2, 2, 64, True, (-1, -1), 0.0),   # the same on a band (tiles from the counter)
 ]
-# Run with ALiBi, one slope per (batch, head): the slopes read through the score hook's pointer.
+# Run with ALiBi, one slope per (batch, head): the slopes read through the score hook's pointer;
+# and with sinks (their join and gradient kernels).
 ALIBI_CASES = [
     (2, 77, 300, 4, 2, 96, True, (-1, -1), 0.0),
     (2, 300, 200, 4, 4, 128, False, (64, 16), 30.0),
@@ -44,8 +45,10 @@ def run(version, case, device, kernel_options, alibi=False):
     q = torch.randn(b, sq, hq, d, device=device, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(b, sk, hk, d, device=device, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(b, sk, hk, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    sinks = torch.randn(hq, device=device, requires_grad=True) if alibi else None
     out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, version=version,
-                          alibi_slopes=slopes(b, hq, device) if alibi else None, kernel_options=kernel_options)
+                          alibi_slopes=slopes(b, hq, device) if alibi else None, sinks=sinks,
+                          kernel_options=kernel_options)
     out.backward(torch.randn_like(out))
     if device == "cuda":
         torch.cuda.synchronize()
@@ -76,7 +79,7 @@ def main():
             print(f"{version} {case} ok", flush=True)
         for case in ALIBI_CASES:
             run(version, case, args.device, args.kernel_options, alibi=True)
-            print(f"{version} {case} alibi ok", flush=True)
+            print(f"{version} {case} alibi, sinks ok", flush=True)
         run_varlen(version, args.device, args.kernel_options)
         print(f"{version} varlen ok", flush=True)
 

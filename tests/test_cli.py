@@ -59,8 +59,8 @@ def test_report_files_and_schema(tmp_path):
                for p in ("flashtile-v2", "sdpa-flash")]
     table = bench.save(records, tmp_path, "t", baseline="sdpa-flash")
     saved = json.loads((tmp_path / "t.json").read_text())
-    assert set(saved[0]) == {"provider", "dtype", "softcap", "b", "h", "h_k", "sq", "sk", "d", "causal", "mode", "ms",
-                             "tflops", "peak_mem_bytes", "gpu", "torch", "triton", "commit", "date"}
+    assert set(saved[0]) == {"provider", "dtype", "softcap", "alibi", "sinks", "b", "h", "h_k", "sq", "sk", "d",
+                             "causal", "mode", "ms", "tflops", "peak_mem_bytes", "gpu", "torch", "triton", "commit", "date"}
     assert "| 1024 |" in table and "flashtile-v2/sdpa-flash" in table
     assert (tmp_path / "t_tflops.png").stat().st_size > 0 and (tmp_path / "t_memory.png").stat().st_size > 0
 

@@ -137,9 +137,9 @@ def test_gluon_takes_only_what_its_descriptors_describe():
     on_gpu = type("T", (), {"is_cuda": True, "stride": q.stride})()
     assert dispatch.target_of(p, on_gpu, on_gpu, on_gpu).gluon in (True, False)  # interpreter-dependent
     assert not dispatch.target_of(p, q, q, q).gluon  # CPU tensors
-    # The Gluon kernels take scalar score arguments (softcap), not ALiBi's slopes or varlen.
+    # The Gluon kernels take every score modification, not varlen.
     assert dispatch.gluon_takes(p) and dispatch.gluon_takes(replace(p, softcap=30.0))
-    assert not dispatch.gluon_takes(replace(p, alibi_slopes=torch.ones(4)))
+    assert dispatch.gluon_takes(replace(p, alibi_slopes=torch.ones(4), softcap=30.0))
     assert not dispatch.gluon_takes(replace(p, cu_seqlens_q=torch.zeros(3, dtype=torch.int32)))
     assert not dispatch.gluon_takes(replace(p, head_dim=20))
     assert dispatch.broadcast(q[:1].expand(2, 64, 4, 64))

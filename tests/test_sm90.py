@@ -198,9 +198,19 @@ def test_plain_triton_kernels_take_the_score_hook(tmp_path):
 
 
 def test_alibi_compiles_into_every_kernel_that_takes_it(tmp_path):
-    # ALiBi's slopes travel as a pointer inside the score hook's argument tuple; every Triton
-    # kernel compiles with it for sm_90 (the warp-specialized d128 forward included), its
-    # distances |i + offset - j| as integer abs.
-    for kernel in ("v2.fwd", "v2.bwd_dq", "v2.bwd_dkdv", "v1.fwd", "v1.bwd", "v3.fwd", "v3.fwd_band"):
+    # ALiBi's slopes travel as a pointer inside the score hook's argument tuple; every kernel
+    # compiles with it for sm_90 (the warp-specialized Triton and Gluon kernels included), its
+    # distances |i + offset - j| as float abs.
+    for kernel in ("v2.fwd", "v2.bwd_dq", "v2.bwd_dkdv", "v1.fwd", "v1.bwd", "v3.fwd", "v3.fwd_band",
+                   "v3.fwd_gluon", "v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon"):
         compile_for_sm90(tmp_path / kernel, kernel, 128, softcap=30.0, alibi=True)
-        assert "abs.s32" in (tmp_path / kernel / f"{kernel}_d128.ptx").read_text(), kernel
+        assert "abs.f32" in (tmp_path / kernel / f"{kernel}_d128.ptx").read_text(), kernel
+
+
+def test_sink_kernels_compile_for_sm90(tmp_path):
+    # The interpreter runs what the compiler refuses (a plain global inside a kernel): the sinks'
+    # join and gradient compile for sm_90 here.
+    for kernel in ("sinks.join", "sinks.gradient"):
+        compile_for_sm90(tmp_path / kernel, kernel, 128)
+        assert "ex2.approx" in (tmp_path / kernel / f"{kernel}_d128.ptx").read_text(), kernel
+

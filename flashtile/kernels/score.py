@@ -67,9 +67,11 @@ def _softcap_grad(ds, y, q_idx, kv_idx, batch, head, offset, args):
 @triton.jit
 def _alibi_bias(q_idx, kv_idx, batch, head, offset, args):
     """flash_attn's ALiBi bias, negated and in log2 units: slope * |i + offset - j| * log2(e),
-    the slope of (batch, head) read from args[1] with batch stride args[2] (0: one per head)."""
+    the slope of (batch, head) read from args[1] with batch stride args[2] (0: one per head).
+    The positions turn into floats before they broadcast (a conversion per row and per column,
+    not per score); their difference is exact below 2**24."""
     slope = tl.load(args[1] + batch * args[2] + head) * 1.4426950408889634
-    return slope * tl.abs(q_idx + offset - kv_idx).to(tl.float32)
+    return slope * tl.abs((q_idx + offset).to(tl.float32) - kv_idx.to(tl.float32))
 
 
 @triton.jit

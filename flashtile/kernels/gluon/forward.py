@@ -503,13 +503,13 @@ def _exact_rows(lse, batch, head, row0, use, WHICH: gl.constexpr, buf, stash, ou
     o_base, sos = _rows_of(stash, O_AT, batch, head, dtype)
     _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_rows, _stashed(stash, HEAD_DIM_AT),
                      row0, dlo, dhi, lo, gl.minimum(lo + n_blocks * S.BLOCK_N, walk.seqlen_k), walk.seqlen_q,
-                     walk.seqlen_k - walk.seqlen_q, batch, head, scale_log2, score_args[0], S.ROWS, S.HEAD_DIM_PAD,
+                     walk.seqlen_k - walk.seqlen_q, batch, head, scale_log2, score_args, S.ROWS, S.HEAD_DIM_PAD,
                      S.SCORE)
 
 
 @gluon.jit(noinline=True)
 def _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_rows, head_dim, row0, dlo, dhi, lo, hi,
-                     seqlen_q, offset, batch, head, scale_log2, score_arg, ROWS: gl.constexpr,
+                     seqlen_q, offset, batch, head, scale_log2, score_args, ROWS: gl.constexpr,
                      HEAD_DIM_PAD: gl.constexpr, SCORE: gl.constexpr):
     """_exact_rows' work, key by key, 64 columns of the output at a time (few registers)."""
     CHUNK: gl.constexpr = 64
@@ -518,7 +518,7 @@ def _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_row
     rows = row0 + gl.arange(0, ROWS, layout=rows_layout)
     offs = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
     in_seq = rows < seqlen_q
-    site = (batch, head, offset, (score_arg,))
+    site = (batch, head, offset, score_args)
     # +inf for rows that see no key: p = 0
     lse2 = gl.load(lse_rows + rows, mask=in_seq, other=float("inf")) * 1.4426950408889634
     q_rows = q_base + rows.to(gl.int64)[:, None] * sqs

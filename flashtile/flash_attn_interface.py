@@ -1,0 +1,78 @@
+"""FlashAttention-3's Python interface (``flash_attn_interface``), served by flashtile.
+
+Code written for FA3 runs unchanged with ``from flashtile.flash_attn_interface import ...``:
+the same signatures, returning ``out``, or ``(out, softmax_lse)`` with ``return_attn_probs``.
+FA3's tuning hints (``num_splits``, ``pack_gqa``, ``sm_margin``) are accepted and leave the
+choice to flashtile's dispatcher; what flashtile does not compute yet (FP8 descales, ``qv``,
+``attention_chunk``, ``seqused_q``/``seqused_k``) is refused by name.
+"""
+from flashtile import api, validation
+
+
+def _refuse_unsupported(**given):
+    for name, value in given.items():
+        if value is not None and not (name == "attention_chunk" and value == 0):
+            raise NotImplementedError(f"{name} is not supported by flashtile's FlashAttention-3 interface yet")
+
+
+def _hints(num_splits, pack_gqa, sm_margin):
+    """FA3's tuning hints, checked for type and otherwise left to the dispatcher."""
+    validation.integer("num_splits", num_splits, minimum=0)
+    validation.integer("sm_margin", sm_margin, minimum=0)
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa must be None or a bool, got {pack_gqa!r}")
+
+
+def _result(res, return_attn_probs):
+    return res[:2] if return_attn_probs else res
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                    v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                    pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+    """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim)."""
+    _refuse_unsupported(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                        attention_chunk=attention_chunk)
+    _hints(num_splits, pack_gqa, sm_margin)
+    res = api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                              softcap=softcap, deterministic=deterministic, return_attn_probs=return_attn_probs)
+    return _result(res, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None,
+                              v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
+                              deterministic=False, num_heads_q=None, sm_margin=0, return_attn_probs=False):
+    """qkv: (batch, seqlen, 3, nheads, headdim), or with ``num_heads_q`` (batch, seqlen,
+    nheads_q + 2 * nheads_k, headdim): the query heads, then K's, then V's (GQA)."""
+    _refuse_unsupported(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                        attention_chunk=attention_chunk)
+    validation.integer("sm_margin", sm_margin, minimum=0)
+    if num_heads_q is None:
+        if qkv.dim() != 5 or qkv.shape[2] != 3:
+            raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+        q, k, v = qkv.unbind(dim=2)
+    else:
+        heads_q = validation.integer("num_heads_q", num_heads_q, minimum=1)
+        heads_k, odd = divmod(qkv.shape[2] - heads_q, 2)
+        if qkv.dim() != 4 or odd or heads_k < 1:
+            raise ValueError(f"with num_heads_q={heads_q}, qkv must be (batch, seqlen, num_heads_q + 2 * nheads_k, "
+                             f"headdim), got {tuple(qkv.shape)}")
+        q, k, v = qkv.split([heads_q, heads_k, heads_k], dim=2)
+    res = api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                              softcap=softcap, deterministic=deterministic, return_attn_probs=return_attn_probs)
+    return _result(res, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                           seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None,
+                           k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
+                           num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+    """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); int32 offsets."""
+    _refuse_unsupported(seqused_q=seqused_q, seqused_k=seqused_k, qv=qv, q_descale=q_descale, k_descale=k_descale,
+                        v_descale=v_descale, attention_chunk=attention_chunk)
+    _hints(num_splits, pack_gqa, sm_margin)
+    res = api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                     softcap=softcap, deterministic=deterministic,
+                                     return_attn_probs=return_attn_probs)
+    return _result(res, return_attn_probs)

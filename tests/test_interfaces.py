@@ -1,0 +1,113 @@
+"""The other ways in: PyTorch's scaled_dot_product_attention call, flash_attn's varlen packed
+functions and FlashAttention-3's interface, each against the float64 oracle or the function it
+stands for."""
+import pytest
+import torch
+import torch.nn.functional as F
+from attention_check import assert_within_rule, make_qkv, run_and_grad
+from conftest import DEVICE
+
+import flashtile
+from flashtile import flash_attn_func, flash_attn_varlen_func
+from flashtile import flash_attn_interface as fa3
+
+DTYPE = torch.float16
+
+
+def sdpa_inputs(batch, heads, heads_k, seqlen_q, seqlen_k, head_dim=32):
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, DTYPE, DEVICE)
+    return tuple(x.transpose(1, 2) for x in (q, k, v))  # PyTorch's (batch, heads, seqlen, headdim)
+
+
+def check_like_pytorch(q, k, v, **kw):
+    """flashtile.scaled_dot_product_attention against PyTorch's in float64 (the oracle) and in
+    the input dtype, output and gradients, by the FlashAttention rule."""
+    dout = torch.randn_like(q)
+    ours = run_and_grad(lambda a, b, c: flashtile.scaled_dot_product_attention(a, b, c, **kw), q, k, v, dout)
+    oracle = run_and_grad(lambda a, b, c: F.scaled_dot_product_attention(a.double(), b.double(), c.double(), **kw),
+                          q, k, v, dout.double())
+    pytorch = run_and_grad(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, **kw), q, k, v, dout)
+    assert ours[0].shape == q.shape
+    assert_within_rule("out", ours[0], pytorch[0], oracle[0], (2.0, 1e-5))
+    for name, g, g_pt, g_ref in zip(("dq", "dk", "dv"), ours[2], pytorch[2], oracle[2]):
+        assert_within_rule(name, g, g_pt, g_ref, (3.0, 1e-4))
+
+
+@pytest.mark.parametrize("seqlens", [(50, 50), (30, 70), (70, 30)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sdpa_matches_pytorch(seqlens, is_causal):
+    # is_causal aligned top-left as PyTorch aligns it, on both sides of the square; GQA.
+    q, k, v = sdpa_inputs(2, 4, 2, *seqlens)
+    check_like_pytorch(q, k, v, is_causal=is_causal, enable_gqa=True, scale=0.3)
+
+
+def test_sdpa_key_padding_mask():
+    # A boolean (batch, 1, 1, seqlen_k) mask: each batch attends to its own kept keys (not a
+    # prefix), through the varlen kernels.
+    q, k, v = sdpa_inputs(3, 4, 4, 40, 60)
+    keep = torch.rand(3, 1, 1, 60, device=DEVICE) < 0.7
+    keep[..., 0] = True  # every row sees a key (PyTorch gives NaN where none)
+    check_like_pytorch(q, k, v, attn_mask=keep)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda q, k, v: flashtile.scaled_dot_product_attention(q, k[:, :1], v[:, :1]), ValueError, "enable_gqa=True"),
+    (lambda q, k, v: flashtile.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(2, 1, 1, 8)),
+     NotImplementedError, "only boolean key-padding masks"),
+    (lambda q, k, v: flashtile.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(2, 1, 8, 8, dtype=bool)),
+     NotImplementedError, "varies over heads or queries"),
+    (lambda q, k, v: flashtile.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(2, 1, 1, 8, dtype=bool),
+                                                            is_causal=True), ValueError, "cannot both be set"),
+    (lambda q, k, v: flashtile.scaled_dot_product_attention(q[0], k, v), ValueError, "query must be a 4-D tensor"),
+    (lambda q, k, v: flashtile.scaled_dot_product_attention(q, k, v, dropout_p=0.1), NotImplementedError,
+     "dropout_p"),
+])
+def test_sdpa_refuses_by_name(call, error, match):
+    q, k, v = sdpa_inputs(2, 2, 2, 8, 8)
+    with pytest.raises(error, match=match):
+        call(q, k, v)
+
+
+def _varlen(lengths, heads=4, heads_k=2, d=32):
+    cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lengths), heads, d, dtype=DTYPE, device=DEVICE)
+    k, v = (torch.randn(sum(lengths), heads_k, d, dtype=DTYPE, device=DEVICE) for _ in range(2))
+    return q, k, v, cu
+
+
+def test_varlen_packed_functions_are_the_varlen_call():
+    q, k, v, cu = _varlen([17, 0, 40], heads=2, heads_k=2)
+    expected = flash_attn_varlen_func(q, k, v, cu, cu, 40, 40, causal=True)
+    qkv = flashtile.flash_attn_varlen_qkvpacked_func(torch.stack([q, k, v], 1), cu, 40, causal=True)
+    kv = flashtile.flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), cu, cu, 40, 40, causal=True)
+    assert torch.equal(qkv, expected) and torch.equal(kv, expected)
+    with pytest.raises(ValueError, match=r"qkv must be \(total_tokens, 3, nheads, headdim\)"):
+        flashtile.flash_attn_varlen_qkvpacked_func(torch.stack([q, k], 1), cu, 40)
+
+
+def test_flash_attention_3_interface():
+    # FA3's signatures: out, or (out, lse) with return_attn_probs; its tuning hints accepted.
+    q, k, v = make_qkv(2, 30, 50, 4, 2, 32, DTYPE, DEVICE)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, softcap=5.0, return_attn_probs=True)
+    got = fa3.flash_attn_func(q, k, v, causal=True, softcap=5.0, num_splits=4, pack_gqa=True, sm_margin=8,
+                              return_attn_probs=True)
+    assert len(got) == 2 and torch.equal(got[0], out) and torch.equal(got[1], lse)
+    assert torch.equal(fa3.flash_attn_func(q, k, v, causal=True, softcap=5.0), out)
+    # The packed form with GQA: query heads, then K's, then V's along the head dim.
+    qs, ks, vs = make_qkv(2, 40, 40, 4, 2, 32, DTYPE, DEVICE)
+    packed = fa3.flash_attn_qkvpacked_func(torch.cat([qs, ks, vs], 2), causal=True, num_heads_q=4)
+    assert torch.equal(packed, flash_attn_func(qs, ks, vs, causal=True))
+    vq, vk, vv, cu = _varlen([17, 40])
+    assert torch.equal(fa3.flash_attn_varlen_func(vq, vk, vv, cu, cu, 40, 40, causal=True),
+                       flash_attn_varlen_func(vq, vk, vv, cu, cu, 40, 40, causal=True))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(q_descale=torch.ones(1)), "q_descale"),
+    (dict(qv=torch.ones(1)), "qv"),
+    (dict(attention_chunk=128), "attention_chunk"),
+])
+def test_flash_attention_3_interface_refuses_what_it_lacks(kwargs, match):
+    q, k, v = make_qkv(1, 8, 8, 2, 2, 32, DTYPE, DEVICE)
+    with pytest.raises(NotImplementedError, match=match):
+        fa3.flash_attn_func(q, k, v, **kwargs)
