@@ -1,4 +1,4 @@
-"""The ``flashtile`` command: bench, io, demo, info."""
+"""The ``flashtile`` command: bench, decode, io, demo, info."""
 import argparse
 import sys
 import time
@@ -34,7 +34,7 @@ def _positive_ints(text):
 
 
 def parser():
-    from flashtile import bench
+    from flashtile import bench, decode_bench
     ap = argparse.ArgumentParser(prog="flashtile", description="Exact FlashAttention v1/v2/v3 in Triton.")
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="TFLOP/s and memory against PyTorch SDPA, FlexAttention, standard attention")
@@ -76,6 +76,17 @@ def parser():
     io.add_argument("--matmul-tflops", type=float, default=None,
                     help="bf16 matmul ceiling in TFLOP/s (default: measured here on a GPU, else the H200's 775)")
     io.add_argument("--out", default=None, help="also write the rows as JSON here")
+    dec = sub.add_parser("decode", help="decoding over a KV cache: TB/s of K/V read against SDPA's backends")
+    dec.add_argument("--batches", type=_positive_ints, default=[1, 8, 32, 64])
+    dec.add_argument("--caches", type=_positive_ints, default=[4096, 16384, 32768, 131072],
+                     help="keys in each sequence's cache")
+    dec.add_argument("--heads", type=_positive_int, default=32)
+    dec.add_argument("--heads-k", type=_positive_int, default=8)
+    dec.add_argument("--head-dim", type=_positive_int, default=128)
+    dec.add_argument("--page-size", type=_positive_int, default=16, help="rows per page of flashtile-paged")
+    dec.add_argument("--providers", type=_choices(decode_bench.PROVIDERS), default=list(decode_bench.PROVIDERS))
+    dec.add_argument("--out", default="bench_results")
+    dec.add_argument("--name", default="decode")
     sub.add_parser("demo", help="flashtile vs standard attention: error against float64, memory, speed")
     sub.add_parser("info", help="GPU, versions, and which flashtile versions run here")
     return ap
@@ -170,6 +181,23 @@ def cmd_io(args):
     return 0
 
 
+def cmd_decode(args):
+    import torch
+
+    from flashtile import decode_bench, options
+    if not torch.cuda.is_available() and not options.interpreting():
+        print("flashtile decode needs a CUDA GPU; to check the pipeline on a CPU, set TRITON_INTERPRET=1 and "
+              "narrow the grid, e.g. --batches 1 --caches 64 --heads 4 --heads-k 2 --head-dim 32", file=sys.stderr)
+        return 2
+    records = decode_bench.run(args.batches, args.caches, args.providers, args.heads, args.heads_k, args.head_dim,
+                               args.page_size, on_error=lambda msg: print(f"failed: {msg}", file=sys.stderr))
+    if not records:
+        print("no provider ran a cell", file=sys.stderr)
+        return 1
+    print(decode_bench.save(records, args.out, args.name))
+    return 0
+
+
 def cmd_demo(args):
     import torch
 
@@ -244,7 +272,10 @@ def main(argv=None):
         ap.error(f"--hidden {args.hidden} is smaller than head dim {max(args.head_dims)}: no head would fit")
     if args.command == "bench" and args.cuda_graphs and args.modes != ["fwd"]:
         ap.error("--cuda-graphs times forwards only: add --modes fwd")
-    return {"bench": cmd_bench, "io": cmd_io, "demo": cmd_demo, "info": cmd_info}[args.command](args)
+    if args.command == "decode" and args.heads % args.heads_k:
+        ap.error(f"--heads {args.heads} is not a multiple of --heads-k {args.heads_k}")
+    return {"bench": cmd_bench, "io": cmd_io, "decode": cmd_decode, "demo": cmd_demo,
+            "info": cmd_info}[args.command](args)
 
 
 if __name__ == "__main__":

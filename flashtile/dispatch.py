@@ -16,6 +16,9 @@ Backward kernels:
   "v3-gluon"     two warp-specialized Gluon passes, dQ then dK/dV, bitwise reproducible
                  (kernels/gluon/backward.py)
   "v3-gluon-reduce"  one K/V-stationary Gluon pass adding dQ by TMA reduce-add (FlashAttention-3's)
+
+``decode_plan`` does the same for queries against a KV cache (the split-KV kernel of
+kernels/decode.py, flash_attn_with_kvcache).
 """
 import functools
 import importlib
@@ -253,3 +256,40 @@ def run_backward(plan: Plan, p, dout, dlse, q, k, v, out, lse, saved):
     """(dq, dk, dv) of the plan's backward kernels; ``dlse`` may be None."""
     return _module(_BACKWARD_MODULES[plan.kernel]).backward(plan, p, dout, dlse, q, k, v, out, lse, saved)
 
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The split-KV kernel's tiles for queries against a KV cache (kernels/decode.py)."""
+    block_m: int     # rows: query tokens x the query heads of one KV head
+    block_n: int     # keys per step
+    splits: int      # programs per row block sharing its keys; 1: no combine
+    num_warps: int
+    num_stages: int
+    upcast: bool     # fp32 tiles under the interpreter (its bf16 matmuls are wrong)
+
+
+# Keys a split should have at least: fewer make the combine's reads weigh.
+DECODE_MIN_SPLIT_KEYS = 512
+DECODE_MAX_SPLITS = 64
+
+
+def decode_plan(q, heads_k: int, capacity: int, num_splits: int) -> DecodePlan:
+    """Tiles and split count for q (batch, seqlen_q, heads, head_dim) over a cache of
+    ``capacity`` keys per sequence.  ``num_splits`` 0: enough programs for two per SM where the
+    row blocks alone do not fill the GPU, each split at least DECODE_MIN_SPLIT_KEYS keys of the
+    capacity (a static shape: no sequence length is read on the host); > 0: that many."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    interpreter = _options.interpreting()
+    rows = seqlen_q * (heads // heads_k)
+    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    block_n = 16 if interpreter else (64 if head_dim <= 128 else 32)
+    if num_splits > 0:
+        splits = num_splits
+    else:
+        from flashtile.kernels.gluon.scheduler import sm_count
+        sms = 4 if interpreter or not q.is_cuda else sm_count(q.device.index)
+        programs = -(-rows // block_m) * batch * heads_k
+        wanted = -(-2 * sms // programs)
+        splits = max(1, min(wanted, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
+    upcast = interpreter and q.dtype == torch.bfloat16
+    return DecodePlan(block_m, block_n, splits, 4, 2, upcast)

@@ -17,15 +17,15 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from flashtile import dispatch, sinks
-from flashtile.kernels import configs, score, tma, v1, v2, v3
+from flashtile.kernels import configs, decode, score, tma, v1, v2, v3
 from flashtile.kernels.gluon import backward as gluon_bwd
 from flashtile.kernels.gluon import forward as gluon_fwd
 from flashtile.kernels.problem import Problem
 from flashtile.options import KernelOptions
 from sass_loops import describe
 
-FP32_POINTERS = {"LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE", "SINKS", "JOINED", "SHARE"}
-INT_POINTERS = {"CU_Q", "CU_K"}
+FP32_POINTERS = {"LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE", "SINKS", "JOINED", "SHARE", "PART_O", "PART_LSE"}
+INT_POINTERS = {"CU_Q", "CU_K", "ENDS", "LEFTPAD", "BATCH_IDX", "BLOCK_TABLE"}
 FLOAT_SCALARS = {"scale_log2", "softmax_scale"}
 TUPLES = {"totals": ("i32", "i32"), "score_args": ("fp32",), "counter": ("*i64", "i64")}
 ALIBI_TUPLES = dict(TUPLES, score_args=("fp32", "*fp32", "i32"))  # softcap, slopes, their batch stride
@@ -122,6 +122,16 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     rows = dict(BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=64)
     yield "sinks.join", sinks._join_kernel, rows, {}, None
     yield "sinks.gradient", sinks._share_kernel, dict(rows, HAS_DLSE=True), {}, None
+    # Decoding against a paged cache, GQA packed (one split writes the output itself), and the
+    # combine of several splits.
+    q = torch.empty(8, 1, 32, head_dim, dtype=torch.bfloat16)
+    plan = dispatch.decode_plan(q, 8, 4096, 1)
+    yield "decode.split", decode._split_kernel, dict(
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n, SPLITS=1, PAGED=True, HAS_LEFTPAD=False, HAS_BATCH_IDX=False, UPCAST=False,
+        SCORE=score.mod_of(p)), dict(num_warps=plan.num_warps, num_stages=plan.num_stages), None
+    yield "decode.combine", decode._combine_kernel, dict(
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_T=16), dict(num_warps=4), None
     f = dispatch.forward_plan(p, "v2", dispatch.HOPPER, opts).config
     yield "v2.fwd", v2._fwd_kernel, dict(base, BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages), \
         _options(f), None

@@ -16,6 +16,8 @@
 #           scripts/ab_revision.py: carry .ab) over the bars grid, with a null pair and cuDNN (ab.*)
 #   features v3 with each score feature (softcap 30, ALiBi, sinks) against v3 without, d128 8k,
 #           forward and backward (features.md, features_*.json; FEATURES: a ','-separated subset)
+#   decode  decoding over a KV cache: TB/s of K/V read by flashtile (contiguous, paged 16) and
+#           SDPA's backends, batch 1-64 x cache 4k-128k, 32/8 heads, d128 (decode.*; DECODE_ARGS)
 #   gluon   v3's Gluon forward: its tile sweep at 1k and 16k
 #           (sweep_gluon_*.jsonl)
 #   profile Nsight Compute over v3's kernels on a few bars cells (PROFILE_CASES: "head_dim seqlen
@@ -85,6 +87,8 @@ for stage in $stages; do
           $([ "$1" != none ] && echo "--$*") --providers flashtile-v3 --repeats 3 --no-plots --out "$OUT" \
           --name "features_$1" 2>&1 | grep -v "bench:"
       done | tee "$OUT/features.md" || status=1 ;;
+    decode)
+      python -m flashtile decode ${DECODE_ARGS:-} --out "$OUT" --name decode 2>&1 | tee "$OUT/decode.log" || status=1 ;;
     gluon)
       # (v3's default forward wherever it applies: the tests stage checks it)
       for seqlen in 1024 16384; do

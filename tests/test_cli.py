@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import ON_GPU
 
 from flashtile import bench, cli
@@ -169,3 +170,18 @@ def test_compare_rotates_the_order_of_the_variants(monkeypatch):
     for place in range(3):  # every variant once in every place, for each case
         assert sorted(order[place::3][::2]) == sorted(order[place::3][1::2]) == ["again", "new", "old"]
     assert best == [{"old": 3.0, "new": 2.0, "again": 0.5}, {"old": 5.0, "new": 1.5, "again": 0.1}]
+
+
+def test_decode_bench_tiny_grid(tmp_path):
+    # The decode benchmark's pipeline on a grid the interpreter runs: its paged cache (pages in a
+    # shuffled order) holds the same keys as the contiguous one, so both give the same bits.
+    from flashtile import decode_bench
+    shape = dict(heads=4, heads_k=2, head_dim=32, page_size=16)
+    outs = [decode_bench.make_call(p, 2, 48, **shape)() for p in ("flashtile", "flashtile-paged")]
+    assert torch.equal(outs[0], outs[1])
+    assert cli.main(["decode", "--batches", "1", "--caches", "40", "--heads", "4", "--heads-k", "2", "--head-dim", "32",
+                 "--providers", "flashtile,flashtile-paged", "--out", str(tmp_path), "--name", "d"]) == 0
+    records = json.loads((tmp_path / "d.json").read_text())
+    assert {r["provider"] for r in records} == {"flashtile", "flashtile-paged"}
+    assert all(r["tbps"] > 0 and r["host_us"] > 0 for r in records)
+    assert "| 1 | 40 |" in (tmp_path / "d.md").read_text()

@@ -204,3 +204,19 @@ def test_gluon_forward_launch_constants():
     assert gluon_fwd.heads_sharing_l2(replace(causal, heads_q=2, heads_k=2, seqlen_q=1024, seqlen_k=1024), 2) == 4
     assert gluon_fwd.heads_sharing_l2(replace(causal, seqlen_q=2 ** 20, seqlen_k=2 ** 20, head_dim=256), 2) == 1
     assert gluon_fwd.heads_sharing_l2(problem(1024), 2) == 1
+
+
+def test_decode_plan_splits_from_static_shapes():
+    # num_splits > 0 is obeyed; 0 splits the keys where the row blocks alone leave the GPU idle
+    # (few sequences, a long cache), never below DECODE_MIN_SPLIT_KEYS keys of the capacity, and
+    # not at all where the batch fills the GPU. Only shapes are read: no sequence length.
+    one_token = torch.empty(1, 1, 32, 128, dtype=torch.bfloat16)
+    assert dispatch.decode_plan(one_token, 8, 4096, 5).splits == 5
+    mqa = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16)  # one program without splits
+    long_cache = dispatch.decode_plan(mqa, 1, 131072, 0)
+    assert long_cache.splits > 1 and long_cache.block_m >= 16
+    assert dispatch.decode_plan(mqa, 1, 600, 0).splits == 1  # one split's worth of keys
+    many = torch.empty(4096, 1, 32, 128, dtype=torch.bfloat16)
+    assert dispatch.decode_plan(many, 8, 131072, 0).splits == 1
+    # A block's rows are the query heads of one KV head times the query tokens.
+    assert dispatch.decode_plan(torch.empty(1, 16, 32, 128, dtype=torch.bfloat16), 8, 4096, 0).block_m == 64

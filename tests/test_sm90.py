@@ -214,3 +214,10 @@ def test_sink_kernels_compile_for_sm90(tmp_path):
         compile_for_sm90(tmp_path / kernel, kernel, 128)
         assert "ex2.approx" in (tmp_path / kernel / f"{kernel}_d128.ptx").read_text(), kernel
 
+
+def test_decode_kernels_compile_for_sm90(tmp_path):
+    # The split-KV kernel over a paged cache (with ALiBi: each packed row reads its own query
+    # head's slope) and the combine of its splits.
+    for kernel in ("decode.split", "decode.combine"):
+        compile_for_sm90(tmp_path / kernel, kernel, 128, softcap=30.0, alibi=True)
+        assert (tmp_path / kernel / f"{kernel}_d128.cubin").stat().st_size > 0, kernel

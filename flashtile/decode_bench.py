@@ -1,0 +1,142 @@
+"""The decode benchmark: one new query token per sequence against a KV cache.
+
+Decoding is bound by reading the cache, so each cell reports the bandwidth achieved on it,
+bytes of K and V read ÷ time, beside the GPU's measured copy bandwidth (bytes read + written ÷
+time of a device-to-device copy).  Providers: flashtile's ``flash_attn_with_kvcache`` on a
+contiguous cache and on pages of ``page_size`` rows, and PyTorch SDPA's backends on the same
+tensors in its layout (GQA through ``enable_gqa``, no copy of K/V).  Each record also holds the
+host time per call (the CPU's time to enqueue one), which bounds short cells.
+"""
+import json
+import os
+import statistics
+import time
+
+import torch
+import triton
+
+from flashtile import bench, kvcache
+
+PROVIDERS = ("flashtile", "flashtile-paged", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient")
+
+
+def _inputs(batch, cache, heads, heads_k, head_dim, page_size, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(batch, 1, heads, head_dim, dtype=torch.bfloat16, device=device, generator=g)
+    k = torch.randn(batch, cache, heads_k, head_dim, dtype=torch.bfloat16, device=device, generator=g)
+    v = torch.randn(batch, cache, heads_k, head_dim, dtype=torch.bfloat16, device=device, generator=g)
+    return q, k, v
+
+
+def make_call(provider, batch, cache, heads=32, heads_k=8, head_dim=128, page_size=16, device=None):
+    """A no-argument call of ``provider`` on one decode cell (inputs made here)."""
+    device = device or bench.default_device()
+    q, k, v = _inputs(batch, cache, heads, heads_k, head_dim, page_size, device)
+    lengths = torch.full((batch,), cache, dtype=torch.int32, device=device)
+    if provider == "flashtile":
+        return lambda: kvcache.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths)
+    if provider == "flashtile-paged":
+        blocks = -(-cache // page_size)
+        pad = blocks * page_size - cache
+        pages = [torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).view(batch * blocks, page_size, heads_k, head_dim)
+                 for x in (k, v)]
+        # Pages in a shuffled order, as an allocator hands them out.
+        order = torch.randperm(batch * blocks, device=device).int()
+        table = torch.empty_like(order)
+        table[order.long()] = torch.arange(batch * blocks, dtype=torch.int32, device=device)
+        k_pages, v_pages = (x[order.long()] for x in pages)
+        block_table = table.view(batch, blocks)
+        return lambda: kvcache.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths,
+                                                       block_table=block_table)
+    if provider.startswith("sdpa-"):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION,
+                   "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}[provider]
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+        def call():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        return call
+    raise ValueError(f"unknown provider {provider!r}; choose from {PROVIDERS}")
+
+
+def _host_us(call, calls=100):
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    enqueued = time.perf_counter()
+    sync()
+    return 1e6 * (enqueued - start) / calls
+
+
+def measure(provider, batch, cache, **shape):
+    """(median ms, host us per call) of one cell."""
+    call = make_call(provider, batch, cache, **shape)
+    call()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            call()
+            times.append(1e3 * (time.perf_counter() - t))
+        return statistics.median(times), _host_us(call, 3)
+    ms = triton.testing.do_bench(call, warmup=50, rep=100, return_mode="median")
+    return ms, _host_us(call)
+
+
+def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size=16, on_error=print):
+    """Records of every (batch, cache, provider); a provider that fails a cell is reported."""
+    env = bench.environment()
+    copy_tbps = bench.ceilings()["copy_tbps"] if torch.cuda.is_available() else None
+    records = []
+    for batch in batches:
+        for cache in caches:
+            kv_bytes = 2 * batch * cache * heads_k * head_dim * 2
+            for provider in providers:
+                try:
+                    ms, host_us = measure(provider, batch, cache, heads=heads, heads_k=heads_k,
+                                          head_dim=head_dim, page_size=page_size)
+                except Exception as e:  # one provider failing must not stop the grid
+                    on_error(f"{provider} batch {batch} cache {cache}: {type(e).__name__}: {str(e)[:160]}")
+                    continue
+                finally:
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                records.append(dict(provider=provider, batch=batch, cache=cache, heads=heads, heads_k=heads_k,
+                                    head_dim=head_dim, page_size=page_size, dtype="bf16", ms=ms,
+                                    tbps=kv_bytes / ms / 1e9, host_us=host_us, copy_tbps=copy_tbps, **env))
+    return records
+
+
+def markdown_table(records):
+    """TB/s per provider for each (batch, cache) cell, flashtile over the best SDPA backend."""
+    providers = [p for p in PROVIDERS if any(r["provider"] == p for r in records)]
+    cells = sorted({(r["batch"], r["cache"]) for r in records})
+    by = {(r["batch"], r["cache"], r["provider"]): r for r in records}
+    copy = next((r["copy_tbps"] for r in records if r["copy_tbps"]), None)
+    lines = [f"Decode: 1 query token, {records[0]['heads']}/{records[0]['heads_k']} heads, d{records[0]['head_dim']}, "
+             f"bf16; K/V bytes read / time in TB/s" + (f" (device copy {copy:.2f} TB/s)" if copy else "") + "; "
+             f"paged: pages of {records[0]['page_size']}.", "",
+             "| batch | cache | " + " | ".join(providers) + " | flashtile / best SDPA | flashtile host us |",
+             "|---" * (len(providers) + 4) + "|"]
+    for batch, cache in cells:
+        row = [f"{by[(batch, cache, p)]['tbps']:.2f}" if (batch, cache, p) in by else "—" for p in providers]
+        sdpa = [by[(batch, cache, p)]["tbps"] for p in providers if p.startswith("sdpa-") and (batch, cache, p) in by]
+        ours = by.get((batch, cache, "flashtile"))
+        ratio = f"{ours['tbps'] / max(sdpa):.2f}" if ours and sdpa else "—"
+        host = f"{ours['host_us']:.0f}" if ours else "—"
+        lines.append(f"| {batch} | {cache} | " + " | ".join(row) + f" | {ratio} | {host} |")
+    return "\n".join(lines) + "\n"
+
+
+def save(records, out_dir, name):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    table = markdown_table(records)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(table)
+    return table

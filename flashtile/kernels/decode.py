@@ -1,0 +1,188 @@
+"""A few new query tokens against a KV cache (decoding, chunked prefill): split-KV attention.
+
+One program per (row block, batch x KV head, split).  A block's rows are the query tokens times
+the query heads that share the KV head (GQA packed: the cache of a KV head is read once for all
+of them).  The keys a row block sees (its band of the sequence's valid keys) are divided among
+``splits`` programs; each writes its rows' normalised partial output and logsumexp, and
+``_combine_kernel`` merges them by their logsumexp (FlashDecoding).  With one split the
+programs write the output directly.
+
+The cache is contiguous, (batch_cache, seqlen_cache, heads_k, head_dim) read at row
+``cache_batch_idx[b]``, or paged, (pages, page_size, heads_k, head_dim) with key j of sequence
+b in page ``block_table[b, j // page_size]``.  Sequence b's keys are [leftpad_b, end_b) of its
+cache row; positions (masks, ALiBi) count from leftpad_b, and causal is aligned bottom-right to
+end_b.  Scores go through the score hook (score.py), with each row's own query head.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from flashtile.kernels import score
+from flashtile.kernels.blocks import band_mask, diagonal_band, visited_blocks
+from flashtile.kernels.launch import launch
+from flashtile.kernels.tiles import finalize_rows, online_softmax_step, values_product
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _cache_index(batch_row, keys, in_seq, page_size, BLOCK_TABLE, sbt, batch, PAGED: tl.constexpr):
+    """(outer, inner) indices of absolute key indices ``keys`` in the cache: (page, slot) or
+    (batch row, key); keys past the sequence go to (0, 0) and are masked by the caller."""
+    keys = tl.where(in_seq, keys, 0)
+    if PAGED:
+        page = tl.load(BLOCK_TABLE + batch * sbt + keys // page_size, mask=in_seq, other=0)
+        return page.to(tl.int64), (keys % page_size).to(tl.int64)
+    else:
+        return tl.where(in_seq, batch_row, 0), keys.to(tl.int64)
+
+
+@triton.jit
+def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
+                  sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, sop, slb, slh, slp, sbt,
+                  seqlen_q, heads_k, group, capacity, page_size, scale_log2, window_left, window_right,
+                  score_args,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SPLITS: tl.constexpr, PAGED: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+                  HAS_BATCH_IDX: tl.constexpr, UPCAST: tl.constexpr, SCORE: tl.constexpr):
+    """Rows [m0, m0 + BLOCK_M) of (query token, query head of the group) for one KV head, over
+    this split's share of the keys.  O and LSE: the output and logsumexp, or with SPLITS > 1
+    the per-split partials (split stride sop, slp)."""
+    m0 = tl.program_id(0) * BLOCK_M
+    batch = tl.program_id(1) // heads_k
+    head_k = tl.program_id(1) % heads_k
+    split = tl.program_id(2)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    token = rows // group
+    head = head_k * group + rows % group
+    in_rows = token < seqlen_q
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    in_dim = offs_d < HEAD_DIM
+    # The sequence's keys: [start, end) of its cache row, end clamped to the cache's capacity.
+    end = tl.minimum(tl.load(ENDS + batch), capacity)
+    start = 0
+    if HAS_LEFTPAD:
+        start = tl.minimum(tl.load(LEFTPAD + batch), end)
+    seqlen_k = end - start
+    batch_row = batch.to(tl.int64)
+    if HAS_BATCH_IDX:
+        batch_row = tl.load(BATCH_IDX + batch).to(tl.int64)
+    q = tl.load(Q + batch.to(tl.int64) * sqb + token[:, None] * sqs + head[:, None] * sqh + offs_d[None, :],
+                mask=in_rows[:, None] & in_dim[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
+    first = m0 // group
+    last = tl.minimum((m0 + BLOCK_M - 1) // group, seqlen_q - 1)
+    lo, _, _, hi = visited_blocks(first, last - first + 1, BLOCK_N, seqlen_k, dlo, dhi)
+    # This split's share: whole blocks of the band, in order.
+    per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), SPLITS) * BLOCK_N
+    split_lo = lo + split * per_split
+    split_hi = tl.minimum(hi, split_lo + per_split)
+    site = (batch, head[:, None], seqlen_k - seqlen_q, score_args)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for n0 in range(split_lo, split_hi, BLOCK_N):
+        cols = n0 + offs_n
+        in_seq = cols < seqlen_k
+        mask = in_seq[:, None] & in_dim[None, :]
+        outer, inner = _cache_index(batch_row, start + cols, in_seq, page_size, BLOCK_TABLE, sbt, batch, PAGED)
+        k = tl.load((K + head_k * skh + outer * skb + inner * sks)[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, token[:, None], cols[None, :], site, SCORE)
+        s = tl.where(band_mask(token, cols, seqlen_k, dlo, dhi), s, float("-inf"))
+        p, alpha, m_i = online_softmax_step(s, m_i, 1.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load((V + head_k * svh + outer * svb + inner * svs)[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + values_product(p, v, V.dtype.element_ty, UPCAST, True)
+    out, lse = finalize_rows(acc, m_i, l_i)
+    o_rows = O + split.to(tl.int64) * sop + batch.to(tl.int64) * sob + token.to(tl.int64) * sos + head * soh
+    tl.store(o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=in_rows[:, None] & in_dim[None, :])
+    tl.store(LSE + split.to(tl.int64) * slp + batch.to(tl.int64) * slb + head * slh + token, lse, mask=in_rows)
+
+
+@triton.jit
+def _combine_kernel(PART_O, PART_LSE, O, LSE, seqlen_q, heads, splits,
+                    sop, sob, sos, soh, slp, slb, slh, tob, tos, toh, tlb, tlh,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The splits' partial outputs of rows [t0, t0 + BLOCK_T) of one (batch, head), weighted by
+    exp(lse_split - lse).  A split that saw no key (lse +inf, output 0) weighs nothing; a row
+    that saw none at all gives 0 and lse +inf."""
+    t0 = tl.program_id(0) * BLOCK_T
+    batch = (tl.program_id(1) // heads).to(tl.int64)
+    head = tl.program_id(1) % heads
+    tokens = t0 + tl.arange(0, BLOCK_T)
+    in_rows = tokens < seqlen_q
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = in_rows[:, None] & (offs_d[None, :] < HEAD_DIM)
+    stats = PART_LSE + batch * slb + head * slh + tokens
+    top = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    for s in range(splits):
+        lse = tl.load(stats + s * slp, mask=in_rows, other=float("inf"))
+        top = tl.maximum(top, tl.where(lse == float("inf"), float("-inf"), lse))
+    ref = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK_T], tl.float32)
+    acc = tl.zeros([BLOCK_T, HEAD_DIM_PAD], tl.float32)
+    outs = PART_O + batch * sob + tokens[:, None].to(tl.int64) * sos + head * soh + offs_d[None, :]
+    for s in range(splits):
+        lse = tl.load(stats + s * slp, mask=in_rows, other=float("inf"))
+        weight = tl.where(lse == float("inf"), 0.0, tl.math.exp2((lse - ref) * 1.4426950408889634))
+        total += weight
+        part = tl.load(outs + s * sop, mask=mask, other=0.0)
+        acc += weight[:, None] * part
+    empty = total == 0.0
+    out = acc / tl.where(empty, 1.0, total)[:, None]
+    lse = tl.where(empty, float("inf"), ref + tl.log(tl.where(empty, 1.0, total)))
+    tl.store(O + batch * tob + tokens[:, None].to(tl.int64) * tos + head * toh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=mask)
+    tl.store(LSE + batch * tlb + head * tlh + tokens, lse, mask=in_rows)
+
+
+def forward(plan, q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, scale, window, features):
+    """(out, lse) of q (batch, seqlen_q, heads, head_dim) over the caches; ``ends`` (batch,) int32:
+    each sequence's end in its cache row; ``features``: what score.mod_of / args_of read
+    (softcap, alibi_slopes).  ``plan``: dispatch.DecodePlan."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    heads_k = k_cache.shape[2]
+    group = heads // heads_k
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+    if plan.splits > 1:
+        part_o = torch.empty(plan.splits, *q.shape, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(plan.splits, *lse.shape, dtype=torch.float32, device=q.device)
+    else:
+        part_o, part_lse = out, lse
+    dummy = ends  # a pointer for the absent tables (never read)
+    grid = (triton.cdiv(seqlen_q * group, plan.block_m), batch * heads_k, plan.splits)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    launch(
+        _split_kernel, grid,
+        q, k_cache, v_cache, part_o, part_lse, ends, dummy if leftpad is None else leftpad,
+        dummy if batch_idx is None else batch_idx, dummy if block_table is None else block_table,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        part_o.stride(-4), part_o.stride(-3), part_o.stride(-2), part_o.stride(0) if plan.splits > 1 else 0,
+        part_lse.stride(-3), part_lse.stride(-2), part_lse.stride(0) if plan.splits > 1 else 0,
+        block_table.stride(0) if paged else 0,
+        seqlen_q, heads_k, group, capacity, k_cache.shape[1] if paged else 1, scale * LOG2E, window[0], window[1],
+        score.args_of(features),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        SPLITS=plan.splits, PAGED=paged, HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None,
+        UPCAST=plan.upcast, SCORE=score.mod_of(features), num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if plan.splits > 1:
+        block_t = 16
+        launch(
+            _combine_kernel, (triton.cdiv(seqlen_q, block_t), batch * heads),
+            part_o, part_lse, out, lse, seqlen_q, heads, plan.splits,
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3),
+            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_T=block_t, num_warps=4)
+    return out, lse

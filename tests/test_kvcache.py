@@ -1,0 +1,205 @@
+"""flash_attn_with_kvcache: decoding and chunked prefill over contiguous and paged caches, new
+keys appended (with rotary), split-KV, against the float64 oracle per sequence."""
+import pytest
+import torch
+from attention_check import assert_within_rule, max_err
+from conftest import DEVICE, ON_GPU
+
+from flashtile import flash_attn_with_kvcache, standard_attention
+
+DTYPE = torch.bfloat16 if ON_GPU else torch.float16
+HEAD_DIM = 64 if ON_GPU else 32
+
+
+def rotate(x, cos, sin, positions, interleaved):
+    """The rotary embedding, pair by pair in float64 (the oracle's)."""
+    x = x.double().clone()
+    half = cos.shape[1]
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            c, s = cos[positions[b, t]].double(), sin[positions[b, t]].double()
+            for i in range(half):
+                a, z = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+                xa, xz = x[b, t, :, a].clone(), x[b, t, :, z].clone()
+                x[b, t, :, a] = xa * c[i] - xz * s[i]
+                x[b, t, :, z] = xz * c[i] + xa * s[i]
+    return x
+
+
+class Case:
+    """A cache with random contents, its sequences' lengths, and the flashtile call on it."""
+
+    def __init__(self, batch=3, seqlen_q=1, heads=4, heads_k=2, capacity=90, seqlen_new=0, page_size=None,
+                 leftpad=False, batch_idx=False, rotary=None):
+        g = torch.Generator().manual_seed(batch * 1000 + seqlen_q * 10 + seqlen_new)
+        self.seqlen_new = seqlen_new
+        self.lengths = torch.randint(0, capacity - seqlen_new + 1, (batch,), generator=g)
+        self.lengths[0] = capacity - seqlen_new  # one sequence fills the cache
+        self.q = torch.randn(batch, seqlen_q, heads, HEAD_DIM, generator=g).to(DTYPE).to(DEVICE)
+        rows = batch + 2 if batch_idx else batch
+        self.k_dense = torch.randn(rows, capacity, heads_k, HEAD_DIM, generator=g).to(DTYPE).to(DEVICE)
+        self.v_dense = torch.randn(rows, capacity, heads_k, HEAD_DIM, generator=g).to(DTYPE).to(DEVICE)
+        self.k_new = self.v_new = None
+        if seqlen_new:
+            self.k_new = torch.randn(batch, seqlen_new, heads_k, HEAD_DIM, generator=g).to(DTYPE).to(DEVICE)
+            self.v_new = torch.randn(batch, seqlen_new, heads_k, HEAD_DIM, generator=g).to(DTYPE).to(DEVICE)
+        self.batch_idx = torch.randperm(rows, generator=g)[:batch].int().to(DEVICE) if batch_idx else None
+        self.leftpad = None
+        if leftpad:
+            self.leftpad = (torch.rand(batch, generator=g) * self.lengths).int().to(DEVICE)
+        self.rotary = None
+        if rotary is not None:
+            angle = torch.rand(capacity, HEAD_DIM // 4, generator=g) * 6.28
+            self.rotary = (torch.cos(angle).to(DTYPE).to(DEVICE), torch.sin(angle).to(DTYPE).to(DEVICE), rotary)
+        self.page_size = page_size
+        self.block_table = None
+        if page_size:
+            # The dense rows cut into pages, scattered over a larger pool in a random order.
+            blocks = -(-capacity // page_size)
+            pool = batch * blocks + 3
+            order = torch.randperm(pool, generator=g)[:batch * blocks]
+            self.block_table = order.view(batch, blocks).int().to(DEVICE)
+            self.k_pages = torch.randn(pool, page_size, heads_k, HEAD_DIM, generator=g).to(DTYPE).to(DEVICE)
+            self.v_pages = torch.randn_like(self.k_pages)
+            for b in range(batch):
+                for j in range(blocks):
+                    n = min(page_size, capacity - j * page_size)
+                    page = int(self.block_table[b, j])
+                    self.k_pages[page, :n] = self.k_dense[b, j * page_size:j * page_size + n]
+                    self.v_pages[page, :n] = self.v_dense[b, j * page_size:j * page_size + n]
+
+    def run(self, **kw):
+        caches = (self.k_pages, self.v_pages) if self.page_size else (self.k_dense, self.v_dense)
+        rot = {}
+        if self.rotary:
+            rot = dict(rotary_cos=self.rotary[0], rotary_sin=self.rotary[1], rotary_interleaved=self.rotary[2])
+        return flash_attn_with_kvcache(self.q, *caches, k=self.k_new, v=self.v_new,
+                                       cache_seqlens=self.lengths.int().to(DEVICE), cache_batch_idx=self.batch_idx,
+                                       cache_leftpad=self.leftpad, block_table=self.block_table,
+                                       return_softmax_lse=True, **rot, **kw)
+
+    def check(self, out, lse, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+        """Each sequence against the float64 oracle over its keys, the appended ones included."""
+        for b in range(self.q.shape[0]):
+            row = b if self.batch_idx is None else int(self.batch_idx[b])
+            start = 0 if self.leftpad is None else int(self.leftpad[b])
+            end = int(self.lengths[b])
+            q, k, v = self.q[b:b + 1], self.k_dense[row:row + 1, start:end], self.v_dense[row:row + 1, start:end]
+            if self.seqlen_new:
+                k_new = self.k_new[b:b + 1]
+                if self.rotary:
+                    cos, sin, interleaved = self.rotary
+                    positions = end + torch.arange(self.seqlen_new)[None]
+                    k_new = rotate(k_new, cos, sin, positions, interleaved).to(DTYPE)
+                    q_positions = end + torch.arange(q.shape[1])[None] if causal or window_size != (-1, -1) \
+                        else torch.full((1, q.shape[1]), end)
+                    q = rotate(q, cos, sin, q_positions, interleaved).to(DTYPE)
+                k, v = torch.cat([k, k_new], 1), torch.cat([v, self.v_new[b:b + 1]], 1)
+            if k.shape[1] == 0:  # no key: output 0, logsumexp +inf
+                assert (out[b] == 0).all() and (lse[b] == float("inf")).all()
+                continue
+            slopes = None if alibi_slopes is None else alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes
+            mask = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=slopes)
+            oracle, oracle_lse = standard_attention(q, k, v, upcast=True, return_lse=True, **mask)
+            pytorch = standard_attention(q, k, v, **mask)
+            assert torch.isfinite(out[b]).all()
+            assert_within_rule(f"out[{b}]", out[b:b + 1], pytorch, oracle, (2.0, 1e-5))
+            ours_lse, seen = lse[b:b + 1], torch.isfinite(oracle_lse)
+            assert torch.equal(torch.isfinite(ours_lse), seen)
+            assert not seen.any() or max_err(ours_lse[seen], oracle_lse[seen]) <= 1e-3
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_decode_contiguous(num_splits, causal):
+    case = Case(batch=3, seqlen_q=1)
+    out, lse = case.run(causal=causal, num_splits=num_splits)
+    case.check(out, lse, causal=causal)
+
+
+@pytest.mark.parametrize("page_size", [16, 7])
+def test_chunked_prefill_paged_with_append(page_size):
+    # Several new tokens per sequence, appended into pages of 16 (serving engines' size) and of
+    # an odd size; causal aligned to the end of each sequence.
+    case = Case(batch=2, seqlen_q=5, seqlen_new=5, page_size=page_size)
+    out, lse = case.run(causal=True, num_splits=2)
+    case.check(out, lse, causal=True)
+    # The new keys landed in the pages, where the next call reads them.
+    for b in range(2):
+        end = int(case.lengths[b])
+        for t in range(5):
+            page = int(case.block_table[b, (end + t) // page_size])
+            assert torch.equal(case.k_pages[page, (end + t) % page_size], case.k_new[b, t])
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+def test_append_with_rotary(interleaved, causal):
+    case = Case(batch=2, seqlen_q=3, seqlen_new=3, rotary=interleaved)
+    out, lse = case.run(causal=causal)
+    case.check(out, lse, causal=causal)
+
+
+def test_batch_index_leftpad_window_softcap_alibi():
+    case = Case(batch=3, seqlen_q=2, seqlen_new=2, leftpad=True, batch_idx=True)
+    slopes = torch.rand(3, 4, device=DEVICE) * 0.3
+    mask = dict(causal=True, window_size=(20, 0), softcap=5.0, alibi_slopes=slopes)
+    out, lse = case.run(num_splits=2, **mask)
+    case.check(out, lse, **mask)
+
+
+def test_paged_equals_contiguous_bitwise():
+    # The same cache contents and split count: the same bits, paged or not.
+    paged = Case(batch=3, seqlen_q=4, heads=8, heads_k=2, page_size=16)
+    out_paged, lse_paged = paged.run(causal=True, num_splits=3)
+    paged.page_size, paged.block_table = None, None
+    out_dense, lse_dense = paged.run(causal=True, num_splits=3)
+    assert torch.equal(out_paged, out_dense) and torch.equal(lse_paged, lse_dense)
+
+
+def test_every_split_count_agrees():
+    case = Case(batch=2, seqlen_q=1, heads=8, heads_k=1, capacity=150)
+    outs = [case.run(num_splits=n) for n in (1, 2, 4, 7, 16)]
+    for out, lse in outs:
+        case.check(out, lse)
+
+
+def test_rows_that_see_no_key():
+    # An empty cache, and causal rows before the first key: output 0, logsumexp +inf.
+    case = Case(batch=2, seqlen_q=4, capacity=40)
+    case.lengths[1] = 0
+    out, lse = case.run(num_splits=2)
+    assert (out[1] == 0).all() and (lse[1] == float("inf")).all()
+    case.check(out, lse)
+    case.lengths[:] = 2
+    out, lse = case.run(causal=True, num_splits=2)
+    assert (out[:, :2] == 0).all() and (lse[..., :2] == float("inf")).all()
+    case.check(out, lse, causal=True)
+
+
+def test_refusals():
+    case = Case(batch=2, seqlen_q=1, seqlen_new=1, capacity=20)
+    q, k, v = case.q, case.k_dense, case.v_dense
+    lengths = case.lengths.int().to(DEVICE)
+    bad = [
+        (dict(k=case.k_new), ValueError, "k and v must be given together"),
+        (dict(rotary_cos=torch.ones(20, 8, device=DEVICE), rotary_sin=torch.ones(20, 8, device=DEVICE)),
+         ValueError, "pass k and v"),
+        (dict(cache_seqlens=torch.full((2,), 20, dtype=torch.int32, device=DEVICE), k=case.k_new, v=case.v_new),
+         ValueError, "capacity"),
+        (dict(cache_seqlens=lengths.long()), TypeError, "cache_seqlens must be torch.int32"),
+        (dict(cache_seqlens=lengths, cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)),
+         ValueError, "cache_batch_idx must index"),
+        (dict(cache_seqlens=lengths, block_table=torch.zeros(2, 2, dtype=torch.int32, device=DEVICE),
+              cache_leftpad=torch.zeros(2, dtype=torch.int32, device=DEVICE)), NotImplementedError, "block_table"),
+        (dict(cache_seqlens=lengths, num_splits=-1), ValueError, "num_splits"),
+    ]
+    for kw, error, message in bad:
+        with pytest.raises(error, match=message):
+            flash_attn_with_kvcache(q, k, v, **kw)
+    with pytest.raises(TypeError, match="k_cache must have q's dtype"):
+        flash_attn_with_kvcache(q, k.float(), v, cache_seqlens=lengths)
+    with pytest.raises(ValueError, match="multiple of nheads"):
+        flash_attn_with_kvcache(q[:, :, :3], k, v, cache_seqlens=lengths)
+    with pytest.raises(NotImplementedError, match="forward only"):
+        flash_attn_with_kvcache(q.clone().requires_grad_(), k, v, cache_seqlens=lengths)
