@@ -63,7 +63,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                                 scale, left, right, softcap, version, bool(deterministic), options.text(opts))
     if pad:
         out = out[..., :head_dim]
-    return (out, lse, None) if return_attn_probs else out
+    # flash_attn's third element: the dropped-out probabilities with dropout, else an empty tensor.
+    return (out, lse, out.new_empty(0)) if return_attn_probs else out
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -82,8 +83,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     "auto" (the best this device runs) or "tiled" (the PyTorch implementation).
     ``deterministic=True`` guarantees bitwise reproducible gradients (v3 then runs its two-pass
     backward rather than the single pass whose dQ reduce-add order varies).  Returns ``out``, or
-    ``(out, softmax_lse, None)`` when ``return_attn_probs``.  ``kernel_options``: developer
-    switches (options.KernelOptions).
+    ``(out, softmax_lse, S_dmask)`` when ``return_attn_probs`` (S_dmask empty: no dropout).
+    ``kernel_options``: developer switches (options.KernelOptions).
     """
     return _attention(q, k, v, None, None, None, None, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs, sinks, version, kernel_options)

@@ -111,3 +111,14 @@ def test_flash_attention_3_interface_refuses_what_it_lacks(kwargs, match):
     q, k, v = make_qkv(1, 8, 8, 2, 2, 32, DTYPE, DEVICE)
     with pytest.raises(NotImplementedError, match=match):
         fa3.flash_attn_func(q, k, v, **kwargs)
+
+
+def test_return_attn_probs_third_element_is_a_tensor():
+    # flash_attn's (out, softmax_lse, S_dmask): without dropout S_dmask is an empty tensor of q's
+    # dtype, never None (code that moves or inspects it keeps working).
+    q, k, v = make_qkv(1, 20, 20, 2, 2, 32, DTYPE, DEVICE)
+    for result in (flash_attn_func(q, k, v, return_attn_probs=True),
+                   flashtile.flash_attn_qkvpacked_func(torch.stack([q, k, v], 2), return_attn_probs=True)):
+        out, lse, s_dmask = result
+        assert isinstance(s_dmask, torch.Tensor) and s_dmask.numel() == 0 and s_dmask.dtype == q.dtype
+        assert torch.equal(out, flash_attn_func(q, k, v))
