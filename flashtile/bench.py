@@ -66,7 +66,8 @@ def _flashtile(version):
     return run
 
 
-def _plain_only(provider, features):
+def plain_only(provider, features):
+    """Refuse score features (softcap, ALiBi, sinks) that ``provider`` does not take."""
     if features:
         raise NotImplementedError(f"{provider} takes no {', '.join(sorted(features))}")
 
@@ -76,7 +77,7 @@ def _sdpa(backend_name):
     backend = getattr(SDPBackend, backend_name)
 
     def run(q, k, v, causal, kernel_options=None, **features):
-        _plain_only(backend_name, features)
+        plain_only(backend_name, features)
         with sdpa_kernel(backend):
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
@@ -94,7 +95,7 @@ _FLEX_CACHE = {}
 
 def _flex(q, k, v, causal, kernel_options=None, **features):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    _plain_only("flex", features)
+    plain_only("flex", features)
     if "fn" not in _FLEX_CACHE:
         # A grid compiles once per shape and grad mode: allow that many recompiles, and fail
         # rather than fall back silently to the unfused eager path when the limit is reached.

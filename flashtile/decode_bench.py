@@ -20,7 +20,7 @@ from flashtile import bench, kvcache
 PROVIDERS = ("flashtile", "flashtile-paged", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient")
 
 
-def _inputs(batch, cache, heads, heads_k, head_dim, page_size, device):
+def _inputs(batch, cache, heads, heads_k, head_dim, device):
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(batch, 1, heads, head_dim, dtype=torch.bfloat16, device=device, generator=g)
     k = torch.randn(batch, cache, heads_k, head_dim, dtype=torch.bfloat16, device=device, generator=g)
@@ -31,7 +31,7 @@ def _inputs(batch, cache, heads, heads_k, head_dim, page_size, device):
 def make_call(provider, batch, cache, heads=32, heads_k=8, head_dim=128, page_size=16, device=None):
     """A no-argument call of ``provider`` on one decode cell (inputs made here)."""
     device = device or bench.default_device()
-    q, k, v = _inputs(batch, cache, heads, heads_k, head_dim, page_size, device)
+    q, k, v = _inputs(batch, cache, heads, heads_k, head_dim, device)
     lengths = torch.full((batch,), cache, dtype=torch.int32, device=device)
     if provider == "flashtile":
         return lambda: kvcache.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths)

@@ -47,20 +47,18 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     _refuse_unsupported(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                         attention_chunk=attention_chunk)
     validation.integer("sm_margin", sm_margin, minimum=0)
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                   deterministic=deterministic, return_attn_probs=return_attn_probs)
     if num_heads_q is None:
-        if qkv.dim() != 5 or qkv.shape[2] != 3:
-            raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
-        q, k, v = qkv.unbind(dim=2)
-    else:
-        heads_q = validation.integer("num_heads_q", num_heads_q, minimum=1)
-        heads_k, odd = divmod(qkv.shape[2] - heads_q, 2)
-        if qkv.dim() != 4 or odd or heads_k < 1:
-            raise ValueError(f"with num_heads_q={heads_q}, qkv must be (batch, seqlen, num_heads_q + 2 * nheads_k, "
-                             f"headdim), got {tuple(qkv.shape)}")
-        q, k, v = qkv.split([heads_q, heads_k, heads_k], dim=2)
-    res = api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                              softcap=softcap, deterministic=deterministic, return_attn_probs=return_attn_probs)
-    return _result(res, return_attn_probs)
+        return _result(api.flash_attn_qkvpacked_func(qkv, **options), return_attn_probs)
+    heads_q = validation.integer("num_heads_q", num_heads_q, minimum=1)
+    validation.check_tensor("qkv", qkv)
+    heads_k, odd = divmod(qkv.shape[2] - heads_q, 2) if qkv.dim() == 4 else (0, 0)
+    if qkv.dim() != 4 or odd or heads_k < 1:
+        raise ValueError(f"with num_heads_q={heads_q}, qkv must be (batch, seqlen, num_heads_q + 2 * nheads_k, "
+                         f"headdim), got {tuple(qkv.shape)}")
+    q, k, v = qkv.split([heads_q, heads_k, heads_k], dim=2)
+    return _result(api.flash_attn_func(q, k, v, **options), return_attn_probs)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,

@@ -41,18 +41,25 @@ def _int32_table(name, x, shape, device):
 
 
 def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache, block_table, pages):
-    """The tables' values, read in one device-to-host copy (skipped while a CUDA graph is being
-    captured; the kernel clamps every sequence's end to the capacity)."""
-    tables = [t for t in (seqlens, leftpad, batch_idx, block_table) if t is not None]
-    values = torch.cat([t.flatten() for t in tables]).cpu().split([t.numel() for t in tables])
-    named = dict(zip([n for n, t in (("seqlens", seqlens), ("leftpad", leftpad), ("batch_idx", batch_idx),
-                                     ("block_table", block_table)) if t is not None], values))
-    ends = named["seqlens"] + seqlen_new
-    if (named["seqlens"] < 0).any() or (ends > capacity).any():
+    """The tables' values.  Those on the device are read in one device-to-host copy (skipped
+    while a CUDA graph is being captured; the kernel then clamps each sequence's end to the
+    capacity and every page or cache row it reads to the cache); ``seqlens`` given as an int
+    costs none."""
+    device_tables = {name: t for name, t in (("seqlens", seqlens), ("leftpad", leftpad), ("batch_idx", batch_idx),
+                                             ("block_table", block_table)) if isinstance(t, torch.Tensor)}
+    if not device_tables:
+        named = {}
+    elif next(iter(device_tables.values())).is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    else:
+        values = torch.cat([t.flatten() for t in device_tables.values()]).cpu()
+        named = dict(zip(device_tables, values.split([t.numel() for t in device_tables.values()])))
+    lengths = named.get("seqlens", torch.tensor([seqlens] if isinstance(seqlens, int) else []))
+    if (lengths < 0).any() or (lengths + seqlen_new > capacity).any():
         raise ValueError(f"cache_seqlens (+ {seqlen_new} new keys) must lie in [0, {capacity}] (the cache's "
                          f"capacity{' through block_table' if block_table is not None else ''}), got "
-                         f"{named['seqlens'].tolist()}")
-    if "leftpad" in named and ((named["leftpad"] < 0) | (named["leftpad"] > named["seqlens"])).any():
+                         f"{lengths.tolist()}")
+    if "leftpad" in named and ((named["leftpad"] < 0) | (named["leftpad"] > lengths)).any():
         raise ValueError(f"cache_leftpad must lie in [0, cache_seqlens], got {named['leftpad'].tolist()}")
     if "batch_idx" in named and ((named["batch_idx"] < 0) | (named["batch_idx"] >= batch_cache)).any():
         raise ValueError(f"cache_batch_idx must index the cache's {batch_cache} rows, got "
@@ -148,11 +155,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 raise ValueError(f"{name} must be (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim, on q's "
                                  f"device, got shape {tuple(x.shape)} on {x.device}")
     if isinstance(cache_seqlens, torch.Tensor):
-        seqlens = _int32_table("cache_seqlens", cache_seqlens, (batch,), q.device)
+        given = seqlens = _int32_table("cache_seqlens", cache_seqlens, (batch,), q.device)
     else:
-        fill = capacity - seqlen_new if cache_seqlens is None else \
+        given = capacity - seqlen_new if cache_seqlens is None else \
             validation.integer("cache_seqlens", cache_seqlens, minimum=0)
-        seqlens = torch.full((batch,), fill, dtype=torch.int32, device=q.device)
+        seqlens = torch.full((batch,), given, dtype=torch.int32, device=q.device)
     batch_idx = _int32_table("cache_batch_idx", cache_batch_idx, (batch,), q.device)
     leftpad = _int32_table("cache_leftpad", cache_leftpad, (batch,), q.device)
     num_splits = validation.integer("num_splits", num_splits, minimum=0)
@@ -160,9 +167,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     alibi_slopes = validation.alibi_slopes(alibi_slopes, batch, heads, q.device)
     scale = validation.softmax_scale(softmax_scale, head_dim)
     window = validation.band(bool(causal), window_size, seqlen_q, capacity)
-    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, k_cache.shape[0], block_table,
-                      k_cache.shape[0])
+    _check_values(given, seqlen_new, capacity, leftpad, batch_idx, k_cache.shape[0], block_table, k_cache.shape[0])
 
     if rotary_cos is not None:
         positions = seqlens.long()[:, None] + torch.arange(seqlen_new, device=q.device)

@@ -106,10 +106,11 @@ def _gradients(ctx, dout, dlse, backward_op):
     come back through a node that raises if they are differentiated again (as
     ``once_differentiable``'s, but also when only q, k, v need gradients: a gradient penalty's
     second-order term would otherwise be missing without a word)."""
+    saved = ctx.saved_tensors  # unpacked once: each read unpacks every saved tensor
     with torch.no_grad():
-        grads = _first_derivatives(ctx, dout, dlse, backward_op)
-    q, k, v = ctx.saved_tensors[:3]
-    sinks = ctx.saved_tensors[-1]
+        grads = _first_derivatives(ctx, saved, dout, dlse, backward_op)
+    q, k, v = saved[:3]
+    sinks = saved[-1]
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks, dout, dlse)):
         refuse = autograd_functions.DelayedError(
             b"flashtile's attention is differentiable once: a second derivative (create_graph=True through "
@@ -119,9 +120,9 @@ def _gradients(ctx, dout, dlse, backward_op):
     return (dq, dk, dv, None, None, None, dsinks[0] if dsinks else None, *(None for _ in ctx.args))
 
 
-def _first_derivatives(ctx, dout, dlse, backward_op):
-    """dq, dk, dv, and d sinks where there are sinks."""
-    q, k, v, out, lse, saved, cu_q, cu_k, alibi, sinks = ctx.saved_tensors
+def _first_derivatives(ctx, saved_tensors, dout, dlse, backward_op):
+    """dq, dk, dv, and d sinks where the sinks need a gradient."""
+    q, k, v, out, lse, saved, cu_q, cu_k, alibi, sinks = saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     # Unit stride along head_dim, and rows the kernels' 32-bit offsets reach (q passed that

@@ -53,8 +53,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         counts = keep.sum(1, dtype=torch.int32)
         cu_k = torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
         cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=query.device)
-        out = api.flash_attn_varlen_func(q.reshape(batch * seqlen_q, heads, -1), k[keep], v[keep], cu_q, cu_k,
-                                         seqlen_q, int(counts.max()) if batch else 0, **options)
+        # The kept keys packed (one nonzero: one device-to-host wait); seqlen_k bounds every
+        # sequence's count, which is all max_seqlen_k must do.
+        kept = keep.nonzero(as_tuple=True)
+        out = api.flash_attn_varlen_func(q.reshape(batch * seqlen_q, heads, -1), k[kept], v[kept], cu_q, cu_k,
+                                         seqlen_q, seqlen_k, **options)
         return out.view(batch, seqlen_q, heads, -1).transpose(1, 2)
     if is_causal and seqlen_q <= seqlen_k:
         # Top-left: query i sees keys 0..i, so no query sees a key past seqlen_q - 1, and on the

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from flashtile import options
-
-_LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+from flashtile.kernels.launch import launch
+from flashtile.kernels.tiles import LOG2E, row_delta
 
 
 def _per_row(varlen, sinks):
@@ -56,9 +56,9 @@ def _join_kernel(OUT, LSE, SINKS, JOINED, seqlen, head_dim, sob, sos, soh, slb, 
     sink = tl.load(SINKS + head).to(tl.float32)
     empty = lse == float("inf")
     top = tl.where(empty, sink, tl.maximum(lse, sink))
-    below = tl.where(empty, 0.0, tl.exp2((lse - top) * _LOG2E))
-    total = below + tl.exp2((sink - top) * _LOG2E)
-    joined = top + tl.log2(total) / _LOG2E
+    below = tl.where(empty, 0.0, tl.exp2((lse - top) * LOG2E))
+    total = below + tl.exp2((sink - top) * LOG2E)
+    joined = top + tl.log2(total) / LOG2E
     tl.store(JOINED + batch * slb + head * slh + rows, joined, mask=in_seq)
     factor = below / total
     cols = tl.arange(0, BLOCK_D)
@@ -82,18 +82,21 @@ def _share_kernel(OUT, DOUT, LSE, DLSE, SINKS, SHARE, seqlen, head_dim, sob, sos
     r64 = rows.to(tl.int64)[:, None]
     out = tl.load(OUT + batch * sob + head * soh + r64 * sos + cols[None, :], mask=mask, other=0.0)
     dout = tl.load(DOUT + batch * sdb + head * sdh + r64 * sds + cols[None, :], mask=mask, other=0.0)
-    delta = tl.sum(out.to(tl.float32) * dout.to(tl.float32), 1)
     stat = batch * slb + head * slh + rows
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + stat, mask=in_seq, other=0.0)
+    delta = row_delta(out, dout, DLSE, stat, rows, seqlen, HAS_DLSE)
     lse = tl.load(LSE + stat, mask=in_seq, other=float("inf"))
     sink = tl.load(SINKS + head).to(tl.float32)
-    tl.store(SHARE + stat, tl.exp2((sink - lse) * _LOG2E) * delta, mask=in_seq)
+    tl.store(SHARE + stat, tl.exp2((sink - lse) * LOG2E) * delta, mask=in_seq)
+
+
+def tiles(head_dim):
+    """(BLOCK_S, BLOCK_D) of both kernels: a row of the head dim, up to 8192 elements a program."""
+    block_d = triton.next_power_of_2(head_dim)
+    return max(1, min(64, 8192 // block_d)), block_d
 
 
 def _grid_and_blocks(rows, head_dim):
-    block_d = triton.next_power_of_2(head_dim)
-    block_s = max(1, min(64, 8192 // block_d))
+    block_s, block_d = tiles(head_dim)
     b, s, h, _ = rows.shape
     return (triton.cdiv(s, block_s), h, b), block_s, block_d
 
@@ -107,9 +110,9 @@ def join(varlen, out, lse, saved, sinks):
         rows, stats = _batched(varlen, out, lse)
         joined = torch.empty_like(lse)
         grid, block_s, block_d = _grid_and_blocks(rows, rows.shape[-1])
-        _join_kernel[grid](rows, stats, sinks, _batched(varlen, out, joined)[1], rows.shape[1], rows.shape[-1],
-                           rows.stride(0), rows.stride(1), rows.stride(2), stats.stride(0), stats.stride(1),
-                           BLOCK_S=block_s, BLOCK_D=block_d)
+        launch(_join_kernel, grid, rows, stats, sinks, _batched(varlen, out, joined)[1], rows.shape[1],
+               rows.shape[-1], rows.stride(0), rows.stride(1), rows.stride(2), stats.stride(0), stats.stride(1),
+               BLOCK_S=block_s, BLOCK_D=block_d)
     else:
         base = torch.where(lse == float("inf"), float("-inf"), lse)
         joined = torch.logaddexp(base, _per_row(varlen, sinks))
@@ -134,11 +137,10 @@ def _gradient(sinks: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: t
         drows = _batched(varlen, dout, lse)[0]
         share = torch.empty_like(lse)
         grid, block_s, block_d = _grid_and_blocks(rows, rows.shape[-1])
-        _share_kernel[grid](rows, drows, stats, stats if dlse is None else _batched(varlen, out, dlse)[1], sinks,
-                            _batched(varlen, out, share)[1], rows.shape[1], rows.shape[-1], rows.stride(0),
-                            rows.stride(1), rows.stride(2), drows.stride(0), drows.stride(1), drows.stride(2),
-                            stats.stride(0), stats.stride(1), HAS_DLSE=dlse is not None,
-                            BLOCK_S=block_s, BLOCK_D=block_d)
+        launch(_share_kernel, grid, rows, drows, stats, stats if dlse is None else _batched(varlen, out, dlse)[1],
+               sinks, _batched(varlen, out, share)[1], rows.shape[1], rows.shape[-1], rows.stride(0),
+               rows.stride(1), rows.stride(2), drows.stride(0), drows.stride(1), drows.stride(2),
+               stats.stride(0), stats.stride(1), HAS_DLSE=dlse is not None, BLOCK_S=block_s, BLOCK_D=block_d)
     else:
         products = (dout.float() * out.float()).sum(-1)
         delta = products.transpose(0, 1) if varlen else products.transpose(1, 2)

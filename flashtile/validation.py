@@ -227,7 +227,7 @@ def sinks(x, heads: int, device):
         raise ValueError(f"sinks must have shape ({heads},) (one logit per query head), got {tuple(x.shape)}")
     if x.device != device:
         raise ValueError(f"sinks must be on {device}, like q, got {x.device}")
-    return x
+    return x.contiguous()  # the kernels read one logit per head at unit stride
 
 
 def softmax_scale(scale, head_dim: int) -> float:

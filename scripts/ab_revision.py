@@ -93,7 +93,7 @@ def add_revision_provider(rev_name):
     rev = importlib.import_module(package_name(rev_name))
 
     def rev_v3(q, k, v, causal, kernel_options=None, **features):
-        bench._plain_only("the revision's v3", features)
+        bench.plain_only("the revision's v3", features)
         return rev.flash_attn_func(q, k, v, causal=causal, version="v3")
 
     bench.PROVIDERS["rev-v3"] = rev_v3
@@ -107,14 +107,18 @@ def cells_of(args):
 
 
 def warm(args):
-    """Each cell's kernels compiled, tree's and the revision's, a process per cell."""
-    pending, cells = [], cells_of(args)
+    """Each cell's kernels compiled, tree's and the revision's, a process per cell; exits
+    non-zero if any process failed."""
+    pending, cells, failed = [], cells_of(args), 0
     while cells or pending:
         while cells and len(pending) < args.jobs:
             pending.append(subprocess.Popen([sys.executable, __file__, "warm-one", args.rev, "--cells", cells.pop(),
                                              "--tokens", str(args.tokens), "--hidden", str(args.hidden)]))
         pending[0].wait()
+        failed += sum(p.returncode != 0 for p in pending if p.poll() is not None)
         pending = [p for p in pending if p.poll() is None]
+    if failed:
+        sys.exit(f"{failed} warm-up process(es) failed")
 
 
 def warm_one(args):

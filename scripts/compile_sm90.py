@@ -119,7 +119,8 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     p = problem(head_dim, softcap=softcap, alibi=alibi)
     base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=varlen, UPCAST=False,
                 SCORE=score.mod_of(p))
-    rows = dict(BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=64)
+    block_s, block_d = sinks.tiles(head_dim)
+    rows = dict(BLOCK_D=block_d, BLOCK_S=block_s)
     yield "sinks.join", sinks._join_kernel, rows, {}, None
     yield "sinks.gradient", sinks._share_kernel, dict(rows, HAS_DLSE=True), {}, None
     # Decoding against a paged cache, GQA packed (one split writes the output itself), and the
@@ -127,11 +128,11 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     q = torch.empty(8, 1, 32, head_dim, dtype=torch.bfloat16)
     plan = dispatch.decode_plan(q, 8, 4096, 1)
     yield "decode.split", decode._split_kernel, dict(
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n, SPLITS=1, PAGED=True, HAS_LEFTPAD=False, HAS_BATCH_IDX=False, UPCAST=False,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=decode.padded_head_dim(head_dim), BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n, PAGED=True, HAS_LEFTPAD=False, HAS_BATCH_IDX=False, UPCAST=False,
         SCORE=score.mod_of(p)), dict(num_warps=plan.num_warps, num_stages=plan.num_stages), None
-    yield "decode.combine", decode._combine_kernel, dict(
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_T=16), dict(num_warps=4), None
+    combine = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=decode.padded_head_dim(head_dim), BLOCK_T=decode.COMBINE_ROWS)
+    yield "decode.combine", decode._combine_kernel, combine, dict(num_warps=decode.COMBINE_WARPS), None
     f = dispatch.forward_plan(p, "v2", dispatch.HOPPER, opts).config
     yield "v2.fwd", v2._fwd_kernel, dict(base, BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages), \
         _options(f), None
@@ -153,28 +154,29 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
         yield f"v3.fwd{'_band' if banded else ''}", v3._fwd_kernel, dict(
             base, BLOCK_M=c3.block_m, BLOCK_N=c3.block_n, NUM_STAGES=c3.num_stages, UNMASKED=plan.unmasked,
             WARP_SPECIALIZE=plan.unmasked and c3.warp_specialize), _options(c3), None
+    features = dict(softcap=softcap, alibi=alibi)
     if not varlen:  # the Gluon kernels take batched problems only
-        yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, softcap=softcap, alibi=alibi))
-        yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, causal=True, softcap=softcap, alibi=alibi))
+        yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, **features))
+        yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, causal=True, **features))
         yield ("v3.fwd_gluon_window", gluon_fwd._fwd_kernel,
-               *gluon_case(head_dim, opts, causal=True, window_left=512, softcap=softcap, alibi=alibi))
-        yield ("v3.bwd_dq_gluon", gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, opts, True, softcap=softcap, alibi=alibi))
+               *gluon_case(head_dim, opts, causal=True, window_left=512, **features))
+        yield ("v3.bwd_dq_gluon", gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, opts, True, **features))
         yield ("v3.bwd_dkdv_gluon", gluon_bwd._dkdv_kernel,
-               *gluon_bwd_case(p.head_dim_pad, opts, False, softcap=softcap, alibi=alibi))
+               *gluon_bwd_case(p.head_dim_pad, opts, False, **features))
         if not configs.split_head_dim(p.head_dim_pad):  # up to d128
             # The two passes over a band's tiles (persistent, from the tile counter), and with a
             # CTA per tile (as few tiles as SMs).
             yield ("v3.bwd_dq_gluon_causal", gluon_bwd._dq_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, True, causal=True, softcap=softcap, alibi=alibi))
+                   *gluon_bwd_case(p.head_dim_pad, opts, True, causal=True, **features))
             yield ("v3.bwd_dkdv_gluon_causal", gluon_bwd._dkdv_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, False, causal=True, softcap=softcap, alibi=alibi))
+                   *gluon_bwd_case(p.head_dim_pad, opts, False, causal=True, **features))
             yield ("v3.bwd_dq_gluon_tile", gluon_bwd._dq_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, True, False, False, softcap=softcap, alibi=alibi))
+                   *gluon_bwd_case(p.head_dim_pad, opts, True, False, False, **features))
             yield ("v3.bwd_dkdv_gluon_tile", gluon_bwd._dkdv_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, False, False, False, softcap=softcap, alibi=alibi))
+                   *gluon_bwd_case(p.head_dim_pad, opts, False, False, False, **features))
             # The single pass (it does not split the head dim).
             yield ("v3.bwd_reduce_gluon", gluon_bwd._dkdv_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, False, True, softcap=softcap, alibi=alibi))
+                   *gluon_bwd_case(p.head_dim_pad, opts, False, True, **features))
 
 
 def main():

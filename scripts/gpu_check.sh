@@ -76,7 +76,7 @@ for stage in $stages; do
     ablation)
       python scripts/ablation_v3.py --out "$OUT/ablation_v3.json" | tee "$OUT/ablation_v3.md" || status=1 ;;
     ab)
-      python scripts/ab_revision.py warm "${AB_REV:?AB_REV names the revision in .ab}" --bars 64,128,256
+      python scripts/ab_revision.py warm "${AB_REV:?AB_REV names the revision in .ab}" --bars 64,128,256 || status=1
       python scripts/ab_revision.py run "$AB_REV" --bars 64,128,256 \
         --rounds "${AB_ROUNDS:-2}" --out "$OUT/ab.json" 2>&1 | tee "$OUT/ab.md" || status=1 ;;
     features)

@@ -148,6 +148,24 @@ def test_sinks(version, causal):
         assert max_err(g, g_ref) <= 3 * max_err(g_pt, g_ref) + 1e-4, name
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sinks_given_as_a_strided_view(version):
+    # One logit per head read at its stride: a column of a (heads, 2) table gives the same output
+    # and gradients as its contiguous copy.
+    q, k, v = make_qkv(1, 40, 40, HEADS, HEADS, 32, DTYPES[0], DEVICE)
+    values = torch.randn(HEADS, 2, device=DEVICE)
+    results = []
+    for strided in (True, False):
+        table = values.clone().requires_grad_()
+        sinks = table[:, 0] if strided else table[:, 0].contiguous()
+        assert sinks.is_contiguous() != strided
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = flash_attn_func(*leaves, causal=True, sinks=sinks, version=version)
+        results.append((out, *torch.autograd.grad(out, (*leaves, table), torch.ones_like(out))))
+    for strided, contiguous in zip(*results):
+        assert torch.equal(strided, contiguous)
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 def test_sink_join_and_gradient_kernels_match_their_pytorch_form(varlen, monkeypatch):
     # The join and the sinks' gradient run as Triton kernels wherever Triton runs, as PyTorch
@@ -374,6 +392,20 @@ def test_gradient_through_logsumexp(version, head_dim=32, kernel_options=None):
         assert max_err(g, g_ref) <= 3 * max_err(g_pt, g_ref) + 1e-4
 
 
+# Packed sequences' lengths: one without queries (on the GPU: one query), seqlen_q <, =, > seqlen_k.
+VARLEN_Q = [37, 0, 93, 70] if not ON_GPU else [370, 1, 930, 2000]
+VARLEN_K = [50, 20, 93, 33] if not ON_GPU else [500, 200, 930, 1333]
+
+
+def _per_sequence(cu_q, cu_k, q, k, v):
+    """(b, query rows, key rows, (q, k, v) of sequence b as a batch of one) for every sequence
+    with queries."""
+    for b in range(len(cu_q) - 1):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if qs.stop > qs.start:
+            yield b, qs, ks, [x[None].detach() for x in (q[qs], k[ks], v[ks])]
+
+
 def _varlen_case(lengths_q, lengths_k, heads_q=4, heads_k=2, d=64):
     cu_q = torch.tensor([0] + lengths_q, device=DEVICE).cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0] + lengths_k, device=DEVICE).cumsum(0).to(torch.int32)
@@ -385,23 +417,18 @@ def _varlen_case(lengths_q, lengths_k, heads_q=4, heads_k=2, d=64):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("version", VERSIONS)
 def test_varlen(version, causal):
-    lengths_q = [37, 0, 93, 70] if not ON_GPU else [370, 1, 930, 2000]
-    lengths_k = [50, 20, 93, 33] if not ON_GPU else [500, 200, 930, 1333]
-    q, k, v, cu_q, cu_k = _varlen_case(lengths_q, lengths_k)
+    q, k, v, cu_q, cu_k = _varlen_case(VARLEN_Q, VARLEN_K)
     dout = torch.randn_like(q)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out, lse, _ = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+    out, lse, _ = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(VARLEN_Q), max(VARLEN_K), causal=causal,
                                          return_attn_probs=True, version=version)
-    assert lse.shape == (4, sum(lengths_q))
+    assert lse.shape == (4, sum(VARLEN_Q))
     grads = torch.autograd.grad(out, leaves, dout)
     # Each sequence on its own, through the batched path, gives the same numbers; on the GPU,
     # v3's varlen runs the plain-Triton forward and v2's backward, so the batched calls here take
     # those too (the Gluon kernels are checked against the oracle elsewhere).
-    for b in range(len(lengths_q)):
-        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        if lengths_q[b] == 0:
-            continue
-        one = [x[None].clone().requires_grad_() for x in (q[qs], k[ks], v[ks])]
+    for _, qs, ks, one in _per_sequence(cu_q, cu_k, q, k, v):
+        one = [x.clone().requires_grad_() for x in one]
         o1 = flash_attn_func(*one, causal=causal, version=version, kernel_options="forward=triton;backward=v2")
         g1 = torch.autograd.grad(o1, one, dout[qs][None])
         torch.testing.assert_close(out[qs], o1[0], atol=2e-3, rtol=0)
@@ -418,18 +445,14 @@ def test_varlen(version, causal):
 def test_varlen_alibi_takes_each_sequence_slopes(version):
     # (batch, heads) slopes with packed sequences: sequence b reads row b, and its bias follows
     # its own bottom-right diagonal.
-    lengths_q = [37, 0, 93, 70] if not ON_GPU else [370, 1, 930, 2000]
-    lengths_k = [50, 20, 93, 33] if not ON_GPU else [500, 200, 930, 1333]
-    q, k, v, cu_q, cu_k = _varlen_case(lengths_q, lengths_k)
-    slopes = alibi_slopes(len(lengths_q), q.shape[1])
+    q, k, v, cu_q, cu_k = _varlen_case(VARLEN_Q, VARLEN_K)
+    slopes = alibi_slopes(len(VARLEN_Q), q.shape[1])
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
+    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(VARLEN_Q), max(VARLEN_K), causal=True,
                                  alibi_slopes=slopes, version=version)
     dout = torch.randn_like(q)
     grads = torch.autograd.grad(out, leaves, dout)
-    for b in (0, 2, 3):
-        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        one = [x[None].detach() for x in (q[qs], k[ks], v[ks])]
+    for b, qs, ks, one in _per_sequence(cu_q, cu_k, q, k, v):
         oracle, oracle_grads = _with_grads(lambda *t: standard_attention(*t, causal=True, alibi_slopes=slopes[b],
                                                                           upcast=True), one, dout[qs][None].double())
         pt, pt_grads = _with_grads(lambda *t: standard_attention(*t, causal=True, alibi_slopes=slopes[b]), one,
@@ -443,22 +466,16 @@ def test_varlen_alibi_takes_each_sequence_slopes(version):
 def test_varlen_sinks(version):
     # Sinks with packed sequences (softmax_lse as (nheads, total_q)): each sequence as the
     # batched call gives it, the sinks' gradient summed over all of them.
-    lengths_q = [37, 0, 93, 70] if not ON_GPU else [370, 1, 930, 2000]
-    lengths_k = [50, 20, 93, 33] if not ON_GPU else [500, 200, 930, 1333]
-    q, k, v, cu_q, cu_k = _varlen_case(lengths_q, lengths_k)
+    q, k, v, cu_q, cu_k = _varlen_case(VARLEN_Q, VARLEN_K)
     sinks = torch.randn(q.shape[1], device=DEVICE)
     dout = torch.randn_like(q)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
-    out, lse, _ = flash_attn_varlen_func(*leaves[:3], cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
+    out, lse, _ = flash_attn_varlen_func(*leaves[:3], cu_q, cu_k, max(VARLEN_Q), max(VARLEN_K), causal=True,
                                          sinks=leaves[3], return_attn_probs=True, version=version)
     grads = torch.autograd.grad(out, leaves, dout)
     dsinks = torch.zeros_like(sinks, dtype=torch.float64)
     pt_dsinks = torch.zeros_like(sinks)
-    for b in range(len(lengths_q)):
-        if lengths_q[b] == 0:
-            continue
-        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        one = [x[None].detach() for x in (q[qs], k[ks], v[ks])]
+    for _, qs, ks, one in _per_sequence(cu_q, cu_k, q, k, v):
         oracle, oracle_lse = standard_attention(*one, causal=True, sinks=sinks, upcast=True, return_lse=True)
         pt = standard_attention(*one, causal=True, sinks=sinks)
         assert max_err(out[qs][None], oracle) <= 2 * max_err(pt, oracle) + 1e-5

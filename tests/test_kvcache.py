@@ -187,6 +187,7 @@ def test_refusals():
          ValueError, "pass k and v"),
         (dict(cache_seqlens=torch.full((2,), 20, dtype=torch.int32, device=DEVICE), k=case.k_new, v=case.v_new),
          ValueError, "capacity"),
+        (dict(cache_seqlens=20, k=case.k_new, v=case.v_new), ValueError, "capacity"),  # checked without a copy
         (dict(cache_seqlens=lengths.long()), TypeError, "cache_seqlens must be torch.int32"),
         (dict(cache_seqlens=lengths, cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)),
          ValueError, "cache_batch_idx must index"),

@@ -20,34 +20,36 @@ import triton.language as tl
 from flashtile.kernels import score
 from flashtile.kernels.blocks import band_mask, diagonal_band, visited_blocks
 from flashtile.kernels.launch import launch
-from flashtile.kernels.tiles import finalize_rows, online_softmax_step, values_product
-
-LOG2E = 1.4426950408889634
+from flashtile.kernels.tiles import LOG2E, finalize_rows, online_softmax_step, values_product
 
 
 @triton.jit
-def _cache_index(batch_row, keys, in_seq, page_size, BLOCK_TABLE, sbt, batch, PAGED: tl.constexpr):
+def _cache_index(batch_row, keys, in_seq, page_size, BLOCK_TABLE, sbt, batch, outer_count, PAGED: tl.constexpr):
     """(outer, inner) indices of absolute key indices ``keys`` in the cache: (page, slot) or
-    (batch row, key); keys past the sequence go to (0, 0) and are masked by the caller."""
+    (batch row, key); keys past the sequence go to (0, 0) and are masked by the caller.  Outer
+    indices are clamped to the cache's ``outer_count`` pages or rows: a table entry out of range
+    (unchecked under CUDA-graph capture) reads the wrong keys, never outside the cache."""
     keys = tl.where(in_seq, keys, 0)
     if PAGED:
-        page = tl.load(BLOCK_TABLE + batch * sbt + keys // page_size, mask=in_seq, other=0)
-        return page.to(tl.int64), (keys % page_size).to(tl.int64)
+        outer = tl.load(BLOCK_TABLE + batch * sbt + keys // page_size, mask=in_seq, other=0).to(tl.int64)
+        inner = (keys % page_size).to(tl.int64)
     else:
-        return tl.where(in_seq, batch_row, 0), keys.to(tl.int64)
+        outer = tl.where(in_seq, batch_row, 0)
+        inner = keys.to(tl.int64)
+    return tl.minimum(tl.maximum(outer, 0), outer_count - 1), inner
 
 
 @triton.jit
 def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
                   sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, sop, slb, slh, slp, sbt,
-                  seqlen_q, heads_k, group, capacity, page_size, scale_log2, window_left, window_right,
-                  score_args,
+                  seqlen_q, heads_k, group, capacity, page_size, outer_count, scale_log2, window_left,
+                  window_right, score_args,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SPLITS: tl.constexpr, PAGED: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+                  PAGED: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
                   HAS_BATCH_IDX: tl.constexpr, UPCAST: tl.constexpr, SCORE: tl.constexpr):
     """Rows [m0, m0 + BLOCK_M) of (query token, query head of the group) for one KV head, over
-    this split's share of the keys.  O and LSE: the output and logsumexp, or with SPLITS > 1
-    the per-split partials (split stride sop, slp)."""
+    this split's share of the keys.  O and LSE: the output and logsumexp, or with several splits
+    (the grid's third dimension) the per-split partials (split stride sop, slp)."""
     m0 = tl.program_id(0) * BLOCK_M
     batch = tl.program_id(1) // heads_k
     head_k = tl.program_id(1) % heads_k
@@ -76,7 +78,7 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
     last = tl.minimum((m0 + BLOCK_M - 1) // group, seqlen_q - 1)
     lo, _, _, hi = visited_blocks(first, last - first + 1, BLOCK_N, seqlen_k, dlo, dhi)
     # This split's share: whole blocks of the band, in order.
-    per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), SPLITS) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), tl.num_programs(2)) * BLOCK_N
     split_lo = lo + split * per_split
     split_hi = tl.minimum(hi, split_lo + per_split)
     site = (batch, head[:, None], seqlen_k - seqlen_q, score_args)
@@ -88,7 +90,8 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
         cols = n0 + offs_n
         in_seq = cols < seqlen_k
         mask = in_seq[:, None] & in_dim[None, :]
-        outer, inner = _cache_index(batch_row, start + cols, in_seq, page_size, BLOCK_TABLE, sbt, batch, PAGED)
+        outer, inner = _cache_index(batch_row, start + cols, in_seq, page_size, BLOCK_TABLE, sbt, batch, outer_count,
+                                    PAGED)
         k = tl.load((K + head_k * skh + outer * skb + inner * sks)[:, None] + offs_d[None, :], mask=mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
@@ -131,7 +134,7 @@ def _combine_kernel(PART_O, PART_LSE, O, LSE, seqlen_q, heads, splits,
     outs = PART_O + batch * sob + tokens[:, None].to(tl.int64) * sos + head * soh + offs_d[None, :]
     for s in range(splits):
         lse = tl.load(stats + s * slp, mask=in_rows, other=float("inf"))
-        weight = tl.where(lse == float("inf"), 0.0, tl.math.exp2((lse - ref) * 1.4426950408889634))
+        weight = tl.where(lse == float("inf"), 0.0, tl.math.exp2((lse - ref) * LOG2E))
         total += weight
         part = tl.load(outs + s * sop, mask=mask, other=0.0)
         acc += weight[:, None] * part
@@ -141,6 +144,14 @@ def _combine_kernel(PART_O, PART_LSE, O, LSE, seqlen_q, heads, splits,
     tl.store(O + batch * tob + tokens[:, None].to(tl.int64) * tos + head * toh + offs_d[None, :],
              out.to(O.dtype.element_ty), mask=mask)
     tl.store(LSE + batch * tlb + head * tlh + tokens, lse, mask=in_rows)
+
+
+COMBINE_ROWS, COMBINE_WARPS = 16, 4  # the combine's rows per program and warps
+
+
+def padded_head_dim(head_dim):
+    """The kernels' head-dim tile: a power of two, at least the 16 a matmul needs."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def forward(plan, q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, scale, window, features):
@@ -161,7 +172,7 @@ def forward(plan, q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, sc
         part_o, part_lse = out, lse
     dummy = ends  # a pointer for the absent tables (never read)
     grid = (triton.cdiv(seqlen_q * group, plan.block_m), batch * heads_k, plan.splits)
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    head_dim_pad = padded_head_dim(head_dim)
     launch(
         _split_kernel, grid,
         q, k_cache, v_cache, part_o, part_lse, ends, dummy if leftpad is None else leftpad,
@@ -171,18 +182,17 @@ def forward(plan, q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, sc
         part_o.stride(-4), part_o.stride(-3), part_o.stride(-2), part_o.stride(0) if plan.splits > 1 else 0,
         part_lse.stride(-3), part_lse.stride(-2), part_lse.stride(0) if plan.splits > 1 else 0,
         block_table.stride(0) if paged else 0,
-        seqlen_q, heads_k, group, capacity, k_cache.shape[1] if paged else 1, scale * LOG2E, window[0], window[1],
-        score.args_of(features),
+        seqlen_q, heads_k, group, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0], scale * score.LOG2E,
+        window[0], window[1], score.args_of(features),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        SPLITS=plan.splits, PAGED=paged, HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None,
+        PAGED=paged, HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None,
         UPCAST=plan.upcast, SCORE=score.mod_of(features), num_warps=plan.num_warps, num_stages=plan.num_stages)
     if plan.splits > 1:
-        block_t = 16
         launch(
-            _combine_kernel, (triton.cdiv(seqlen_q, block_t), batch * heads),
+            _combine_kernel, (triton.cdiv(seqlen_q, COMBINE_ROWS), batch * heads),
             part_o, part_lse, out, lse, seqlen_q, heads, plan.splits,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3),
             part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_T=block_t, num_warps=4)
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_T=COMBINE_ROWS, num_warps=COMBINE_WARPS)
     return out, lse

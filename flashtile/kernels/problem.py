@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from flashtile import options
+from flashtile.kernels.tiles import LOG2E
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,7 +95,7 @@ class Problem:
     @property
     def scale_log2(self) -> float:
         # exp(x * scale) == exp2(x * scale * log2(e)): the scale is folded into one multiply.
-        return self.softmax_scale * 1.4426950408889634
+        return self.softmax_scale * LOG2E.value
 
     def seq_strides(self, x: torch.Tensor):
         """(batch, seq, head) strides of q/k/v/o-like tensors; the batch stride is 0 for varlen."""

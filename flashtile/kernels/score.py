@@ -26,8 +26,9 @@ import triton
 import triton.language as tl
 
 from flashtile import options
+from flashtile.kernels import tiles
 
-LOG2E = 1.4426950408889634
+LOG2E = tiles.LOG2E.value  # on the host; kernels read tiles.LOG2E
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def _alibi_bias(q_idx, kv_idx, batch, head, offset, args):
     the slope of (batch, head) read from args[1] with batch stride args[2] (0: one per head).
     The positions turn into floats before they broadcast (a conversion per row and per column,
     not per score); their difference is exact below 2**24."""
-    slope = tl.load(args[1] + batch * args[2] + head) * 1.4426950408889634
+    slope = tl.load(args[1] + batch * args[2] + head) * tiles.LOG2E
     return slope * tl.abs((q_idx + offset).to(tl.float32) - kv_idx.to(tl.float32))
 
 

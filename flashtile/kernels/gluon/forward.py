@@ -46,7 +46,7 @@ from flashtile.kernels.configs import WARPGROUP_ROWS
 from flashtile.kernels.gluon.scheduler import (end_tiles, next_tile, no_counter, publish_tile, read_next_tile,
                                                read_tile, sm_count, start_tiles, tile_counter)
 from flashtile.kernels.launch import launch
-from flashtile.kernels.tiles import finalize_rows, online_softmax_step
+from flashtile.kernels.tiles import LOG2E, finalize_rows, online_softmax_step
 
 PRODUCER_REGS = gl.constexpr(24)      # the TMA-issuing warp needs almost none
 SHARED_MEMORY = 232448 - 1024         # the H100/H200 per-block limit, less room for the mbarriers
@@ -520,7 +520,7 @@ def _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_row
     in_seq = rows < seqlen_q
     site = (batch, head, offset, score_args)
     # +inf for rows that see no key: p = 0
-    lse2 = gl.load(lse_rows + rows, mask=in_seq, other=float("inf")) * 1.4426950408889634
+    lse2 = gl.load(lse_rows + rows, mask=in_seq, other=float("inf")) * LOG2E
     q_rows = q_base + rows.to(gl.int64)[:, None] * sqs
     o_rows = o_base + rows.to(gl.int64)[:, None] * sos
     for c in range(HEAD_DIM_PAD // CHUNK):
