@@ -4,8 +4,9 @@ Decoding is bound by reading the cache, so each cell reports the bandwidth achie
 bytes of K and V read ÷ time, beside the GPU's measured copy bandwidth (bytes read + written ÷
 time of a device-to-device copy).  Providers: flashtile's ``flash_attn_with_kvcache`` on a
 contiguous cache and on pages of ``page_size`` rows, and PyTorch SDPA's backends on the same
-tensors in its layout (GQA through ``enable_gqa``, no copy of K/V).  Each record also holds the
-host time per call (the CPU's time to enqueue one), which bounds short cells.
+tensors in its layout (GQA through ``enable_gqa``, no copy of K/V).  Each cell is timed twice:
+called eagerly, where the CPU's time to enqueue a call (recorded too) bounds short cells, and
+replayed from a CUDA graph, as serving engines run their decoding steps.
 """
 import json
 import os
@@ -73,7 +74,8 @@ def _host_us(call, calls=100):
 
 
 def measure(provider, batch, cache, **shape):
-    """(median ms, host us per call) of one cell."""
+    """(median ms called eagerly, median ms replayed from a CUDA graph (None without a GPU), host
+    us per eager call) of one cell."""
     call = make_call(provider, batch, cache, **shape)
     call()
     if not torch.cuda.is_available():
@@ -82,9 +84,10 @@ def measure(provider, batch, cache, **shape):
             t = time.perf_counter()
             call()
             times.append(1e3 * (time.perf_counter() - t))
-        return statistics.median(times), _host_us(call, 3)
+        return statistics.median(times), None, _host_us(call, 3)
     ms = triton.testing.do_bench(call, warmup=50, rep=100, return_mode="median")
-    return ms, _host_us(call)
+    graph_ms = triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median")
+    return ms, graph_ms, _host_us(call)
 
 
 def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size=16, on_error=print):
@@ -97,7 +100,7 @@ def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size
             kv_bytes = 2 * batch * cache * heads_k * head_dim * 2
             for provider in providers:
                 try:
-                    ms, host_us = measure(provider, batch, cache, heads=heads, heads_k=heads_k,
+                    ms, graph_ms, host_us = measure(provider, batch, cache, heads=heads, heads_k=heads_k,
                                           head_dim=head_dim, page_size=page_size)
                 except Exception as e:  # one provider failing must not stop the grid
                     on_error(f"{provider} batch {batch} cache {cache}: {type(e).__name__}: {str(e)[:160]}")
@@ -107,26 +110,39 @@ def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size
                         torch.cuda.empty_cache()
                 records.append(dict(provider=provider, batch=batch, cache=cache, heads=heads, heads_k=heads_k,
                                     head_dim=head_dim, page_size=page_size, dtype="bf16", ms=ms,
-                                    tbps=kv_bytes / ms / 1e9, host_us=host_us, copy_tbps=copy_tbps, **env))
+                                    tbps=kv_bytes / ms / 1e9, graph_ms=graph_ms,
+                                    graph_tbps=graph_ms and kv_bytes / graph_ms / 1e9, host_us=host_us, copy_tbps=copy_tbps, **env))
     return records
 
 
+def _ratio(by, batch, cache, providers, key):
+    """flashtile's ``key`` over the best SDPA backend's in one cell, as text."""
+    sdpa = [by[(batch, cache, p)][key] for p in providers
+            if p.startswith("sdpa-") and (batch, cache, p) in by and by[(batch, cache, p)][key]]
+    ours = by.get((batch, cache, "flashtile"))
+    return f"{ours[key] / max(sdpa):.2f}" if ours and ours[key] and sdpa else "—"
+
+
 def markdown_table(records):
-    """TB/s per provider for each (batch, cache) cell, flashtile over the best SDPA backend."""
+    """TB/s per provider for each (batch, cache) cell, eager and from a CUDA graph, and
+    flashtile over the best SDPA backend in each."""
     providers = [p for p in PROVIDERS if any(r["provider"] == p for r in records)]
     cells = sorted({(r["batch"], r["cache"]) for r in records})
     by = {(r["batch"], r["cache"], r["provider"]): r for r in records}
     copy = next((r["copy_tbps"] for r in records if r["copy_tbps"]), None)
     lines = [f"Decode: 1 query token, {records[0]['heads']}/{records[0]['heads_k']} heads, d{records[0]['head_dim']}, "
-             f"bf16; K/V bytes read / time in TB/s" + (f" (device copy {copy:.2f} TB/s)" if copy else "") + "; "
-             f"paged: pages of {records[0]['page_size']}.", "",
-             "| batch | cache | " + " | ".join(providers) + " | flashtile / best SDPA | flashtile host us |",
-             "|---" * (len(providers) + 4) + "|"]
+             f"bf16; K/V bytes read / time in TB/s, CUDA-graph replay (eager call)"
+             + (f"; device copy {copy:.2f} TB/s" if copy else "") + f"; paged: pages of {records[0]['page_size']}.",
+             "", "| batch | cache | " + " | ".join(providers) + " | flashtile / best SDPA, graph (eager) | "
+             "flashtile host us |", "|---" * (len(providers) + 4) + "|"]
+
+    def cell(record):
+        eager = f"{record['tbps']:.2f}"
+        return f"{record['graph_tbps']:.2f} ({eager})" if record.get("graph_tbps") else eager
     for batch, cache in cells:
-        row = [f"{by[(batch, cache, p)]['tbps']:.2f}" if (batch, cache, p) in by else "—" for p in providers]
-        sdpa = [by[(batch, cache, p)]["tbps"] for p in providers if p.startswith("sdpa-") and (batch, cache, p) in by]
+        row = [cell(by[(batch, cache, p)]) if (batch, cache, p) in by else "—" for p in providers]
+        ratio = f"{_ratio(by, batch, cache, providers, 'graph_tbps')} ({_ratio(by, batch, cache, providers, 'tbps')})"
         ours = by.get((batch, cache, "flashtile"))
-        ratio = f"{ours['tbps'] / max(sdpa):.2f}" if ours and sdpa else "—"
         host = f"{ours['host_us']:.0f}" if ours else "—"
         lines.append(f"| {batch} | {cache} | " + " | ".join(row) + f" | {ratio} | {host} |")
     return "\n".join(lines) + "\n"

@@ -269,15 +269,16 @@ class DecodePlan:
 
 
 # Keys a split should have at least: fewer make the combine's reads weigh.
-DECODE_MIN_SPLIT_KEYS = 512
+DECODE_MIN_SPLIT_KEYS = 256
 DECODE_MAX_SPLITS = 64
 
 
 def decode_plan(q, heads_k: int, capacity: int, num_splits: int) -> DecodePlan:
     """Tiles and split count for q (batch, seqlen_q, heads, head_dim) over a cache of
-    ``capacity`` keys per sequence.  ``num_splits`` 0: enough programs for two per SM where the
-    row blocks alone do not fill the GPU, each split at least DECODE_MIN_SPLIT_KEYS keys of the
-    capacity (a static shape: no sequence length is read on the host); > 0: that many."""
+    ``capacity`` keys per sequence.  ``num_splits`` 0: enough programs for one per SM where the
+    row blocks alone do not fill the GPU (more, each with fewer keys in flight, read the cache
+    slower on the H200), each split at least DECODE_MIN_SPLIT_KEYS keys of the capacity (a
+    static shape: no sequence length is read on the host); > 0: that many."""
     batch, seqlen_q, heads, head_dim = q.shape
     interpreter = _options.interpreting()
     rows = seqlen_q * (heads // heads_k)
@@ -289,7 +290,7 @@ def decode_plan(q, heads_k: int, capacity: int, num_splits: int) -> DecodePlan:
         from flashtile.kernels.gluon.scheduler import sm_count
         sms = 4 if interpreter or not q.is_cuda else sm_count(q.device.index)
         programs = -(-rows // block_m) * batch * heads_k
-        wanted = -(-2 * sms // programs)
+        wanted = -(-sms // programs)
         splits = max(1, min(wanted, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
     upcast = interpreter and q.dtype == torch.bfloat16
-    return DecodePlan(block_m, block_n, splits, 4, 2, upcast)
+    return DecodePlan(block_m, block_n, splits, 4, 3, upcast)

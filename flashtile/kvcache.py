@@ -41,38 +41,43 @@ def _int32_table(name, x, shape, device):
 
 
 def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache, block_table, pages):
-    """The tables' values.  Those on the device are read in one device-to-host copy (skipped
-    while a CUDA graph is being captured; the kernel then clamps each sequence's end to the
-    capacity and every page or cache row it reads to the cache); ``seqlens`` given as an int
-    costs none."""
-    device_tables = {name: t for name, t in (("seqlens", seqlens), ("leftpad", leftpad), ("batch_idx", batch_idx),
-                                             ("block_table", block_table)) if isinstance(t, torch.Tensor)}
-    if not device_tables:
-        named = {}
-    elif next(iter(device_tables.values())).is_cuda and torch.cuda.is_current_stream_capturing():
+    """The tables' values, where reading them costs no device-to-host copy: ``seqlens`` given as
+    an int, and tables of CPU tensors.  Tables on a GPU are not read (as in flash_attn: a copy
+    would stall every decoding step); the kernel clamps each sequence's end to the capacity and
+    every page or cache row it reads to the cache, so a wrong entry cannot read outside it."""
+    def out_of_capacity(got):
+        return ValueError(f"cache_seqlens (+ {seqlen_new} new keys) must lie in [0, {capacity}] (the cache's "
+                          f"capacity{' through block_table' if block_table is not None else ''}), got {got}")
+    if isinstance(seqlens, int) and not 0 <= seqlens <= capacity - seqlen_new:
+        raise out_of_capacity(seqlens)
+    tables = {name: t for name, t in (("seqlens", seqlens), ("leftpad", leftpad), ("batch_idx", batch_idx),
+                                      ("block_table", block_table)) if isinstance(t, torch.Tensor) and not t.is_cuda}
+    if not tables:
         return
-    else:
-        values = torch.cat([t.flatten() for t in device_tables.values()]).cpu()
-        named = dict(zip(device_tables, values.split([t.numel() for t in device_tables.values()])))
-    lengths = named.get("seqlens", torch.tensor([seqlens] if isinstance(seqlens, int) else []))
-    if (lengths < 0).any() or (lengths + seqlen_new > capacity).any():
-        raise ValueError(f"cache_seqlens (+ {seqlen_new} new keys) must lie in [0, {capacity}] (the cache's "
-                         f"capacity{' through block_table' if block_table is not None else ''}), got "
-                         f"{lengths.tolist()}")
-    if "leftpad" in named and ((named["leftpad"] < 0) | (named["leftpad"] > lengths)).any():
-        raise ValueError(f"cache_leftpad must lie in [0, cache_seqlens], got {named['leftpad'].tolist()}")
-    if "batch_idx" in named and ((named["batch_idx"] < 0) | (named["batch_idx"] >= batch_cache)).any():
+    if "seqlens" in tables and ((seqlens < 0) | (seqlens + seqlen_new > capacity)).any():
+        raise out_of_capacity(seqlens.tolist())
+    if "leftpad" in tables and ((tables["leftpad"] < 0) | (tables["leftpad"] > seqlens)).any():
+        raise ValueError(f"cache_leftpad must lie in [0, cache_seqlens], got {tables['leftpad'].tolist()}")
+    if "batch_idx" in tables and ((tables["batch_idx"] < 0) | (tables["batch_idx"] >= batch_cache)).any():
         raise ValueError(f"cache_batch_idx must index the cache's {batch_cache} rows, got "
-                         f"{named['batch_idx'].tolist()}")
-    if "block_table" in named and ((named["block_table"] < 0) | (named["block_table"] >= pages)).any():
+                         f"{tables['batch_idx'].tolist()}")
+    if "block_table" in tables and ((tables["block_table"] < 0) | (tables["block_table"] >= pages)).any():
         raise ValueError(f"block_table entries must index the cache's {pages} pages")
 
 
-def _append(k_cache, v_cache, k, v, starts, batch_idx, block_table):
+def _positions(seqlens, count, batch, device):
+    """(batch, count) positions seqlens + [0, count) of each sequence; ``seqlens`` an int or a
+    (batch,) tensor."""
+    steps = torch.arange(count, device=device)
+    if isinstance(seqlens, int):
+        return (steps + seqlens).expand(batch, count)
+    return seqlens.long()[:, None] + steps
+
+
+def _append(k_cache, v_cache, k, v, positions, batch_idx, block_table):
     """k, v (batch, seqlen_new, heads_k, head_dim) written into the caches in place at
-    positions starts + [0, seqlen_new) of each sequence's cache row (or pages)."""
+    ``positions`` (batch, seqlen_new) of each sequence's cache row (or pages)."""
     batch, seqlen_new = k.shape[:2]
-    positions = starts.long()[:, None] + torch.arange(seqlen_new, device=k.device)
     if block_table is not None:
         page_size = k_cache.shape[1]
         index = (block_table.long().gather(1, positions // page_size), positions % page_size)
@@ -155,11 +160,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 raise ValueError(f"{name} must be (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim, on q's "
                                  f"device, got shape {tuple(x.shape)} on {x.device}")
     if isinstance(cache_seqlens, torch.Tensor):
-        given = seqlens = _int32_table("cache_seqlens", cache_seqlens, (batch,), q.device)
+        seqlens = _int32_table("cache_seqlens", cache_seqlens, (batch,), q.device)
     else:
-        given = capacity - seqlen_new if cache_seqlens is None else \
+        seqlens = capacity - seqlen_new if cache_seqlens is None else \
             validation.integer("cache_seqlens", cache_seqlens, minimum=0)
-        seqlens = torch.full((batch,), given, dtype=torch.int32, device=q.device)
     batch_idx = _int32_table("cache_batch_idx", cache_batch_idx, (batch,), q.device)
     leftpad = _int32_table("cache_leftpad", cache_leftpad, (batch,), q.device)
     num_splits = validation.integer("num_splits", num_splits, minimum=0)
@@ -167,21 +171,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     alibi_slopes = validation.alibi_slopes(alibi_slopes, batch, heads, q.device)
     scale = validation.softmax_scale(softmax_scale, head_dim)
     window = validation.band(bool(causal), window_size, seqlen_q, capacity)
-    _check_values(given, seqlen_new, capacity, leftpad, batch_idx, k_cache.shape[0], block_table, k_cache.shape[0])
+    _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, k_cache.shape[0], block_table, k_cache.shape[0])
 
     if rotary_cos is not None:
-        positions = seqlens.long()[:, None] + torch.arange(seqlen_new, device=q.device)
-        k = rotary.apply(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
+        k = rotary.apply(k, rotary_cos, rotary_sin, _positions(seqlens, seqlen_new, batch, q.device),
+                         rotary_interleaved)
         if causal or validation.window(window_size) != (-1, -1):
-            q_positions = seqlens.long()[:, None] + torch.arange(seqlen_q, device=q.device)
+            q_positions = _positions(seqlens, seqlen_q, batch, q.device)
         else:
-            q_positions = seqlens.long()[:, None].expand(batch, seqlen_q)
+            q_positions = _positions(seqlens, 1, batch, q.device).expand(batch, seqlen_q)
         q = rotary.apply(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
     if k is not None:
-        _append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table)
+        _append(k_cache, v_cache, k, v, _positions(seqlens, seqlen_new, batch, q.device), batch_idx, block_table)
     q = validation.last_dim_contiguous(q)
     plan = dispatch.decode_plan(q, heads_k, capacity, num_splits)
     features = types.SimpleNamespace(softcap=softcap, alibi_slopes=alibi_slopes)
-    out, lse = decode.forward(plan, q, k_cache, v_cache, seqlens + seqlen_new, leftpad, batch_idx, block_table,
-                              scale, window, features)
+    ends, new_keys = (seqlens, seqlen_new) if isinstance(seqlens, torch.Tensor) else (None, seqlens + seqlen_new)
+    out, lse = decode.forward(plan, q, k_cache, v_cache, ends, new_keys, leftpad, batch_idx, block_table, scale,
+                              window, features)
     return (out, lse) if return_softmax_lse else out

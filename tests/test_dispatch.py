@@ -215,7 +215,7 @@ def test_decode_plan_splits_from_static_shapes():
     mqa = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16)  # one program without splits
     long_cache = dispatch.decode_plan(mqa, 1, 131072, 0)
     assert long_cache.splits > 1 and long_cache.block_m >= 16
-    assert dispatch.decode_plan(mqa, 1, 600, 0).splits == 1  # one split's worth of keys
+    assert dispatch.decode_plan(mqa, 1, 2 * dispatch.DECODE_MIN_SPLIT_KEYS - 1, 0).splits == 1  # one split's worth
     many = torch.empty(4096, 1, 32, 128, dtype=torch.bfloat16)
     assert dispatch.decode_plan(many, 8, 131072, 0).splits == 1
     # A block's rows are the query heads of one KV head times the query tokens.

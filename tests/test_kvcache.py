@@ -1,11 +1,14 @@
 """flash_attn_with_kvcache: decoding and chunked prefill over contiguous and paged caches, new
 keys appended (with rotary), split-KV, against the float64 oracle per sequence."""
+import types
+
 import pytest
 import torch
 from attention_check import assert_within_rule, max_err
 from conftest import DEVICE, ON_GPU
 
-from flashtile import flash_attn_with_kvcache, standard_attention
+from flashtile import dispatch, flash_attn_with_kvcache, standard_attention
+from flashtile.kernels import decode
 
 DTYPE = torch.bfloat16 if ON_GPU else torch.float16
 HEAD_DIM = 64 if ON_GPU else 32
@@ -185,16 +188,19 @@ def test_refusals():
         (dict(k=case.k_new), ValueError, "k and v must be given together"),
         (dict(rotary_cos=torch.ones(20, 8, device=DEVICE), rotary_sin=torch.ones(20, 8, device=DEVICE)),
          ValueError, "pass k and v"),
-        (dict(cache_seqlens=torch.full((2,), 20, dtype=torch.int32, device=DEVICE), k=case.k_new, v=case.v_new),
-         ValueError, "capacity"),
-        (dict(cache_seqlens=20, k=case.k_new, v=case.v_new), ValueError, "capacity"),  # checked without a copy
+        (dict(cache_seqlens=20, k=case.k_new, v=case.v_new), ValueError, "capacity"),  # an int: no copy
         (dict(cache_seqlens=lengths.long()), TypeError, "cache_seqlens must be torch.int32"),
-        (dict(cache_seqlens=lengths, cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)),
-         ValueError, "cache_batch_idx must index"),
         (dict(cache_seqlens=lengths, block_table=torch.zeros(2, 2, dtype=torch.int32, device=DEVICE),
               cache_leftpad=torch.zeros(2, dtype=torch.int32, device=DEVICE)), NotImplementedError, "block_table"),
         (dict(cache_seqlens=lengths, num_splits=-1), ValueError, "num_splits"),
     ]
+    if not ON_GPU:  # the values of tables on a GPU are not read on the host
+        bad += [
+            (dict(cache_seqlens=torch.full((2,), 20, dtype=torch.int32), k=case.k_new, v=case.v_new),
+             ValueError, "capacity"),
+            (dict(cache_seqlens=lengths, cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32)),
+             ValueError, "cache_batch_idx must index"),
+        ]
     for kw, error, message in bad:
         with pytest.raises(error, match=message):
             flash_attn_with_kvcache(q, k, v, **kw)
@@ -204,3 +210,21 @@ def test_refusals():
         flash_attn_with_kvcache(q[:, :, :3], k, v, cache_seqlens=lengths)
     with pytest.raises(NotImplementedError, match="forward only"):
         flash_attn_with_kvcache(q.clone().requires_grad_(), k, v, cache_seqlens=lengths)
+
+
+def test_out_of_range_tables_stay_in_the_cache():
+    # Tables on a GPU go unread on the host: the kernel clamps ends, pages and rows to the cache.
+    case = Case(batch=2, seqlen_q=1, heads=4, heads_k=2, capacity=40, page_size=16)
+    features = types.SimpleNamespace(softcap=0.0, alibi_slopes=None)
+    plan = dispatch.decode_plan(case.q, 2, 48, 2)
+    lengths = torch.tensor([1000, 7], dtype=torch.int32, device=DEVICE)
+    table = case.block_table.clone()
+    table[0, 0], table[1, -1] = 10**6, -5
+    out, lse = decode.forward(plan, case.q, case.k_pages, case.v_pages, lengths, 0, None, None, table,
+                              case.q.shape[-1] ** -0.5, (-1, -1), features)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    contiguous = torch.tensor([1000, 7], dtype=torch.int32, device=DEVICE)
+    rows = torch.tensor([-3, 10**6], dtype=torch.int32, device=DEVICE)
+    out, lse = decode.forward(plan, case.q, case.k_dense, case.v_dense, contiguous, 0, None, rows, None,
+                              case.q.shape[-1] ** -0.5, (-1, -1), features)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()

@@ -24,32 +24,87 @@ from flashtile.kernels.tiles import LOG2E, finalize_rows, online_softmax_step, v
 
 
 @triton.jit
-def _cache_index(batch_row, keys, in_seq, page_size, BLOCK_TABLE, sbt, batch, outer_count, PAGED: tl.constexpr):
+def _cache_index(batch_row, keys, in_seq, page_size, BLOCK_TABLE, sbt, batch, outer_count, PAGED: tl.constexpr,
+                 MASKED: tl.constexpr):
     """(outer, inner) indices of absolute key indices ``keys`` in the cache: (page, slot) or
-    (batch row, key); keys past the sequence go to (0, 0) and are masked by the caller.  Outer
-    indices are clamped to the cache's ``outer_count`` pages or rows: a table entry out of range
-    (unchecked under CUDA-graph capture) reads the wrong keys, never outside the cache."""
-    keys = tl.where(in_seq, keys, 0)
+    (batch row, key); with MASKED, keys past the sequence (not ``in_seq``) go to (0, 0) and are
+    masked by the caller.  Outer indices are clamped to the cache's ``outer_count`` pages or
+    rows: a table entry out of range (the tables' values are not read on the host) reads the
+    wrong keys, never outside the cache."""
+    if MASKED:
+        keys = tl.where(in_seq, keys, 0)
     if PAGED:
-        outer = tl.load(BLOCK_TABLE + batch * sbt + keys // page_size, mask=in_seq, other=0).to(tl.int64)
+        if MASKED:
+            outer = tl.load(BLOCK_TABLE + batch * sbt + keys // page_size, mask=in_seq, other=0).to(tl.int64)
+        else:
+            outer = tl.load(BLOCK_TABLE + batch * sbt + keys // page_size).to(tl.int64)
         inner = (keys % page_size).to(tl.int64)
     else:
-        outer = tl.where(in_seq, batch_row, 0)
+        outer = batch_row + tl.zeros_like(keys).to(tl.int64)
+        if MASKED:
+            outer = tl.where(in_seq, outer, 0)
         inner = keys.to(tl.int64)
     return tl.minimum(tl.maximum(outer, 0), outer_count - 1), inner
 
 
 @triton.jit
+def _attend(acc, m_i, l_i, q, lo, hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs, svh, sbt, batch, batch_row, head_k,
+            start, token, seqlen_k, dlo, dhi, page_size, outer_count, scale_log2, site,
+            HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+            UPCAST: tl.constexpr, SCORE: tl.constexpr, MASKED: tl.constexpr):
+    """The online softmax over key blocks [lo, hi) (hi a multiple of BLOCK_N unless MASKED).
+    Blocks entirely inside the band and the sequence are not MASKED: no element mask, no
+    bounds on the loads, the plain P @ V."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    if MASKED:
+        load_dims = offs_d[None, :] < HEAD_DIM
+    else:
+        load_dims = offs_d[None, :] < HEAD_DIM_PAD
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + offs_n
+        in_seq = cols < seqlen_k
+        outer, inner = _cache_index(batch_row, start + cols, in_seq, page_size, BLOCK_TABLE, sbt, batch, outer_count,
+                                    PAGED, MASKED)
+        k_ptrs = (K + head_k * skh + outer * skb + inner * sks)[:, None] + offs_d[None, :]
+        v_ptrs = (V + head_k * svh + outer * svb + inner * svs)[:, None] + offs_d[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=in_seq[:, None] & load_dims, other=0.0)
+        elif HEAD_DIM == HEAD_DIM_PAD:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=load_dims, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, token[:, None], cols[None, :], site, SCORE)
+        if MASKED:
+            s = tl.where(band_mask(token, cols, seqlen_k, dlo, dhi), s, float("-inf"))
+        p, alpha, m_i = online_softmax_step(s, m_i, 1.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=in_seq[:, None] & load_dims, other=0.0)
+        elif HEAD_DIM == HEAD_DIM_PAD:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=load_dims, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + values_product(p, v, V.dtype.element_ty, UPCAST, MASKED)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
                   sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, sop, slb, slh, slp, sbt,
-                  seqlen_q, heads_k, group, capacity, page_size, outer_count, scale_log2, window_left,
+                  seqlen_q, heads_k, group, new_keys, capacity, page_size, outer_count, scale_log2, window_left,
                   window_right, score_args,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PAGED: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+                  PAGED: tl.constexpr, HAS_ENDS: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
                   HAS_BATCH_IDX: tl.constexpr, UPCAST: tl.constexpr, SCORE: tl.constexpr):
     """Rows [m0, m0 + BLOCK_M) of (query token, query head of the group) for one KV head, over
     this split's share of the keys.  O and LSE: the output and logsumexp, or with several splits
-    (the grid's third dimension) the per-split partials (split stride sop, slp)."""
+    (the grid's third dimension) the per-split partials (split stride sop, slp).  Sequence b
+    ends at ENDS[b] + new_keys (HAS_ENDS), else at new_keys, clamped to the cache's capacity."""
     m0 = tl.program_id(0) * BLOCK_M
     batch = tl.program_id(1) // heads_k
     head_k = tl.program_id(1) % heads_k
@@ -60,8 +115,11 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
     in_rows = token < seqlen_q
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     in_dim = offs_d < HEAD_DIM
-    # The sequence's keys: [start, end) of its cache row, end clamped to the cache's capacity.
-    end = tl.minimum(tl.load(ENDS + batch), capacity)
+    # The sequence's keys: [start, end) of its cache row.
+    end = new_keys
+    if HAS_ENDS:
+        end += tl.load(ENDS + batch)
+    end = tl.minimum(end, capacity)
     start = 0
     if HAS_LEFTPAD:
         start = tl.minimum(tl.load(LEFTPAD + batch), end)
@@ -76,33 +134,31 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
     dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
     first = m0 // group
     last = tl.minimum((m0 + BLOCK_M - 1) // group, seqlen_q - 1)
-    lo, _, _, hi = visited_blocks(first, last - first + 1, BLOCK_N, seqlen_k, dlo, dhi)
-    # This split's share: whole blocks of the band, in order.
+    lo, full_lo, full_hi, hi = visited_blocks(first, last - first + 1, BLOCK_N, seqlen_k, dlo, dhi)
+    # This split's share: whole blocks of the band, in order; its blocks inside the band and the
+    # sequence go unmasked.
     per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), tl.num_programs(2)) * BLOCK_N
     split_lo = lo + split * per_split
     split_hi = tl.minimum(hi, split_lo + per_split)
+    full_lo = tl.minimum(tl.maximum(full_lo, split_lo), split_hi)
+    full_hi = tl.maximum(tl.minimum(full_hi, split_hi), full_lo)
     site = (batch, head[:, None], seqlen_k - seqlen_q, score_args)
-    offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for n0 in range(split_lo, split_hi, BLOCK_N):
-        cols = n0 + offs_n
-        in_seq = cols < seqlen_k
-        mask = in_seq[:, None] & in_dim[None, :]
-        outer, inner = _cache_index(batch_row, start + cols, in_seq, page_size, BLOCK_TABLE, sbt, batch, outer_count,
-                                    PAGED)
-        k = tl.load((K + head_k * skh + outer * skb + inner * sks)[:, None] + offs_d[None, :], mask=mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, token[:, None], cols[None, :], site, SCORE)
-        s = tl.where(band_mask(token, cols, seqlen_k, dlo, dhi), s, float("-inf"))
-        p, alpha, m_i = online_softmax_step(s, m_i, 1.0)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load((V + head_k * svh + outer * svb + inner * svs)[:, None] + offs_d[None, :], mask=mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + values_product(p, v, V.dtype.element_ty, UPCAST, True)
+    for part in tl.static_range(3):
+        if part == 1:
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, full_lo, full_hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs,
+                                    svh, sbt, batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size,
+                                    outer_count, scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST,
+                                    SCORE, False)
+        else:
+            part_lo = split_lo if part == 0 else full_hi
+            part_hi = full_lo if part == 0 else split_hi
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, part_lo, part_hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs,
+                                    svh, sbt, batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size,
+                                    outer_count, scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST,
+                                    SCORE, True)
     out, lse = finalize_rows(acc, m_i, l_i)
     o_rows = O + split.to(tl.int64) * sop + batch.to(tl.int64) * sob + token.to(tl.int64) * sos + head * soh
     tl.store(o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=in_rows[:, None] & in_dim[None, :])
@@ -154,10 +210,11 @@ def padded_head_dim(head_dim):
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def forward(plan, q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, scale, window, features):
-    """(out, lse) of q (batch, seqlen_q, heads, head_dim) over the caches; ``ends`` (batch,) int32:
-    each sequence's end in its cache row; ``features``: what score.mod_of / args_of read
-    (softcap, alibi_slopes).  ``plan``: dispatch.DecodePlan."""
+def forward(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, block_table, scale, window, features):
+    """(out, lse) of q (batch, seqlen_q, heads, head_dim) over the caches.  Each sequence ends at
+    ``seqlens[b] + new_keys`` in its cache row (``seqlens`` (batch,) int32, or None: at
+    ``new_keys``); ``features``: what score.mod_of / args_of read (softcap, alibi_slopes).
+    ``plan``: dispatch.DecodePlan."""
     batch, seqlen_q, heads, head_dim = q.shape
     heads_k = k_cache.shape[2]
     group = heads // heads_k
@@ -170,22 +227,23 @@ def forward(plan, q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, sc
         part_lse = torch.empty(plan.splits, *lse.shape, dtype=torch.float32, device=q.device)
     else:
         part_o, part_lse = out, lse
-    dummy = ends  # a pointer for the absent tables (never read)
+    dummy = q  # a pointer for the absent tables (never read)
     grid = (triton.cdiv(seqlen_q * group, plan.block_m), batch * heads_k, plan.splits)
     head_dim_pad = padded_head_dim(head_dim)
     launch(
         _split_kernel, grid,
-        q, k_cache, v_cache, part_o, part_lse, ends, dummy if leftpad is None else leftpad,
+        q, k_cache, v_cache, part_o, part_lse, dummy if seqlens is None else seqlens,
+        dummy if leftpad is None else leftpad,
         dummy if batch_idx is None else batch_idx, dummy if block_table is None else block_table,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         part_o.stride(-4), part_o.stride(-3), part_o.stride(-2), part_o.stride(0) if plan.splits > 1 else 0,
         part_lse.stride(-3), part_lse.stride(-2), part_lse.stride(0) if plan.splits > 1 else 0,
         block_table.stride(0) if paged else 0,
-        seqlen_q, heads_k, group, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0], scale * score.LOG2E,
+        seqlen_q, heads_k, group, new_keys, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0], scale * score.LOG2E,
         window[0], window[1], score.args_of(features),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        PAGED=paged, HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None,
+        PAGED=paged, HAS_ENDS=seqlens is not None, HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None,
         UPCAST=plan.upcast, SCORE=score.mod_of(features), num_warps=plan.num_warps, num_stages=plan.num_stages)
     if plan.splits > 1:
         launch(
