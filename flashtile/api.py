@@ -8,7 +8,8 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
-from flashtile import dispatch, ops, options, validation
+from flashtile import dispatch, ops, options, reference, validation
+from flashtile.kernels import dropout
 
 
 def _check_differentiation_mode(q, k, v):
@@ -28,7 +29,7 @@ def _check_differentiation_mode(q, k, v):
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                window_size, softcap, alibi_slopes, deterministic, return_attn_probs, sinks, version, kernel_options):
     varlen = cu_seqlens_q is not None
-    softcap = validation.feature_options(dropout_p, softcap)
+    dropout_p, softcap = validation.feature_options(dropout_p, softcap)
     if version not in dispatch.VERSION_CHOICES:
         raise ValueError(f"version must be one of {dispatch.VERSION_CHOICES}, got {version!r}")
     validation.check_qkv(q, k, v, varlen)
@@ -48,6 +49,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     sinks = validation.sinks(sinks, q.shape[-2], q.device)
     opts = options.resolve(kernel_options)
     version = dispatch.resolve_version(version, q.device)
+    validation.dropout_version(dropout_p, version)
     head_dim = q.shape[-1]
     scale = validation.softmax_scale(softmax_scale, head_dim)
     left, right = validation.band(bool(causal), window_size, max_seqlen_q, max_seqlen_k)
@@ -59,12 +61,22 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if pad:
         q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
     q, k, v = (validation.last_dim_contiguous(x) for x in (q, k, v))
-    out, lse, _ = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, max_seqlen_q, max_seqlen_k,
-                                scale, left, right, softcap, version, bool(deterministic), options.text(opts))
+    seed = dropout.new_seed(q.device) if dropout_p else None
+    out, lse, _ = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, max_seqlen_q,
+                                max_seqlen_k, scale, left, right, softcap, dropout_p, version, bool(deterministic),
+                                options.text(opts))
     if pad:
         out = out[..., :head_dim]
-    # flash_attn's third element: the dropped-out probabilities with dropout, else an empty tensor.
-    return (out, lse, out.new_empty(0)) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    # flash_attn's third element: with dropout on batched inputs, the probabilities, negative where
+    # dropped (for tests: (batch, nheads, seqlen_q, seqlen_k) in memory); else an empty tensor.
+    if not dropout_p or varlen:
+        return out, lse, out.new_empty(0)
+    kept = dropout.kept(seed, q.shape[0], q.shape[2], max_seqlen_q, max_seqlen_k, dropout_p)
+    probs = reference.probabilities(q[..., :head_dim], k[..., :head_dim], (left, right), scale, softcap, alibi_slopes,
+                                    sinks)
+    return out, lse, torch.where(kept, probs, -probs)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),

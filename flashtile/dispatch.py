@@ -11,6 +11,7 @@ Forward kernels:
   "v3-gluon"     FlashAttention-3's warp-specialized forward in Gluon (kernels/gluon/forward.py)
   "v3-triton"    the Hopper forward in plain Triton (kernels/v3.py): what the Gluon kernel does
                  not take (varlen, broadcast layouts, the interpreter)
+With dropout, v3 runs v2's kernels both ways (their Triton draws the mask: kernels/dropout.py).
 Backward kernels:
   "tiled", "v1", "v2"   as above
   "v3-gluon"     two warp-specialized Gluon passes, dQ then dK/dV, bitwise reproducible
@@ -147,7 +148,7 @@ def _forward_plan(p, version, target, opts) -> Plan:
         return Plan("tiled")
     if version == "v1":
         return _v1_plan(p, target, opts, "fwd")
-    if version == "v2":
+    if version == "v2" or p.dropout:  # dropout: v2's kernels draw the mask
         return _v2_forward(p, target, opts)
     kernel = opts.forward or "gluon"
     if kernel == "gluon" and target.gluon:
@@ -200,7 +201,7 @@ def _backward_plan(p, version, target, opts) -> Plan:
         return Plan("tiled")
     if version == "v1":
         return _v1_plan(p, target, opts, "bwd")
-    kernel = "v2" if version == "v2" or not target.gluon else _v3_backward_kernel(p, opts)
+    kernel = "v2" if version == "v2" or p.dropout or not target.gluon else _v3_backward_kernel(p, opts)
     if kernel == "v2":
         kv = configs.by_head_dim(configs.v2_bwd_kv_table(p.banded), p.head_dim_pad)
         dq = configs.by_head_dim(configs.V2_BWD_Q, p.head_dim_pad)

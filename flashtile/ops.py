@@ -33,10 +33,10 @@ def _options(text: str) -> options.KernelOptions:
     return options.KernelOptions.parse(text)
 
 
-def _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-             window_right, softcap, deterministic=False):
+def _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k, softmax_scale,
+             window_left, window_right, softcap, dropout_p, deterministic=False):
     return Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                      window_right, softcap, deterministic, alibi_slopes)
+                      window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_seed)
 
 
 def _saved_shape(p, version: str, lse_shape):
@@ -45,11 +45,12 @@ def _saved_shape(p, version: str, lse_shape):
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-             alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-             softmax_scale: float, window_left: int, window_right: int,
-             softcap: float, version: str, deterministic: bool, kernel_options: str) -> tuple[Tensor, Tensor, Tensor]:
-    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
-                 window_left, window_right, softcap)
+             alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], dropout_seed: Optional[Tensor],
+             max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+             softcap: float, dropout_p: float, version: str, deterministic: bool,
+             kernel_options: str) -> tuple[Tensor, Tensor, Tensor]:
+    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
+                 softmax_scale, window_left, window_right, softcap, dropout_p)
     if p.varlen and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     plan = dispatch.forward_plan(p, version, dispatch.target_of(p, q, k, v), _options(kernel_options))
@@ -64,10 +65,10 @@ attention_forward = torch.library.custom_op("flashtile::attention_forward", _for
 
 
 @attention_forward.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, max_seqlen_q, max_seqlen_k, softmax_scale,
-      window_left, window_right, softcap, version, deterministic, kernel_options):
-    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
-                 window_left, window_right, softcap)
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, dropout_seed, max_seqlen_q, max_seqlen_k,
+      softmax_scale, window_left, window_right, softcap, dropout_p, version, deterministic, kernel_options):
+    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
+                 softmax_scale, window_left, window_right, softcap, dropout_p)
     lse_shape = p.row_stat_shape(q.shape[0])
     return (torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32),
             q.new_empty(_saved_shape(p, version, lse_shape), dtype=torch.float32))
@@ -75,12 +76,12 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, max_seqlen_q, ma
 
 def _backward_kernels(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                       lse: Tensor, saved: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                      alibi_slopes: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-                      window_left: int,
-                      window_right: int, softcap: float, version: str, deterministic: bool,
+                      alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], max_seqlen_q: int,
+                      max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                      dropout_p: float, version: str, deterministic: bool,
                       kernel_options: str) -> tuple[Tensor, Tensor, Tensor]:
-    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
-                 window_left, window_right, softcap, deterministic)
+    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
+                 softmax_scale, window_left, window_right, softcap, dropout_p, deterministic)
     plan = dispatch.backward_plan(p, version, dispatch.target_of(p, q, k, v, dout), _options(kernel_options))
     with on_device_of(q):
         return dispatch.run_backward(plan, p, dout, dlse, q, k, v, out, lse, saved)
@@ -95,9 +96,9 @@ def _(dout, dlse, q, k, v, out, lse, saved, *args):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, alibi, sinks, *ctx.args = inputs
+    q, k, v, cu_q, cu_k, alibi, sinks, seed, *ctx.args = inputs
     out, lse, saved = output
-    ctx.save_for_backward(q, k, v, out, lse, saved, cu_q, cu_k, alibi, sinks)
+    ctx.save_for_backward(q, k, v, out, lse, saved, cu_q, cu_k, alibi, seed, sinks)
     ctx.set_materialize_grads(False)
 
 
@@ -117,12 +118,12 @@ def _gradients(ctx, dout, dlse, backward_op):
             b"its backward, e.g. a gradient penalty) is not supported", len(grads))
         grads = refuse(*(g.detach().requires_grad_() for g in grads))
     dq, dk, dv, *dsinks = grads
-    return (dq, dk, dv, None, None, None, dsinks[0] if dsinks else None, *(None for _ in ctx.args))
+    return (dq, dk, dv, None, None, None, dsinks[0] if dsinks else None, None, *(None for _ in ctx.args))
 
 
 def _first_derivatives(ctx, saved_tensors, dout, dlse, backward_op):
     """dq, dk, dv, and d sinks where the sinks need a gradient."""
-    q, k, v, out, lse, saved, cu_q, cu_k, alibi, sinks = saved_tensors
+    q, k, v, out, lse, saved, cu_q, cu_k, alibi, seed, sinks = saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     # Unit stride along head_dim, and rows the kernels' 32-bit offsets reach (q passed that
@@ -133,7 +134,7 @@ def _first_derivatives(ctx, saved_tensors, dout, dlse, backward_op):
     # None, the usual case, costs nothing.
     if dlse is not None:
         dlse = dlse.contiguous()
-    grads = backward_op(dout, dlse, q, k, v, out, lse, saved, cu_q, cu_k, alibi, *ctx.args)
+    grads = backward_op(dout, dlse, q, k, v, out, lse, saved, cu_q, cu_k, alibi, seed, *ctx.args)
     if sinks is None or not ctx.needs_input_grad[6]:
         return grads
     return (*grads, attention_sinks.gradient(cu_q is not None, sinks, out, lse, dout, dlse))
@@ -158,11 +159,11 @@ class _EagerAttention(torch.autograd.Function):
         return _gradients(ctx, dout, dlse, _backward_kernels)
 
 
-def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, max_seqlen_q, max_seqlen_k, softmax_scale,
-              window_left, window_right, softcap, version, deterministic, kernel_options):
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, dropout_seed, max_seqlen_q, max_seqlen_k,
+              softmax_scale, window_left, window_right, softcap, dropout_p, version, deterministic, kernel_options):
     """(out, lse, saved) with autograd: the custom op under torch.compile, else the Function."""
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, max_seqlen_q, max_seqlen_k, softmax_scale,
-            window_left, window_right, softcap, version, deterministic, kernel_options)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, dropout_seed, max_seqlen_q, max_seqlen_k,
+            softmax_scale, window_left, window_right, softcap, dropout_p, version, deterministic, kernel_options)
     if torch.compiler.is_compiling():
         return attention_forward(*args)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad

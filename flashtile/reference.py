@@ -31,8 +31,43 @@ def band_mask(seqlen_q, seqlen_k, window_left=-1, window_right=-1, device=None,
     return visible
 
 
+def _scores(q, k, left, right, scale, softcap, alibi_slopes):
+    """Scores (batch, nheads, seqlen_q, seqlen_k) in q's dtype, -inf outside the band, and the
+    band's mask (None: no band).  K is repeated over its query heads (GQA)."""
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k * scale)
+    bias = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(scores.dtype)
+        bias = score.alibi_bias(slopes if slopes.dim() == 2 else slopes[None], q.shape[1], k.shape[1])
+    scores = score.reference(scores, softcap, bias)
+    visible = None
+    if left >= 0 or right >= 0:
+        visible = band_mask(q.shape[1], k.shape[1], left, right, device=q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return scores
+
+
+def _dropped(probs, dropout_mask, dropout_p):
+    """Probabilities with dropout applied: kept ones scaled by 1 / (1 - p), the others 0."""
+    if dropout_mask is None:
+        return probs
+    return probs * dropout_mask.to(probs.dtype) / (1.0 - dropout_p)
+
+
+def probabilities(q, k, band, softmax_scale, softcap=0.0, alibi_slopes=None, sinks=None):
+    """The softmax probabilities, float32 (batch, nheads, seqlen_q, seqlen_k), ``band`` the
+    (window_left, window_right) of validation.band; rows that see no key are 0."""
+    scores = _scores(q, k, *band, softmax_scale, softcap, alibi_slopes).float()
+    if sinks is not None:
+        sink = sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)
+        return torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1].nan_to_num(0.0)
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0)
+
+
 def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None,
-                       upcast=False, return_lse=False, softcap=0.0, alibi_slopes=None, sinks=None):
+                       upcast=False, return_lse=False, softcap=0.0, alibi_slopes=None, sinks=None,
+                       dropout_mask=None, dropout_p=0.0):
     """softmax(Q K^T * scale) V with the full score matrix in memory.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with
@@ -43,36 +78,27 @@ def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scal
     ``softcap`` > 0 replaces the scaled scores x by softcap * tanh(x / softcap); ``alibi_slopes``
     (float32, (nheads,) or (batch, nheads)) then adds -slope * |i + seqlen_k - seqlen_q - j|.
     ``sinks`` (nheads,): one more logit per row, of value zero, in the softmax (the lse includes it).
+    ``dropout_mask`` (batch, nheads, seqlen_q, seqlen_k) bool: the probabilities kept, scaled by
+    1 / (1 - dropout_p) (the lse is the one before dropout).
     Returns ``out`` or ``(out, lse)`` with lse (batch, nheads, seqlen_q).
     """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if upcast:
         q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[2] // k.shape[2]
-    k = k.repeat_interleave(group, dim=2)
-    v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k * scale)
-    bias = None
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.to(scores.dtype)
-        bias = score.alibi_bias(slopes if slopes.dim() == 2 else slopes[None], q.shape[1], k.shape[1])
-    scores = score.reference(scores, softcap, bias)
+    v = v.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     left, right = validation.band(causal, window_size, q.shape[1], k.shape[1])
-    visible = None
-    if left >= 0 or right >= 0:
-        visible = band_mask(q.shape[1], k.shape[1], left, right, device=q.device)
-        scores = scores.masked_fill(~visible, float("-inf"))
+    scores = _scores(q, k, left, right, scale, softcap, alibi_slopes)
     sink = None if sinks is None else sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
     if not (upcast or return_lse):
         if sink is not None:  # a column of its own, dropped after the softmax
             probs = torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1]
-            return torch.einsum("bhqk,bkhd->bqhd", probs, v)
-        probs = torch.softmax(scores, dim=-1)
+        else:
+            probs = torch.softmax(scores, dim=-1)
         # Query r sees keys up to r + (seqlen_k - seqlen_q) + right, so the first rows see none
         # when seqlen_q > seqlen_k + right: their softmax of -inf is NaN, and their output is 0.
-        if right >= 0 and q.shape[1] > k.shape[1] + right:
+        if sink is None and right >= 0 and q.shape[1] > k.shape[1] + right:
             probs = probs.nan_to_num(0.0)
-        return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+        return torch.einsum("bhqk,bkhd->bqhd", _dropped(probs, dropout_mask, dropout_p), v)
     s = scores.to(torch.float64 if upcast else torch.float32)
     m = s.amax(dim=-1, keepdim=True).detach()
     if sink is not None:
@@ -83,7 +109,7 @@ def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scal
     if sink is not None:
         l = l + torch.exp(sink.to(s.dtype) - m)
     probs = e / torch.where(l == 0, torch.ones_like(l), l)
-    out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
+    out = torch.einsum("bhqk,bkhd->bqhd", _dropped(probs, dropout_mask, dropout_p).to(v.dtype), v)
     if not return_lse:
         return out
     lse = torch.where(l == 0, torch.full_like(l, float("inf")), torch.log(l) + m).squeeze(-1)

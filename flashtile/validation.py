@@ -191,13 +191,17 @@ def check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                          f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
 
 
-def feature_options(dropout_p, softcap) -> float:
-    """Refuse invalid values by name, then features not implemented; the softcap as a float."""
-    dropout_p = real("dropout_p", dropout_p, 0.0, 1.0, hi_open=True)
-    softcap = real("softcap", softcap, 0.0)
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout_p != 0 is not supported yet")
-    return softcap
+def feature_options(dropout_p, softcap) -> tuple[float, float]:
+    """Refuse invalid values by name; (dropout_p, softcap) as floats."""
+    return real("dropout_p", dropout_p, 0.0, 1.0, hi_open=True), real("softcap", softcap, 0.0)
+
+
+def dropout_version(dropout_p: float, version: str):
+    """Dropout runs in the Triton kernels of v2 (and v3, which hands it to them)."""
+    if dropout_p and version in ("v1", "tiled"):
+        hint = (" (on CPU tensors, set TRITON_INTERPRET=1 before importing flashtile to run the kernels)"
+                if version == "tiled" else "")
+        raise NotImplementedError(f"dropout_p={dropout_p}: version={version!r} has no dropout; v2 and v3 do{hint}")
 
 
 def alibi_slopes(slopes, batch: int, heads: int, device):

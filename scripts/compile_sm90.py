@@ -17,7 +17,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from flashtile import dispatch, sinks
-from flashtile.kernels import configs, decode, score, tma, v1, v2, v3
+from flashtile.kernels import configs, decode, dropout, score, tma, v1, v2, v3
 from flashtile.kernels.gluon import backward as gluon_bwd
 from flashtile.kernels.gluon import forward as gluon_fwd
 from flashtile.kernels.problem import Problem
@@ -26,7 +26,9 @@ from sass_loops import describe
 
 FP32_POINTERS = {"LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE", "SINKS", "JOINED", "SHARE", "PART_O", "PART_LSE"}
 INT_POINTERS = {"CU_Q", "CU_K", "ENDS", "LEFTPAD", "BATCH_IDX", "BLOCK_TABLE"}
-FLOAT_SCALARS = {"scale_log2", "softmax_scale"}
+INT64_POINTERS = {"SEED"}
+INT8_POINTERS = {"KEPT"}
+FLOAT_SCALARS = {"scale_log2", "softmax_scale", "dropout_p"}
 TUPLES = {"totals": ("i32", "i32"), "score_args": ("fp32",), "counter": ("*i64", "i64")}
 ALIBI_TUPLES = dict(TUPLES, score_args=("fp32", "*fp32", "i32"))  # softcap, slopes, their batch stride
 
@@ -45,7 +47,8 @@ def signature(fn, dtype, constexprs, descriptors=None, tuples=TUPLES):
             block, layout, *element = descriptors[name]  # (block, layout[, element type if not dtype])
             sig[name] = f"tensordesc<{element[0] if element else dtype}[{', '.join(map(str, block))}],{layout}>"
         elif name.isupper():
-            sig[name] = "*fp32" if name in FP32_POINTERS else "*i32" if name in INT_POINTERS else f"*{dtype}"
+            sig[name] = ("*fp32" if name in FP32_POINTERS else "*i32" if name in INT_POINTERS else
+                         "*i64" if name in INT64_POINTERS else "*i8" if name in INT8_POINTERS else f"*{dtype}")
         else:
             sig[name] = "fp32" if name in FLOAT_SCALARS else "i32"
     return sig
@@ -114,11 +117,13 @@ def _options(cfg):
     return dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=False):
-    """(name, kernel, constexprs, compile options, descriptor blocks) of every kernel as launched."""
+def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=False, with_dropout=False):
+    """(name, kernel, constexprs, compile options, descriptor blocks) of every kernel as launched
+    (``with_dropout``: the v2 kernels as dropout launches them)."""
     p = problem(head_dim, softcap=softcap, alibi=alibi)
     base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=varlen, UPCAST=False,
                 SCORE=score.mod_of(p))
+    yield "dropout.kept", dropout._kept_kernel, dict(BLOCK=16), {}, None
     block_s, block_d = sinks.tiles(head_dim)
     rows = dict(BLOCK_D=block_d, BLOCK_S=block_s)
     yield "sinks.join", sinks._join_kernel, rows, {}, None
@@ -134,12 +139,13 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     combine = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=decode.padded_head_dim(head_dim), BLOCK_T=decode.COMBINE_ROWS)
     yield "decode.combine", decode._combine_kernel, combine, dict(num_warps=decode.COMBINE_WARPS), None
     f = dispatch.forward_plan(p, "v2", dispatch.HOPPER, opts).config
-    yield "v2.fwd", v2._fwd_kernel, dict(base, BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages), \
+    v2_base = dict(base, DROPOUT=with_dropout)
+    yield "v2.fwd", v2._fwd_kernel, dict(v2_base, BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages), \
         _options(f), None
     kv, qc = dispatch.backward_plan(p, "v2", dispatch.HOPPER, opts).config
-    yield "v2.bwd_dkdv", v2._bwd_dkdv_kernel, dict(base, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n,
+    yield "v2.bwd_dkdv", v2._bwd_dkdv_kernel, dict(v2_base, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n,
                                                    NUM_STAGES=kv.num_stages), _options(kv), None
-    yield "v2.bwd_dq", v2._bwd_dq_kernel, dict(base, BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages,
+    yield "v2.bwd_dq", v2._bwd_dq_kernel, dict(v2_base, BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages,
                                                HAS_DLSE=False), _options(qc), None
     c1 = dispatch.forward_plan(p, "v1", dispatch.HOPPER, opts).config
     yield "v1.fwd", v1._fwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), _options(c1), None
@@ -189,11 +195,13 @@ def main():
     ap.add_argument("--options", default="", help="kernel options, as FLASHTILE_KERNEL_OPTIONS takes them")
     ap.add_argument("--softcap", type=float, default=0.0, help="compile the kernels with this softcap")
     ap.add_argument("--alibi", action="store_true", help="compile the kernels that take ALiBi with it")
+    ap.add_argument("--dropout", action="store_true", help="compile v2's kernels with dropout")
     args = ap.parse_args()
     opts = KernelOptions.parse(args.options)
     tuples = ALIBI_TUPLES if args.alibi else TUPLES
     for d in (int(x) for x in args.head_dims.split(",")):
-        for name, fn, constexprs, options, descriptors in cases(d, args.varlen, opts, args.softcap, args.alibi):
+        for name, fn, constexprs, options, descriptors in cases(d, args.varlen, opts, args.softcap, args.alibi,
+                                                                  args.dropout):
             if args.only and name != args.only:
                 continue
             try:

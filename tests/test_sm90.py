@@ -10,11 +10,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def compile_for_sm90(tmp_path, only, head_dim, kernel_options="", softcap=0.0, alibi=False):
+def compile_for_sm90(tmp_path, only, head_dim, kernel_options="", softcap=0.0, alibi=False, dropout=False):
     env = dict(os.environ, TRITON_INTERPRET="0")
     res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_sm90.py"), "--head-dims",
                           str(head_dim), "--only", only, "--dump", str(tmp_path), "--options", kernel_options,
-                          "--softcap", str(softcap)] + (["--alibi"] if alibi else []),
+                          "--softcap", str(softcap)] + (["--alibi"] if alibi else []) + (["--dropout"] if dropout else []),
                          capture_output=True, text=True, env=env, timeout=600)
     if res.returncode != 0 or "FAILED" in res.stdout:
         pytest.fail(f"sm_90 compile failed:\n{res.stdout}\n{res.stderr[-2000:]}")
@@ -205,6 +205,16 @@ def test_alibi_compiles_into_every_kernel_that_takes_it(tmp_path):
                    "v3.fwd_gluon", "v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon"):
         compile_for_sm90(tmp_path / kernel, kernel, 128, softcap=30.0, alibi=True)
         assert "abs.f32" in (tmp_path / kernel / f"{kernel}_d128.ptx").read_text(), kernel
+
+
+def test_dropout_compiles_into_v2_kernels(tmp_path):
+    # Philox (its 32-bit high multiplies) in v2's three kernels with dropout, and in the kernel
+    # that writes the mask out; not in v2's forward without dropout.
+    for kernel in ("v2.fwd", "v2.bwd_dq", "v2.bwd_dkdv", "dropout.kept"):
+        compile_for_sm90(tmp_path / kernel, kernel, 128, dropout=True)
+        assert "mul.hi.u32" in (tmp_path / kernel / f"{kernel}_d128.ptx").read_text(), kernel
+    compile_for_sm90(tmp_path / "plain", "v2.fwd", 128)
+    assert "mul.hi.u32" not in (tmp_path / "plain" / "v2.fwd_d128.ptx").read_text()
 
 
 def test_sink_kernels_compile_for_sm90(tmp_path):

@@ -286,14 +286,28 @@ def test_register_is_idempotent_and_the_name_is_available():
         fa_utils._lazy_imports("flash_not_a_kernel")
 
 
+def test_attention_dropout_in_training():
+    # attention_dropout reaches the kernels in train mode (a new mask per call, reproduced by
+    # torch.manual_seed) and not in eval mode.
+    torch.manual_seed(0)
+    ids, _ = batch_of(2, 9)
+    model = build(llama(attention_dropout=0.3), "flashtile", DTYPE)
+    with torch.no_grad():
+        plain = model.eval()(input_ids=ids).logits
+        model.train()
+        torch.manual_seed(1)
+        first, second = model(input_ids=ids).logits, model(input_ids=ids).logits
+        torch.manual_seed(1)
+        again = model(input_ids=ids).logits
+    assert torch.equal(first, again) and not torch.equal(first, second) and not torch.equal(first, plain)
+
+
 def test_refusals():
     torch.manual_seed(0)
     ids, mask = batch_of(1, 7)
     with pytest.raises(TypeError, match="bfloat16"):
         build(llama(), "flashtile", torch.float32)(input_ids=ids)
-    model = build(llama(attention_dropout=0.1), "flashtile", DTYPE).train()
-    with pytest.raises(NotImplementedError, match="attention_dropout"):
-        model(input_ids=ids)
+    model = build(llama(), "flashtile", DTYPE)
     with pytest.raises(ValueError, match="2-D padding mask"):
         ft.attention_forward(model.model.layers[0].self_attn, *torch.zeros(3, 1, 4, 7, 16, dtype=DTYPE),
                              torch.ones(1, 1, 7, 7, dtype=torch.bool))

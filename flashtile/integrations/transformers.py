@@ -36,14 +36,11 @@ NAME = "flashtile"
 __all__ = ["NAME", "register", "attention_forward", "flash_attn_func", "flash_attn_varlen_func"]
 
 
-def _check(q, dropout_p):
+def _check(q):
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"attn_implementation='flashtile' computes in float16 or bfloat16, and the attention inputs "
                         f"are {q.dtype}: load the model with dtype=torch.bfloat16 (or float16), or run it under "
                         f"torch.autocast")
-    if dropout_p:
-        raise NotImplementedError(f"flashtile has no attention dropout yet (dropout_p={dropout_p}): set the model "
-                                  f"config's attention_dropout to 0 or put the model in eval mode")
 
 
 # The signatures name every keyword transformers' FlashAttention path passes when the loaded function
@@ -51,8 +48,8 @@ def _check(q, dropout_p):
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=None,
                     deterministic=False, s_aux=None):
     """flashtile.flash_attn_func as transformers calls it for batches without padding."""
-    _check(q, dropout_p)
-    return api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+    _check(q)
+    return api.flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                softcap=softcap or 0.0, deterministic=bool(deterministic), sinks=s_aux)
 
 
@@ -60,9 +57,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=None,
                            deterministic=False, s_aux=None):
     """flashtile.flash_attn_varlen_func as transformers calls it for padded or packed batches."""
-    _check(q, dropout_p)
+    _check(q)
     return api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                      dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                       softcap=softcap or 0.0, deterministic=bool(deterministic), sinks=s_aux)
 
 

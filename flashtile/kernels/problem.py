@@ -5,7 +5,7 @@ head_dim) are seen as batch 1 with per-sequence starts from cu_seqlens, so every
 handles both through one set of strides.
 """
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -38,10 +38,14 @@ class Problem:
     total_q: int = 0       # rows of the packed q and k (varlen)
     total_k: int = 0
     alibi_slopes: Optional[torch.Tensor] = None  # fp32 (heads,) or (batch, heads): ALiBi's bias
+    dropout_p: float = 0.0  # probabilities dropped with this probability (kernels/dropout.py)
+    # The dropout's seed, a one-element int64 tensor; no part of what a plan depends on.
+    dropout_seed: Optional[torch.Tensor] = field(default=None, compare=False, hash=False)
 
     @classmethod
     def of(cls, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-           softmax_scale, window_left, window_right, softcap=0.0, deterministic=False, alibi_slopes=None):
+           softmax_scale, window_left, window_right, softcap=0.0, deterministic=False, alibi_slopes=None,
+           dropout_p=0.0, dropout_seed=None):
         varlen = cu_seqlens_q is not None
         return cls(
             batch=cu_seqlens_q.numel() - 1 if varlen else q.shape[0],
@@ -52,7 +56,8 @@ class Problem:
             window_left=window_left, window_right=window_right,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, deterministic=deterministic,
             softcap=softcap, total_q=q.shape[0] if varlen else 0, total_k=k.shape[0] if varlen else 0,
-            alibi_slopes=alibi_slopes)
+            alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+            dropout_seed=dropout_seed)
 
     @property
     def varlen(self) -> bool:
@@ -67,6 +72,10 @@ class Problem:
     def empty(self) -> bool:
         """No query row, or no key: nothing to compute (outputs 0, logsumexp +inf)."""
         return self.batch == 0 or self.seqlen_q == 0 or self.seqlen_k == 0
+
+    @property
+    def dropout(self) -> bool:
+        return self.dropout_p > 0.0
 
     @property
     def banded(self) -> bool:

@@ -12,12 +12,14 @@ that are bitwise deterministic.  GQA heads sharing a K/V head are summed inside 
 program, so repeated K/V is never materialised.
 
 Scores go through the score hook (score.py) where they are formed, dS where it is formed.
+With dropout (kernels/dropout.py) the forward scales each probability by its keep factor after
+the row sum has counted it; the backward applies the same factor to P for dV and to dP.
 """
 import torch
 import triton
 import triton.language as tl
 
-from flashtile.kernels import score
+from flashtile.kernels import dropout, score
 from flashtile.kernels.blocks import band_mask, program_sequence, program_tile, visited_blocks
 from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import Problem
@@ -27,9 +29,10 @@ from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile
 
 @triton.jit
 def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d, lo, hi,
-                seqlen_k, dlo, dhi, scale_log2, site,
+                seqlen_k, dlo, dhi, scale_log2, site, drop,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr):
+                MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr,
+                DROPOUT: tl.constexpr):
     for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         cols = n0 + offs_n
         k = load_tile(k_base + cols[:, None] * sks + offs_d[None, :], cols, seqlen_k, offs_d,
@@ -39,7 +42,9 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d
         if MASK:
             s = tl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), s, float("-inf"))
         p, alpha, m_i = online_softmax_step(s, m_i, 1.0)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the denominator counts every probability, dropped or not
+        if DROPOUT:
+            p *= dropout.kept_scale(drop[0], drop[1], rows[:, None], cols[None, :], drop[2], drop[3])
         v = load_tile(v_base + cols[:, None] * svs + offs_d[None, :], cols, seqlen_k, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
         acc = acc * alpha[:, None] + values_product(p, v, v_base.dtype.element_ty, UPCAST, MASK)
@@ -47,15 +52,28 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
+def _dropout_stream(SEED, batch, head, heads_q, max_q, max_k, dropout_p, DROPOUT: tl.constexpr):
+    """What kernels/dropout.kept_scale reads for one (sequence, query head): (seed, its first
+    counter, the counters' row stride, dropout_p); without dropout nothing reads them."""
+    first = dropout.stream(batch, head, heads_q, max_q, max_k)
+    seed = first * 0
+    if DROPOUT:
+        seed = tl.load(SEED)
+    return seed, first, max_k, dropout_p
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED,
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
                 seqlen_q, seqlen_k, totals, heads_q, group, scale_log2, window_left, window_right, score_args,
+                dropout_p,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-                UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr):
+                UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr, DROPOUT: tl.constexpr):
     bh, block, blocks = program_tile(seqlen_q, BLOCK_M)
     # Each head's heaviest (latest, for causal) Q blocks first: better balance on the last wave.
     m0 = (blocks - 1 - block) * BLOCK_M
+    max_q, max_k = seqlen_q, seqlen_k
     batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
         bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, totals, window_left, window_right, IS_VARLEN)
     if m0 >= seqlen_q:
@@ -69,20 +87,21 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
     q = load_tile(q_base + rows[:, None] * sqs + offs_d[None, :], rows, seqlen_q, offs_d,
                   HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
     site = (batch, head, seqlen_k - seqlen_q, score_args)
+    drop = _dropout_stream(SEED, batch, head, heads_q, max_q, max_k, dropout_p, DROPOUT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     lo, full_lo, full_hi, hi = visited_blocks(m0, BLOCK_M, BLOCK_N, seqlen_k, dlo, dhi)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                                full_lo, full_hi, seqlen_k, dlo, dhi, scale_log2, site,
-                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, UPCAST, NUM_STAGES, SCORE)
+                                full_lo, full_hi, seqlen_k, dlo, dhi, scale_log2, site, drop,
+                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, UPCAST, NUM_STAGES, SCORE, DROPOUT)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                                lo, full_lo, seqlen_k, dlo, dhi, scale_log2, site,
-                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES, SCORE)
+                                lo, full_lo, seqlen_k, dlo, dhi, scale_log2, site, drop,
+                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                                full_hi, hi, seqlen_k, dlo, dhi, scale_log2, site,
-                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES, SCORE)
+                                full_hi, hi, seqlen_k, dlo, dhi, scale_log2, site, drop,
+                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
     out, lse = finalize_rows(acc, m_i, l_i)
     store_tile(O + batch * sob + q_start * sos + head * soh + rows[:, None] * sos + offs_d[None, :],
                out, rows, seqlen_q, offs_d, HEAD_DIM)
@@ -91,9 +110,10 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
 
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k, offs_m, offs_d,
-                 lo, hi, seqlen_q, dlo, dhi, scale_log2, site,
+                 lo, hi, seqlen_q, dlo, dhi, scale_log2, site, drop,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                 MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr):
+                 MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr,
+                 DROPOUT: tl.constexpr):
     """Accumulate dK, dV of one K tile over the Q blocks [lo, hi), working on transposed scores."""
     for m0 in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
         cols = m0 + offs_m
@@ -108,9 +128,15 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, 
             pT = tl.where(visible, pT, 0.0)
         do = load_tile(do_base + cols[:, None] * sds + offs_d[None, :], cols, seqlen_q, offs_d,
                        HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
-        dv += tl.dot(as_operand(pT, q_base.dtype.element_ty, UPCAST), do)
+        dpT = tl.dot(v, tl.trans(do))
+        if DROPOUT:  # dV sees the dropped probabilities; dP reaches P through the same mask
+            zT = dropout.kept_scale(drop[0], drop[1], cols[None, :], rows_k[:, None], drop[2], drop[3])
+            dv += tl.dot(as_operand(pT * zT, q_base.dtype.element_ty, UPCAST), do)
+            dpT *= zT
+        else:
+            dv += tl.dot(as_operand(pT, q_base.dtype.element_ty, UPCAST), do)
         delta = tl.load(delta_base + cols, mask=cols < seqlen_q, other=0.0)
-        dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dsT = pT * (dpT - delta[None, :])
         if MASK:  # a masked pair adds nothing, even where dP is not finite
             dsT = tl.where(visible, dsT, 0.0)
         dsT = score.grad(dsT, yT, cols[None, :], rows_k[:, None], site, SCORE)
@@ -119,16 +145,17 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, 
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SEED,
                      sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
                      sdkb, sdks, sdkh, sdvb, sdvs, sdvh, slb, slh,
                      seqlen_q, seqlen_k, totals, heads_k, group, softmax_scale, scale_log2,
-                     window_left, window_right, score_args,
+                     window_left, window_right, score_args, dropout_p,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr):
+                     UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr, DROPOUT: tl.constexpr):
     bh, block, _ = program_tile(seqlen_k, BLOCK_N)
     n0 = block * BLOCK_N
+    max_q, max_k = seqlen_q, seqlen_k
     batch, head_k, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
         bh, heads_k, CU_Q, CU_K, seqlen_q, seqlen_k, totals, window_left, window_right, IS_VARLEN)
     if n0 >= seqlen_k:
@@ -147,19 +174,20 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
     for g in range(group):
         head = head_k * group + g
         site = (batch, head, seqlen_k - seqlen_q, score_args)
+        drop = _dropout_stream(SEED, batch, head, heads_k * group, max_q, max_k, dropout_p, DROPOUT)
         q_base = Q + batch * sqb + q_start * sqs + head * sqh
         do_base = DO + batch * sdb + q_start * sds + head * sdh
         lse_base = LSE + batch * slb + head * slh + q_start
         delta_base = DELTA + batch * slb + head * slh + q_start
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
-                              offs_m, offs_d, full_lo, full_hi, seqlen_q, dlo, dhi, scale_log2, site,
-                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, False, UPCAST, NUM_STAGES, SCORE)
+                              offs_m, offs_d, full_lo, full_hi, seqlen_q, dlo, dhi, scale_log2, site, drop,
+                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, False, UPCAST, NUM_STAGES, SCORE, DROPOUT)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
-                              offs_m, offs_d, lo, full_lo, seqlen_q, dlo, dhi, scale_log2, site,
-                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, UPCAST, NUM_STAGES, SCORE)
+                              offs_m, offs_d, lo, full_lo, seqlen_q, dlo, dhi, scale_log2, site, drop,
+                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
-                              offs_m, offs_d, full_hi, hi, seqlen_q, dlo, dhi, scale_log2, site,
-                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, UPCAST, NUM_STAGES, SCORE)
+                              offs_m, offs_d, full_hi, hi, seqlen_q, dlo, dhi, scale_log2, site, drop,
+                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
     store_tile(DK + batch * sdkb + (k_start + rows_k[:, None]) * sdks + head_k * sdkh + offs_d[None, :],
                dk * softmax_scale, rows_k, seqlen_k, offs_d, HEAD_DIM)
     store_tile(DV + batch * sdvb + (k_start + rows_k[:, None]) * sdvs + head_k * sdvh + offs_d[None, :],
@@ -168,9 +196,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
 
 @triton.jit
 def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d, lo, hi,
-               seqlen_k, dlo, dhi, scale_log2, site,
+               seqlen_k, dlo, dhi, scale_log2, site, drop,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr):
+               MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr,
+               DROPOUT: tl.constexpr):
     for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         cols = n0 + offs_n
         k = load_tile(k_base + cols[:, None] * sks + offs_d[None, :], cols, seqlen_k, offs_d,
@@ -182,7 +211,10 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, of
         if MASK:
             visible = band_mask(rows, cols, seqlen_k, dlo, dhi)
             p = tl.where(visible, p, 0.0)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        if DROPOUT:
+            dp *= dropout.kept_scale(drop[0], drop[1], rows[:, None], cols[None, :], drop[2], drop[3])
+        ds = p * (dp - delta[:, None])
         if MASK:  # a masked pair adds nothing, even where dP is not finite
             ds = tl.where(visible, ds, 0.0)
         ds = score.grad(ds, y, rows[:, None], cols[None, :], site, SCORE)
@@ -191,13 +223,14 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, of
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K,
+def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K, SEED,
                    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, sdb, sds, sdh,
                    sdqb, sdqs, sdqh, slb, slh, seqlen_q, seqlen_k, totals, heads_q, group, softmax_scale,
-                   scale_log2, window_left, window_right, score_args,
+                   scale_log2, window_left, window_right, score_args, dropout_p,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-                   UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_DLSE: tl.constexpr, SCORE: tl.constexpr):
+                   UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_DLSE: tl.constexpr, SCORE: tl.constexpr,
+                   DROPOUT: tl.constexpr):
     """dQ of one Q block; also D = rowsum(dO * O) - dlse of its rows, stored for the dK/dV kernel.
 
     Computing D here, where dO is loaded anyway, saves the separate pass over O and dO that
@@ -205,6 +238,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K,
     """
     bh, block, blocks = program_tile(seqlen_q, BLOCK_M)
     m0 = (blocks - 1 - block) * BLOCK_M
+    max_q, max_k = seqlen_q, seqlen_k
     batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
         bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, totals, window_left, window_right, IS_VARLEN)
     if m0 >= seqlen_q:
@@ -212,6 +246,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K,
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
+    drop = _dropout_stream(SEED, batch, head, heads_q, max_q, max_k, dropout_p, DROPOUT)
     q = load_tile(Q + batch * sqb + (q_start + rows[:, None]) * sqs + head * sqh + offs_d[None, :],
                   rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
     do = load_tile(DO + batch * sdb + (q_start + rows[:, None]) * sds + head * sdh + offs_d[None, :],
@@ -228,16 +263,21 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K,
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     lo, full_lo, full_hi, hi = visited_blocks(m0, BLOCK_M, BLOCK_N, seqlen_k, dlo, dhi)
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                    full_lo, full_hi, seqlen_k, dlo, dhi, scale_log2, site,
-                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, UPCAST, NUM_STAGES, SCORE)
+                    full_lo, full_hi, seqlen_k, dlo, dhi, scale_log2, site, drop,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, UPCAST, NUM_STAGES, SCORE, DROPOUT)
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                    lo, full_lo, seqlen_k, dlo, dhi, scale_log2, site,
-                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES, SCORE)
+                    lo, full_lo, seqlen_k, dlo, dhi, scale_log2, site, drop,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                    full_hi, hi, seqlen_k, dlo, dhi, scale_log2, site,
-                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES, SCORE)
+                    full_hi, hi, seqlen_k, dlo, dhi, scale_log2, site, drop,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
     store_tile(DQ + batch * sdqb + (q_start + rows[:, None]) * sdqs + head * sdqh + offs_d[None, :],
                dq * softmax_scale, rows, seqlen_q, offs_d, HEAD_DIM)
+
+
+def _seed(p: Problem, placeholder):
+    """The dropout's seed tensor, or a placeholder pointer without dropout (never read)."""
+    return p.dropout_seed if p.dropout else placeholder
 
 
 def forward(plan, p: Problem, q, k, v):
@@ -251,14 +291,14 @@ def forward(plan, p: Problem, q, k, v):
     grid = (p.batch * p.heads_q * p.query_blocks(cfg.block_m),)
     launch(
         _fwd_kernel, grid,
-        q, k, v, out, lse, cu_q, cu_k,
+        q, k, v, out, lse, cu_q, cu_k, _seed(p, cu_q),
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
         *p.row_stat_strides(lse),
         p.seqlen_q, p.seqlen_k, p.totals, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right,
-        score.args_of(p),
+        score.args_of(p), p.dropout_p,
         HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         IS_VARLEN=p.varlen, UPCAST=p.upcast(q), NUM_STAGES=cfg.num_stages, SCORE=score.mod_of(p),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DROPOUT=p.dropout, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse, lse.new_empty(0)
 
 
@@ -268,24 +308,24 @@ def backward(plan, p: Problem, dout, dlse, q, k, v, out, lse, saved):
     delta = torch.empty_like(lse)
     cu_q, cu_k = p.cu_pointers(q.device)
     common = dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=p.varlen, UPCAST=p.upcast(q),
-                  SCORE=score.mod_of(p))
+                  SCORE=score.mod_of(p), DROPOUT=p.dropout)
     kv_cfg, q_cfg = plan.config
     # The dQ pass writes D, which the dK/dV pass reads: launched first, on the same stream.
     launch(
         _bwd_dq_kernel, (p.batch * p.heads_q * p.query_blocks(q_cfg.block_m),),
-        q, k, v, out, dout, lse, delta if dlse is None else dlse, delta, dq, cu_q, cu_k,
+        q, k, v, out, dout, lse, delta if dlse is None else dlse, delta, dq, cu_q, cu_k, _seed(p, cu_q),
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
         *p.seq_strides(dout), *p.seq_strides(dq), *p.row_stat_strides(lse),
         p.seqlen_q, p.seqlen_k, p.totals, p.heads_q, p.group, p.softmax_scale, p.scale_log2,
-        p.window_left, p.window_right, score.args_of(p), BLOCK_M=q_cfg.block_m, BLOCK_N=q_cfg.block_n,
+        p.window_left, p.window_right, score.args_of(p), p.dropout_p, BLOCK_M=q_cfg.block_m, BLOCK_N=q_cfg.block_n,
         NUM_STAGES=q_cfg.num_stages, HAS_DLSE=dlse is not None, num_warps=q_cfg.num_warps,
         num_stages=q_cfg.num_stages, **common)
     launch(
         _bwd_dkdv_kernel, (p.batch * p.heads_k * p.key_blocks(kv_cfg.block_n),),
-        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,
+        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, _seed(p, cu_q),
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),
         *p.seq_strides(dk), *p.seq_strides(dv), *p.row_stat_strides(lse),
         p.seqlen_q, p.seqlen_k, p.totals, p.heads_k, p.group, p.softmax_scale, p.scale_log2,
-        p.window_left, p.window_right, score.args_of(p), BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n,
+        p.window_left, p.window_right, score.args_of(p), p.dropout_p, BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n,
         NUM_STAGES=kv_cfg.num_stages, num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, **common)
     return dq, dk, dv

@@ -1,0 +1,124 @@
+"""Attention dropout: the kernels' mask is Philox-drawn from a seed taken from torch's generator;
+against the float64 reference given the same mask, outputs and gradients follow the FA rule."""
+import math
+
+import pytest
+import torch
+from attention_check import GRAD_RULE, OUT_RULE, assert_within_rule, make_qkv, run_and_grad
+from conftest import DEVICE, ON_GPU
+
+from flashtile import flash_attn_func, flash_attn_varlen_func, standard_attention
+from flashtile.kernels import dropout
+
+DTYPE = torch.bfloat16 if ON_GPU else torch.float16
+
+
+def seeded(seed, fn):
+    """fn run right after torch.manual_seed(seed): its dropout seed is the next draw."""
+    def run(*args):
+        torch.manual_seed(seed)
+        return fn(*args)
+    return run
+
+
+def mask_of(seed, batch, heads, seqlen_q, seqlen_k, p):
+    """The mask a call made right after torch.manual_seed(seed) draws."""
+    torch.manual_seed(seed)
+    return dropout.kept(dropout.new_seed(torch.device(DEVICE)), batch, heads, seqlen_q, seqlen_k, p)
+
+
+def check_with_mask(call, q, k, v, mask, p, **features):
+    """call(q, k, v) (seeded) against standard_attention with the same mask: out and gradients."""
+    dout = torch.randn_like(q)
+    out, _, grads = run_and_grad(call, q, k, v, dout)
+    kw = dict(dropout_mask=mask, dropout_p=p, **features)
+    oracle, _, oracle_grads = run_and_grad(lambda a, b, c: standard_attention(a, b, c, upcast=True, **kw),
+                                           q, k, v, dout.double())
+    pt, _, pt_grads = run_and_grad(lambda a, b, c: standard_attention(a, b, c, **kw), q, k, v, dout)
+    assert_within_rule("out", out, pt, oracle, OUT_RULE)
+    for name, g, g_pt, g_ref in zip(("dq", "dk", "dv"), grads, pt_grads, oracle_grads):
+        assert_within_rule(name, g, g_pt, g_ref, GRAD_RULE)
+    return out
+
+
+@pytest.mark.parametrize("version", ["v2", "v3"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_matches_reference_with_its_mask(version, causal):
+    torch.manual_seed(1)
+    q, k, v = make_qkv(2, 70, 90, 4, 2, 32, DTYPE, DEVICE)  # GQA, lengths off the block sizes
+    p = 0.17
+    mask = mask_of(5, 2, 4, 70, 90, p)
+    call = seeded(5, lambda a, b, c: flash_attn_func(a, b, c, dropout_p=p, causal=causal, version=version))
+    check_with_mask(call, q, k, v, mask, p, causal=causal)
+
+
+def test_dropout_with_window_softcap_and_alibi():
+    torch.manual_seed(2)
+    q, k, v = make_qkv(1, 48, 48, 2, 2, 32, DTYPE, DEVICE)
+    p, slopes = 0.3, torch.tensor([0.25, 0.5], device=DEVICE)
+    features = dict(window_size=(20, 3), softcap=5.0, alibi_slopes=slopes)
+    mask = mask_of(9, 1, 2, 48, 48, p)
+    call = seeded(9, lambda a, b, c: flash_attn_func(a, b, c, dropout_p=p, version="v2", **features))
+    check_with_mask(call, q, k, v, mask, p, **features)
+
+
+def test_varlen_dropout_per_sequence():
+    torch.manual_seed(3)
+    lengths_q, lengths_k = [17, 40, 1], [30, 40, 9]
+    heads, p = 2, 0.25
+    q = torch.randn(sum(lengths_q), heads, 32, dtype=DTYPE, device=DEVICE)
+    k = torch.randn(sum(lengths_k), heads, 32, dtype=DTYPE, device=DEVICE)
+    v = torch.randn_like(k)
+    cu = [torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+          for x in (lengths_q, lengths_k)]
+    mask = mask_of(4, 3, heads, max(lengths_q), max(lengths_k), p)
+    torch.manual_seed(4)
+    out = flash_attn_varlen_func(q, k, v, cu[0], cu[1], max(lengths_q), max(lengths_k), dropout_p=p, causal=True)
+    for i, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        rows, keys = slice(int(cu[0][i]), int(cu[0][i + 1])), slice(int(cu[1][i]), int(cu[1][i + 1]))
+        kw = dict(causal=True, dropout_mask=mask[i:i + 1, :, :lq, :lk], dropout_p=p)
+        oracle = standard_attention(q[None, rows], k[None, keys], v[None, keys], upcast=True, **kw)
+        pt = standard_attention(q[None, rows], k[None, keys], v[None, keys], **kw)
+        assert_within_rule(f"sequence {i}", out[None, rows], pt, oracle, OUT_RULE)
+
+
+def test_keep_rate_and_seeds():
+    # The keep rate is 1 - p within 5 standard deviations; torch.manual_seed reproduces a call,
+    # and successive calls draw new masks.
+    p = 0.3
+    kept = mask_of(0, 2, 4, 96, 96, p)
+    n = kept.numel()
+    assert abs(kept.float().mean().item() - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 32, DTYPE, DEVICE)
+    torch.manual_seed(7)
+    first, second = (flash_attn_func(q, k, v, dropout_p=p) for _ in range(2))
+    torch.manual_seed(7)
+    again = flash_attn_func(q, k, v, dropout_p=p)
+    assert torch.equal(first, again) and not torch.equal(first, second)
+    assert torch.equal(flash_attn_func(q, k, v, dropout_p=0.0), flash_attn_func(q, k, v))
+
+
+def test_return_attn_probs_encodes_the_dropped_ones():
+    # flash_attn's S_dmask: the probabilities, negative where dropped; the output is the kept
+    # ones, scaled by 1 / (1 - p), times V.
+    torch.manual_seed(5)
+    q, k, v = make_qkv(1, 40, 56, 2, 1, 32, DTYPE, DEVICE)
+    p = 0.2
+    torch.manual_seed(11)
+    out, lse, s_dmask = flash_attn_func(q, k, v, dropout_p=p, causal=True, return_attn_probs=True)
+    assert s_dmask.shape == (1, 2, 40, 56)
+    assert torch.equal(s_dmask >= 0, mask_of(11, 1, 2, 40, 56, p) | (s_dmask == 0))
+    probs = s_dmask.abs()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(1, 2, 40, device=DEVICE), atol=2e-3, rtol=0)
+    expected = torch.einsum("bhqk,bkhd->bqhd", s_dmask.clamp(min=0) / (1 - p), v.float().repeat_interleave(2, 2))
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_dropout_refusals():
+    q, k, v = make_qkv(1, 16, 16, 1, 1, 32, DTYPE, DEVICE)
+    with pytest.raises(NotImplementedError, match="version='v1' has no dropout"):
+        flash_attn_func(q, k, v, dropout_p=0.1, version="v1")
+    with pytest.raises(NotImplementedError, match="version='tiled' has no dropout"):
+        flash_attn_func(q, k, v, dropout_p=0.1, version="tiled")
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_attn_func(q, k, v, dropout_p=1.0)
