@@ -49,24 +49,26 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     sinks = validation.sinks(sinks, q.shape[-2], q.device)
     opts = options.resolve(kernel_options)
     version = dispatch.resolve_version(version, q.device)
-    validation.dropout_version(dropout_p, version)
-    head_dim = q.shape[-1]
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    validation.version_takes(version, dropout_p, head_dim, head_dim_v)
     scale = validation.softmax_scale(softmax_scale, head_dim)
     left, right = validation.band(bool(causal), window_size, max_seqlen_q, max_seqlen_k)
     if version != "tiled":
         validation.check_sequence_span(q, k, v, max_seqlen_q, max_seqlen_k, varlen)
     # Head dims are padded with zeros to a multiple of 8, as flash_attn does; the scale is the
     # one of the true head dim.
-    pad = -head_dim % validation.HEAD_DIM_MULTIPLE
+    pad, pad_v = (-d % validation.HEAD_DIM_MULTIPLE for d in (head_dim, head_dim_v))
     if pad:
-        q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
+        q, k = (F.pad(x, (0, pad)) for x in (q, k))
+    if pad_v:
+        v = F.pad(v, (0, pad_v))
     q, k, v = (validation.last_dim_contiguous(x) for x in (q, k, v))
     seed = dropout.new_seed(q.device) if dropout_p else None
     out, lse, _ = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, max_seqlen_q,
                                 max_seqlen_k, scale, left, right, softcap, dropout_p, version, bool(deterministic),
                                 options.text(opts))
-    if pad:
-        out = out[..., :head_dim]
+    if pad_v:
+        out = out[..., :head_dim_v]
     if not return_attn_probs:
         return out
     # flash_attn's third element: with dropout on batched inputs, the probabilities, negative where

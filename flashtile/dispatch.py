@@ -11,7 +11,8 @@ Forward kernels:
   "v3-gluon"     FlashAttention-3's warp-specialized forward in Gluon (kernels/gluon/forward.py)
   "v3-triton"    the Hopper forward in plain Triton (kernels/v3.py): what the Gluon kernel does
                  not take (varlen, broadcast layouts, the interpreter)
-With dropout, v3 runs v2's kernels both ways (their Triton draws the mask: kernels/dropout.py).
+With dropout (their Triton draws the mask: kernels/dropout.py) or a V head dim of its own, v3
+runs v2's kernels both ways.
 Backward kernels:
   "tiled", "v1", "v2"   as above
   "v3-gluon"     two warp-specialized Gluon passes, dQ then dK/dV, bitwise reproducible
@@ -148,7 +149,7 @@ def _forward_plan(p, version, target, opts) -> Plan:
         return Plan("tiled")
     if version == "v1":
         return _v1_plan(p, target, opts, "fwd")
-    if version == "v2" or p.dropout:  # dropout: v2's kernels draw the mask
+    if version == "v2" or p.dropout or p.own_head_dim_v is not None:  # only v2's kernels take these
         return _v2_forward(p, target, opts)
     kernel = opts.forward or "gluon"
     if kernel == "gluon" and target.gluon:
@@ -161,7 +162,7 @@ def _forward_plan(p, version, target, opts) -> Plan:
 
 def _v2_forward(p, target, opts) -> Plan:
     table = configs.v2_fwd_table(p.banded, p.seqlen_k)
-    return Plan("v2", _tiles(opts, target, "v2_fwd", configs.by_head_dim(table, p.head_dim_pad)))
+    return Plan("v2", _tiles(opts, target, "v2_fwd", configs.by_head_dim(table, p.widest_head_dim_pad)))
 
 
 def v3_triton_forward(p, target, opts) -> Plan:
@@ -201,10 +202,11 @@ def _backward_plan(p, version, target, opts) -> Plan:
         return Plan("tiled")
     if version == "v1":
         return _v1_plan(p, target, opts, "bwd")
-    kernel = "v2" if version == "v2" or p.dropout or not target.gluon else _v3_backward_kernel(p, opts)
+    v2 = version == "v2" or p.dropout or p.own_head_dim_v is not None or not target.gluon
+    kernel = "v2" if v2 else _v3_backward_kernel(p, opts)
     if kernel == "v2":
-        kv = configs.by_head_dim(configs.v2_bwd_kv_table(p.banded), p.head_dim_pad)
-        dq = configs.by_head_dim(configs.V2_BWD_Q, p.head_dim_pad)
+        kv = configs.by_head_dim(configs.v2_bwd_kv_table(p.banded), p.widest_head_dim_pad)
+        dq = configs.by_head_dim(configs.V2_BWD_Q, p.widest_head_dim_pad)
         return Plan("v2", (_tiles(opts, target, "v2_bwd_kv", kv), _tiles(opts, target, "v2_bwd_q", dq)))
     reduce = kernel == "v3-gluon-reduce"
     table = "v3_gluon_bwd_reduce" if reduce else "v3_gluon_bwd"

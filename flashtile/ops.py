@@ -33,10 +33,10 @@ def _options(text: str) -> options.KernelOptions:
     return options.KernelOptions.parse(text)
 
 
-def _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k, softmax_scale,
-             window_left, window_right, softcap, dropout_p, deterministic=False):
+def _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
+             softmax_scale, window_left, window_right, softcap, dropout_p, deterministic=False):
     return Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                      window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_seed)
+                      window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_seed, v.shape[-1])
 
 
 def _saved_shape(p, version: str, lse_shape):
@@ -49,7 +49,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu
              max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
              softcap: float, dropout_p: float, version: str, deterministic: bool,
              kernel_options: str) -> tuple[Tensor, Tensor, Tensor]:
-    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
+    p = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
                  softmax_scale, window_left, window_right, softcap, dropout_p)
     if p.varlen and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
@@ -67,10 +67,10 @@ attention_forward = torch.library.custom_op("flashtile::attention_forward", _for
 @attention_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, dropout_seed, max_seqlen_q, max_seqlen_k,
       softmax_scale, window_left, window_right, softcap, dropout_p, version, deterministic, kernel_options):
-    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
+    p = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
                  softmax_scale, window_left, window_right, softcap, dropout_p)
     lse_shape = p.row_stat_shape(q.shape[0])
-    return (torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32),
+    return (q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(lse_shape, dtype=torch.float32),
             q.new_empty(_saved_shape(p, version, lse_shape), dtype=torch.float32))
 
 
@@ -80,7 +80,7 @@ def _backward_kernels(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor
                       max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, softcap: float,
                       dropout_p: float, version: str, deterministic: bool,
                       kernel_options: str) -> tuple[Tensor, Tensor, Tensor]:
-    p = _problem(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
+    p = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
                  softmax_scale, window_left, window_right, softcap, dropout_p, deterministic)
     plan = dispatch.backward_plan(p, version, dispatch.target_of(p, q, k, v, dout), _options(kernel_options))
     with on_device_of(q):

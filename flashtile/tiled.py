@@ -69,19 +69,19 @@ def _scores(p, qblk, kblk, bias):
 
 
 def forward(plan, p, q, k, v):
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
     lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
     for b, (qs, ks) in enumerate(_sequences(p)):
         slopes = _slopes(p, b)
         qg, kg, vg = _grouped(q[qs], p.heads_k), k[ks].float().permute(1, 0, 2), v[ks].float().permute(1, 0, 2)
         sq, sk = qg.shape[2], kg.shape[1]
-        o_seq = torch.zeros_like(qg)
+        o_seq = qg.new_zeros(*qg.shape[:-1], vg.shape[-1])
         lse_seq = torch.empty(qg.shape[:3], device=q.device)
         for i0 in range(0, sq, BLOCK):
             i1 = min(i0 + BLOCK, sq)
             m = torch.full(qg[:, :, i0:i1, 0].shape, float("-inf"), device=q.device)
             l = torch.zeros_like(m)
-            acc = torch.zeros_like(qg[:, :, i0:i1])
+            acc = o_seq[:, :, i0:i1].clone()
             for j0 in range(0, sk, BLOCK):
                 j1 = min(j0 + BLOCK, sk)
                 visible = _visible(p, i0, i1, j0, j1, sq, sk, q.device)

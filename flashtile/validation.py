@@ -123,15 +123,17 @@ def check_qkv(q, k, v, varlen: bool):
             raise ValueError(f"{name} must be {rank}-D {form}, got shape {tuple(x.shape)}")
         if x.shape[-1] == 0 or x.shape[-2] == 0:
             raise ValueError(f"{name} has no heads or an empty head dim (shape {tuple(x.shape)})")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same shape but for the head dim, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
     if not varlen and q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim:
         raise ValueError(f"q and k must have the same head dim, got {head_dim} and {k.shape[-1]}")
-    if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {head_dim}")
+    for name, dim in (("head dim", head_dim), ("v's head dim", v.shape[-1])):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(f"{name} must be at most {MAX_HEAD_DIM}, got {dim}")
     heads_q, heads_k = q.shape[-2], k.shape[-2]
     if heads_q % heads_k != 0:
         raise ValueError(f"nheads of q ({heads_q}) must be a multiple of nheads of k/v ({heads_k})")
@@ -196,12 +198,16 @@ def feature_options(dropout_p, softcap) -> tuple[float, float]:
     return real("dropout_p", dropout_p, 0.0, 1.0, hi_open=True), real("softcap", softcap, 0.0)
 
 
-def dropout_version(dropout_p: float, version: str):
-    """Dropout runs in the Triton kernels of v2 (and v3, which hands it to them)."""
+def version_takes(version: str, dropout_p: float, head_dim: int, head_dim_v: int):
+    """Dropout runs in the Triton kernels of v2 (and v3, which hands it to them); a V head dim of
+    its own in those and in the PyTorch path; v1 takes neither."""
     if dropout_p and version in ("v1", "tiled"):
         hint = (" (on CPU tensors, set TRITON_INTERPRET=1 before importing flashtile to run the kernels)"
                 if version == "tiled" else "")
         raise NotImplementedError(f"dropout_p={dropout_p}: version={version!r} has no dropout; v2 and v3 do{hint}")
+    if head_dim_v != head_dim and version == "v1":
+        raise NotImplementedError(f"v's head dim ({head_dim_v}) differs from q's and k's ({head_dim}): "
+                                  f"version='v1' takes one head dim; v2, v3 and 'tiled' take both")
 
 
 def alibi_slopes(slopes, batch: int, heads: int, device):

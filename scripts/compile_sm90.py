@@ -139,7 +139,7 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     combine = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=decode.padded_head_dim(head_dim), BLOCK_T=decode.COMBINE_ROWS)
     yield "decode.combine", decode._combine_kernel, combine, dict(num_warps=decode.COMBINE_WARPS), None
     f = dispatch.forward_plan(p, "v2", dispatch.HOPPER, opts).config
-    v2_base = dict(base, DROPOUT=with_dropout)
+    v2_base = dict(base, DROPOUT=with_dropout, HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=p.head_dim_pad)
     yield "v2.fwd", v2._fwd_kernel, dict(v2_base, BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages), \
         _options(f), None
     kv, qc = dispatch.backward_plan(p, "v2", dispatch.HOPPER, opts).config

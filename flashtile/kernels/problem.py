@@ -41,11 +41,12 @@ class Problem:
     dropout_p: float = 0.0  # probabilities dropped with this probability (kernels/dropout.py)
     # The dropout's seed, a one-element int64 tensor; no part of what a plan depends on.
     dropout_seed: Optional[torch.Tensor] = field(default=None, compare=False, hash=False)
+    own_head_dim_v: Optional[int] = None  # V's (and the output's) head dim where it differs; None: head_dim
 
     @classmethod
     def of(cls, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
            softmax_scale, window_left, window_right, softcap=0.0, deterministic=False, alibi_slopes=None,
-           dropout_p=0.0, dropout_seed=None):
+           dropout_p=0.0, dropout_seed=None, head_dim_v=None):
         varlen = cu_seqlens_q is not None
         return cls(
             batch=cu_seqlens_q.numel() - 1 if varlen else q.shape[0],
@@ -57,7 +58,8 @@ class Problem:
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, deterministic=deterministic,
             softcap=softcap, total_q=q.shape[0] if varlen else 0, total_k=k.shape[0] if varlen else 0,
             alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-            dropout_seed=dropout_seed)
+            dropout_seed=dropout_seed,
+            own_head_dim_v=None if head_dim_v in (None, q.shape[-1]) else head_dim_v)
 
     @property
     def varlen(self) -> bool:
@@ -91,6 +93,20 @@ class Problem:
         # tl.dot needs K >= 16 and power-of-two tiles; padded lanes are masked to zero.  Plain
         # integer arithmetic: triton.next_power_of_2 goes through the JIT's call path (~8 us).
         return max(16, 1 << (self.head_dim - 1).bit_length())
+
+    @property
+    def head_dim_v(self) -> int:
+        """V's head dim (only v2's kernels and the PyTorch path take one of its own)."""
+        return self.own_head_dim_v or self.head_dim
+
+    @property
+    def head_dim_v_pad(self) -> int:
+        return max(16, 1 << (self.head_dim_v - 1).bit_length())
+
+    @property
+    def widest_head_dim_pad(self) -> int:
+        """The tile tables' key: the wider of the padded Q/K and V head dims."""
+        return max(self.head_dim_pad, self.head_dim_v_pad)
 
     def query_blocks(self, rows: int) -> int:
         """Blocks of ``rows`` query rows per sequence (the last may be partial).  Plain integer

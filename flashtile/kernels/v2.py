@@ -30,9 +30,11 @@ from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile
 @triton.jit
 def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d, lo, hi,
                 seqlen_k, dlo, dhi, scale_log2, site, drop,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr,
                 DROPOUT: tl.constexpr):
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         cols = n0 + offs_n
         k = load_tile(k_base + cols[:, None] * sks + offs_d[None, :], cols, seqlen_k, offs_d,
@@ -45,8 +47,8 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d
         l_i = l_i * alpha + tl.sum(p, 1)  # the denominator counts every probability, dropped or not
         if DROPOUT:
             p *= dropout.kept_scale(drop[0], drop[1], rows[:, None], cols[None, :], drop[2], drop[3])
-        v = load_tile(v_base + cols[:, None] * svs + offs_d[None, :], cols, seqlen_k, offs_d,
-                      HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
+        v = load_tile(v_base + cols[:, None] * svs + offs_dv[None, :], cols, seqlen_k, offs_dv,
+                      HEAD_DIM_V, HEAD_DIM_V_PAD, MASK, UPCAST)
         acc = acc * alpha[:, None] + values_product(p, v, v_base.dtype.element_ty, UPCAST, MASK)
     return acc, m_i, l_i
 
@@ -68,6 +70,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED,
                 seqlen_q, seqlen_k, totals, heads_q, group, scale_log2, window_left, window_right, score_args,
                 dropout_p,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                 UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr, DROPOUT: tl.constexpr):
     bh, block, blocks = program_tile(seqlen_q, BLOCK_M)
@@ -91,30 +94,36 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED,
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], tl.float32)
     lo, full_lo, full_hi, hi = visited_blocks(m0, BLOCK_M, BLOCK_N, seqlen_k, dlo, dhi)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
                                 full_lo, full_hi, seqlen_k, dlo, dhi, scale_log2, site, drop,
-                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, UPCAST, NUM_STAGES, SCORE, DROPOUT)
+                                HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
+                                BLOCK_N, False, UPCAST, NUM_STAGES, SCORE, DROPOUT)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
                                 lo, full_lo, seqlen_k, dlo, dhi, scale_log2, site, drop,
-                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
+                                HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
+                                BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
                                 full_hi, hi, seqlen_k, dlo, dhi, scale_log2, site, drop,
-                                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
+                                HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
+                                BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
     out, lse = finalize_rows(acc, m_i, l_i)
-    store_tile(O + batch * sob + q_start * sos + head * soh + rows[:, None] * sos + offs_d[None, :],
-               out, rows, seqlen_q, offs_d, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    store_tile(O + batch * sob + q_start * sos + head * soh + rows[:, None] * sos + offs_dv[None, :],
+               out, rows, seqlen_q, offs_dv, HEAD_DIM_V)
     tl.store(LSE + batch * slb + head * slh + q_start + rows, lse, mask=rows < seqlen_q)
 
 
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k, offs_m, offs_d,
                  lo, hi, seqlen_q, dlo, dhi, scale_log2, site, drop,
-                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                 HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                  MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr,
                  DROPOUT: tl.constexpr):
     """Accumulate dK, dV of one K tile over the Q blocks [lo, hi), working on transposed scores."""
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     for m0 in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
         cols = m0 + offs_m
         q = load_tile(q_base + cols[:, None] * sqs + offs_d[None, :], cols, seqlen_q, offs_d,
@@ -126,8 +135,8 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, 
         if MASK:
             visible = band_mask(rows_k, cols, seqlen_q, -dhi, -dlo)
             pT = tl.where(visible, pT, 0.0)
-        do = load_tile(do_base + cols[:, None] * sds + offs_d[None, :], cols, seqlen_q, offs_d,
-                       HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
+        do = load_tile(do_base + cols[:, None] * sds + offs_dv[None, :], cols, seqlen_q, offs_dv,
+                       HEAD_DIM_V, HEAD_DIM_V_PAD, MASK, UPCAST)
         dpT = tl.dot(v, tl.trans(do))
         if DROPOUT:  # dV sees the dropped probabilities; dP reaches P through the same mask
             zT = dropout.kept_scale(drop[0], drop[1], cols[None, :], rows_k[:, None], drop[2], drop[3])
@@ -151,6 +160,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SEED,
                      seqlen_q, seqlen_k, totals, heads_k, group, softmax_scale, scale_log2,
                      window_left, window_right, score_args, dropout_p,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                      UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr, DROPOUT: tl.constexpr):
     bh, block, _ = program_tile(seqlen_k, BLOCK_N)
@@ -165,10 +175,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SEED,
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     k = load_tile(K + batch * skb + (k_start + rows_k[:, None]) * sks + head_k * skh + offs_d[None, :],
                   rows_k, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
-    v = load_tile(V + batch * svb + (k_start + rows_k[:, None]) * svs + head_k * svh + offs_d[None, :],
-                  rows_k, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    v = load_tile(V + batch * svb + (k_start + rows_k[:, None]) * svs + head_k * svh + offs_dv[None, :],
+                  rows_k, seqlen_k, offs_dv, HEAD_DIM_V, HEAD_DIM_V_PAD, True, UPCAST)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V_PAD], tl.float32)
     # Q rows that see this K tile: the band with rows and columns swapped.
     lo, full_lo, full_hi, hi = visited_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, -dhi, -dlo)
     for g in range(group):
@@ -181,31 +192,36 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SEED,
         delta_base = DELTA + batch * slb + head * slh + q_start
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
                               offs_m, offs_d, full_lo, full_hi, seqlen_q, dlo, dhi, scale_log2, site, drop,
-                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, False, UPCAST, NUM_STAGES, SCORE, DROPOUT)
+                              HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
+                              BLOCK_M, False, UPCAST, NUM_STAGES, SCORE, DROPOUT)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
                               offs_m, offs_d, lo, full_lo, seqlen_q, dlo, dhi, scale_log2, site, drop,
-                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
+                              HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
+                              BLOCK_M, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
                               offs_m, offs_d, full_hi, hi, seqlen_q, dlo, dhi, scale_log2, site, drop,
-                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
+                              HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
+                              BLOCK_M, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
     store_tile(DK + batch * sdkb + (k_start + rows_k[:, None]) * sdks + head_k * sdkh + offs_d[None, :],
                dk * softmax_scale, rows_k, seqlen_k, offs_d, HEAD_DIM)
-    store_tile(DV + batch * sdvb + (k_start + rows_k[:, None]) * sdvs + head_k * sdvh + offs_d[None, :],
-               dv, rows_k, seqlen_k, offs_d, HEAD_DIM)
+    store_tile(DV + batch * sdvb + (k_start + rows_k[:, None]) * sdvs + head_k * sdvh + offs_dv[None, :],
+               dv, rows_k, seqlen_k, offs_dv, HEAD_DIM_V)
 
 
 @triton.jit
 def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d, lo, hi,
                seqlen_k, dlo, dhi, scale_log2, site, drop,
-               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+               HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr,
                DROPOUT: tl.constexpr):
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         cols = n0 + offs_n
         k = load_tile(k_base + cols[:, None] * sks + offs_d[None, :], cols, seqlen_k, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
-        v = load_tile(v_base + cols[:, None] * svs + offs_d[None, :], cols, seqlen_k, offs_d,
-                      HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
+        v = load_tile(v_base + cols[:, None] * svs + offs_dv[None, :], cols, seqlen_k, offs_dv,
+                      HEAD_DIM_V, HEAD_DIM_V_PAD, MASK, UPCAST)
         y = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, rows[:, None], cols[None, :], site, SCORE)
         p = tl.math.exp2(y - lse[:, None])
         if MASK:
@@ -228,6 +244,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K, SEED,
                    sdqb, sdqs, sdqh, slb, slh, seqlen_q, seqlen_k, totals, heads_q, group, softmax_scale,
                    scale_log2, window_left, window_right, score_args, dropout_p,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                   HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                    UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_DLSE: tl.constexpr, SCORE: tl.constexpr,
                    DROPOUT: tl.constexpr):
@@ -249,10 +266,11 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K, SEED,
     drop = _dropout_stream(SEED, batch, head, heads_q, max_q, max_k, dropout_p, DROPOUT)
     q = load_tile(Q + batch * sqb + (q_start + rows[:, None]) * sqs + head * sqh + offs_d[None, :],
                   rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
-    do = load_tile(DO + batch * sdb + (q_start + rows[:, None]) * sds + head * sdh + offs_d[None, :],
-                   rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
-    o = load_tile(O + batch * sob + (q_start + rows[:, None]) * sos + head * soh + offs_d[None, :],
-                  rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    do = load_tile(DO + batch * sdb + (q_start + rows[:, None]) * sds + head * sdh + offs_dv[None, :],
+                   rows, seqlen_q, offs_dv, HEAD_DIM_V, HEAD_DIM_V_PAD, True, UPCAST)
+    o = load_tile(O + batch * sob + (q_start + rows[:, None]) * sos + head * soh + offs_dv[None, :],
+                  rows, seqlen_q, offs_dv, HEAD_DIM_V, HEAD_DIM_V_PAD, True, UPCAST)
     stat = batch * slb + head * slh + q_start + rows
     delta = row_delta(o, do, DLSE, stat, rows, seqlen_q, HAS_DLSE)
     tl.store(DELTA + stat, delta, mask=rows < seqlen_q)
@@ -264,13 +282,16 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K, SEED,
     lo, full_lo, full_hi, hi = visited_blocks(m0, BLOCK_M, BLOCK_N, seqlen_k, dlo, dhi)
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
                     full_lo, full_hi, seqlen_k, dlo, dhi, scale_log2, site, drop,
-                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, UPCAST, NUM_STAGES, SCORE, DROPOUT)
+                    HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
+                    BLOCK_N, False, UPCAST, NUM_STAGES, SCORE, DROPOUT)
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
                     lo, full_lo, seqlen_k, dlo, dhi, scale_log2, site, drop,
-                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
+                    HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
+                    BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
                     full_hi, hi, seqlen_k, dlo, dhi, scale_log2, site, drop,
-                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
+                    HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
+                    BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
     store_tile(DQ + batch * sdqb + (q_start + rows[:, None]) * sdqs + head * sdqh + offs_d[None, :],
                dq * softmax_scale, rows, seqlen_q, offs_d, HEAD_DIM)
 
@@ -284,7 +305,7 @@ def forward(plan, p: Problem, q, k, v):
     """Returns (out, lse, saved); lse is (b, h, sq) or, for varlen, (h, total_q), natural log.
 
     ``saved`` (what the backward needs beyond lse) is empty for this version."""
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
     lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
     cfg = plan.config
     cu_q, cu_k = p.cu_pointers(q.device)
@@ -296,7 +317,8 @@ def forward(plan, p: Problem, q, k, v):
         *p.row_stat_strides(lse),
         p.seqlen_q, p.seqlen_k, p.totals, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right,
         score.args_of(p), p.dropout_p,
-        HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, HEAD_DIM_V=p.head_dim_v, HEAD_DIM_V_PAD=p.head_dim_v_pad,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         IS_VARLEN=p.varlen, UPCAST=p.upcast(q), NUM_STAGES=cfg.num_stages, SCORE=score.mod_of(p),
         DROPOUT=p.dropout, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse, lse.new_empty(0)
@@ -307,7 +329,8 @@ def backward(plan, p: Problem, dout, dlse, q, k, v, out, lse, saved):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
     cu_q, cu_k = p.cu_pointers(q.device)
-    common = dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=p.varlen, UPCAST=p.upcast(q),
+    common = dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, HEAD_DIM_V=p.head_dim_v,
+                  HEAD_DIM_V_PAD=p.head_dim_v_pad, IS_VARLEN=p.varlen, UPCAST=p.upcast(q),
                   SCORE=score.mod_of(p), DROPOUT=p.dropout)
     kv_cfg, q_cfg = plan.config
     # The dQ pass writes D, which the dK/dV pass reads: launched first, on the same stream.
