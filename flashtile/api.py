@@ -27,12 +27,16 @@ def _check_differentiation_mode(q, k, v):
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-               window_size, softcap, alibi_slopes, deterministic, return_attn_probs, sinks, version, kernel_options):
+               window_size, softcap, alibi_slopes, deterministic, return_attn_probs, sinks, version, kernel_options,
+               fp8_descales=None):
+    """``fp8_descales``: (q_descale, k_descale, v_descale) for float8 q, k, v (forward only; the
+    output bf16), as flash_attn_interface passes them; None for fp16 and bf16."""
     varlen = cu_seqlens_q is not None
+    fp8 = fp8_descales is not None
     dropout_p, softcap = validation.feature_options(dropout_p, softcap)
     if version not in dispatch.VERSION_CHOICES:
         raise ValueError(f"version must be one of {dispatch.VERSION_CHOICES}, got {version!r}")
-    validation.check_qkv(q, k, v, varlen)
+    validation.check_qkv(q, k, v, varlen, fp8)
     _check_differentiation_mode(q, k, v)
     if varlen:
         cu_seqlens_q = validation.offsets("cu_seqlens_q", cu_seqlens_q, q.device)
@@ -50,7 +54,15 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     opts = options.resolve(kernel_options)
     version = dispatch.resolve_version(version, q.device)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    validation.version_takes(version, dropout_p, head_dim, head_dim_v)
+    validation.version_takes(version, dropout_p, head_dim, head_dim_v, fp8)
+    fp8_descale = None
+    if fp8:
+        if dropout_p or any(x.requires_grad for x in (q, k, v)):
+            raise NotImplementedError("FP8 attention is a forward without dropout (as FlashAttention-3's)")
+        if head_dim % 16 or head_dim_v % 16:
+            raise ValueError(f"FP8 head dims must be multiples of 16, got {head_dim} and {head_dim_v}")
+        fp8_descale = validation.fp8_descales(fp8_descales, cu_seqlens_q.numel() - 1 if varlen else q.shape[0],
+                                              k.shape[-2], q.device)
     scale = validation.softmax_scale(softmax_scale, head_dim)
     left, right = validation.band(bool(causal), window_size, max_seqlen_q, max_seqlen_k)
     if version != "tiled":
@@ -64,9 +76,9 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         v = F.pad(v, (0, pad_v))
     q, k, v = (validation.last_dim_contiguous(x) for x in (q, k, v))
     seed = dropout.new_seed(q.device) if dropout_p else None
-    out, lse, _ = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, max_seqlen_q,
-                                max_seqlen_k, scale, left, right, softcap, dropout_p, version, bool(deterministic),
-                                options.text(opts))
+    out, lse, _ = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, fp8_descale,
+                                max_seqlen_q, max_seqlen_k, scale, left, right, softcap, dropout_p, version,
+                                bool(deterministic), options.text(opts))
     if pad_v:
         out = out[..., :head_dim_v]
     if not return_attn_probs:

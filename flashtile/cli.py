@@ -260,7 +260,8 @@ def cmd_info(args):
     for version in dispatch.VERSIONS:
         reason = dispatch.why_not(version, device)
         print(f"  {version}: {'runs here' if reason is None else 'not here: ' + reason}")
-    print("  fp8: not implemented yet")
+    fp8 = dispatch.why_not("v2", device)
+    print(f"  fp8 (forward, flash_attn_interface): {'runs here' if fp8 is None else 'not here: ' + fp8}")
     print(f"  version='auto' picks: {dispatch.resolve_version('auto', device)}")
     return 0
 

@@ -12,7 +12,7 @@ Forward kernels:
   "v3-triton"    the Hopper forward in plain Triton (kernels/v3.py): what the Gluon kernel does
                  not take (varlen, broadcast layouts, the interpreter)
 With dropout (their Triton draws the mask: kernels/dropout.py) or a V head dim of its own, v3
-runs v2's kernels both ways.
+runs v2's kernels both ways; with FP8 inputs (forward only) v2's forward.
 Backward kernels:
   "tiled", "v1", "v2"   as above
   "v3-gluon"     two warp-specialized Gluon passes, dQ then dK/dV, bitwise reproducible
@@ -149,7 +149,7 @@ def _forward_plan(p, version, target, opts) -> Plan:
         return Plan("tiled")
     if version == "v1":
         return _v1_plan(p, target, opts, "fwd")
-    if version == "v2" or p.dropout or p.own_head_dim_v is not None:  # only v2's kernels take these
+    if version == "v2" or p.dropout or p.own_head_dim_v is not None or p.fp8:  # only v2's kernels take these
         return _v2_forward(p, target, opts)
     kernel = opts.forward or "gluon"
     if kernel == "gluon" and target.gluon:

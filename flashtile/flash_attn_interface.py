@@ -3,10 +3,26 @@
 Code written for FA3 runs unchanged with ``from flashtile.flash_attn_interface import ...``:
 the same signatures, returning ``out``, or ``(out, softmax_lse)`` with ``return_attn_probs``.
 FA3's tuning hints (``num_splits``, ``pack_gqa``, ``sm_margin``) are accepted and leave the
-choice to flashtile's dispatcher; what flashtile does not compute yet (FP8 descales, ``qv``,
+choice to flashtile's dispatcher; what flashtile does not compute yet (``qv``,
 ``attention_chunk``, ``seqused_q``/``seqused_k``) is refused by name.
+
+FP8, as FA3 has it: q, k, v in ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` with float32
+``q_descale``, ``k_descale``, ``v_descale`` of shape (batch, nheads_k) (None: 1), the output
+bf16, forward only.
 """
 from flashtile import api, validation
+
+
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descales, softmax_scale, causal,
+               window_size, softcap, deterministic, return_attn_probs):
+    """flashtile's attention, FP8 where q is float8 (descales apply to nothing else)."""
+    fp8 = getattr(q, "dtype", None) in validation.FP8_DTYPES
+    if not fp8 and any(x is not None for x in descales):
+        raise ValueError("q_descale, k_descale and v_descale apply to float8 q, k, v only")
+    res = api._attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, softmax_scale,
+                         causal, window_size, softcap, None, deterministic, return_attn_probs, None, "auto", None,
+                         fp8_descales=descales if fp8 else None)
+    return res[:2] if return_attn_probs else res
 
 
 def _refuse_unsupported(**given):
@@ -31,12 +47,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                     v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                     pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
     """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim)."""
-    _refuse_unsupported(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                        attention_chunk=attention_chunk)
+    _refuse_unsupported(qv=qv, attention_chunk=attention_chunk)
     _hints(num_splits, pack_gqa, sm_margin)
-    res = api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                              softcap=softcap, deterministic=deterministic, return_attn_probs=return_attn_probs)
-    return _result(res, return_attn_probs)
+    return _attention(q, k, v, None, None, None, None, (q_descale, k_descale, v_descale), softmax_scale, causal,
+                      window_size, softcap, deterministic, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None,
@@ -66,11 +80,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
                            num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
     """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); int32 offsets."""
-    _refuse_unsupported(seqused_q=seqused_q, seqused_k=seqused_k, qv=qv, q_descale=q_descale, k_descale=k_descale,
-                        v_descale=v_descale, attention_chunk=attention_chunk)
+    _refuse_unsupported(seqused_q=seqused_q, seqused_k=seqused_k, qv=qv, attention_chunk=attention_chunk)
     _hints(num_splits, pack_gqa, sm_margin)
-    res = api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                     softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                     softcap=softcap, deterministic=deterministic,
-                                     return_attn_probs=return_attn_probs)
-    return _result(res, return_attn_probs)
+    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, (q_descale, k_descale, v_descale),
+                      softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)

@@ -34,9 +34,10 @@ def _options(text: str) -> options.KernelOptions:
 
 
 def _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
-             softmax_scale, window_left, window_right, softcap, dropout_p, deterministic=False):
+             softmax_scale, window_left, window_right, softcap, dropout_p, deterministic=False, fp8_descale=None):
     return Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                      window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_seed, v.shape[-1])
+                      window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_seed, v.shape[-1],
+                      fp8_descale)
 
 
 def _saved_shape(p, version: str, lse_shape):
@@ -46,11 +47,11 @@ def _saved_shape(p, version: str, lse_shape):
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
              alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], dropout_seed: Optional[Tensor],
-             max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-             softcap: float, dropout_p: float, version: str, deterministic: bool,
-             kernel_options: str) -> tuple[Tensor, Tensor, Tensor]:
+             fp8_descale: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+             window_left: int, window_right: int, softcap: float, dropout_p: float, version: str,
+             deterministic: bool, kernel_options: str) -> tuple[Tensor, Tensor, Tensor]:
     p = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
-                 softmax_scale, window_left, window_right, softcap, dropout_p)
+                 softmax_scale, window_left, window_right, softcap, dropout_p, fp8_descale=fp8_descale)
     if p.varlen and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     plan = dispatch.forward_plan(p, version, dispatch.target_of(p, q, k, v), _options(kernel_options))
@@ -65,12 +66,13 @@ attention_forward = torch.library.custom_op("flashtile::attention_forward", _for
 
 
 @attention_forward.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, dropout_seed, max_seqlen_q, max_seqlen_k,
-      softmax_scale, window_left, window_right, softcap, dropout_p, version, deterministic, kernel_options):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, dropout_seed, fp8_descale, max_seqlen_q,
+      max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, version, deterministic,
+      kernel_options):
     p = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
-                 softmax_scale, window_left, window_right, softcap, dropout_p)
+                 softmax_scale, window_left, window_right, softcap, dropout_p, fp8_descale=fp8_descale)
     lse_shape = p.row_stat_shape(q.shape[0])
-    return (q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(lse_shape, dtype=torch.float32),
+    return (q.new_empty(*q.shape[:-1], v.shape[-1], dtype=p.out_dtype(q)), q.new_empty(lse_shape, dtype=torch.float32),
             q.new_empty(_saved_shape(p, version, lse_shape), dtype=torch.float32))
 
 
@@ -96,7 +98,7 @@ def _(dout, dlse, q, k, v, out, lse, saved, *args):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, alibi, sinks, seed, *ctx.args = inputs
+    q, k, v, cu_q, cu_k, alibi, sinks, seed, _fp8_descale, *ctx.args = inputs  # FP8: forward only
     out, lse, saved = output
     ctx.save_for_backward(q, k, v, out, lse, saved, cu_q, cu_k, alibi, seed, sinks)
     ctx.set_materialize_grads(False)
@@ -118,7 +120,7 @@ def _gradients(ctx, dout, dlse, backward_op):
             b"its backward, e.g. a gradient penalty) is not supported", len(grads))
         grads = refuse(*(g.detach().requires_grad_() for g in grads))
     dq, dk, dv, *dsinks = grads
-    return (dq, dk, dv, None, None, None, dsinks[0] if dsinks else None, None, *(None for _ in ctx.args))
+    return (dq, dk, dv, None, None, None, dsinks[0] if dsinks else None, None, None, *(None for _ in ctx.args))
 
 
 def _first_derivatives(ctx, saved_tensors, dout, dlse, backward_op):
@@ -159,11 +161,13 @@ class _EagerAttention(torch.autograd.Function):
         return _gradients(ctx, dout, dlse, _backward_kernels)
 
 
-def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, dropout_seed, max_seqlen_q, max_seqlen_k,
-              softmax_scale, window_left, window_right, softcap, dropout_p, version, deterministic, kernel_options):
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, dropout_seed, fp8_descale, max_seqlen_q,
+              max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, version, deterministic,
+              kernel_options):
     """(out, lse, saved) with autograd: the custom op under torch.compile, else the Function."""
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, dropout_seed, max_seqlen_q, max_seqlen_k,
-            softmax_scale, window_left, window_right, softcap, dropout_p, version, deterministic, kernel_options)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, dropout_seed, fp8_descale, max_seqlen_q,
+            max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, version, deterministic,
+            kernel_options)
     if torch.compiler.is_compiling():
         return attention_forward(*args)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad

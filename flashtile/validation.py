@@ -10,6 +10,7 @@ import numbers
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8  # head dims are padded to a multiple of this (as flash_attn does)
 # Scores are multiplied by the scale in fp32: bound it so that any score an fp16/bf16 product
@@ -105,12 +106,17 @@ def band(causal: bool, window_size, seqlen_q: int, seqlen_k: int) -> tuple[int, 
     return left, right
 
 
-def check_qkv(q, k, v, varlen: bool):
-    """Validate q, k, v of the batched (b, s, h, d) or varlen (total, h, d) layout."""
+def check_qkv(q, k, v, varlen: bool, fp8: bool = False):
+    """Validate q, k, v of the batched (b, s, h, d) or varlen (total, h, d) layout (``fp8``: in
+    float8, as FlashAttention-3's interface takes them)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x)
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"q has dtype {q.dtype}; flashtile supports torch.float16 and torch.bfloat16")
+    if fp8 and q.dtype not in FP8_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; with descales, flashtile takes torch.float8_e4m3fn and "
+                        f"torch.float8_e5m2")
+    if not fp8 and q.dtype not in SUPPORTED_DTYPES:
+        hint = " (float8 inputs go through flashtile.flash_attn_interface)" if q.dtype in FP8_DTYPES else ""
+        raise TypeError(f"q has dtype {q.dtype}; flashtile supports torch.float16 and torch.bfloat16{hint}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -198,9 +204,12 @@ def feature_options(dropout_p, softcap) -> tuple[float, float]:
     return real("dropout_p", dropout_p, 0.0, 1.0, hi_open=True), real("softcap", softcap, 0.0)
 
 
-def version_takes(version: str, dropout_p: float, head_dim: int, head_dim_v: int):
-    """Dropout runs in the Triton kernels of v2 (and v3, which hands it to them); a V head dim of
-    its own in those and in the PyTorch path; v1 takes neither."""
+def version_takes(version: str, dropout_p: float, head_dim: int, head_dim_v: int, fp8: bool = False):
+    """Dropout and FP8 inputs run in the Triton kernels of v2 (and v3, which hands them to them);
+    a V head dim of its own in those and in the PyTorch path; v1 takes none of them."""
+    if fp8 and version in ("v1", "tiled"):
+        raise NotImplementedError(f"FP8 inputs: version={version!r} has no FP8 path; v2 and v3 do (on CPU "
+                                  f"tensors, under TRITON_INTERPRET=1)")
     if dropout_p and version in ("v1", "tiled"):
         hint = (" (on CPU tensors, set TRITON_INTERPRET=1 before importing flashtile to run the kernels)"
                 if version == "tiled" else "")
@@ -250,3 +259,22 @@ def softmax_scale(scale, head_dim: int) -> float:
 def last_dim_contiguous(x):
     """Kernels need unit stride along head_dim; any other strides are used as they are."""
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def fp8_descales(descales, batch: int, heads_k: int, device) -> torch.Tensor:
+    """FlashAttention-3's (q_descale, k_descale, v_descale), each None (1) or float32 (batch,
+    nheads_k), as the kernels read them: one (3, batch, nheads_k) float32 tensor."""
+    stacked = []
+    for name, x in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if x is None:
+            stacked.append(torch.ones(batch, heads_k, dtype=torch.float32, device=device))
+            continue
+        check_tensor(name, x)
+        if x.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {x.dtype}")
+        if tuple(x.shape) != (batch, heads_k):
+            raise ValueError(f"{name} must have shape (batch, nheads_k) = ({batch}, {heads_k}), got {tuple(x.shape)}")
+        if x.device != device:
+            raise ValueError(f"{name} must be on {device}, like q, got {x.device}")
+        stacked.append(x)
+    return torch.stack(stacked)

@@ -24,7 +24,7 @@ from flashtile.kernels.problem import Problem
 from flashtile.options import KernelOptions
 from sass_loops import describe
 
-FP32_POINTERS = {"LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE", "SINKS", "JOINED", "SHARE", "PART_O", "PART_LSE"}
+FP32_POINTERS = {"DESCALE", "LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE", "SINKS", "JOINED", "SHARE", "PART_O", "PART_LSE"}
 INT_POINTERS = {"CU_Q", "CU_K", "ENDS", "LEFTPAD", "BATCH_IDX", "BLOCK_TABLE"}
 INT64_POINTERS = {"SEED"}
 INT8_POINTERS = {"KEPT"}
@@ -48,7 +48,8 @@ def signature(fn, dtype, constexprs, descriptors=None, tuples=TUPLES):
             sig[name] = f"tensordesc<{element[0] if element else dtype}[{', '.join(map(str, block))}],{layout}>"
         elif name.isupper():
             sig[name] = ("*fp32" if name in FP32_POINTERS else "*i32" if name in INT_POINTERS else
-                         "*i64" if name in INT64_POINTERS else "*i8" if name in INT8_POINTERS else f"*{dtype}")
+                         "*i64" if name in INT64_POINTERS else "*i8" if name in INT8_POINTERS else
+                         "*bf16" if name == "O" and dtype.startswith("fp8") else f"*{dtype}")
         else:
             sig[name] = "fp32" if name in FLOAT_SCALARS else "i32"
     return sig
@@ -140,7 +141,8 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     yield "decode.combine", decode._combine_kernel, combine, dict(num_warps=decode.COMBINE_WARPS), None
     f = dispatch.forward_plan(p, "v2", dispatch.HOPPER, opts).config
     v2_base = dict(base, DROPOUT=with_dropout, HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=p.head_dim_pad)
-    yield "v2.fwd", v2._fwd_kernel, dict(v2_base, BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages), \
+    yield "v2.fwd", v2._fwd_kernel, dict(v2_base, BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages,
+                                         FP8=False), \
         _options(f), None
     kv, qc = dispatch.backward_plan(p, "v2", dispatch.HOPPER, opts).config
     yield "v2.bwd_dkdv", v2._bwd_dkdv_kernel, dict(v2_base, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n,
@@ -196,6 +198,7 @@ def main():
     ap.add_argument("--softcap", type=float, default=0.0, help="compile the kernels with this softcap")
     ap.add_argument("--alibi", action="store_true", help="compile the kernels that take ALiBi with it")
     ap.add_argument("--dropout", action="store_true", help="compile v2's kernels with dropout")
+    ap.add_argument("--fp8", choices=("fp8e4nv", "fp8e5"), help="compile v2's forward for float8 inputs")
     args = ap.parse_args()
     opts = KernelOptions.parse(args.options)
     tuples = ALIBI_TUPLES if args.alibi else TUPLES
@@ -205,7 +208,9 @@ def main():
             if args.only and name != args.only:
                 continue
             try:
-                k = compile_one(fn, "bf16", constexprs, options, descriptors, tuples)
+                fp8 = args.fp8 and name == "v2.fwd"
+                k = compile_one(fn, args.fp8 if fp8 else "bf16", dict(constexprs, FP8=True) if fp8 else constexprs,
+                                options, descriptors, tuples)
             except Exception as e:  # report and go on: one broken kernel should not hide the rest
                 print(f"d{d:<4} {name:18} FAILED: {str(e).splitlines()[0][:200]}")
                 continue

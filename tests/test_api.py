@@ -176,7 +176,7 @@ def test_double_backward_is_refused_not_silently_wrong(qkv):
         if entry == "eager":
             out = flash_attn_func(*leaves, version="v2")
         else:
-            out = ops.attention_forward(*leaves, None, None, None, None, None, 16, 16, 32 ** -0.5, -1, -1, 0.0, 0.0,
+            out = ops.attention_forward(*leaves, None, None, None, None, None, None, 16, 16, 32 ** -0.5, -1, -1, 0.0, 0.0,
                                             "v2", False, "")[0]
         g, = torch.autograd.grad(out.float().sum(), leaves[0], create_graph=True)
         with pytest.raises(RuntimeError, match="differentiable once"):
@@ -241,7 +241,7 @@ def test_eager_function_and_custom_op_agree(version):
     # Eager calls skip the custom op's autograd wrapper (ops.py); both paths must give the same
     # outputs and gradients, including a loss that reaches the logsumexp only.
     q, k, v = make_qkv(1, 40, 48, 2, 1, 32, torch.float16, DEVICE)
-    args = (None, None, None, None, None, 40, 48, 32 ** -0.5, -1, 0, 0.0, 0.0, version, False, "")
+    args = (None, None, None, None, None, None, 40, 48, 32 ** -0.5, -1, 0, 0.0, 0.0, version, False, "")
     results = []
     for entry in (ops.attention, ops.attention_forward):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -257,7 +257,7 @@ def test_calls_without_gradients_build_no_autograd_node():
     # Under no_grad, or with inputs that need no gradient, ops.attention skips the autograd
     # Function: the outputs must match the ones with gradients, bit for bit, with no node.
     q, k, v = make_qkv(1, 40, 48, 2, 1, 32, torch.float16, DEVICE)
-    args = (None, None, None, None, None, 40, 48, 32 ** -0.5, -1, 0, 0.0, 0.0, "v2", False, "")
+    args = (None, None, None, None, None, None, 40, 48, 32 ** -0.5, -1, 0, 0.0, 0.0, "v2", False, "")
     with_grad = ops.attention(*(x.clone().requires_grad_() for x in (q, k, v)), *args)
     assert with_grad[0].grad_fn is not None
     with torch.no_grad():

@@ -103,7 +103,6 @@ def test_flash_attention_3_interface():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(q_descale=torch.ones(1)), "q_descale"),
     (dict(qv=torch.ones(1)), "qv"),
     (dict(attention_chunk=128), "attention_chunk"),
 ])

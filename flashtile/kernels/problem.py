@@ -42,11 +42,14 @@ class Problem:
     # The dropout's seed, a one-element int64 tensor; no part of what a plan depends on.
     dropout_seed: Optional[torch.Tensor] = field(default=None, compare=False, hash=False)
     own_head_dim_v: Optional[int] = None  # V's (and the output's) head dim where it differs; None: head_dim
+    fp8: bool = False  # q, k, v in float8 (e4m3 or e5m2), dequantized by fp8_descale; the output bf16
+    # (3, batch, heads_k) float32: q's, k's and v's descale per sequence and KV head.
+    fp8_descale: Optional[torch.Tensor] = field(default=None, compare=False, hash=False)
 
     @classmethod
     def of(cls, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
            softmax_scale, window_left, window_right, softcap=0.0, deterministic=False, alibi_slopes=None,
-           dropout_p=0.0, dropout_seed=None, head_dim_v=None):
+           dropout_p=0.0, dropout_seed=None, head_dim_v=None, fp8_descale=None):
         varlen = cu_seqlens_q is not None
         return cls(
             batch=cu_seqlens_q.numel() - 1 if varlen else q.shape[0],
@@ -59,7 +62,8 @@ class Problem:
             softcap=softcap, total_q=q.shape[0] if varlen else 0, total_k=k.shape[0] if varlen else 0,
             alibi_slopes=alibi_slopes, dropout_p=dropout_p,
             dropout_seed=dropout_seed,
-            own_head_dim_v=None if head_dim_v in (None, q.shape[-1]) else head_dim_v)
+            own_head_dim_v=None if head_dim_v in (None, q.shape[-1]) else head_dim_v,
+            fp8=fp8_descale is not None, fp8_descale=fp8_descale)
 
     @property
     def varlen(self) -> bool:
@@ -93,6 +97,10 @@ class Problem:
         # tl.dot needs K >= 16 and power-of-two tiles; padded lanes are masked to zero.  Plain
         # integer arithmetic: triton.next_power_of_2 goes through the JIT's call path (~8 us).
         return max(16, 1 << (self.head_dim - 1).bit_length())
+
+    def out_dtype(self, q: torch.Tensor) -> torch.dtype:
+        """The output's dtype: q's, or bf16 for FP8 inputs."""
+        return torch.bfloat16 if self.fp8 else q.dtype
 
     @property
     def head_dim_v(self) -> int:
@@ -150,5 +158,6 @@ class Problem:
         return dummy, dummy
 
     def upcast(self, x: torch.Tensor) -> bool:
-        """Run tiles in fp32 where the interpreter would mis-compute bf16 matmuls."""
-        return options.interpreting() and x.dtype == torch.bfloat16
+        """Run tiles in fp32 where the interpreter would mis-compute bf16 matmuls or float8
+        casts (tiles.fp8_operand)."""
+        return options.interpreting() and (x.dtype == torch.bfloat16 or self.fp8)

@@ -45,6 +45,21 @@ def as_operand(x, dtype, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def fp8_operand(x, dtype, UPCAST: tl.constexpr):
+    """x (non-negative, within the type's range) rounded to the float8 ``dtype`` for the next
+    matmul.  Under the interpreter (UPCAST) it is rounded to the type's grid in fp32 arithmetic
+    (half-way cases up) and kept in fp32: the interpreter's cast to float8 drops a rounding
+    carry into the exponent (125 becomes 64 in e4m3)."""
+    if UPCAST:
+        mantissa_bits = 3 if dtype == tl.float8e4nv else 2
+        min_exponent = -6 if dtype == tl.float8e4nv else -14  # below it, the subnormals' fixed step
+        exponent = tl.maximum(tl.floor(tl.log2(tl.maximum(x, 1e-30))), min_exponent)
+        step = tl.exp2(exponent - mantissa_bits)
+        return tl.floor(x / step + 0.5) * step
+    return x.to(dtype)
+
+
+@triton.jit
 def values_product(p, v, dtype, UPCAST: tl.constexpr, MASKED: tl.constexpr):
     """p @ v for one K/V block, with the masking rule: a key of weight exactly 0 (masked, or
     past the sequence) contributes nothing, whatever its value.  A matrix product would make 0

@@ -23,8 +23,13 @@ from flashtile.kernels import dropout, score
 from flashtile.kernels.blocks import band_mask, program_sequence, program_tile, visited_blocks
 from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import Problem
-from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, load_tile, online_softmax_step, row_delta,
-                                     store_tile, values_product)
+from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, fp8_operand, load_tile, online_softmax_step,
+                                     row_delta, store_tile, values_product)
+
+
+# FP8: probabilities (at most 1) are multiplied by this before their cast to float8, so that small
+# ones keep the type's normal range (FlashAttention-3's 2**8); the output divides it back out.
+FP8_P_SCALE = tl.constexpr(256.0)
 
 
 @triton.jit
@@ -33,7 +38,7 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr,
-                DROPOUT: tl.constexpr):
+                DROPOUT: tl.constexpr, FP8: tl.constexpr):
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         cols = n0 + offs_n
@@ -49,7 +54,10 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d
             p *= dropout.kept_scale(drop[0], drop[1], rows[:, None], cols[None, :], drop[2], drop[3])
         v = load_tile(v_base + cols[:, None] * svs + offs_dv[None, :], cols, seqlen_k, offs_dv,
                       HEAD_DIM_V, HEAD_DIM_V_PAD, MASK, UPCAST)
-        acc = acc * alpha[:, None] + values_product(p, v, v_base.dtype.element_ty, UPCAST, MASK)
+        if FP8:  # P scaled into the float8 type's normal range for its matmul with V
+            acc = acc * alpha[:, None] + tl.dot(fp8_operand(p * FP8_P_SCALE, v_base.dtype.element_ty, UPCAST), v)
+        else:
+            acc = acc * alpha[:, None] + values_product(p, v, v_base.dtype.element_ty, UPCAST, MASK)
     return acc, m_i, l_i
 
 
@@ -65,14 +73,17 @@ def _dropout_stream(SEED, batch, head, heads_q, max_q, max_k, dropout_p, DROPOUT
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED,
-                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
+def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED, DESCALE,
+                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, sdt, sdb,
                 seqlen_q, seqlen_k, totals, heads_q, group, scale_log2, window_left, window_right, score_args,
                 dropout_p,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-                UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr, DROPOUT: tl.constexpr):
+                UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr, DROPOUT: tl.constexpr,
+                FP8: tl.constexpr):
+    """FP8: q, k, v in float8, dequantized by DESCALE (3, batch, heads_k): q's and k's descales
+    multiply the scores' scale, v's the output."""
     bh, block, blocks = program_tile(seqlen_q, BLOCK_M)
     # Each head's heaviest (latest, for causal) Q blocks first: better balance on the last wave.
     m0 = (blocks - 1 - block) * BLOCK_M
@@ -91,6 +102,9 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED,
                   HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
     site = (batch, head, seqlen_k - seqlen_q, score_args)
     drop = _dropout_stream(SEED, batch, head, heads_q, max_q, max_k, dropout_p, DROPOUT)
+    descale = DESCALE + batch * sdb + head // group
+    if FP8:
+        scale_log2 = scale_log2 * tl.load(descale) * tl.load(descale + sdt)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -99,15 +113,17 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED,
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
                                 full_lo, full_hi, seqlen_k, dlo, dhi, scale_log2, site, drop,
                                 HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
-                                BLOCK_N, False, UPCAST, NUM_STAGES, SCORE, DROPOUT)
+                                BLOCK_N, False, UPCAST, NUM_STAGES, SCORE, DROPOUT, FP8)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
                                 lo, full_lo, seqlen_k, dlo, dhi, scale_log2, site, drop,
                                 HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
-                                BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
+                                BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT, FP8)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
                                 full_hi, hi, seqlen_k, dlo, dhi, scale_log2, site, drop,
                                 HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
-                                BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
+                                BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT, FP8)
+    if FP8:
+        acc *= tl.load(descale + 2 * sdt) / FP8_P_SCALE
     out, lse = finalize_rows(acc, m_i, l_i)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     store_tile(O + batch * sob + q_start * sos + head * soh + rows[:, None] * sos + offs_dv[None, :],
@@ -305,22 +321,23 @@ def forward(plan, p: Problem, q, k, v):
     """Returns (out, lse, saved); lse is (b, h, sq) or, for varlen, (h, total_q), natural log.
 
     ``saved`` (what the backward needs beyond lse) is empty for this version."""
-    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    out = q.new_empty(*q.shape[:-1], v.shape[-1], dtype=p.out_dtype(q))
     lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
     cfg = plan.config
     cu_q, cu_k = p.cu_pointers(q.device)
     grid = (p.batch * p.heads_q * p.query_blocks(cfg.block_m),)
+    descale = p.fp8_descale if p.fp8 else lse
     launch(
         _fwd_kernel, grid,
-        q, k, v, out, lse, cu_q, cu_k, _seed(p, cu_q),
+        q, k, v, out, lse, cu_q, cu_k, _seed(p, cu_q), descale,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
-        *p.row_stat_strides(lse),
+        *p.row_stat_strides(lse), *(descale.stride()[:2] if p.fp8 else (0, 0)),
         p.seqlen_q, p.seqlen_k, p.totals, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right,
         score.args_of(p), p.dropout_p,
         HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, HEAD_DIM_V=p.head_dim_v, HEAD_DIM_V_PAD=p.head_dim_v_pad,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         IS_VARLEN=p.varlen, UPCAST=p.upcast(q), NUM_STAGES=cfg.num_stages, SCORE=score.mod_of(p),
-        DROPOUT=p.dropout, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DROPOUT=p.dropout, FP8=p.fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse, lse.new_empty(0)
 
 

@@ -1,0 +1,91 @@
+"""FP8 attention through FlashAttention-3's interface: q, k, v in float8 with per-(batch, KV head)
+descales, the output bf16.  The oracle is float64 attention on the dequantized inputs; the
+same-precision reference emulates the kernel's roundings in PyTorch (float32 scores, the
+probabilities scaled by 2**8 and rounded to the float8 type, a bf16 output)."""
+import pytest
+import torch
+from attention_check import OUT_RULE, assert_within_rule
+from conftest import DEVICE, ON_GPU
+
+from flashtile import flash_attn_interface as fa3, standard_attention
+from flashtile.reference import band_mask
+from flashtile.validation import band
+
+HEAD_DIM = 128 if ON_GPU else 32
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def quantize(x, heads_k, dtype):
+    """x (batch, seqlen, heads, d) in float8 and its descale (batch, heads_k): the amax of each
+    (batch, KV head group) mapped to the type's largest value."""
+    batch, seqlen, heads, d = x.shape
+    grouped = x.float().view(batch, seqlen, heads_k, heads // heads_k, d)
+    descale = grouped.abs().amax(dim=(1, 3, 4)).clamp(min=1e-6) / FP8_MAX[dtype]
+    return (grouped / descale[:, None, :, None, None]).view_as(x).to(dtype), descale
+
+
+def dequantized(x, descale):
+    batch, seqlen, heads, d = x.shape
+    heads_k = descale.shape[1]
+    return (x.double().view(batch, seqlen, heads_k, -1, d) * descale.double()[:, None, :, None, None]).view_as(x)
+
+
+def emulated(q, k, v, causal, dtype):
+    """The kernel's arithmetic in PyTorch on dequantized inputs: float32 scores and softmax
+    statistics, probabilities x 2**8 rounded to ``dtype`` for the product with V, bf16 out."""
+    q, k, v = q.float(), k.float(), v.float()
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    if causal:
+        left, right = band(True, (-1, -1), q.shape[1], k.shape[1])
+        s = s.masked_fill(~band_mask(q.shape[1], k.shape[1], left, right, device=s.device), float("-inf"))
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    rounded = (e * 256).to(dtype).float() / 256
+    out = torch.einsum("bhqk,bkhd->bqhd", rounded, v) / e.sum(-1).transpose(1, 2)[..., None]
+    return out.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_forward_against_dequantized_oracle(dtype, causal):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, n, h, HEAD_DIM, device=DEVICE) * 3 for n, h in ((70, 4), (90, 2), (90, 2)))
+    (q8, qd), (k8, kd), (v8, vd) = (quantize(x, 2, dtype) for x in (q, k, v))
+    out, lse = fa3.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                                   return_attn_probs=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 70, 4, HEAD_DIM)
+    qx, kx, vx = dequantized(q8, qd), dequantized(k8, kd), dequantized(v8, vd)
+    oracle, oracle_lse = standard_attention(qx, kx, vx, causal=causal, upcast=True, return_lse=True)
+    assert_within_rule("out", out, emulated(qx, kx, vx, causal, dtype), oracle, OUT_RULE)
+    torch.testing.assert_close(lse, oracle_lse.float(), atol=1e-3, rtol=1e-4)
+
+
+def test_fp8_varlen_without_descales():
+    # Descales default to 1; each sequence against its own oracle.
+    torch.manual_seed(1)
+    dtype = torch.float8_e4m3fn
+    lengths = [23, 41]
+    q, k, v = (torch.randn(sum(lengths), 2, HEAD_DIM, device=DEVICE).to(dtype) for _ in range(3))
+    cu = torch.tensor([0, 23, 64], dtype=torch.int32, device=DEVICE)
+    out = fa3.flash_attn_varlen_func(q, k, v, cu, cu, 41, 41, causal=True)
+    for s0, s1 in ((0, 23), (23, 64)):
+        qx, kx, vx = (x[None, s0:s1].double() for x in (q, k, v))
+        oracle = standard_attention(qx, kx, vx, causal=True, upcast=True)
+        assert_within_rule("out", out[None, s0:s1], emulated(qx, kx, vx, True, dtype), oracle, OUT_RULE)
+
+
+def test_fp8_refusals():
+    q = torch.randn(1, 8, 2, 32, device=DEVICE)
+    q8 = q.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="apply to float8"):
+        fa3.flash_attn_func(q.half(), q.half(), q.half(), q_descale=torch.ones(1, 2, device=DEVICE))
+    with pytest.raises(ValueError, match=r"q_descale must have shape \(batch, nheads_k\)"):
+        fa3.flash_attn_func(q8, q8, q8, q_descale=torch.ones(2, device=DEVICE))
+    with pytest.raises(TypeError, match="k_descale must be float32"):
+        fa3.flash_attn_func(q8, q8, q8, k_descale=torch.ones(1, 2, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fa3.flash_attn_func(q8[..., :24], q8[..., :24], q8[..., :24])
+    with pytest.raises(TypeError, match="flash_attn_interface"):
+        from flashtile import flash_attn_func
+        flash_attn_func(q8, q8, q8)
