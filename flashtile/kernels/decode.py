@@ -20,7 +20,7 @@ import triton.language as tl
 from flashtile.kernels import score
 from flashtile.kernels.blocks import band_mask, diagonal_band, visited_blocks
 from flashtile.kernels.launch import launch
-from flashtile.kernels.tiles import LOG2E, finalize_rows, online_softmax_step, values_product
+from flashtile.kernels.tiles import LOG2E, finalize_rows, load_tile, online_softmax_step, values_product
 
 
 @triton.jit
@@ -57,10 +57,6 @@ def _attend(acc, m_i, l_i, q, lo, hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs
     bounds on the loads, the plain P @ V."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    if MASKED:
-        load_dims = offs_d[None, :] < HEAD_DIM
-    else:
-        load_dims = offs_d[None, :] < HEAD_DIM_PAD
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + offs_n
         in_seq = cols < seqlen_k
@@ -68,27 +64,13 @@ def _attend(acc, m_i, l_i, q, lo, hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs
                                     PAGED, MASKED)
         k_ptrs = (K + head_k * skh + outer * skb + inner * sks)[:, None] + offs_d[None, :]
         v_ptrs = (V + head_k * svh + outer * svb + inner * svs)[:, None] + offs_d[None, :]
-        if MASKED:
-            k = tl.load(k_ptrs, mask=in_seq[:, None] & load_dims, other=0.0)
-        elif HEAD_DIM == HEAD_DIM_PAD:
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=load_dims, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
+        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, UPCAST)
         s = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, token[:, None], cols[None, :], site, SCORE)
         if MASKED:
             s = tl.where(band_mask(token, cols, seqlen_k, dlo, dhi), s, float("-inf"))
         p, alpha, m_i = online_softmax_step(s, m_i, 1.0)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_ptrs, mask=in_seq[:, None] & load_dims, other=0.0)
-        elif HEAD_DIM == HEAD_DIM_PAD:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=load_dims, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
+        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, UPCAST)
         acc = acc * alpha[:, None] + values_product(p, v, V.dtype.element_ty, UPCAST, MASKED)
     return acc, m_i, l_i
 
