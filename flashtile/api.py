@@ -26,11 +26,20 @@ def _check_differentiation_mode(q, k, v):
                                   "tensors): it has no jvp; use reverse mode (torch.autograd)")
 
 
+def _unused_rows_cleared(out, lse, bounds_q):
+    """out 0 and lse +inf on the rows of q outside every sequence's (start, end) bounds."""
+    rows = torch.arange(out.shape[0], device=out.device)
+    used = ((rows[:, None] >= bounds_q[:, 0]) & (rows[:, None] < bounds_q[:, 1])).any(1)
+    return torch.where(used[:, None, None], out, 0.0), torch.where(used, lse, float("inf"))
+
+
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                window_size, softcap, alibi_slopes, deterministic, return_attn_probs, sinks, version, kernel_options,
-               fp8_descales=None):
+               fp8_descales=None, seqused=None):
     """``fp8_descales``: (q_descale, k_descale, v_descale) for float8 q, k, v (forward only; the
-    output bf16), as flash_attn_interface passes them; None for fp16 and bf16."""
+    output bf16), as flash_attn_interface passes them; None for fp16 and bf16.  ``seqused``:
+    (seqused_q, seqused_k), each None or (batch,) int32, varlen only: the rows of each
+    sequence used; the others of the output are 0 (logsumexp +inf) and get no gradient."""
     varlen = cu_seqlens_q is not None
     fp8 = fp8_descales is not None
     dropout_p, softcap = validation.feature_options(dropout_p, softcap)
@@ -46,10 +55,16 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                              f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
         max_seqlen_q = validation.integer("max_seqlen_q", max_seqlen_q, minimum=0)
         max_seqlen_k = validation.integer("max_seqlen_k", max_seqlen_k, minimum=0)
+        if seqused is not None and any(x is not None for x in seqused):
+            if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0],
+                                               k.shape[0])
+            cu_seqlens_q, cu_seqlens_k = (validation.used_rows(name, used, cu, q.device) for name, used, cu in (
+                ("seqused_q", seqused[0], cu_seqlens_q), ("seqused_k", seqused[1], cu_seqlens_k)))
     else:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
-    alibi_slopes = validation.alibi_slopes(alibi_slopes, cu_seqlens_q.numel() - 1 if varlen else q.shape[0],
-                                           q.shape[-2], q.device)
+    batch = (cu_seqlens_q.shape[0] if cu_seqlens_q.dim() == 2 else cu_seqlens_q.numel() - 1) if varlen else q.shape[0]
+    alibi_slopes = validation.alibi_slopes(alibi_slopes, batch, q.shape[-2], q.device)
     sinks = validation.sinks(sinks, q.shape[-2], q.device)
     opts = options.resolve(kernel_options)
     version = dispatch.resolve_version(version, q.device)
@@ -61,8 +76,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
             raise NotImplementedError("FP8 attention is a forward without dropout (as FlashAttention-3's)")
         if head_dim % 16 or head_dim_v % 16:
             raise ValueError(f"FP8 head dims must be multiples of 16, got {head_dim} and {head_dim_v}")
-        fp8_descale = validation.fp8_descales(fp8_descales, cu_seqlens_q.numel() - 1 if varlen else q.shape[0],
-                                              k.shape[-2], q.device)
+        fp8_descale = validation.fp8_descales(fp8_descales, batch, k.shape[-2], q.device)
     scale = validation.softmax_scale(softmax_scale, head_dim)
     left, right = validation.band(bool(causal), window_size, max_seqlen_q, max_seqlen_k)
     if version != "tiled":
@@ -81,6 +95,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                                 bool(deterministic), options.text(opts))
     if pad_v:
         out = out[..., :head_dim_v]
+    if varlen and cu_seqlens_q.dim() == 2:
+        out, lse = _unused_rows_cleared(out, lse, cu_seqlens_q)
     if not return_attn_probs:
         return out
     # flash_attn's third element: with dropout on batched inputs, the probabilities, negative where

@@ -4,7 +4,8 @@ Code written for FA3 runs unchanged with ``from flashtile.flash_attn_interface i
 the same signatures, returning ``out``, or ``(out, softmax_lse)`` with ``return_attn_probs``.
 FA3's tuning hints (``num_splits``, ``pack_gqa``, ``sm_margin``) are accepted and leave the
 choice to flashtile's dispatcher; what flashtile does not compute yet (``qv``,
-``attention_chunk``, ``seqused_q``/``seqused_k``) is refused by name.
+``attention_chunk``) is refused by name.  ``seqused_q`` / ``seqused_k`` (batch,) int32: the
+rows of each varlen sequence used; the output's other rows are 0.
 
 FP8, as FA3 has it: q, k, v in ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` with float32
 ``q_descale``, ``k_descale``, ``v_descale`` of shape (batch, nheads_k) (None: 1), the output
@@ -14,14 +15,14 @@ from flashtile import api, validation
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descales, softmax_scale, causal,
-               window_size, softcap, deterministic, return_attn_probs):
+               window_size, softcap, deterministic, return_attn_probs, seqused=None):
     """flashtile's attention, FP8 where q is float8 (descales apply to nothing else)."""
     fp8 = getattr(q, "dtype", None) in validation.FP8_DTYPES
     if not fp8 and any(x is not None for x in descales):
         raise ValueError("q_descale, k_descale and v_descale apply to float8 q, k, v only")
     res = api._attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, softmax_scale,
                          causal, window_size, softcap, None, deterministic, return_attn_probs, None, "auto", None,
-                         fp8_descales=descales if fp8 else None)
+                         fp8_descales=descales if fp8 else None, seqused=seqused)
     return res[:2] if return_attn_probs else res
 
 
@@ -80,7 +81,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
                            num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
     """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); int32 offsets."""
-    _refuse_unsupported(seqused_q=seqused_q, seqused_k=seqused_k, qv=qv, attention_chunk=attention_chunk)
+    _refuse_unsupported(qv=qv, attention_chunk=attention_chunk)
     _hints(num_splits, pack_gqa, sm_margin)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, (q_descale, k_descale, v_descale),
-                      softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+                      softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
+                      (seqused_q, seqused_k))

@@ -20,6 +20,8 @@ BLOCK = 128
 
 def _sequences(p):
     """(q slice, k slice) per sequence: varlen offsets, or whole rows of a padded batch."""
+    if p.seqused:  # (start, end) per sequence
+        return [(slice(*q), slice(*k)) for q, k in zip(p.cu_seqlens_q.tolist(), p.cu_seqlens_k.tolist())]
     if p.varlen:
         cq, ck = p.cu_seqlens_q.tolist(), p.cu_seqlens_k.tolist()
         return [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(p.batch)]
@@ -106,7 +108,7 @@ def forward(plan, p, q, k, v):
 
 
 def backward(plan, p, dout, dlse, q, k, v, out, lse, saved):
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = p.gradients(q, k, v)
     for b, (qs, ks) in enumerate(_sequences(p)):
         slopes = _slopes(p, b)
         qg, dog, og = (_grouped(x[qs], p.heads_k) for x in (q, dout, out))

@@ -278,3 +278,21 @@ def fp8_descales(descales, batch: int, heads_k: int, device) -> torch.Tensor:
             raise ValueError(f"{name} must be on {device}, like q, got {x.device}")
         stacked.append(x)
     return torch.stack(stacked)
+
+
+def used_rows(name, used, cu_seqlens, device) -> torch.Tensor:
+    """FlashAttention-3's seqused_q / seqused_k as the kernels read them: (batch, 2) int32 tables of
+    each sequence's (start, end) rows, the end clamped to the sequence (no value is read on the
+    host); None uses the whole sequence."""
+    batch = cu_seqlens.numel() - 1
+    starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+    if used is not None:
+        check_tensor(name, used)
+        if used.dtype != torch.int32:
+            raise TypeError(f"{name} must be torch.int32, got {used.dtype}")
+        if tuple(used.shape) != (batch,):
+            raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(used.shape)}")
+        if used.device != device:
+            raise ValueError(f"{name} is on {used.device} but q is on {device}")
+        lengths = torch.minimum(used.clamp(min=0), lengths)
+    return torch.stack([starts, starts + lengths], dim=1).contiguous()

@@ -29,7 +29,7 @@ INT_POINTERS = {"CU_Q", "CU_K", "ENDS", "LEFTPAD", "BATCH_IDX", "BLOCK_TABLE"}
 INT64_POINTERS = {"SEED"}
 INT8_POINTERS = {"KEPT"}
 FLOAT_SCALARS = {"scale_log2", "softmax_scale", "dropout_p"}
-TUPLES = {"totals": ("i32", "i32"), "score_args": ("fp32",), "counter": ("*i64", "i64")}
+TUPLES = {"totals": ("i32", "i32", "i32", "i32"), "score_args": ("fp32",), "counter": ("*i64", "i64")}
 ALIBI_TUPLES = dict(TUPLES, score_args=("fp32", "*fp32", "i32"))  # softcap, slopes, their batch stride
 
 

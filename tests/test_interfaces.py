@@ -8,7 +8,7 @@ from attention_check import assert_within_rule, make_qkv, run_and_grad
 from conftest import DEVICE
 
 import flashtile
-from flashtile import flash_attn_func, flash_attn_varlen_func
+from flashtile import flash_attn_func, flash_attn_varlen_func, standard_attention
 from flashtile import flash_attn_interface as fa3
 
 DTYPE = torch.float16
@@ -121,3 +121,32 @@ def test_return_attn_probs_third_element_is_a_tensor():
         out, lse, s_dmask = result
         assert isinstance(s_dmask, torch.Tensor) and s_dmask.numel() == 0 and s_dmask.dtype == q.dtype
         assert torch.equal(out, flash_attn_func(q, k, v))
+
+
+def test_flash_attention_3_seqused():
+    # seqused_q / seqused_k: each varlen sequence uses its first rows only; on those rows output,
+    # logsumexp and gradients follow the FA rule against the float64 reference; the other output
+    # rows are 0 with lse +inf, and no gradient reaches the unused rows of q, k or v.
+    torch.manual_seed(0)
+    lengths, used_q, used_k = [20, 33], [12, 33], [15, 9]
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, 2, 32, dtype=DTYPE, device=DEVICE, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 20, 53], dtype=torch.int32, device=DEVICE)
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    out, lse = fa3.flash_attn_varlen_func(q, k, v, cu, cu, 33, 33, seqused_q=as_tensor(used_q),
+                                          seqused_k=as_tensor(used_k), causal=True, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    for b, (s0, uq, uk) in enumerate(zip((0, 20), used_q, used_k)):
+        rows, keys = slice(s0, s0 + uq), slice(s0, s0 + uk)
+        parts = [x.detach()[None, sl] for x, sl in ((q, rows), (k, keys), (v, keys))]
+        oracle, _, oracle_grads = run_and_grad(lambda a, b, c: standard_attention(a, b, c, causal=True, upcast=True),
+                                               *parts, dout[None, rows].double())
+        pt, _, pt_grads = run_and_grad(lambda a, b, c: standard_attention(a, b, c, causal=True), *parts,
+                                       dout[None, rows])
+        assert_within_rule("out", out[None, rows], pt, oracle, (2.0, 1e-5))
+        for name, x, sl, g_pt, g_ref in zip("qkv", (q, k, v), (rows, keys, keys), pt_grads, oracle_grads):
+            assert_within_rule(f"d{name}", x.grad[None, sl], g_pt, g_ref, (3.0, 1e-4))
+        unused_q, unused_k = slice(s0 + uq, s0 + lengths[b]), slice(s0 + uk, s0 + lengths[b])
+        assert (out[unused_q] == 0).all() and (lse[:, unused_q] == float("inf")).all()
+        assert (q.grad[unused_q] == 0).all() and (k.grad[unused_k] == 0).all() and (v.grad[unused_k] == 0).all()

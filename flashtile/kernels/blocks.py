@@ -119,16 +119,18 @@ def band_edge_masks(s, rows, offs, n0, COLS, n_cols, r_first, r_last, dlo, dhi, 
 
 
 @triton.jit
-def sequence_bounds(batch, cu_seqlens, seqlen, total, IS_VARLEN: tl.constexpr):
-    """Start row and length of sequence ``batch``: from cu_seqlens (varlen) or the padded length.
+def sequence_bounds(batch, cu_seqlens, seqlen, total, stride, IS_VARLEN: tl.constexpr):
+    """Start row and length of sequence ``batch``: from its (start, end) in cu_seqlens (varlen)
+    or the padded length.  ``stride`` 1: cu_seqlens is the offsets (batch + 1,), sequence b
+    from entry b to entry b + 1; 2: one (start, end) pair per sequence (seqused).
 
     Varlen offsets are clamped to the ``total`` rows of the packed tensor, so a malformed table
     (one the host did not read: CUDA-graph capture) can never send a load outside it."""
     if IS_VARLEN:
         # The start is int64, like the batched branch's: start x row stride passes 2**31 once
         # a packed batch holds that many elements.  The length stays int32 (loop bounds, TMA).
-        start = tl.minimum(tl.maximum(tl.load(cu_seqlens + batch), 0), total)
-        end = tl.minimum(tl.maximum(tl.load(cu_seqlens + batch + 1), start), total)
+        start = tl.minimum(tl.maximum(tl.load(cu_seqlens + batch * stride), 0), total)
+        end = tl.minimum(tl.maximum(tl.load(cu_seqlens + batch * stride + 1), start), total)
         return start.to(tl.int64), end - start
     else:
         return batch * 0, seqlen  # a zero of batch's type, so both branches agree
@@ -140,13 +142,14 @@ def program_sequence(bh, heads, CU_Q, CU_K, seqlen_q, seqlen_k, totals, window_l
     """Which (batch, head) a program works on, where its sequences start, their lengths, and the band.
 
     ``bh`` enumerates batch x heads (heads of q, or of k/v for K/V-parallel kernels);
-    ``totals``: the rows of the packed q and k (varlen).  Returns (batch, head, q_start,
+    ``totals``: the rows of the packed q and k and the strides of their (start, end) entries
+    in CU_Q and CU_K (varlen: Problem.totals).  Returns (batch, head, q_start,
     seqlen_q, k_start, seqlen_k, dlo, dhi); batch and head are int64 so that offsets into large
     tensors do not overflow.
     """
     batch = (bh // heads).to(tl.int64)
     head = (bh % heads).to(tl.int64)
-    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, totals[0], IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(batch, CU_K, seqlen_k, totals[1], IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(batch, CU_Q, seqlen_q, totals[0], totals[2], IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(batch, CU_K, seqlen_k, totals[1], totals[3], IS_VARLEN)
     dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
     return batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi

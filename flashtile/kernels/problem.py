@@ -52,7 +52,8 @@ class Problem:
            dropout_p=0.0, dropout_seed=None, head_dim_v=None, fp8_descale=None):
         varlen = cu_seqlens_q is not None
         return cls(
-            batch=cu_seqlens_q.numel() - 1 if varlen else q.shape[0],
+            batch=(cu_seqlens_q.shape[0] if cu_seqlens_q.dim() == 2 else cu_seqlens_q.numel() - 1) if varlen
+            else q.shape[0],
             heads_q=q.shape[-2], heads_k=k.shape[-2],
             seqlen_q=max_seqlen_q if varlen else q.shape[1],
             seqlen_k=max_seqlen_k if varlen else k.shape[1],
@@ -68,6 +69,17 @@ class Problem:
     @property
     def varlen(self) -> bool:
         return self.cu_seqlens_q is not None
+
+    @property
+    def seqused(self) -> bool:
+        """Varlen with each sequence's used rows given: cu_seqlens are (batch, 2) tables of
+        (start, end) per sequence, rows of q or k outside them are neither read nor written."""
+        return self.varlen and self.cu_seqlens_q.dim() == 2
+
+    def gradients(self, q, k, v):
+        """dq, dk, dv to be written by a backward: zeros where rows go unwritten (seqused)."""
+        alloc = torch.zeros_like if self.seqused else torch.empty_like
+        return alloc(q), alloc(k), alloc(v)
 
     @property
     def holds_tensors(self) -> bool:
@@ -147,8 +159,10 @@ class Problem:
 
     @property
     def totals(self):
-        """(total_q, total_k): what the kernels clamp varlen offsets to."""
-        return self.total_q, self.total_k
+        """(total_q, total_k, stride_q, stride_k): what the kernels clamp varlen offsets to, and
+        the strides of the (start, end) entries in cu_seqlens (blocks.sequence_bounds)."""
+        stride = 2 if self.seqused else 1
+        return self.total_q, self.total_k, stride, stride
 
     def cu_pointers(self, device):
         """cu_seqlens for the kernels; a one-element placeholder when not varlen (never read)."""

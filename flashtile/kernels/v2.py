@@ -343,7 +343,7 @@ def forward(plan, p: Problem, q, k, v):
 
 def backward(plan, p: Problem, dout, dlse, q, k, v, out, lse, saved):
     """dq, dk, dv.  ``dlse`` (the gradient reaching the logsumexp) may be None."""
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = p.gradients(q, k, v)
     delta = torch.empty_like(lse)
     cu_q, cu_k = p.cu_pointers(q.device)
     common = dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, HEAD_DIM_V=p.head_dim_v,
