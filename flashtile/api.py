@@ -69,7 +69,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     opts = options.resolve(kernel_options)
     version = dispatch.resolve_version(version, q.device)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    validation.version_takes(version, dropout_p, head_dim, head_dim_v, fp8)
+    validation.version_takes(version, dropout_p, head_dim, head_dim_v, fp8, q.device)
     fp8_descale = None
     if fp8:
         if dropout_p or any(x.requires_grad for x in (q, k, v)):
@@ -125,7 +125,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     "auto" (the best this device runs) or "tiled" (the PyTorch implementation).
     ``deterministic=True`` guarantees bitwise reproducible gradients (v3 then runs its two-pass
     backward rather than the single pass whose dQ reduce-add order varies).  Returns ``out``, or
-    ``(out, softmax_lse, S_dmask)`` when ``return_attn_probs`` (S_dmask empty: no dropout).
+    ``(out, softmax_lse, S_dmask)`` when ``return_attn_probs``: S_dmask the probabilities,
+    negative where dropped, with dropout on batched inputs; otherwise an empty tensor.
     ``kernel_options``: developer switches (options.KernelOptions).
     """
     return _attention(q, k, v, None, None, None, None, dropout_p, softmax_scale, causal, window_size, softcap,

@@ -248,7 +248,7 @@ def cmd_info(args):
     import torch
     import triton
 
-    from flashtile import __version__, dispatch, options
+    from flashtile import __version__, dispatch, options, validation
     print(f"flashtile {__version__}, torch {torch.__version__}, triton {triton.__version__}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
@@ -260,7 +260,7 @@ def cmd_info(args):
     for version in dispatch.VERSIONS:
         reason = dispatch.why_not(version, device)
         print(f"  {version}: {'runs here' if reason is None else 'not here: ' + reason}")
-    fp8 = dispatch.why_not("v2", device)
+    fp8 = dispatch.why_not("v2", device) or validation.fp8_capable(device)
     print(f"  fp8 (forward, flash_attn_interface): {'runs here' if fp8 is None else 'not here: ' + fp8}")
     print(f"  version='auto' picks: {dispatch.resolve_version('auto', device)}")
     return 0

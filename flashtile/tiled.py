@@ -71,7 +71,7 @@ def _scores(p, qblk, kblk, bias):
 
 
 def forward(plan, p, q, k, v):
-    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    out = q.new_empty(*q.shape[:-1], v.shape[-1], dtype=p.out_dtype(q))
     lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
     for b, (qs, ks) in enumerate(_sequences(p)):
         slopes = _slopes(p, b)

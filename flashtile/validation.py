@@ -204,9 +204,20 @@ def feature_options(dropout_p, softcap) -> tuple[float, float]:
     return real("dropout_p", dropout_p, 0.0, 1.0, hi_open=True), real("softcap", softcap, 0.0)
 
 
-def version_takes(version: str, dropout_p: float, head_dim: int, head_dim_v: int, fp8: bool = False):
+def fp8_capable(device) -> str | None:
+    """None where float8 matmuls run on ``device`` (compute capability 8.9 or newer, or the
+    interpreter on CPU tensors); otherwise why not."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"float8 matmuls need compute capability 8.9 or newer; this GPU is {major}.{minor}"
+    return None
+
+
+def version_takes(version: str, dropout_p: float, head_dim: int, head_dim_v: int, fp8: bool = False, device=None):
     """Dropout and FP8 inputs run in the Triton kernels of v2 (and v3, which hands them to them);
     a V head dim of its own in those and in the PyTorch path; v1 takes none of them."""
+    if fp8 and device is not None and fp8_capable(device):
+        raise NotImplementedError(f"FP8 inputs: {fp8_capable(device)}")
     if fp8 and version in ("v1", "tiled"):
         raise NotImplementedError(f"FP8 inputs: version={version!r} has no FP8 path; v2 and v3 do (on CPU "
                                   f"tensors, under TRITON_INTERPRET=1)")

@@ -220,3 +220,17 @@ def test_decode_plan_splits_from_static_shapes():
     assert dispatch.decode_plan(many, 8, 131072, 0).splits == 1
     # A block's rows are the query heads of one KV head times the query tokens.
     assert dispatch.decode_plan(torch.empty(1, 16, 32, 128, dtype=torch.bfloat16), 8, 4096, 0).block_m == 64
+
+
+def test_dropout_own_value_head_dim_and_fp8_take_v2_on_hopper():
+    # Only v2's kernels draw the dropout mask, take a V head dim of its own and FP8 inputs: v3
+    # hands such problems to them where the Gluon kernels would otherwise run (FP8: forward only).
+    seed = torch.zeros(1, dtype=torch.int64)
+    for p in (problem(dropout_p=0.1, dropout_seed=seed), problem(own_head_dim_v=64)):
+        assert forward(p).kernel == "v2" and backward(p).kernel == "v2"
+        assert forward(replace(p, window_right=0)).kernel == "v2"
+    assert forward(problem(fp8=True)).kernel == "v2"
+    assert forward(problem()).kernel == "v3-gluon" and backward(problem()).kernel.startswith("v3-gluon")
+    # The seed and the descales are no part of a plan's key.
+    assert problem(dropout_p=0.1, dropout_seed=seed) == problem(dropout_p=0.1, dropout_seed=seed.clone())
+    assert problem(dropout_p=0.1, dropout_seed=seed).holds_tensors

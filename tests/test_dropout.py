@@ -72,14 +72,20 @@ def test_varlen_dropout_per_sequence():
     cu = [torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
           for x in (lengths_q, lengths_k)]
     mask = mask_of(4, 3, heads, max(lengths_q), max(lengths_k), p)
-    torch.manual_seed(4)
-    out = flash_attn_varlen_func(q, k, v, cu[0], cu[1], max(lengths_q), max(lengths_k), dropout_p=p, causal=True)
+    dout = torch.randn_like(q)
+    call = seeded(4, lambda a, b, c: flash_attn_varlen_func(a, b, c, cu[0], cu[1], max(lengths_q), max(lengths_k),
+                                                            dropout_p=p, causal=True))
+    out, _, grads = run_and_grad(call, q, k, v, dout)
     for i, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
         rows, keys = slice(int(cu[0][i]), int(cu[0][i + 1])), slice(int(cu[1][i]), int(cu[1][i + 1]))
         kw = dict(causal=True, dropout_mask=mask[i:i + 1, :, :lq, :lk], dropout_p=p)
-        oracle = standard_attention(q[None, rows], k[None, keys], v[None, keys], upcast=True, **kw)
-        pt = standard_attention(q[None, rows], k[None, keys], v[None, keys], **kw)
+        parts = (q[None, rows], k[None, keys], v[None, keys])
+        oracle, _, oracle_grads = run_and_grad(lambda a, b, c: standard_attention(a, b, c, upcast=True, **kw),
+                                               *parts, dout[None, rows].double())
+        pt, _, pt_grads = run_and_grad(lambda a, b, c: standard_attention(a, b, c, **kw), *parts, dout[None, rows])
         assert_within_rule(f"sequence {i}", out[None, rows], pt, oracle, OUT_RULE)
+        for name, g, sl, g_pt, g_ref in zip(("dq", "dk", "dv"), grads, (rows, keys, keys), pt_grads, oracle_grads):
+            assert_within_rule(f"sequence {i} {name}", g[None, sl], g_pt, g_ref, GRAD_RULE)
 
 
 def test_keep_rate_and_seeds():

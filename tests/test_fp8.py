@@ -61,18 +61,25 @@ def test_fp8_forward_against_dequantized_oracle(dtype, causal):
     torch.testing.assert_close(lse, oracle_lse.float(), atol=1e-3, rtol=1e-4)
 
 
-def test_fp8_varlen_without_descales():
-    # Descales default to 1; each sequence against its own oracle.
+def test_fp8_varlen_with_and_without_descales():
+    # Each sequence against its own oracle: inputs quantized per (sequence, KV head) with their
+    # descales, and inputs cast as they are with none (1).
     torch.manual_seed(1)
-    dtype = torch.float8_e4m3fn
-    lengths = [23, 41]
-    q, k, v = (torch.randn(sum(lengths), 2, HEAD_DIM, device=DEVICE).to(dtype) for _ in range(3))
+    dtype, bounds = torch.float8_e4m3fn, ((0, 23), (23, 64))
     cu = torch.tensor([0, 23, 64], dtype=torch.int32, device=DEVICE)
-    out = fa3.flash_attn_varlen_func(q, k, v, cu, cu, 41, 41, causal=True)
-    for s0, s1 in ((0, 23), (23, 64)):
-        qx, kx, vx = (x[None, s0:s1].double() for x in (q, k, v))
-        oracle = standard_attention(qx, kx, vx, causal=True, upcast=True)
-        assert_within_rule("out", out[None, s0:s1], emulated(qx, kx, vx, True, dtype), oracle, OUT_RULE)
+    q, k, v = (torch.randn(1, 64, h, HEAD_DIM, device=DEVICE) * 2 for h in (4, 2, 2))
+    quantized = [[quantize(x[:, s0:s1], 2, dtype) for s0, s1 in bounds] for x in (q, k, v)]
+    scaled = [torch.cat([part[0] for part in parts], 1)[0] for parts in quantized]
+    descales = [torch.cat([part[1] for part in parts]) for parts in quantized]
+    ones = torch.ones(2, 2, device=DEVICE)
+    for inputs, given in ((scaled, descales), ([x[0].to(dtype) for x in (q, k, v)], [None] * 3)):
+        out = fa3.flash_attn_varlen_func(*inputs, cu, cu, 41, 41, causal=True, q_descale=given[0],
+                                         k_descale=given[1], v_descale=given[2])
+        for b, (s0, s1) in enumerate(bounds):
+            qx, kx, vx = (dequantized(x[None, s0:s1], (ones if d is None else d)[b:b + 1])
+                          for x, d in zip(inputs, given))
+            oracle = standard_attention(qx, kx, vx, causal=True, upcast=True)
+            assert_within_rule("out", out[None, s0:s1], emulated(qx, kx, vx, True, dtype), oracle, OUT_RULE)
 
 
 def test_fp8_refusals():

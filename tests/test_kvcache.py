@@ -228,3 +228,9 @@ def test_out_of_range_tables_stay_in_the_cache():
     out, lse = decode.forward(plan, case.q, case.k_dense, case.v_dense, contiguous, 0, None, rows, None,
                               case.q.shape[-1] ** -0.5, (-1, -1), features)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    # A negative leftpad starts the sequence at its row's first key, not in the row before.
+    lengths = torch.tensor([40, 30], dtype=torch.int32, device=DEVICE)
+    runs = [decode.forward(plan, case.q, case.k_dense, case.v_dense, lengths, 0,
+                           torch.tensor(pad, dtype=torch.int32, device=DEVICE), None, None, case.q.shape[-1] ** -0.5,
+                           (-1, -1), features) for pad in ([-16, -1], [0, 0])]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])

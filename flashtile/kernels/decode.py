@@ -104,7 +104,7 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
     end = tl.minimum(end, capacity)
     start = 0
     if HAS_LEFTPAD:
-        start = tl.minimum(tl.load(LEFTPAD + batch), end)
+        start = tl.minimum(tl.maximum(tl.load(LEFTPAD + batch), 0), end)
     seqlen_k = end - start
     batch_row = batch.to(tl.int64)
     if HAS_BATCH_IDX:

@@ -83,8 +83,10 @@ class Problem:
 
     @property
     def holds_tensors(self) -> bool:
-        """Whether the problem carries tensors (offsets, slopes): then it is no cache key."""
-        return self.cu_seqlens_q is not None or self.alibi_slopes is not None
+        """Whether the problem carries tensors (offsets, slopes, a dropout seed, FP8 descales):
+        then it is no cache key."""
+        return (self.cu_seqlens_q is not None or self.alibi_slopes is not None or self.dropout_seed is not None
+                or self.fp8_descale is not None)
 
     @property
     def empty(self) -> bool:

@@ -1,0 +1,183 @@
+"""Context parallelism: attention over a sequence sharded across the ranks of a torch.distributed
+process group (ring attention), forward and backward.
+
+Each rank holds a shard of Q, K and V along the sequence.  K/V shards travel round the ring
+(rank r sends to r + 1), each rank attending with its own queries to the shard it holds at each
+step with flashtile's kernels and merging the partial outputs by their logsumexp, the online
+softmax one level up.  The next shard's transfer is posted before the step's kernels run, so
+the exchange overlaps the compute.  The backward goes round the ring again: each rank's dQ
+stays home, while the dK/dV of a shard travel with it and reach their owner after one more hop.
+The partial backward of each step is the kernels' own, given the final output and logsumexp.
+
+Causal attention uses the zigzag layout (``zigzag_shard``): the sequence is cut into 2N chunks
+and rank r holds chunks r and 2N - 1 - r, so that every rank does the same work at every step.
+The transport is torch.distributed's point-to-point operations (NCCL on GPUs, gloo on CPUs).
+"""
+import torch
+import torch.distributed as dist
+
+from flashtile import dispatch, ops, options, validation
+
+
+def zigzag_shard(x, rank: int, world: int, dim: int = 1):
+    """Rank ``rank``'s shard of ``x`` (the whole sequence along ``dim``) in the zigzag layout:
+    chunks rank and 2 * world - 1 - rank of 2 * world equal chunks."""
+    chunks = x.chunk(2 * world, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=dim)
+
+
+def zigzag_unshard(shards, dim: int = 1):
+    """The whole sequence from every rank's zigzag shard (in rank order)."""
+    world = len(shards)
+    halves = [s.chunk(2, dim=dim) for s in shards]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
+
+
+class _Ring:
+    """Sends to the next rank and receives from the previous, overlapped with whatever runs
+    between ``post`` and ``wait``."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world) if group else (self.rank + 1) % self.world
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world) if group else (self.rank - 1) % self.world
+        self._pending = []
+
+    def post(self, *tensors):
+        """Start sending ``tensors`` on and receiving their successors; returns the receive buffers."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops_ = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        ops_ += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
+        self._pending = dist.batch_isend_irecv(ops_)
+        return received
+
+    def wait(self):
+        for request in self._pending:
+            request.wait()
+        self._pending = []
+
+
+def _merge(out, lse, part_out, part_lse):
+    """Two partial attentions over disjoint keys merged by their logsumexp: out (b, s, h, d)
+    float32, lse (b, h, s) float32; a partial that saw no key (lse -inf) weighs nothing."""
+    new = torch.logaddexp(lse, part_lse)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    old_w = torch.exp(lse - safe).transpose(1, 2)[..., None]
+    part_w = torch.exp(part_lse - safe).transpose(1, 2)[..., None]
+    return out * old_w + part_out.float() * part_w, new
+
+
+def _step_parts(step, rank, world, causal, seqlen):
+    """Which local query rows and which rows of the held K/V shard interact at ``step``, and
+    whether causally: (q rows, kv rows, causal) or None.  Zigzag causal: step 0 is the local
+    causal attention; a shard from an earlier rank gives its first chunk to every local query;
+    one from a later rank gives both chunks to the local second chunk only."""
+    everything = slice(0, seqlen)
+    if not causal:
+        return everything, everything, False
+    if step == 0:
+        return everything, everything, True
+    half = seqlen // 2
+    source = (rank - step) % world
+    if source < rank:
+        return everything, slice(0, half), False
+    return slice(half, seqlen), everything, False
+
+
+def _kernel_args(scale, causal, softcap, version, seqlen_q, seqlen_k):
+    left, right = validation.band(causal, (-1, -1), seqlen_q, seqlen_k)
+    return seqlen_q, seqlen_k, scale, left, right, softcap, 0.0, version
+
+
+class _RingAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, softcap, version, group):
+        ring = _Ring(group)
+        text = options.text(options.resolve(None))
+        seqlen = q.shape[1]
+        out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
+        lse = torch.full((q.shape[0], q.shape[2], seqlen), float("-inf"), dtype=torch.float32, device=q.device)
+        held = (k, v)
+        for step in range(ring.world):
+            if step < ring.world - 1:
+                incoming = ring.post(*held)
+            rows, keys, step_causal = _step_parts(step, ring.rank, ring.world, causal, seqlen)
+            qs, ks, vs = q[:, rows], held[0][:, keys], held[1][:, keys]
+            part_out, part_lse, _ = ops._forward(qs, ks, vs, None, None, None, None, None, None,
+                                                 *_kernel_args(scale, step_causal, softcap, version, qs.shape[1],
+                                                               ks.shape[1]), False, text)
+            part_lse = torch.where(torch.isinf(part_lse), float("-inf"), part_lse)  # no key: weight 0
+            out[:, rows], lse[..., rows] = _merge(out[:, rows], lse[..., rows], part_out, part_lse)
+            if step < ring.world - 1:
+                ring.wait()
+                held = tuple(incoming)
+        out = out.to(q.dtype)
+        lse = torch.where(torch.isinf(lse), float("inf"), lse)  # flashtile's convention: +inf, output 0
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (scale, causal, softcap, version, group, text)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dlse is not None:
+            raise NotImplementedError("ring attention's logsumexp is not differentiable")
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, causal, softcap, version, group, text = ctx.args
+        ring = _Ring(group)
+        seqlen = q.shape[1]
+        dout = dout.contiguous()
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        held = (k, v)
+        dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+        for step in range(ring.world):
+            if step < ring.world - 1:
+                incoming = ring.post(*held)
+            rows, keys, step_causal = _step_parts(step, ring.rank, ring.world, causal, seqlen)
+            qs, ks, vs = q[:, rows], held[0][:, keys], held[1][:, keys]
+            grads = ops._backward_kernels(
+                dout[:, rows].contiguous(), None, qs, ks, vs, out[:, rows], lse[..., rows].contiguous(),
+                lse.new_empty(0), None, None, None, None,
+                *_kernel_args(scale, step_causal, softcap, version, qs.shape[1], ks.shape[1]), False, text)
+            dq[:, rows] += grads[0].float()
+            dk[:, keys] += grads[1].float()
+            dv[:, keys] += grads[2].float()
+            if step < ring.world - 1:
+                ring.wait()
+                held = tuple(incoming)
+            # The shard's dK/dV go on with it; after the last step they reach their owner.
+            dk, dv = ring.post(dk, dv)
+            ring.wait()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, softcap=0.0, group=None, version="auto",
+                         return_softmax_lse=False):
+    """Attention over the whole sequence of which each rank of ``group`` (None: the default
+    group) holds a shard: q (batch, seqlen_local, nheads, headdim), k and v (batch,
+    seqlen_local, nheads_k, headdim), every rank's seqlen_local equal; with ``causal``, shards
+    in the zigzag layout (``zigzag_shard``) and seqlen_local even.  Returns this rank's rows
+    of the output (and with ``return_softmax_lse`` their logsumexp, (batch, nheads,
+    seqlen_local)), differentiable with respect to q, k and v."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ring_flash_attn_func needs an initialized torch.distributed process group")
+    validation.check_qkv(q, k, v, False)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q and k must hold the same shard of the sequence, got {q.shape[1]} and {k.shape[1]} rows")
+    softcap = validation.real("softcap", softcap, 0.0)
+    scale = validation.softmax_scale(softmax_scale, q.shape[-1])
+    version = dispatch.resolve_version(version, q.device)
+    if version == "v1":
+        raise NotImplementedError("ring attention runs the v2, v3 or PyTorch kernels per step, not version='v1'")
+    if causal and q.shape[1] % 2:
+        raise ValueError(f"causal ring attention takes zigzag shards of an even length, got {q.shape[1]} rows")
+    lengths = [torch.zeros(1, dtype=torch.int64, device=q.device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(lengths, torch.tensor([q.shape[1]], device=q.device), group=group)
+    if len({int(x) for x in lengths}) != 1:
+        raise ValueError(f"every rank must hold a shard of the same length, got {[int(x) for x in lengths]}")
+    with ops.on_device_of(q):
+        out, lse = _RingAttention.apply(q, k, v, scale, bool(causal), softcap, version, group)
+    return (out, lse) if return_softmax_lse else out

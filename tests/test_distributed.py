@@ -1,0 +1,71 @@
+"""Ring attention over gloo on CPU: 2 and 4 processes, each holding a shard of the sequence (zigzag
+when causal), the PyTorch path per rank; outputs and gradients, gathered, against attention on
+the whole sequence in one process by the FA rule."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from attention_check import GRAD_RULE, OUT_RULE, assert_within_rule, make_qkv, run_and_grad
+
+from flashtile import distributed, standard_attention
+
+SEQLEN, HEADS, HEADS_K, HEAD_DIM = 48, 4, 2, 16
+
+
+def _gathered(x, world, causal):
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous())
+    return distributed.zigzag_unshard(parts) if causal else torch.cat(parts, dim=1)
+
+
+def _worker(rank, world, store_path):
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        for causal in (False, True):
+            torch.manual_seed(0)
+            q, k, v = make_qkv(2, SEQLEN, SEQLEN, HEADS, HEADS_K, HEAD_DIM, torch.float16, "cpu")
+            dout = torch.randn_like(q)
+
+            def shard(x):
+                return distributed.zigzag_shard(x, rank, world) if causal else x.chunk(world, dim=1)[rank]
+            local = [shard(x).clone().requires_grad_() for x in (q, k, v)]
+            out, lse = distributed.ring_flash_attn_func(*local, causal=causal, version="tiled",
+                                                        return_softmax_lse=True)
+            out.backward(shard(dout))
+            results = [_gathered(x, world, causal) for x in (out.detach(), *(t.grad for t in local))]
+            lse_all = _gathered(lse.transpose(1, 2), world, causal).transpose(1, 2)
+            if rank == 0:
+                oracle, oracle_lse = standard_attention(q, k, v, causal=causal, upcast=True, return_lse=True)
+                _, _, oracle_grads = run_and_grad(lambda a, b, c: standard_attention(a, b, c, causal=causal,
+                                                                                     upcast=True),
+                                                  q, k, v, dout.double())
+                pt, _, pt_grads = run_and_grad(lambda a, b, c: standard_attention(a, b, c, causal=causal), q, k, v,
+                                               dout)
+                assert_within_rule(f"out (causal={causal})", results[0], pt, oracle, OUT_RULE)
+                for name, g, g_pt, g_ref in zip(("dq", "dk", "dv"), results[1:], pt_grads, oracle_grads):
+                    assert_within_rule(f"{name} (causal={causal})", g, g_pt, g_ref, GRAD_RULE)
+                torch.testing.assert_close(lse_all, oracle_lse.float(), atol=1e-4, rtol=1e-4)
+        # Shards of different lengths are refused on every rank.
+        uneven = torch.randn(1, 8 + 2 * rank, 2, 16, dtype=torch.float16)
+        try:
+            distributed.ring_flash_attn_func(uneven, uneven, uneven, version="tiled")
+        except ValueError as e:
+            assert "same length" in str(e)
+        else:
+            raise AssertionError("uneven shards were not refused")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_matches_one_process(world, tmp_path):
+    mp.spawn(_worker, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
+
+
+def test_ring_attention_refusals():
+    q = torch.randn(1, 8, 2, 16, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="initialized torch.distributed"):
+        distributed.ring_flash_attn_func(q, q, q)
+    assert torch.equal(distributed.zigzag_unshard([distributed.zigzag_shard(q, r, 2) for r in range(2)]), q)
