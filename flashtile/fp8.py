@@ -1,0 +1,100 @@
+"""FP8 attention for bf16/fp16 users: quantize, attend in float8, differentiate.
+
+``fp8_attn_func`` quantizes Q, K and V to a float8 type with one scale per (sequence, KV head)
+(the descales the FP8 kernel reads), optionally after incoherent processing: Q and K are
+multiplied by the same random orthogonal matrix M = D H / sqrt(d) along the head dim (D a fixed
+random ±1 diagonal, H the Sylvester Hadamard matrix), which leaves Q Kᵀ unchanged but spreads
+an outlier's magnitude over the whole head dim before it sets the scale.  The forward runs the
+FP8 kernel (both matmuls in float8); the backward runs the bf16/fp16 kernels on the original
+Q, K, V with the FP8 forward's output and logsumexp (every backward matmul in the input
+precision: a straight-through gradient of the quantization).
+"""
+import functools
+
+import torch
+
+from flashtile import dispatch, ops, options, validation
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation_cpu(head_dim: int) -> torch.Tensor:
+    hadamard = torch.ones(1, 1)
+    while hadamard.shape[0] < head_dim:
+        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)], 0)
+    signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(head_dim)) * 2 - 1
+    return signs[:, None].float() * hadamard / head_dim ** 0.5
+
+
+def rotation(head_dim: int, device) -> torch.Tensor:
+    """The orthogonal (head_dim, head_dim) float32 matrix D H / sqrt(head_dim) of incoherent
+    processing (head_dim a power of two)."""
+    return _rotation_cpu(head_dim).to(device)
+
+
+def quantize(x, heads_k: int, dtype):
+    """x (batch, seqlen, heads, d) in float8 ``dtype`` and its descale (batch, heads_k) float32:
+    the amax of each (sequence, KV head group) mapped to the type's largest value."""
+    batch, seqlen, heads, d = x.shape
+    grouped = x.float().view(batch, seqlen, heads_k, heads // heads_k, d)
+    descale = grouped.abs().amax(dim=(1, 3, 4)).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX[dtype]
+    return (grouped / descale[:, None, :, None, None]).view_as(x).to(dtype), descale
+
+
+class _FP8Attention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, left, right, softcap, dtype, incoherent, kernel_options):
+        qr, kr = q, k
+        if incoherent:
+            m = rotation(q.shape[-1], q.device)
+            qr, kr = q.float() @ m, k.float() @ m
+        heads_k = k.shape[2]
+        (q8, qd), (k8, kd), (v8, vd) = (quantize(x, heads_k, dtype) for x in (qr, kr, v))
+        out, lse, _ = ops._forward(q8, k8, v8, None, None, None, None, None, torch.stack([qd, kd, vd]),
+                                   q.shape[1], k.shape[1], scale, left, right, softcap, 0.0, "v2", False,
+                                   kernel_options)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (q.shape[1], k.shape[1], scale, left, right, softcap, 0.0, kernel_options)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        seqlen_q, seqlen_k, scale, left, right, softcap, dropout_p, kernel_options = ctx.args
+        if dout is None:
+            dout = torch.zeros_like(out)
+        version = dispatch.resolve_version("auto", q.device)
+        grads = ops._backward_kernels(dout.contiguous(), None if dlse is None else dlse.contiguous(), q, k, v, out,
+                                      lse, lse.new_empty(0), None, None, None, None, seqlen_q, seqlen_k, scale,
+                                      left, right, softcap, dropout_p, version, False, kernel_options)
+        return (*grads, None, None, None, None, None, None, None)
+
+
+def fp8_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                  dtype=torch.float8_e4m3fn, incoherent=True, return_softmax_lse=False):
+    """Attention of bf16/fp16 q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k,
+    nheads_k, headdim) computed in float8 ``dtype`` (e4m3 or e5m2), with incoherent processing
+    of Q and K unless ``incoherent=False`` (head dims a power of two, 16 to 256).  Returns out in
+    q's dtype (and the logsumexp), differentiable with respect to q, k and v."""
+    validation.check_qkv(q, k, v, False)
+    if dtype not in FP8_MAX:
+        raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    head_dim = q.shape[-1]
+    if head_dim != v.shape[-1] or head_dim % 16 or (incoherent and head_dim & (head_dim - 1)):
+        raise ValueError(f"fp8_attn_func takes one head dim, a multiple of 16 (a power of two with incoherent "
+                         f"processing), got {head_dim} and {v.shape[-1]}")
+    version = dispatch.resolve_version("auto", q.device)
+    validation.version_takes(version, 0.0, head_dim, head_dim, True, q.device)
+    softcap = validation.real("softcap", softcap, 0.0)
+    scale = validation.softmax_scale(softmax_scale, head_dim)
+    left, right = validation.band(bool(causal), window_size, q.shape[1], k.shape[1])
+    text = options.text(options.resolve(None))
+    with ops.on_device_of(q):
+        out, lse = _FP8Attention.apply(q, k, v, scale, left, right, softcap, dtype, bool(incoherent), text)
+    return (out, lse) if return_softmax_lse else out
+
+
