@@ -1,7 +1,8 @@
 """FP8 attention for bf16/fp16 users: quantize, attend in float8, differentiate.
 
-``fp8_attn_func`` quantizes Q, K and V to a float8 type with one scale per (sequence, KV head)
-(the descales the FP8 kernel reads), optionally after incoherent processing: Q and K are
+``fp8_attn_func`` quantizes Q, K and V to a float8 type with one scale per block of the FP8
+kernel's tiles (BLOCK_M rows of a query head, BLOCK_N rows of a KV head, the plan's own) or per
+(sequence, KV head), optionally after incoherent processing: Q and K are
 multiplied by the same random orthogonal matrix M = D H / sqrt(d) along the head dim (D a fixed
 random ±1 diagonal, H the Sylvester Hadamard matrix), which leaves Q Kᵀ unchanged but spreads
 an outlier's magnitude over the whole head dim before it sets the scale.  The forward runs the
@@ -12,8 +13,10 @@ precision: a straight-through gradient of the quantization).
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from flashtile import dispatch, ops, options, validation
+from flashtile.kernels.problem import Problem
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -42,17 +45,49 @@ def quantize(x, heads_k: int, dtype):
     return (grouped / descale[:, None, :, None, None]).view_as(x).to(dtype), descale
 
 
+def quantize_blocks(x, rows: int, dtype):
+    """x (batch, seqlen, heads, d) in float8 ``dtype`` and its descale (batch, heads, blocks)
+    float32: one scale per ``rows`` rows of each head (the last block may be short)."""
+    batch, seqlen, heads, d = x.shape
+    blocks = -(-seqlen // rows)
+    padded = F.pad(x.float(), (0, 0, 0, 0, 0, blocks * rows - seqlen)).view(batch, blocks, rows, heads, d)
+    descale = padded.abs().amax(dim=(2, 4)).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX[dtype]
+    quantized = (padded / descale[:, :, None, :, None]).view(batch, blocks * rows, heads, d)[:, :seqlen]
+    return quantized.to(dtype), descale.transpose(1, 2)
+
+
+def _kernel_tiles(q, k, v, scale, left, right, softcap, kernel_options):
+    """(BLOCK_M, BLOCK_N) of the FP8 forward the dispatcher picks for these tensors."""
+    marker = torch.empty(3, 1, 1, 1)  # descales per block: the FP8 problem the kernel will see
+    p = Problem.of(q, k, None, None, q.shape[1], k.shape[1], scale, left, right, softcap, fp8_descale=marker)
+    cfg = dispatch.forward_plan(p, "v2", dispatch.target_of(p, q, k, v), ops._options(kernel_options)).config
+    return cfg.block_m, cfg.block_n
+
+
+def _quantized(q, k, v, dtype, per_block, tiles):
+    """q, k, v in float8 and the descales the FP8 kernel reads for them."""
+    if not per_block:
+        (q8, qd), (k8, kd), (v8, vd) = (quantize(x, k.shape[2], dtype) for x in (q, k, v))
+        return q8, k8, v8, torch.stack([qd, kd, vd])
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_blocks(x, rows, dtype) for x, rows in zip((q, k, v), (*tiles, tiles[1])))
+    descale = torch.zeros(3, q.shape[0], q.shape[2], max(qd.shape[-1], kd.shape[-1]), device=q.device)
+    descale[0, :, :, :qd.shape[-1]] = qd
+    descale[1, :, :k.shape[2], :kd.shape[-1]] = kd
+    descale[2, :, :k.shape[2], :vd.shape[-1]] = vd
+    return q8, k8, v8, descale
+
+
 class _FP8Attention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, left, right, softcap, dtype, incoherent, kernel_options):
+    def forward(ctx, q, k, v, scale, left, right, softcap, dtype, incoherent, per_block, kernel_options):
         qr, kr = q, k
         if incoherent:
             m = rotation(q.shape[-1], q.device)
             qr, kr = q.float() @ m, k.float() @ m
-        heads_k = k.shape[2]
-        (q8, qd), (k8, kd), (v8, vd) = (quantize(x, heads_k, dtype) for x in (qr, kr, v))
-        out, lse, _ = ops._forward(q8, k8, v8, None, None, None, None, None, torch.stack([qd, kd, vd]),
+        tiles = _kernel_tiles(q, k, v, scale, left, right, softcap, kernel_options) if per_block else None
+        q8, k8, v8, descale = _quantized(qr, kr, v, dtype, per_block, tiles)
+        out, lse, _ = ops._forward(q8, k8, v8, None, None, None, None, None, descale,
                                    q.shape[1], k.shape[1], scale, left, right, softcap, 0.0, "v2", False,
                                    kernel_options)
         out = out.to(q.dtype)
@@ -71,15 +106,16 @@ class _FP8Attention(torch.autograd.Function):
         grads = ops._backward_kernels(dout.contiguous(), None if dlse is None else dlse.contiguous(), q, k, v, out,
                                       lse, lse.new_empty(0), None, None, None, None, seqlen_q, seqlen_k, scale,
                                       left, right, softcap, dropout_p, version, False, kernel_options)
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def fp8_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                  dtype=torch.float8_e4m3fn, incoherent=True, return_softmax_lse=False):
+                  dtype=torch.float8_e4m3fn, incoherent=True, scaling="block", return_softmax_lse=False):
     """Attention of bf16/fp16 q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k,
     nheads_k, headdim) computed in float8 ``dtype`` (e4m3 or e5m2), with incoherent processing
-    of Q and K unless ``incoherent=False`` (head dims a power of two, 16 to 256).  Returns out in
-    q's dtype (and the logsumexp), differentiable with respect to q, k and v."""
+    of Q and K unless ``incoherent=False`` (head dims a power of two, 16 to 256), and scales per
+    block of the kernel's tiles (``scaling="block"``) or per (sequence, KV head) ("head").
+    Returns out in q's dtype (and the logsumexp), differentiable with respect to q, k and v."""
     validation.check_qkv(q, k, v, False)
     if dtype not in FP8_MAX:
         raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
@@ -92,9 +128,12 @@ def fp8_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     softcap = validation.real("softcap", softcap, 0.0)
     scale = validation.softmax_scale(softmax_scale, head_dim)
     left, right = validation.band(bool(causal), window_size, q.shape[1], k.shape[1])
+    if scaling not in ("block", "head"):
+        raise ValueError(f"scaling must be 'block' or 'head', got {scaling!r}")
     text = options.text(options.resolve(None))
     with ops.on_device_of(q):
-        out, lse = _FP8Attention.apply(q, k, v, scale, left, right, softcap, dtype, bool(incoherent), text)
+        out, lse = _FP8Attention.apply(q, k, v, scale, left, right, softcap, dtype, bool(incoherent),
+                                       scaling == "block", text)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -24,7 +24,8 @@ from flashtile.kernels.problem import Problem
 from flashtile.options import KernelOptions
 from sass_loops import describe
 
-FP32_POINTERS = {"DESCALE", "LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE", "SINKS", "JOINED", "SHARE", "PART_O", "PART_LSE"}
+FP32_POINTERS = {"DESCALE", "LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE", "SINKS", "JOINED", "SHARE", "PART_O",
+                 "PART_LSE"}
 INT_POINTERS = {"CU_Q", "CU_K", "ENDS", "LEFTPAD", "BATCH_IDX", "BLOCK_TABLE"}
 INT64_POINTERS = {"SEED"}
 INT8_POINTERS = {"KEPT"}
@@ -147,7 +148,8 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     kv, qc = dispatch.backward_plan(p, "v2", dispatch.HOPPER, opts).config
     yield "v2.bwd_dkdv", v2._bwd_dkdv_kernel, dict(v2_base, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n,
                                                    NUM_STAGES=kv.num_stages), _options(kv), None
-    yield "v2.bwd_dq", v2._bwd_dq_kernel, dict(v2_base, BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages,
+    yield "v2.bwd_dq", v2._bwd_dq_kernel, dict(v2_base, BLOCK_M=qc.block_m, BLOCK_N=qc.block_n,
+                                               NUM_STAGES=qc.num_stages,
                                                HAS_DLSE=False), _options(qc), None
     c1 = dispatch.forward_plan(p, "v1", dispatch.HOPPER, opts).config
     yield "v1.fwd", v1._fwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), _options(c1), None
@@ -199,6 +201,8 @@ def main():
     ap.add_argument("--alibi", action="store_true", help="compile the kernels that take ALiBi with it")
     ap.add_argument("--dropout", action="store_true", help="compile v2's kernels with dropout")
     ap.add_argument("--fp8", choices=("fp8e4nv", "fp8e5"), help="compile v2's forward for float8 inputs")
+    ap.add_argument("--fp8-mode", type=int, choices=(1, 2), default=1,
+                    help="descales per (sequence, KV head) (1) or per block (2)")
     args = ap.parse_args()
     opts = KernelOptions.parse(args.options)
     tuples = ALIBI_TUPLES if args.alibi else TUPLES
@@ -209,8 +213,8 @@ def main():
                 continue
             try:
                 fp8 = args.fp8 and name == "v2.fwd"
-                k = compile_one(fn, args.fp8 if fp8 else "bf16", dict(constexprs, FP8=True) if fp8 else constexprs,
-                                options, descriptors, tuples)
+                constexprs = dict(constexprs, FP8=args.fp8_mode) if fp8 else constexprs
+                k = compile_one(fn, args.fp8 if fp8 else "bf16", constexprs, options, descriptors, tuples)
             except Exception as e:  # report and go on: one broken kernel should not hide the rest
                 print(f"d{d:<4} {name:18} FAILED: {str(e).splitlines()[0][:200]}")
                 continue

@@ -8,7 +8,7 @@ from attention_check import OUT_RULE, assert_within_rule
 from conftest import DEVICE, ON_GPU
 
 import flashtile
-from flashtile import flash_attn_interface as fa3, standard_attention
+from flashtile import flash_attn_interface as fa3, fp8, standard_attention
 from flashtile.reference import band_mask
 from flashtile.validation import band
 
@@ -138,3 +138,27 @@ def test_fp8_attn_func_with_incoherent_processing(dtype):
     assert rmse(out, oracle) < out_bound * oracle.square().mean().sqrt()
     for leaf, ref in zip(leaves, doubles):
         assert rmse(leaf.grad, ref.grad) < grad_bound * ref.grad.square().mean().sqrt()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_block_scales_against_dequantized_oracle(causal):
+    # Scales per block of the kernel's own tiles (a query head's BLOCK_M rows, a KV head's
+    # BLOCK_N rows): the output against float64 on the same dequantized blocks, by the FA rule
+    # with the emulated roundings as the same-precision reference.
+    torch.manual_seed(2)
+    dtype = torch.float8_e4m3fn
+    q, k, v = (torch.randn(2, n, h, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16) * s
+               for n, h, s in ((70, 4, 1), (90, 2, 3), (90, 2, 0.5)))
+    scale = HEAD_DIM ** -0.5
+    left, right = fp8.validation.band(causal, (-1, -1), 70, 90)
+    tiles = fp8._kernel_tiles(q, k, v, scale, left, right, 0.0, "")
+    out = flashtile.fp8_attn_func(q, k, v, causal=causal, incoherent=False)
+    parts = [fp8.quantize_blocks(x, rows, dtype) for x, rows in zip((q, k, v), (*tiles, tiles[1]))]
+
+    def dequantize(x8, descale, rows):
+        per_row = descale.repeat_interleave(rows, dim=2)[:, :, :x8.shape[1]]  # (batch, heads, seqlen)
+        return x8.double() * per_row.transpose(1, 2)[..., None].double()
+    qx, kx, vx = (dequantize(x8, d, rows) for (x8, d), rows in zip(parts, (*tiles, tiles[1])))
+    oracle = standard_attention(qx, kx, vx, causal=causal, upcast=True)
+    assert_within_rule("out", out, emulated(qx, kx, vx, causal, dtype), oracle, OUT_RULE)
+    assert tiles[0] < 70 and tiles[1] < 90  # several blocks per sequence, so scales do differ

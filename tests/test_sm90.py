@@ -10,12 +10,14 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def compile_for_sm90(tmp_path, only, head_dim, kernel_options="", softcap=0.0, alibi=False, dropout=False, fp8=None):
+def compile_for_sm90(tmp_path, only, head_dim, kernel_options="", softcap=0.0, alibi=False, dropout=False, fp8=None,
+                     fp8_mode=1):
     env = dict(os.environ, TRITON_INTERPRET="0")
     res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_sm90.py"), "--head-dims",
                           str(head_dim), "--only", only, "--dump", str(tmp_path), "--options", kernel_options,
-                          "--softcap", str(softcap)] + (["--alibi"] if alibi else []) + (["--dropout"] if dropout else [])
-                         + (["--fp8", fp8] if fp8 else []),
+                          "--softcap", str(softcap)] + (["--alibi"] if alibi else [])
+                         + (["--dropout"] if dropout else [])
+                         + (["--fp8", fp8, "--fp8-mode", str(fp8_mode)] if fp8 else []),
                          capture_output=True, text=True, env=env, timeout=600)
     if res.returncode != 0 or "FAILED" in res.stdout:
         pytest.fail(f"sm_90 compile failed:\n{res.stdout}\n{res.stderr[-2000:]}")
@@ -218,10 +220,13 @@ def test_dropout_compiles_into_v2_kernels(tmp_path):
     assert "mul.hi.u32" not in (tmp_path / "plain" / "v2.fwd_d128.ptx").read_text()
 
 
-@pytest.mark.parametrize("fp8, mma", [("fp8e4nv", "f32.e4m3.e4m3"), ("fp8e5", "f32.e5m2.e5m2")])
-def test_fp8_forward_runs_both_matmuls_in_fp8(tmp_path, fp8, mma):
-    # Q K^T and P V as float8 warpgroup MMAs (P cast to V's type), the output stored as bf16.
-    ptx = compile_for_sm90(tmp_path, "v2.fwd", 128, fp8=fp8) and (tmp_path / "v2.fwd_d128.ptx").read_text()
+@pytest.mark.parametrize("fp8, mma, mode", [("fp8e4nv", "f32.e4m3.e4m3", 1), ("fp8e5", "f32.e5m2.e5m2", 1),
+                                           ("fp8e4nv", "f32.e4m3.e4m3", 2)])
+def test_fp8_forward_runs_both_matmuls_in_fp8(tmp_path, fp8, mma, mode):
+    # Q K^T and P V as float8 warpgroup MMAs (P cast to V's type), the output stored as bf16,
+    # with descales per (sequence, KV head) or per block.
+    ptx = compile_for_sm90(tmp_path, "v2.fwd", 128, fp8=fp8, fp8_mode=mode) and \
+        (tmp_path / "v2.fwd_d128.ptx").read_text()
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n128k32.{mma}") >= 2
 
 

@@ -43,7 +43,9 @@ class Problem:
     dropout_seed: Optional[torch.Tensor] = field(default=None, compare=False, hash=False)
     own_head_dim_v: Optional[int] = None  # V's (and the output's) head dim where it differs; None: head_dim
     fp8: bool = False  # q, k, v in float8 (e4m3 or e5m2), dequantized by fp8_descale; the output bf16
-    # (3, batch, heads_k) float32: q's, k's and v's descale per sequence and KV head.
+    fp8_per_block: bool = False  # descales per block of the kernel's tiles, not per (sequence, KV head)
+    # float32 q's, k's and v's descales: (3, batch, heads_k) per (sequence, KV head), or
+    # (3, batch, heads_q, blocks) per block (kernels/v2.py's FP8 modes).
     fp8_descale: Optional[torch.Tensor] = field(default=None, compare=False, hash=False)
 
     @classmethod
@@ -64,7 +66,8 @@ class Problem:
             alibi_slopes=alibi_slopes, dropout_p=dropout_p,
             dropout_seed=dropout_seed,
             own_head_dim_v=None if head_dim_v in (None, q.shape[-1]) else head_dim_v,
-            fp8=fp8_descale is not None, fp8_descale=fp8_descale)
+            fp8=fp8_descale is not None, fp8_per_block=fp8_descale is not None and fp8_descale.dim() == 4,
+            fp8_descale=fp8_descale)
 
     @property
     def varlen(self) -> bool:
@@ -111,6 +114,18 @@ class Problem:
         # tl.dot needs K >= 16 and power-of-two tiles; padded lanes are masked to zero.  Plain
         # integer arithmetic: triton.next_power_of_2 goes through the JIT's call path (~8 us).
         return max(16, 1 << (self.head_dim - 1).bit_length())
+
+    @property
+    def fp8_mode(self) -> int:
+        """v2's FP8 constexpr: 0 none, 1 descales per (sequence, KV head), 2 per block."""
+        return (2 if self.fp8_per_block else 1) if self.fp8 else 0
+
+    def fp8_descale_strides(self):
+        """(part, batch, head) strides of the descales as the kernel reads them (zeros without)."""
+        if not self.fp8:
+            return 0, 0, 0
+        d = self.fp8_descale
+        return d.stride(0), d.stride(1), d.stride(2) if self.fp8_per_block else 1
 
     def out_dtype(self, q: torch.Tensor) -> torch.dtype:
         """The output's dtype: q's, or bf16 for FP8 inputs."""

@@ -30,11 +30,14 @@ from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, fp8_opera
 # FP8: probabilities (at most 1) are multiplied by this before their cast to float8, so that small
 # ones keep the type's normal range (FlashAttention-3's 2**8); the output divides it back out.
 FP8_P_SCALE = tl.constexpr(256.0)
+# The kernel's FP8 modes: descales per (sequence, KV head), or per block of its tiles.
+FP8_PER_HEAD = tl.constexpr(1)
+FP8_PER_BLOCK = tl.constexpr(2)
 
 
 @triton.jit
 def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d, lo, hi,
-                seqlen_k, dlo, dhi, scale_log2, site, drop,
+                seqlen_k, dlo, dhi, scale_log2, site, drop, kv_descale, sdt,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr,
@@ -45,7 +48,10 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d
         k = load_tile(k_base + cols[:, None] * sks + offs_d[None, :], cols, seqlen_k, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
         # The scale stays on the scores here (scale 1 below), unlike v3's exponent.
-        s = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, rows[:, None], cols[None, :], site, SCORE)
+        tile_scale = scale_log2
+        if FP8 == FP8_PER_BLOCK:  # this K block's descale; V's sits one part (sdt) further
+            tile_scale = scale_log2 * tl.load(kv_descale + n0 // BLOCK_N)
+        s = score.scaled_logits(tl.dot(q, tl.trans(k)), tile_scale, rows[:, None], cols[None, :], site, SCORE)
         if MASK:
             s = tl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), s, float("-inf"))
         p, alpha, m_i = online_softmax_step(s, m_i, 1.0)
@@ -54,7 +60,10 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d
             p *= dropout.kept_scale(drop[0], drop[1], rows[:, None], cols[None, :], drop[2], drop[3])
         v = load_tile(v_base + cols[:, None] * svs + offs_dv[None, :], cols, seqlen_k, offs_dv,
                       HEAD_DIM_V, HEAD_DIM_V_PAD, MASK, UPCAST)
-        if FP8:  # P scaled into the float8 type's normal range for its matmul with V
+        if FP8 == FP8_PER_BLOCK:  # P scaled into the float8 type's normal range for its matmul with V
+            pv = tl.dot(fp8_operand(p * FP8_P_SCALE, v_base.dtype.element_ty, UPCAST), v)
+            acc = acc * alpha[:, None] + pv * tl.load(kv_descale + sdt + n0 // BLOCK_N)
+        elif FP8:
             acc = acc * alpha[:, None] + tl.dot(fp8_operand(p * FP8_P_SCALE, v_base.dtype.element_ty, UPCAST), v)
         else:
             acc = acc * alpha[:, None] + values_product(p, v, v_base.dtype.element_ty, UPCAST, MASK)
@@ -74,7 +83,7 @@ def _dropout_stream(SEED, batch, head, heads_q, max_q, max_k, dropout_p, DROPOUT
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED, DESCALE,
-                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, sdt, sdb,
+                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, sdt, sdb, sdh,
                 seqlen_q, seqlen_k, totals, heads_q, group, scale_log2, window_left, window_right, score_args,
                 dropout_p,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -82,8 +91,11 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED, DESCALE,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                 UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr, DROPOUT: tl.constexpr,
                 FP8: tl.constexpr):
-    """FP8: q, k, v in float8, dequantized by DESCALE (3, batch, heads_k): q's and k's descales
-    multiply the scores' scale, v's the output."""
+    """FP8 (FP8_PER_HEAD or FP8_PER_BLOCK): q, k, v in float8, dequantized by DESCALE, q's, k's
+    and v's descales (part stride sdt): per head (3, batch, heads_k), q's and k's multiplying
+    the scores' scale and v's the output; or per block (3, batch, heads_q, blocks), q's per
+    BLOCK_M rows of a query head, k's and v's per BLOCK_N rows of a KV head (the heads past
+    heads_k unused), applied to each tile's scores and product."""
     bh, block, blocks = program_tile(seqlen_q, BLOCK_M)
     # Each head's heaviest (latest, for causal) Q blocks first: better balance on the last wave.
     m0 = (blocks - 1 - block) * BLOCK_M
@@ -102,28 +114,32 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED, DESCALE,
                   HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
     site = (batch, head, seqlen_k - seqlen_q, score_args)
     drop = _dropout_stream(SEED, batch, head, heads_q, max_q, max_k, dropout_p, DROPOUT)
-    descale = DESCALE + batch * sdb + head // group
-    if FP8:
+    descale = DESCALE + batch * sdb + (head // group) * sdh  # this KV head's (per block: its blocks')
+    if FP8 == FP8_PER_HEAD:
         scale_log2 = scale_log2 * tl.load(descale) * tl.load(descale + sdt)
+    elif FP8 == FP8_PER_BLOCK:
+        scale_log2 = scale_log2 * tl.load(DESCALE + batch * sdb + head * sdh + m0 // BLOCK_M)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], tl.float32)
     lo, full_lo, full_hi, hi = visited_blocks(m0, BLOCK_M, BLOCK_N, seqlen_k, dlo, dhi)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                                full_lo, full_hi, seqlen_k, dlo, dhi, scale_log2, site, drop,
+                                full_lo, full_hi, seqlen_k, dlo, dhi, scale_log2, site, drop, descale + sdt, sdt,
                                 HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
                                 BLOCK_N, False, UPCAST, NUM_STAGES, SCORE, DROPOUT, FP8)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                                lo, full_lo, seqlen_k, dlo, dhi, scale_log2, site, drop,
+                                lo, full_lo, seqlen_k, dlo, dhi, scale_log2, site, drop, descale + sdt, sdt,
                                 HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
                                 BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT, FP8)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                                full_hi, hi, seqlen_k, dlo, dhi, scale_log2, site, drop,
+                                full_hi, hi, seqlen_k, dlo, dhi, scale_log2, site, drop, descale + sdt, sdt,
                                 HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
                                 BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT, FP8)
-    if FP8:
+    if FP8 == FP8_PER_HEAD:
         acc *= tl.load(descale + 2 * sdt) / FP8_P_SCALE
+    elif FP8 == FP8_PER_BLOCK:
+        acc /= FP8_P_SCALE
     out, lse = finalize_rows(acc, m_i, l_i)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     store_tile(O + batch * sob + q_start * sos + head * soh + rows[:, None] * sos + offs_dv[None, :],
@@ -331,13 +347,13 @@ def forward(plan, p: Problem, q, k, v):
         _fwd_kernel, grid,
         q, k, v, out, lse, cu_q, cu_k, _seed(p, cu_q), descale,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
-        *p.row_stat_strides(lse), *(descale.stride()[:2] if p.fp8 else (0, 0)),
+        *p.row_stat_strides(lse), *p.fp8_descale_strides(),
         p.seqlen_q, p.seqlen_k, p.totals, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right,
         score.args_of(p), p.dropout_p,
         HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, HEAD_DIM_V=p.head_dim_v, HEAD_DIM_V_PAD=p.head_dim_v_pad,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         IS_VARLEN=p.varlen, UPCAST=p.upcast(q), NUM_STAGES=cfg.num_stages, SCORE=score.mod_of(p),
-        DROPOUT=p.dropout, FP8=p.fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DROPOUT=p.dropout, FP8=p.fp8_mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse, lse.new_empty(0)
 
 
