@@ -27,9 +27,12 @@ def _check_differentiation_mode(q, k, v):
 
 
 def _unused_rows_cleared(out, lse, bounds_q):
-    """out 0 and lse +inf on the rows of q outside every sequence's (start, end) bounds."""
-    rows = torch.arange(out.shape[0], device=out.device)
-    used = ((rows[:, None] >= bounds_q[:, 0]) & (rows[:, None] < bounds_q[:, 1])).any(1)
+    """out 0 and lse +inf on the rows of q outside every sequence's (start, end) bounds (the
+    sequences' row ranges are disjoint: +1 at each start, -1 at each end, summed)."""
+    edges = torch.zeros(out.shape[0] + 1, dtype=torch.int32, device=out.device)
+    edges.index_add_(0, bounds_q[:, 0].long(), torch.ones_like(bounds_q[:, 0]))
+    edges.index_add_(0, bounds_q[:, 1].long(), -torch.ones_like(bounds_q[:, 1]))
+    used = edges.cumsum(0)[:-1] > 0
     return torch.where(used[:, None, None], out, 0.0), torch.where(used, lse, float("inf"))
 
 

@@ -149,7 +149,7 @@ def _forward_plan(p, version, target, opts) -> Plan:
         return Plan("tiled")
     if version == "v1":
         return _v1_plan(p, target, opts, "fwd")
-    if version == "v2" or p.dropout or p.own_head_dim_v is not None or p.fp8:  # only v2's kernels take these
+    if version == "v2" or p.v2_only:
         return _v2_forward(p, target, opts)
     kernel = opts.forward or "gluon"
     if kernel == "gluon" and target.gluon:
@@ -202,8 +202,7 @@ def _backward_plan(p, version, target, opts) -> Plan:
         return Plan("tiled")
     if version == "v1":
         return _v1_plan(p, target, opts, "bwd")
-    v2 = version == "v2" or p.dropout or p.own_head_dim_v is not None or not target.gluon
-    kernel = "v2" if v2 else _v3_backward_kernel(p, opts)
+    kernel = "v2" if version == "v2" or p.v2_only or not target.gluon else _v3_backward_kernel(p, opts)
     if kernel == "v2":
         kv = configs.by_head_dim(configs.v2_bwd_kv_table(p.banded), p.widest_head_dim_pad)
         dq = configs.by_head_dim(configs.V2_BWD_Q, p.widest_head_dim_pad)

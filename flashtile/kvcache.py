@@ -173,16 +173,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     window = validation.band(bool(causal), window_size, seqlen_q, capacity)
     _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, k_cache.shape[0], block_table, k_cache.shape[0])
 
+    new_positions = _positions(seqlens, seqlen_new, batch, q.device) if k is not None else None
     if rotary_cos is not None:
-        k = rotary.apply(k, rotary_cos, rotary_sin, _positions(seqlens, seqlen_new, batch, q.device),
-                         rotary_interleaved)
+        k = rotary.apply(k, rotary_cos, rotary_sin, new_positions, rotary_interleaved)
         if causal or validation.window(window_size) != (-1, -1):
-            q_positions = _positions(seqlens, seqlen_q, batch, q.device)
+            q_positions = new_positions if seqlen_q == seqlen_new else _positions(seqlens, seqlen_q, batch, q.device)
         else:
             q_positions = _positions(seqlens, 1, batch, q.device).expand(batch, seqlen_q)
         q = rotary.apply(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
     if k is not None:
-        _append(k_cache, v_cache, k, v, _positions(seqlens, seqlen_new, batch, q.device), batch_idx, block_table)
+        _append(k_cache, v_cache, k, v, new_positions, batch_idx, block_table)
     q = validation.last_dim_contiguous(q)
     plan = dispatch.decode_plan(q, heads_k, capacity, num_splits)
     features = types.SimpleNamespace(softcap=softcap, alibi_slopes=alibi_slopes)

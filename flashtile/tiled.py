@@ -83,7 +83,7 @@ def forward(plan, p, q, k, v):
             i1 = min(i0 + BLOCK, sq)
             m = torch.full(qg[:, :, i0:i1, 0].shape, float("-inf"), device=q.device)
             l = torch.zeros_like(m)
-            acc = o_seq[:, :, i0:i1].clone()
+            acc = torch.zeros_like(o_seq[:, :, i0:i1])
             for j0 in range(0, sk, BLOCK):
                 j1 = min(j0 + BLOCK, sk)
                 visible = _visible(p, i0, i1, j0, j1, sq, sk, q.device)

@@ -79,6 +79,12 @@ class Problem:
         (start, end) per sequence, rows of q or k outside them are neither read nor written."""
         return self.varlen and self.cu_seqlens_q.dim() == 2
 
+    @property
+    def v2_only(self) -> bool:
+        """Features only v2's kernels (of the GPU versions above v1) implement: dropout, a V head
+        dim of its own, FP8 inputs; v3 hands such problems to them."""
+        return self.dropout or self.own_head_dim_v is not None or self.fp8
+
     def gradients(self, q, k, v):
         """dq, dk, dv to be written by a backward: zeros where rows go unwritten (seqused)."""
         alloc = torch.zeros_like if self.seqused else torch.empty_like
