@@ -161,7 +161,7 @@ def _forward_plan(p, version, target, opts) -> Plan:
 
 
 def _v2_forward(p, target, opts) -> Plan:
-    table = configs.v2_fwd_table(p.banded, p.seqlen_k)
+    table = configs.v2_fwd_table(p.banded, p.seqlen_k, p.dropout, p.fp8)
     return Plan("v2", _tiles(opts, target, "v2_fwd", configs.by_head_dim(table, p.widest_head_dim_pad)))
 
 

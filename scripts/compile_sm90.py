@@ -56,9 +56,18 @@ def signature(fn, dtype, constexprs, descriptors=None, tuples=TUPLES):
     return sig
 
 
-def compile_one(fn, dtype, constexprs, options, descriptors=None, tuples=TUPLES):
+def aligned(fn, sig):
+    """Triton's launch-time hints for pointers and strides (``s`` + lower case) as a GPU launch
+    of contiguous tensors gives them: divisible by 16, which lets loads vectorize."""
+    return {(i,): [["tt.divisibility", 16]] for i, param in enumerate(fn.params)
+            if str(sig.get(param.name, "")).startswith("*") or (sig.get(param.name) == "i32" and param.name[0] == "s"
+                                                           and param.name[1:].isalpha() and param.name.islower())}
+
+
+def compile_one(fn, dtype, constexprs, options, descriptors=None, tuples=TUPLES, hints=False):
     source = GluonASTSource if fn.is_gluon() else ASTSource
-    src = source(fn, signature(fn, dtype, constexprs, descriptors, tuples), constexprs)
+    sig = signature(fn, dtype, constexprs, descriptors, tuples)
+    src = source(fn, sig, constexprs, aligned(fn, sig) if hints else None)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -142,8 +151,9 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     yield "decode.combine", decode._combine_kernel, combine, dict(num_warps=decode.COMBINE_WARPS), None
     f = dispatch.forward_plan(p, "v2", dispatch.HOPPER, opts).config
     v2_base = dict(base, DROPOUT=with_dropout, HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=p.head_dim_pad)
+    # V's head-dim stride is 1 as launched (specialized): its keys' stride is, for float8.
     yield "v2.fwd", v2._fwd_kernel, dict(v2_base, BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages,
-                                         FP8=False), \
+                                         FP8=False, svd=1), \
         _options(f), None
     kv, qc = dispatch.backward_plan(p, "v2", dispatch.HOPPER, opts).config
     yield "v2.bwd_dkdv", v2._bwd_dkdv_kernel, dict(v2_base, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n,
@@ -201,6 +211,8 @@ def main():
     ap.add_argument("--alibi", action="store_true", help="compile the kernels that take ALiBi with it")
     ap.add_argument("--dropout", action="store_true", help="compile v2's kernels with dropout")
     ap.add_argument("--fp8", choices=("fp8e4nv", "fp8e5"), help="compile v2's forward for float8 inputs")
+    ap.add_argument("--aligned", action="store_true",
+                    help="pointers and strides divisible by 16, as a launch on contiguous tensors hints")
     ap.add_argument("--fp8-mode", type=int, choices=(1, 2), default=1,
                     help="descales per (sequence, KV head) (1) or per block (2)")
     args = ap.parse_args()
@@ -213,8 +225,9 @@ def main():
                 continue
             try:
                 fp8 = args.fp8 and name == "v2.fwd"
-                constexprs = dict(constexprs, FP8=args.fp8_mode) if fp8 else constexprs
-                k = compile_one(fn, args.fp8 if fp8 else "bf16", constexprs, options, descriptors, tuples)
+                if fp8:  # V keys-contiguous (v2.keys_contiguous)
+                    constexprs = {**{k: v for k, v in constexprs.items() if k != "svd"}, "FP8": args.fp8_mode, "svs": 1}
+                k = compile_one(fn, args.fp8 if fp8 else "bf16", constexprs, options, descriptors, tuples, args.aligned)
             except Exception as e:  # report and go on: one broken kernel should not hide the rest
                 print(f"d{d:<4} {name:18} FAILED: {str(e).splitlines()[0][:200]}")
                 continue

@@ -59,7 +59,8 @@ def test_fp8_forward_against_dequantized_oracle(dtype, causal):
     qx, kx, vx = dequantized(q8, qd), dequantized(k8, kd), dequantized(v8, vd)
     oracle, oracle_lse = standard_attention(qx, kx, vx, causal=causal, upcast=True, return_lse=True)
     assert_within_rule("out", out, emulated(qx, kx, vx, causal, dtype), oracle, OUT_RULE)
-    torch.testing.assert_close(lse, oracle_lse.float(), atol=1e-3, rtol=1e-4)
+    # float8 wgmma accumulates in fewer bits than float32 (scores agree to about 2**-11 relative).
+    torch.testing.assert_close(lse, oracle_lse.float(), atol=1e-3, rtol=2e-3 if ON_GPU else 1e-4)
 
 
 def test_fp8_varlen_with_and_without_descales():
@@ -147,10 +148,11 @@ def test_fp8_block_scales_against_dequantized_oracle(causal):
     # with the emulated roundings as the same-precision reference.
     torch.manual_seed(2)
     dtype = torch.float8_e4m3fn
+    seqlen_q, seqlen_k = (300, 420) if ON_GPU else (70, 90)  # several of the GPU's tiles too
     q, k, v = (torch.randn(2, n, h, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16) * s
-               for n, h, s in ((70, 4, 1), (90, 2, 3), (90, 2, 0.5)))
+               for n, h, s in ((seqlen_q, 4, 1), (seqlen_k, 2, 3), (seqlen_k, 2, 0.5)))
     scale = HEAD_DIM ** -0.5
-    left, right = fp8.validation.band(causal, (-1, -1), 70, 90)
+    left, right = fp8.validation.band(causal, (-1, -1), seqlen_q, seqlen_k)
     tiles = fp8._kernel_tiles(q, k, v, scale, left, right, 0.0, "")
     out = flashtile.fp8_attn_func(q, k, v, causal=causal, incoherent=False)
     parts = [fp8.quantize_blocks(x, rows, dtype) for x, rows in zip((q, k, v), (*tiles, tiles[1]))]
@@ -161,4 +163,4 @@ def test_fp8_block_scales_against_dequantized_oracle(causal):
     qx, kx, vx = (dequantize(x8, d, rows) for (x8, d), rows in zip(parts, (*tiles, tiles[1])))
     oracle = standard_attention(qx, kx, vx, causal=causal, upcast=True)
     assert_within_rule("out", out, emulated(qx, kx, vx, causal, dtype), oracle, OUT_RULE)
-    assert tiles[0] < 70 and tiles[1] < 90  # several blocks per sequence, so scales do differ
+    assert tiles[0] < seqlen_q and tiles[1] < seqlen_k  # several blocks per sequence, so scales do differ

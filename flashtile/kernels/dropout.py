@@ -1,12 +1,14 @@
 """Attention dropout: which probabilities are kept, from a counter-based RNG (Philox).
 
-Probability (r, c) of query head h in sequence b is kept when ``tl.rand(seed, counter) >=
-dropout_p`` and then scaled by 1 / (1 - dropout_p), with counter
-``((b * heads_q + h) * seqlen_q + r) * seqlen_k + c`` (the problem's longest lengths: every
-score has its own counter, whatever the sequences' lengths).  Nothing is stored: the backward
-draws the same numbers from the same seed.  The seed is a one-element int64 tensor on the
-device, drawn from torch's generator (``new_seed``): ``torch.manual_seed`` reproduces a run, a
-CUDA graph replays the draw, and no value crosses to the host.
+One Philox-4x32-10 call gives 128 bits, eight 16-bit numbers: the numbers of keys 8g .. 8g + 7
+of one query row, key 8g + i taking half i % 2 of word i // 2.  The call for key group g of row
+r of query head h in sequence b has the counter (g, r, b * heads_q + h, 0) and the seed as its
+key, so every score has its own number, whatever the tiles or the sequences' lengths.  A score
+is kept when its number is at least round(dropout_p * 2**16) (dropout_p rounded to a multiple of
+2**-16) and then scaled by 1 / (1 - dropout_p).  Nothing is stored: the backward draws the same
+numbers from the same seed.  The seed is a one-element int64 tensor on the device, drawn from
+torch's generator (``new_seed``): ``torch.manual_seed`` reproduces a run, a CUDA graph replays
+the draw, and no value crosses to the host.
 """
 import torch
 import triton
@@ -14,20 +16,33 @@ import triton.language as tl
 
 from flashtile.kernels.launch import launch
 
-
-@triton.jit
-def stream(batch, head, heads_q, seqlen_q, seqlen_k):
-    """The first counter of (sequence ``batch``, query head ``head``)."""
-    return (batch.to(tl.int64) * heads_q + head) * seqlen_q * seqlen_k
+KEYS_PER_CALL = tl.constexpr(8)
 
 
 @triton.jit
-def kept_scale(seed, first, q_rows, k_cols, seqlen_k, dropout_p):
-    """1 / (1 - dropout_p) where score (q_rows, k_cols) is kept, else 0; the two index tensors
-    broadcast to the tile (rows[:, None] and cols[None, :], or the transpose)."""
-    counters = first + q_rows.to(tl.int64) * seqlen_k + k_cols
-    kept = tl.rand(seed, counters) >= dropout_p
-    return tl.where(kept, 1.0 / (1.0 - dropout_p), 0.0)
+def _halves_kept(word, threshold):
+    """(low half >= threshold, high half >= threshold) of ``word``, joined along a new last axis."""
+    return tl.join(((word & 0xFFFF) >= threshold).to(tl.int8), ((word >> 16) >= threshold).to(tl.int8))
+
+
+@triton.jit
+def kept_scale(seed, stream, rows, col0, dropout_p, BLOCK_COLS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """1 / (1 - dropout_p) where score (row, col) of ``stream`` (sequence * heads_q + query head)
+    is kept, else 0: a (len(rows), BLOCK_COLS) tile for the keys col0 .. col0 + BLOCK_COLS - 1
+    (col0 a multiple of 8), or its transpose."""
+    groups = col0 // KEYS_PER_CALL + tl.arange(0, BLOCK_COLS // KEYS_PER_CALL)
+    zero = (rows[:, None] * 0 + groups[None, :] * 0).to(tl.uint32)
+    w0, w1, w2, w3 = tl.philox(seed, zero + groups[None, :].to(tl.uint32), zero + rows[:, None].to(tl.uint32),
+                               zero + stream.to(tl.uint32), zero)
+    threshold = tl.cast(dropout_p * 65536.0 + 0.5, tl.uint32)
+    kept = tl.join(tl.join(_halves_kept(w0, threshold), _halves_kept(w1, threshold)),
+                   tl.join(_halves_kept(w2, threshold), _halves_kept(w3, threshold)))
+    # (rows, groups, word // 2, word % 2, half): key 8g + i is word i // 2, half i % 2.
+    kept = tl.reshape(kept, (rows.shape[0], BLOCK_COLS))
+    scale = tl.where(kept != 0, 1.0 / (1.0 - dropout_p), 0.0)
+    if TRANSPOSED:
+        scale = tl.trans(scale)
+    return scale
 
 
 @triton.jit
@@ -36,10 +51,10 @@ def _kept_kernel(SEED, KEPT, heads_q, seqlen_q, seqlen_k, dropout_p, BLOCK: tl.c
     bh = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, BLOCK)
-    first = stream(bh // heads_q, bh % heads_q, heads_q, seqlen_q, seqlen_k)
     seed = tl.load(SEED)
+    first = bh.to(tl.int64) * seqlen_q * seqlen_k
     for c0 in range(0, seqlen_k, BLOCK):
-        scale = kept_scale(seed, first, rows[:, None], c0 + cols[None, :], seqlen_k, dropout_p)
+        scale = kept_scale(seed, bh, rows, c0, dropout_p, BLOCK, False)
         inside = (rows[:, None] < seqlen_q) & (c0 + cols[None, :] < seqlen_k)
         tl.store(KEPT + first + rows[:, None].to(tl.int64) * seqlen_k + c0 + cols[None, :], (scale > 0).to(tl.int8),
                  mask=inside)

@@ -36,7 +36,7 @@ FP8_PER_BLOCK = tl.constexpr(2)
 
 
 @triton.jit
-def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d, lo, hi,
+def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, svd, rows, offs_n, offs_d, lo, hi,
                 seqlen_k, dlo, dhi, scale_log2, site, drop, kv_descale, sdt,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -57,8 +57,8 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d
         p, alpha, m_i = online_softmax_step(s, m_i, 1.0)
         l_i = l_i * alpha + tl.sum(p, 1)  # the denominator counts every probability, dropped or not
         if DROPOUT:
-            p *= dropout.kept_scale(drop[0], drop[1], rows[:, None], cols[None, :], drop[2], drop[3])
-        v = load_tile(v_base + cols[:, None] * svs + offs_dv[None, :], cols, seqlen_k, offs_dv,
+            p *= dropout.kept_scale(drop[0], drop[1], rows, n0, drop[2], BLOCK_N, False)
+        v = load_tile(v_base + cols[:, None] * svs + offs_dv[None, :] * svd, cols, seqlen_k, offs_dv,
                       HEAD_DIM_V, HEAD_DIM_V_PAD, MASK, UPCAST)
         if FP8 == FP8_PER_BLOCK:  # P scaled into the float8 type's normal range for its matmul with V
             pv = tl.dot(fp8_operand(p * FP8_P_SCALE, v_base.dtype.element_ty, UPCAST), v)
@@ -71,19 +71,19 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d
 
 
 @triton.jit
-def _dropout_stream(SEED, batch, head, heads_q, max_q, max_k, dropout_p, DROPOUT: tl.constexpr):
-    """What kernels/dropout.kept_scale reads for one (sequence, query head): (seed, its first
-    counter, the counters' row stride, dropout_p); without dropout nothing reads them."""
-    first = dropout.stream(batch, head, heads_q, max_q, max_k)
-    seed = first * 0
+def _dropout_stream(SEED, batch, head, heads_q, dropout_p, DROPOUT: tl.constexpr):
+    """What kernels/dropout.kept_scale reads for one (sequence, query head): (seed, its stream,
+    dropout_p); without dropout nothing reads them."""
+    stream = batch * heads_q + head
+    seed = (stream * 0).to(tl.int64)
     if DROPOUT:
         seed = tl.load(SEED)
-    return seed, first, max_k, dropout_p
+    return seed, stream, dropout_p
 
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED, DESCALE,
-                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, sdt, sdb, sdh,
+                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, svd, sob, sos, soh, slb, slh, sdt, sdb, sdh,
                 seqlen_q, seqlen_k, totals, heads_q, group, scale_log2, window_left, window_right, score_args,
                 dropout_p,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -99,7 +99,6 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED, DESCALE,
     bh, block, blocks = program_tile(seqlen_q, BLOCK_M)
     # Each head's heaviest (latest, for causal) Q blocks first: better balance on the last wave.
     m0 = (blocks - 1 - block) * BLOCK_M
-    max_q, max_k = seqlen_q, seqlen_k
     batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
         bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, totals, window_left, window_right, IS_VARLEN)
     if m0 >= seqlen_q:
@@ -113,7 +112,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED, DESCALE,
     q = load_tile(q_base + rows[:, None] * sqs + offs_d[None, :], rows, seqlen_q, offs_d,
                   HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
     site = (batch, head, seqlen_k - seqlen_q, score_args)
-    drop = _dropout_stream(SEED, batch, head, heads_q, max_q, max_k, dropout_p, DROPOUT)
+    drop = _dropout_stream(SEED, batch, head, heads_q, dropout_p, DROPOUT)
     descale = DESCALE + batch * sdb + (head // group) * sdh  # this KV head's (per block: its blocks')
     if FP8 == FP8_PER_HEAD:
         scale_log2 = scale_log2 * tl.load(descale) * tl.load(descale + sdt)
@@ -124,15 +123,15 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED, DESCALE,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], tl.float32)
     lo, full_lo, full_hi, hi = visited_blocks(m0, BLOCK_M, BLOCK_N, seqlen_k, dlo, dhi)
-    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, svd, rows, offs_n, offs_d,
                                 full_lo, full_hi, seqlen_k, dlo, dhi, scale_log2, site, drop, descale + sdt, sdt,
                                 HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
                                 BLOCK_N, False, UPCAST, NUM_STAGES, SCORE, DROPOUT, FP8)
-    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, svd, rows, offs_n, offs_d,
                                 lo, full_lo, seqlen_k, dlo, dhi, scale_log2, site, drop, descale + sdt, sdt,
                                 HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
                                 BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT, FP8)
-    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, svd, rows, offs_n, offs_d,
                                 full_hi, hi, seqlen_k, dlo, dhi, scale_log2, site, drop, descale + sdt, sdt,
                                 HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
                                 BLOCK_N, True, UPCAST, NUM_STAGES, SCORE, DROPOUT, FP8)
@@ -148,13 +147,14 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED, DESCALE,
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k, offs_m, offs_d,
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, n0, rows_k, offs_m, offs_d,
                  lo, hi, seqlen_q, dlo, dhi, scale_log2, site, drop,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                  MASK: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr,
                  DROPOUT: tl.constexpr):
-    """Accumulate dK, dV of one K tile over the Q blocks [lo, hi), working on transposed scores."""
+    """Accumulate dK, dV of the K tile at n0 (rows rows_k) over the Q blocks [lo, hi), working on
+    transposed scores."""
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     for m0 in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
         cols = m0 + offs_m
@@ -171,7 +171,7 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, 
                        HEAD_DIM_V, HEAD_DIM_V_PAD, MASK, UPCAST)
         dpT = tl.dot(v, tl.trans(do))
         if DROPOUT:  # dV sees the dropped probabilities; dP reaches P through the same mask
-            zT = dropout.kept_scale(drop[0], drop[1], cols[None, :], rows_k[:, None], drop[2], drop[3])
+            zT = dropout.kept_scale(drop[0], drop[1], cols, n0, drop[2], rows_k.shape[0], True)
             dv += tl.dot(as_operand(pT * zT, q_base.dtype.element_ty, UPCAST), do)
             dpT *= zT
         else:
@@ -197,7 +197,6 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SEED,
                      UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, SCORE: tl.constexpr, DROPOUT: tl.constexpr):
     bh, block, _ = program_tile(seqlen_k, BLOCK_N)
     n0 = block * BLOCK_N
-    max_q, max_k = seqlen_q, seqlen_k
     batch, head_k, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
         bh, heads_k, CU_Q, CU_K, seqlen_q, seqlen_k, totals, window_left, window_right, IS_VARLEN)
     if n0 >= seqlen_k:
@@ -217,20 +216,20 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SEED,
     for g in range(group):
         head = head_k * group + g
         site = (batch, head, seqlen_k - seqlen_q, score_args)
-        drop = _dropout_stream(SEED, batch, head, heads_k * group, max_q, max_k, dropout_p, DROPOUT)
+        drop = _dropout_stream(SEED, batch, head, heads_k * group, dropout_p, DROPOUT)
         q_base = Q + batch * sqb + q_start * sqs + head * sqh
         do_base = DO + batch * sdb + q_start * sds + head * sdh
         lse_base = LSE + batch * slb + head * slh + q_start
         delta_base = DELTA + batch * slb + head * slh + q_start
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, n0, rows_k,
                               offs_m, offs_d, full_lo, full_hi, seqlen_q, dlo, dhi, scale_log2, site, drop,
                               HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
                               BLOCK_M, False, UPCAST, NUM_STAGES, SCORE, DROPOUT)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, n0, rows_k,
                               offs_m, offs_d, lo, full_lo, seqlen_q, dlo, dhi, scale_log2, site, drop,
                               HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
                               BLOCK_M, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, rows_k,
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, n0, rows_k,
                               offs_m, offs_d, full_hi, hi, seqlen_q, dlo, dhi, scale_log2, site, drop,
                               HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
                               BLOCK_M, True, UPCAST, NUM_STAGES, SCORE, DROPOUT)
@@ -261,7 +260,7 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, of
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         if DROPOUT:
-            dp *= dropout.kept_scale(drop[0], drop[1], rows[:, None], cols[None, :], drop[2], drop[3])
+            dp *= dropout.kept_scale(drop[0], drop[1], rows, n0, drop[2], BLOCK_N, False)
         ds = p * (dp - delta[:, None])
         if MASK:  # a masked pair adds nothing, even where dP is not finite
             ds = tl.where(visible, ds, 0.0)
@@ -287,7 +286,6 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K, SEED,
     """
     bh, block, blocks = program_tile(seqlen_q, BLOCK_M)
     m0 = (blocks - 1 - block) * BLOCK_M
-    max_q, max_k = seqlen_q, seqlen_k
     batch, head, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
         bh, heads_q, CU_Q, CU_K, seqlen_q, seqlen_k, totals, window_left, window_right, IS_VARLEN)
     if m0 >= seqlen_q:
@@ -295,7 +293,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K, SEED,
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    drop = _dropout_stream(SEED, batch, head, heads_q, max_q, max_k, dropout_p, DROPOUT)
+    drop = _dropout_stream(SEED, batch, head, heads_q, dropout_p, DROPOUT)
     q = load_tile(Q + batch * sqb + (q_start + rows[:, None]) * sqs + head * sqh + offs_d[None, :],
                   rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
@@ -333,6 +331,14 @@ def _seed(p: Problem, placeholder):
     return p.dropout_seed if p.dropout else placeholder
 
 
+def keys_contiguous(v):
+    """``v`` laid out with its keys contiguous (a view of the same shape): float8 wgmma reads the
+    second operand of P V along the keys, which a (keys, head dim) tile stored row by row would
+    have to transpose a byte at a time in shared memory."""
+    seq_dim = v.dim() - 3
+    return v.movedim(seq_dim, -1).contiguous().movedim(-1, seq_dim)
+
+
 def forward(plan, p: Problem, q, k, v):
     """Returns (out, lse, saved); lse is (b, h, sq) or, for varlen, (h, total_q), natural log.
 
@@ -343,10 +349,12 @@ def forward(plan, p: Problem, q, k, v):
     cu_q, cu_k = p.cu_pointers(q.device)
     grid = (p.batch * p.heads_q * p.query_blocks(cfg.block_m),)
     descale = p.fp8_descale if p.fp8 else lse
+    if p.fp8:
+        v = keys_contiguous(v)
     launch(
         _fwd_kernel, grid,
         q, k, v, out, lse, cu_q, cu_k, _seed(p, cu_q), descale,
-        *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
+        *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), v.stride(-1), *p.seq_strides(out),
         *p.row_stat_strides(lse), *p.fp8_descale_strides(),
         p.seqlen_q, p.seqlen_k, p.totals, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right,
         score.args_of(p), p.dropout_p,
