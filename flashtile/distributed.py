@@ -11,6 +11,9 @@ The partial backward of each step is the kernels' own, given the final output an
 
 Causal attention uses the zigzag layout (``zigzag_shard``): the sequence is cut into 2N chunks
 and rank r holds chunks r and 2N - 1 - r, so that every rank does the same work at every step.
+Each step is one kernel call per pair of contiguous runs that interact (``step_pairs``), cut
+to the rows and keys inside the band, so causal masks and sliding windows reach the kernels as
+their own bands and pairs outside the band cost nothing.
 The transport is torch.distributed's point-to-point operations (NCCL on GPUs, gloo on CPUs).
 """
 import torch
@@ -69,32 +72,53 @@ def _merge(out, lse, part_out, part_lse):
     return out * old_w + part_out.float() * part_w, new
 
 
-def _step_parts(step, rank, world, causal, seqlen):
-    """Which local query rows and which rows of the held K/V shard interact at ``step``, and
-    whether causally: (q rows, kv rows, causal) or None.  Zigzag causal: step 0 is the local
-    causal attention; a shard from an earlier rank gives its first chunk to every local query;
-    one from a later rank gives both chunks to the local second chunk only."""
-    everything = slice(0, seqlen)
-    if not causal:
-        return everything, everything, False
-    if step == 0:
-        return everything, everything, True
+def shard_segments(rank: int, world: int, seqlen: int, zigzag: bool):
+    """(global start, local start, length) of each contiguous run of rank ``rank``'s shard of
+    ``seqlen`` local rows: one run in rank order, or the two chunks of the zigzag layout."""
+    if not zigzag:
+        return ((rank * seqlen, 0, seqlen),)
     half = seqlen // 2
-    source = (rank - step) % world
-    if source < rank:
-        return everything, slice(0, half), False
-    return slice(half, seqlen), everything, False
+    return ((rank * half, 0, half), ((2 * world - 1 - rank) * half, half, half))
 
 
-def _kernel_args(scale, causal, softcap, version, seqlen_q, seqlen_k):
-    left, right = validation.band(causal, (-1, -1), seqlen_q, seqlen_k)
+def step_pairs(rank, source, world, seqlen, zigzag, left, right):
+    """The kernel calls of one ring step: rank ``rank``'s queries against the shard of rank
+    ``source``, as (local query rows, held key rows, kernel left, kernel right), for the key
+    band ``i - left <= j <= i + right`` in global positions (-1: an unbounded side).
+
+    Each pair of runs is cut to the queries that see a key and the keys that some query sees.
+    The last such query sees the last such key, so the band passes through the corner the
+    kernels align the band to (the end of both ranges): its sides relative to that corner are
+    never negative, and the kernels' own band arithmetic does the rest.  Pairs that see nothing
+    are dropped."""
+    pairs = []
+    for qg, ql, qn in shard_segments(rank, world, seqlen, zigzag):
+        for kg, kl, kn in shard_segments(source, world, seqlen, zigzag):
+            i0 = qg if right < 0 else max(qg, kg - right)
+            i1 = qg + qn - 1 if left < 0 else min(qg + qn - 1, kg + kn - 1 + left)
+            if i0 > i1:
+                continue
+            j0 = kg if left < 0 else max(kg, i0 - left)
+            j1 = kg + kn - 1 if right < 0 else min(kg + kn - 1, i1 + right)
+            if j0 > j1:
+                continue
+            corner = j1 - i1  # the last query's offset to the last key
+            k_left, k_right = validation.band(False, (-1 if left < 0 else left + corner,
+                                                      -1 if right < 0 else right - corner),
+                                              i1 - i0 + 1, j1 - j0 + 1)
+            pairs.append((slice(ql + i0 - qg, ql + i1 - qg + 1), slice(kl + j0 - kg, kl + j1 - kg + 1),
+                          k_left, k_right))
+    return pairs
+
+
+def _kernel_args(scale, left, right, softcap, version, seqlen_q, seqlen_k):
     return seqlen_q, seqlen_k, scale, left, right, softcap, 0.0, version
 
 
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, softcap, version, group):
+    def forward(ctx, q, k, v, scale, left, right, zigzag, softcap, version, group):
         ring = _Ring(group)
         text = options.text(options.resolve(None))
         seqlen = q.shape[1]
@@ -104,20 +128,21 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.world):
             if step < ring.world - 1:
                 incoming = ring.post(*held)
-            rows, keys, step_causal = _step_parts(step, ring.rank, ring.world, causal, seqlen)
-            qs, ks, vs = q[:, rows], held[0][:, keys], held[1][:, keys]
-            part_out, part_lse, _ = ops._forward(qs, ks, vs, None, None, None, None, None, None,
-                                                 *_kernel_args(scale, step_causal, softcap, version, qs.shape[1],
-                                                               ks.shape[1]), False, text)
-            part_lse = torch.where(torch.isinf(part_lse), float("-inf"), part_lse)  # no key: weight 0
-            out[:, rows], lse[..., rows] = _merge(out[:, rows], lse[..., rows], part_out, part_lse)
+            source = (ring.rank - step) % ring.world
+            for rows, keys, k_left, k_right in step_pairs(ring.rank, source, ring.world, seqlen, zigzag, left, right):
+                qs, ks, vs = q[:, rows], held[0][:, keys], held[1][:, keys]
+                part_out, part_lse, _ = ops._forward(
+                    qs, ks, vs, None, None, None, None, None, None,
+                    *_kernel_args(scale, k_left, k_right, softcap, version, qs.shape[1], ks.shape[1]), False, text)
+                part_lse = torch.where(torch.isinf(part_lse), float("-inf"), part_lse)  # no key: weight 0
+                out[:, rows], lse[..., rows] = _merge(out[:, rows], lse[..., rows], part_out, part_lse)
             if step < ring.world - 1:
                 ring.wait()
                 held = tuple(incoming)
         out = out.to(q.dtype)
         lse = torch.where(torch.isinf(lse), float("inf"), lse)  # flashtile's convention: +inf, output 0
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, causal, softcap, version, group, text)
+        ctx.args = (scale, left, right, zigzag, softcap, version, group, text)
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -126,7 +151,7 @@ class _RingAttention(torch.autograd.Function):
         if dlse is not None:
             raise NotImplementedError("ring attention's logsumexp is not differentiable")
         q, k, v, out, lse = ctx.saved_tensors
-        scale, causal, softcap, version, group, text = ctx.args
+        scale, left, right, zigzag, softcap, version, group, text = ctx.args
         ring = _Ring(group)
         seqlen = q.shape[1]
         dout = dout.contiguous()
@@ -136,32 +161,34 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.world):
             if step < ring.world - 1:
                 incoming = ring.post(*held)
-            rows, keys, step_causal = _step_parts(step, ring.rank, ring.world, causal, seqlen)
-            qs, ks, vs = q[:, rows], held[0][:, keys], held[1][:, keys]
-            grads = ops._backward_kernels(
-                dout[:, rows].contiguous(), None, qs, ks, vs, out[:, rows], lse[..., rows].contiguous(),
-                lse.new_empty(0), None, None, None, None,
-                *_kernel_args(scale, step_causal, softcap, version, qs.shape[1], ks.shape[1]), False, text)
-            dq[:, rows] += grads[0].float()
-            dk[:, keys] += grads[1].float()
-            dv[:, keys] += grads[2].float()
+            source = (ring.rank - step) % ring.world
+            for rows, keys, k_left, k_right in step_pairs(ring.rank, source, ring.world, seqlen, zigzag, left, right):
+                qs, ks, vs = q[:, rows], held[0][:, keys], held[1][:, keys]
+                grads = ops._backward_kernels(
+                    dout[:, rows].contiguous(), None, qs, ks, vs, out[:, rows], lse[..., rows].contiguous(),
+                    lse.new_empty(0), None, None, None, None,
+                    *_kernel_args(scale, k_left, k_right, softcap, version, qs.shape[1], ks.shape[1]), False, text)
+                dq[:, rows] += grads[0].float()
+                dk[:, keys] += grads[1].float()
+                dv[:, keys] += grads[2].float()
             if step < ring.world - 1:
                 ring.wait()
                 held = tuple(incoming)
             # The shard's dK/dV go on with it; after the last step they reach their owner.
             dk, dv = ring.post(dk, dv)
             ring.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
-def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, softcap=0.0, group=None, version="auto",
-                         return_softmax_lse=False):
+def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, group=None,
+                         version="auto", return_softmax_lse=False):
     """Attention over the whole sequence of which each rank of ``group`` (None: the default
     group) holds a shard: q (batch, seqlen_local, nheads, headdim), k and v (batch,
-    seqlen_local, nheads_k, headdim), every rank's seqlen_local equal; with ``causal``, shards
-    in the zigzag layout (``zigzag_shard``) and seqlen_local even.  Returns this rank's rows
-    of the output (and with ``return_softmax_lse`` their logsumexp, (batch, nheads,
-    seqlen_local)), differentiable with respect to q, k and v."""
+    seqlen_local, nheads_k, headdim), every rank's seqlen_local equal; shards in rank order, or
+    with ``causal`` in the zigzag layout (``zigzag_shard``) and seqlen_local even.
+    ``window_size`` (left, right) bounds the keys each query sees in global positions, as in
+    flash_attn_func.  Returns this rank's rows of the output (and with ``return_softmax_lse``
+    their logsumexp, (batch, nheads, seqlen_local)), differentiable with respect to q, k and v."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_flash_attn_func needs an initialized torch.distributed process group")
     validation.check_qkv(q, k, v, False)
@@ -174,10 +201,13 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, softcap=0.0,
         raise NotImplementedError("ring attention runs the v2, v3 or PyTorch kernels per step, not version='v1'")
     if causal and q.shape[1] % 2:
         raise ValueError(f"causal ring attention takes zigzag shards of an even length, got {q.shape[1]} rows")
-    lengths = [torch.zeros(1, dtype=torch.int64, device=q.device) for _ in range(dist.get_world_size(group))]
+    world = dist.get_world_size(group)
+    total = world * q.shape[1]
+    left, right = validation.band(bool(causal), window_size, total, total)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=q.device) for _ in range(world)]
     dist.all_gather(lengths, torch.tensor([q.shape[1]], device=q.device), group=group)
     if len({int(x) for x in lengths}) != 1:
         raise ValueError(f"every rank must hold a shard of the same length, got {[int(x) for x in lengths]}")
     with ops.on_device_of(q):
-        out, lse = _RingAttention.apply(q, k, v, scale, bool(causal), softcap, version, group)
+        out, lse = _RingAttention.apply(q, k, v, scale, left, right, bool(causal), softcap, version, group)
     return (out, lse) if return_softmax_lse else out

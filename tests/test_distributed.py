@@ -1,6 +1,7 @@
 """Ring attention over gloo on CPU: 2 and 4 processes, each holding a shard of the sequence (zigzag
 when causal), the PyTorch path per rank; outputs and gradients, gathered, against attention on
-the whole sequence in one process by the FA rule."""
+the whole sequence in one process by the FA rule: causal and not, sliding windows that cross
+shards (with and without causal), GQA."""
 import os
 
 import pytest
@@ -23,7 +24,9 @@ def _gathered(x, world, causal):
 def _worker(rank, world, store_path):
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
-        for causal in (False, True):
+        # (causal, window): windows narrower than a shard and wider than several.
+        for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (5, 3)), (True, (7, -1)),
+                               (False, (20, 0)), (True, (30, 0))):
             torch.manual_seed(0)
             q, k, v = make_qkv(2, SEQLEN, SEQLEN, HEADS, HEADS_K, HEAD_DIM, torch.float16, "cpu")
             dout = torch.randn_like(q)
@@ -31,21 +34,23 @@ def _worker(rank, world, store_path):
             def shard(x):
                 return distributed.zigzag_shard(x, rank, world) if causal else x.chunk(world, dim=1)[rank]
             local = [shard(x).clone().requires_grad_() for x in (q, k, v)]
-            out, lse = distributed.ring_flash_attn_func(*local, causal=causal, version="tiled",
+            out, lse = distributed.ring_flash_attn_func(*local, causal=causal, window_size=window, version="tiled",
                                                         return_softmax_lse=True)
             out.backward(shard(dout))
             results = [_gathered(x, world, causal) for x in (out.detach(), *(t.grad for t in local))]
             lse_all = _gathered(lse.transpose(1, 2), world, causal).transpose(1, 2)
             if rank == 0:
-                oracle, oracle_lse = standard_attention(q, k, v, causal=causal, upcast=True, return_lse=True)
-                _, _, oracle_grads = run_and_grad(lambda a, b, c: standard_attention(a, b, c, causal=causal,
-                                                                                     upcast=True),
-                                                  q, k, v, dout.double())
-                pt, _, pt_grads = run_and_grad(lambda a, b, c: standard_attention(a, b, c, causal=causal), q, k, v,
-                                               dout)
-                assert_within_rule(f"out (causal={causal})", results[0], pt, oracle, OUT_RULE)
+                def attention(a, b, c, upcast=False, return_lse=False):
+                    return standard_attention(a, b, c, causal=causal, window_size=window, upcast=upcast,
+                                              return_lse=return_lse)
+                oracle, oracle_lse = attention(q, k, v, upcast=True, return_lse=True)
+                _, _, oracle_grads = run_and_grad(lambda a, b, c: attention(a, b, c, upcast=True), q, k, v,
+                                                  dout.double())
+                pt, _, pt_grads = run_and_grad(attention, q, k, v, dout)
+                case = f"causal={causal}, window={window}"
+                assert_within_rule(f"out ({case})", results[0], pt, oracle, OUT_RULE)
                 for name, g, g_pt, g_ref in zip(("dq", "dk", "dv"), results[1:], pt_grads, oracle_grads):
-                    assert_within_rule(f"{name} (causal={causal})", g, g_pt, g_ref, GRAD_RULE)
+                    assert_within_rule(f"{name} ({case})", g, g_pt, g_ref, GRAD_RULE)
                 torch.testing.assert_close(lse_all, oracle_lse.float(), atol=1e-4, rtol=1e-4)
         # Shards of different lengths are refused on every rank.
         uneven = torch.randn(1, 8 + 2 * rank, 2, 16, dtype=torch.float16)
@@ -62,6 +67,29 @@ def _worker(rank, world, store_path):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_attention_matches_one_process(world, tmp_path):
     mp.spawn(_worker, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
+
+
+def test_step_pairs_cover_the_band_once():
+    # Every (query, key) pair of the global band is computed by exactly one kernel call of one
+    # step, under the kernels' own band convention (aligned to the ends of both ranges).
+    for world, seqlen, zigzag in ((1, 6, False), (3, 4, False), (4, 6, True), (2, 8, True)):
+        for left, right in ((-1, -1), (-1, 0), (0, 0), (3, 1), (5, -1), (1, 7), (20, 2)):
+            for rank in range(world):
+                def positions(r):
+                    p = torch.empty(seqlen, dtype=torch.long)
+                    for start, local, n in distributed.shard_segments(r, world, seqlen, zigzag):
+                        p[local:local + n] = torch.arange(start, start + n)
+                    return p
+                for source in range(world):
+                    offset = positions(source)[None, :] - positions(rank)[:, None]
+                    band = ((offset >= -left) | (left < 0)) & ((offset <= right) | (right < 0))
+                    seen = torch.zeros(seqlen, seqlen, dtype=torch.int)
+                    for rows, keys, k_left, k_right in distributed.step_pairs(rank, source, world, seqlen, zigzag,
+                                                                              left, right):
+                        n_q, n_k = rows.stop - rows.start, keys.stop - keys.start
+                        d = torch.arange(n_k)[None, :] - torch.arange(n_q)[:, None] - (n_k - n_q)
+                        seen[rows, keys] += (((d >= -k_left) | (k_left < 0)) & ((d <= k_right) | (k_right < 0))).int()
+                    assert torch.equal(seen, band.int()), (world, seqlen, zigzag, left, right, rank, source)
 
 
 def test_ring_attention_refusals():
