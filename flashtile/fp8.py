@@ -5,7 +5,8 @@ kernel's tiles (BLOCK_M rows of a query head, BLOCK_N rows of a KV head, the pla
 (sequence, KV head), optionally after incoherent processing: Q and K are
 multiplied by the same random orthogonal matrix M = D H / sqrt(d) along the head dim (D a fixed
 random ±1 diagonal, H the Sylvester Hadamard matrix), which leaves Q Kᵀ unchanged but spreads
-an outlier's magnitude over the whole head dim before it sets the scale.  The forward runs the
+an outlier's magnitude over the whole head dim before it sets the scale (per block, one kernel
+rotates and quantizes: kernels/quantize.py).  The forward runs the
 FP8 kernel (both matmuls in float8); the backward runs the bf16/fp16 kernels on the original
 Q, K, V with the FP8 forward's output and logsumexp (every backward matmul in the input
 precision: a straight-through gradient of the quantization).
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from flashtile import dispatch, ops, options, validation
+from flashtile.kernels.quantize import blocks as fused_quantize_blocks
 from flashtile.kernels.problem import Problem
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -36,6 +38,11 @@ def rotation(head_dim: int, device) -> torch.Tensor:
     return _rotation_cpu(head_dim).to(device)
 
 
+def rotation_signs(head_dim: int, dtype, device) -> torch.Tensor:
+    """D H, the ±1 matrix of ``rotation`` before its 1 / sqrt(head_dim), in ``dtype``."""
+    return (_rotation_cpu(head_dim) * head_dim ** 0.5).round().to(device=device, dtype=dtype)
+
+
 def quantize(x, heads_k: int, dtype):
     """x (batch, seqlen, heads, d) in float8 ``dtype`` and its descale (batch, heads_k) float32:
     the amax of each (sequence, KV head group) mapped to the type's largest value."""
@@ -47,7 +54,8 @@ def quantize(x, heads_k: int, dtype):
 
 def quantize_blocks(x, rows: int, dtype):
     """x (batch, seqlen, heads, d) in float8 ``dtype`` and its descale (batch, heads, blocks)
-    float32: one scale per ``rows`` rows of each head (the last block may be short)."""
+    float32: one scale per ``rows`` rows of each head (the last block may be short).  In PyTorch
+    operations: the reference of the fused kernel ``fp8_attn_func`` runs (kernels/quantize.py)."""
     batch, seqlen, heads, d = x.shape
     blocks = -(-seqlen // rows)
     padded = F.pad(x.float(), (0, 0, 0, 0, 0, blocks * rows - seqlen)).view(batch, blocks, rows, heads, d)
@@ -64,12 +72,19 @@ def _kernel_tiles(q, k, v, scale, left, right, softcap, kernel_options):
     return cfg.block_m, cfg.block_n
 
 
-def _quantized(q, k, v, dtype, per_block, tiles):
-    """q, k, v in float8 and the descales the FP8 kernel reads for them."""
+def _quantized(q, k, v, dtype, per_block, tiles, incoherent):
+    """q, k, v in float8 and the descales the FP8 kernel reads for them (q and k rotated first
+    with ``incoherent``: per block, inside the quantizing kernel)."""
     if not per_block:
+        if incoherent:
+            m = rotation(q.shape[-1], q.device)
+            q, k = q.float() @ m, k.float() @ m
         (q8, qd), (k8, kd), (v8, vd) = (quantize(x, k.shape[2], dtype) for x in (q, k, v))
         return q8, k8, v8, torch.stack([qd, kd, vd])
-    (q8, qd), (k8, kd), (v8, vd) = (quantize_blocks(x, rows, dtype) for x, rows in zip((q, k, v), (*tiles, tiles[1])))
+    top = FP8_MAX[dtype]
+    signs = rotation_signs(q.shape[-1], q.dtype, q.device) if incoherent else None
+    (q8, qd), (k8, kd), (v8, vd) = (fused_quantize_blocks(x, rows, dtype, top, rot) for x, rows, rot
+                                    in ((q, tiles[0], signs), (k, tiles[1], signs), (v, tiles[1], None)))
     descale = torch.zeros(3, q.shape[0], q.shape[2], max(qd.shape[-1], kd.shape[-1]), device=q.device)
     descale[0, :, :, :qd.shape[-1]] = qd
     descale[1, :, :k.shape[2], :kd.shape[-1]] = kd
@@ -81,12 +96,8 @@ class _FP8Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, left, right, softcap, dtype, incoherent, per_block, kernel_options):
-        qr, kr = q, k
-        if incoherent:
-            m = rotation(q.shape[-1], q.device)
-            qr, kr = q.float() @ m, k.float() @ m
         tiles = _kernel_tiles(q, k, v, scale, left, right, softcap, kernel_options) if per_block else None
-        q8, k8, v8, descale = _quantized(qr, kr, v, dtype, per_block, tiles)
+        q8, k8, v8, descale = _quantized(q, k, v, dtype, per_block, tiles, incoherent)
         out, lse, _ = ops._forward(q8, k8, v8, None, None, None, None, None, descale,
                                    q.shape[1], k.shape[1], scale, left, right, softcap, 0.0, "v2", False,
                                    kernel_options)

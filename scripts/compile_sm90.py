@@ -17,7 +17,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from flashtile import dispatch, sinks
-from flashtile.kernels import configs, decode, dropout, score, tma, v1, v2, v3
+from flashtile.kernels import configs, decode, dropout, quantize, score, tma, v1, v2, v3
 from flashtile.kernels.gluon import backward as gluon_bwd
 from flashtile.kernels.gluon import forward as gluon_fwd
 from flashtile.kernels.problem import Problem
@@ -29,7 +29,8 @@ FP32_POINTERS = {"DESCALE", "LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE", "
 INT_POINTERS = {"CU_Q", "CU_K", "ENDS", "LEFTPAD", "BATCH_IDX", "BLOCK_TABLE"}
 INT64_POINTERS = {"SEED"}
 INT8_POINTERS = {"KEPT"}
-FLOAT_SCALARS = {"scale_log2", "softmax_scale", "dropout_p"}
+FLOAT_SCALARS = {"scale_log2", "softmax_scale", "dropout_p", "fp8_max", "rotation_scale"}
+FP8_POINTERS = {"OUT"}  # the quantizing kernel's output
 TUPLES = {"totals": ("i32", "i32", "i32", "i32"), "score_args": ("fp32",), "counter": ("*i64", "i64")}
 ALIBI_TUPLES = dict(TUPLES, score_args=("fp32", "*fp32", "i32"))  # softcap, slopes, their batch stride
 
@@ -50,6 +51,7 @@ def signature(fn, dtype, constexprs, descriptors=None, tuples=TUPLES):
         elif name.isupper():
             sig[name] = ("*fp32" if name in FP32_POINTERS else "*i32" if name in INT_POINTERS else
                          "*i64" if name in INT64_POINTERS else "*i8" if name in INT8_POINTERS else
+                         "*fp8e4nv" if name in FP8_POINTERS else
                          "*bf16" if name == "O" and dtype.startswith("fp8") else f"*{dtype}")
         else:
             sig[name] = "fp32" if name in FLOAT_SCALARS else "i32"
@@ -135,6 +137,8 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=varlen, UPCAST=False,
                 SCORE=score.mod_of(p))
     yield "dropout.kept", dropout._kept_kernel, dict(BLOCK=16), {}, None
+    yield "quantize.blocks", quantize._blocks_kernel, dict(ROWS=128, HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad,
+                                                           ROTATE=True, UPCAST=False), dict(num_warps=8), None
     block_s, block_d = sinks.tiles(head_dim)
     rows = dict(BLOCK_D=block_d, BLOCK_S=block_s)
     yield "sinks.join", sinks._join_kernel, rows, {}, None

@@ -48,14 +48,17 @@ def as_operand(x, dtype, UPCAST: tl.constexpr):
 def fp8_operand(x, dtype, UPCAST: tl.constexpr):
     """x (non-negative, within the type's range) rounded to the float8 ``dtype`` for the next
     matmul.  Under the interpreter (UPCAST) it is rounded to the type's grid in fp32 arithmetic
-    (half-way cases up) and kept in fp32: the interpreter's cast to float8 drops a rounding
-    carry into the exponent (125 becomes 64 in e4m3)."""
+    (to nearest, ties to even, as the GPU's cast) and kept in fp32: the interpreter's cast to
+    float8 drops a rounding carry into the exponent (125 becomes 64 in e4m3)."""
     if UPCAST:
         mantissa_bits = 3 if dtype == tl.float8e4nv else 2
         min_exponent = -6 if dtype == tl.float8e4nv else -14  # below it, the subnormals' fixed step
-        exponent = tl.maximum(tl.floor(tl.log2(tl.maximum(x, 1e-30))), min_exponent)
-        step = tl.exp2(exponent - mantissa_bits)
-        return tl.floor(x / step + 0.5) * step
+        exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, min_exponent)
+        step = ((exponent - mantissa_bits + 127) << 23).to(tl.float32, bitcast=True)  # a power of two
+        steps = x / step  # exact
+        nearest = tl.floor(steps + 0.5)
+        tie_to_odd = (nearest - steps == 0.5) & (nearest % 2 == 1)
+        return tl.where(tie_to_odd, nearest - 1, nearest) * step
     return x.to(dtype)
 
 
