@@ -12,7 +12,8 @@ Forward kernels:
   "v3-triton"    the Hopper forward in plain Triton (kernels/v3.py): what the Gluon kernel does
                  not take (varlen, broadcast layouts, the interpreter)
 With dropout (their Triton draws the mask: kernels/dropout.py) or a V head dim of its own, v3
-runs v2's kernels both ways; with FP8 inputs (forward only) v2's forward.
+runs v2's kernels both ways.  FP8 inputs (forward only) run the Gluon forward where it takes the
+problem, else v2's.
 Backward kernels:
   "tiled", "v1", "v2"   as above
   "v3-gluon"     two warp-specialized Gluon passes, dQ then dK/dV, bitwise reproducible
@@ -152,6 +153,8 @@ def _forward_plan(p, version, target, opts) -> Plan:
     if version == "v2" or p.v2_only:
         return _v2_forward(p, target, opts)
     kernel = opts.forward or "gluon"
+    if p.fp8 and not (kernel == "gluon" and target.gluon):
+        return _v2_forward(p, target, opts)  # the plain-Triton Hopper forward has no float8 path
     if kernel == "gluon" and target.gluon:
         return Plan("v3-gluon", gluon_schedule(p, opts))
     if kernel == "v2" or (kernel == "gluon" and p.banded and p.seqlen_k <= configs.SHORT_KEYS):
@@ -192,8 +195,9 @@ def gluon_schedule(p, opts) -> configs.GluonSchedule:
             raise ValueError(f"kernel option tiles.v3_gluon={override}: 2 consumers, or 3 up to head dim 64")
         cfg = configs.GluonSchedule(block_n, stages, consumers=consumers)
     else:
-        cfg = replace(configs.by_head_dim(configs.V3_GLUON, p.head_dim_pad),
-                      consumers=configs.gluon_consumers(p.head_dim_pad, p.banded, p.seqlen_q))
+        table = configs.V3_GLUON_FP8 if p.fp8 else configs.V3_GLUON
+        cfg = replace(configs.by_head_dim(table, p.head_dim_pad),
+                      consumers=configs.gluon_consumers(p.head_dim_pad, p.banded, p.seqlen_q, p.fp8))
     return replace(cfg, **{t: False for t in opts.ablate})
 
 

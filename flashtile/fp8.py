@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from flashtile import dispatch, ops, options, validation
+from flashtile.kernels.configs import WARPGROUP_ROWS
 from flashtile.kernels.quantize import blocks as fused_quantize_blocks
 from flashtile.kernels.problem import Problem
 
@@ -64,12 +65,15 @@ def quantize_blocks(x, rows: int, dtype):
     return quantized.to(dtype), descale.transpose(1, 2)
 
 
-def _kernel_tiles(q, k, v, scale, left, right, softcap, kernel_options):
-    """(BLOCK_M, BLOCK_N) of the FP8 forward the dispatcher picks for these tensors."""
+def _kernel_tiles(q, k, v, scale, left, right, softcap, version, kernel_options):
+    """(rows, keys) of the blocks the FP8 forward the dispatcher picks for these tensors scales
+    by: v2's (BLOCK_M, BLOCK_N), or the Gluon kernel's (a consumer's rows, BLOCK_N)."""
     marker = torch.empty(3, 1, 1, 1)  # descales per block: the FP8 problem the kernel will see
     p = Problem.of(q, k, None, None, q.shape[1], k.shape[1], scale, left, right, softcap, fp8_descale=marker)
-    cfg = dispatch.forward_plan(p, "v2", dispatch.target_of(p, q, k, v), ops._options(kernel_options)).config
-    return cfg.block_m, cfg.block_n
+    plan = dispatch.forward_plan(p, version, dispatch.target_of(p, q, k, v), ops._options(kernel_options))
+    if plan.kernel == "v3-gluon":
+        return WARPGROUP_ROWS, plan.config.block_n
+    return plan.config.block_m, plan.config.block_n
 
 
 def _quantized(q, k, v, dtype, per_block, tiles, incoherent):
@@ -96,10 +100,11 @@ class _FP8Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, left, right, softcap, dtype, incoherent, per_block, kernel_options):
-        tiles = _kernel_tiles(q, k, v, scale, left, right, softcap, kernel_options) if per_block else None
+        version = dispatch.resolve_version("auto", q.device)
+        tiles = _kernel_tiles(q, k, v, scale, left, right, softcap, version, kernel_options) if per_block else None
         q8, k8, v8, descale = _quantized(q, k, v, dtype, per_block, tiles, incoherent)
         out, lse, _ = ops._forward(q8, k8, v8, None, None, None, None, None, descale,
-                                   q.shape[1], k.shape[1], scale, left, right, softcap, 0.0, "v2", False,
+                                   q.shape[1], k.shape[1], scale, left, right, softcap, 0.0, version, False,
                                    kernel_options)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)

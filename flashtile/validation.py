@@ -214,8 +214,9 @@ def fp8_capable(device) -> str | None:
 
 
 def version_takes(version: str, dropout_p: float, head_dim: int, head_dim_v: int, fp8: bool = False, device=None):
-    """Dropout and FP8 inputs run in the Triton kernels of v2 (and v3, which hands them to them);
-    a V head dim of its own in those and in the PyTorch path; v1 takes none of them."""
+    """Dropout runs in the Triton kernels of v2 (and v3, which hands it to them); FP8 inputs in
+    v2's forward and v3's Gluon forward; a V head dim of its own in v2's kernels and the PyTorch
+    path; v1 takes none of them."""
     if fp8 and device is not None and fp8_capable(device):
         raise NotImplementedError(f"FP8 inputs: {fp8_capable(device)}")
     if fp8 and version in ("v1", "tiled"):

@@ -8,6 +8,7 @@ shared memory, and compile errors.  ``--dump DIR`` writes the TTGIR/PTX (and the
 """
 import argparse
 import pathlib
+from dataclasses import replace
 from unittest import mock
 
 import torch
@@ -78,15 +79,24 @@ def problem(head_dim, causal=False, window_left=-1, softcap=0.0, seqlen=4096, al
                    softcap=softcap, alibi_slopes=torch.zeros(16) if alibi else None)
 
 
-def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0, alibi=False):
+FP8_DTYPES = {"fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
+
+
+def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0, alibi=False, fp8=None, fp8_mode=1):
     """v3's Gluon forward with the constants and launch options gluon/forward.py would use;
-    ``window_left`` >= 0: a sliding window's left edge, tested in the kernel only then."""
+    ``window_left`` >= 0: a sliding window's left edge, tested in the kernel only then; ``fp8``
+    (a triton float8 type name): float8 inputs with descales per head (``fp8_mode`` 1) or block (2)."""
     p = problem(head_dim, causal, window_left, softcap, alibi=alibi)
+    if fp8:
+        p = replace(p, fp8=True, fp8_per_block=fp8_mode == 2)
+    dtype = FP8_DTYPES[fp8] if fp8 else torch.bfloat16
     cfg = dispatch.gluon_schedule(p, opts)
-    consts = gluon_fwd.kernel_constants(p, cfg, 2)
-    q_block = tma.block_layout(consts["ROWS"], p.head_dim_pad, torch.bfloat16)
-    kv_block = tma.block_layout(cfg.block_n, p.head_dim_pad, torch.bfloat16)
-    descriptors = {"q_desc": q_block, "o_desc": q_block, "k_desc": kv_block, "v_desc": kv_block}
+    consts = gluon_fwd.kernel_constants(p, cfg, dtype.itemsize, 2)
+    q_block = tma.block_layout(consts["ROWS"], p.head_dim_pad, dtype)
+    kv_block = tma.block_layout(cfg.block_n, p.head_dim_pad, dtype)
+    o_block = (*tma.block_layout(consts["ROWS"], p.head_dim_pad, torch.bfloat16), "bf16")
+    v_block = tma._keys_block_spec(p.head_dim_pad, cfg.block_n, dtype)[:2] if fp8 else kv_block
+    descriptors = {"q_desc": q_block, "o_desc": o_block, "k_desc": kv_block, "v_desc": v_block}
     return consts, gluon_fwd.launch_options(cfg.consumers), descriptors
 
 
@@ -130,9 +140,11 @@ def _options(cfg):
     return dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=False, with_dropout=False):
+def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=False, with_dropout=False, fp8=None,
+          fp8_mode=1):
     """(name, kernel, constexprs, compile options, descriptor blocks) of every kernel as launched
-    (``with_dropout``: the v2 kernels as dropout launches them)."""
+    (``with_dropout``: the v2 kernels as dropout launches them; ``fp8``: the forwards that take
+    float8 inputs, v2's and the Gluon one, as they launch for them)."""
     p = problem(head_dim, softcap=softcap, alibi=alibi)
     base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=varlen, UPCAST=False,
                 SCORE=score.mod_of(p))
@@ -179,9 +191,10 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
             base, BLOCK_M=c3.block_m, BLOCK_N=c3.block_n, NUM_STAGES=c3.num_stages, UNMASKED=plan.unmasked,
             WARP_SPECIALIZE=plan.unmasked and c3.warp_specialize), _options(c3), None
     features = dict(softcap=softcap, alibi=alibi)
+    fp8_features = dict(features, fp8=fp8, fp8_mode=fp8_mode)
     if not varlen:  # the Gluon kernels take batched problems only
-        yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, **features))
-        yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, causal=True, **features))
+        yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, **fp8_features))
+        yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, causal=True, **fp8_features))
         yield ("v3.fwd_gluon_window", gluon_fwd._fwd_kernel,
                *gluon_case(head_dim, opts, causal=True, window_left=512, **features))
         yield ("v3.bwd_dq_gluon", gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, opts, True, **features))
@@ -214,7 +227,7 @@ def main():
     ap.add_argument("--softcap", type=float, default=0.0, help="compile the kernels with this softcap")
     ap.add_argument("--alibi", action="store_true", help="compile the kernels that take ALiBi with it")
     ap.add_argument("--dropout", action="store_true", help="compile v2's kernels with dropout")
-    ap.add_argument("--fp8", choices=("fp8e4nv", "fp8e5"), help="compile v2's forward for float8 inputs")
+    ap.add_argument("--fp8", choices=("fp8e4nv", "fp8e5"), help="compile the forwards that take float8 inputs (v2's, Gluon's) for them")
     ap.add_argument("--aligned", action="store_true",
                     help="pointers and strides divisible by 16, as a launch on contiguous tensors hints")
     ap.add_argument("--fp8-mode", type=int, choices=(1, 2), default=1,
@@ -224,12 +237,12 @@ def main():
     tuples = ALIBI_TUPLES if args.alibi else TUPLES
     for d in (int(x) for x in args.head_dims.split(",")):
         for name, fn, constexprs, options, descriptors in cases(d, args.varlen, opts, args.softcap, args.alibi,
-                                                                  args.dropout):
+                                                                  args.dropout, args.fp8, args.fp8_mode):
             if args.only and name != args.only:
                 continue
             try:
-                fp8 = args.fp8 and name == "v2.fwd"
-                if fp8:  # V keys-contiguous (v2.keys_contiguous)
+                fp8 = args.fp8 and (name == "v2.fwd" or name.startswith("v3.fwd_gluon"))
+                if fp8 and name == "v2.fwd":  # V keys-contiguous (v2.keys_contiguous)
                     constexprs = {**{k: v for k, v in constexprs.items() if k != "svd"}, "FP8": args.fp8_mode, "svs": 1}
                 k = compile_one(fn, args.fp8 if fp8 else "bf16", constexprs, options, descriptors, tuples, args.aligned)
             except Exception as e:  # report and go on: one broken kernel should not hide the rest

@@ -1,7 +1,7 @@
 """The hot loops of a compiled kernel's SASS: the innermost loops that issue warpgroup MMAs.
 
 Disassembles a cubin with the cuobjdump Triton ships (no GPU needed) and reports, for each
-innermost loop holding an HGMMA, its instruction count, its HGMMAs, its local-memory (spill)
+innermost loop holding a warpgroup MMA (HGMMA; QGMMA for float8), its instruction count, its MMAs, its local-memory (spill)
 traffic and its commonest opcodes: what the per-block cost of a K/V loop is made of.
 
     python scripts/sass_loops.py DUMP/v3.fwd_gluon_causal_d64.cubin   (compile_sm90.py --dump)
@@ -17,6 +17,7 @@ import triton.backends.nvidia
 
 CUOBJDUMP = pathlib.Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
 _LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+MMA = ("HGMMA", "QGMMA")  # warpgroup MMA: 16-bit and float8 operands
 _BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 
 
@@ -38,7 +39,7 @@ def opcode(instruction):
 
 def hot_loops(instructions):
     """The innermost loops (a predicated backward branch and the instructions from its target)
-    that issue an HGMMA, each as its list of (address, instruction).  Unpredicated backward
+    that issue a warpgroup MMA, each as its list of (address, instruction).  Unpredicated backward
     branches are not loops here: ptxas places mbarrier retry stubs after the kernel's end, and
     they jump back into it."""
     index = {address: i for i, (address, _) in enumerate(instructions)}
@@ -49,15 +50,15 @@ def hot_loops(instructions):
             target = int(branch.group(1), 16)
             if target < address and target in index:
                 spans.append((index[target], i))
-    spans = [s for s in spans if any(opcode(t) == "HGMMA" for _, t in instructions[s[0]:s[1] + 1])]
+    spans = [s for s in spans if any(opcode(t) in MMA for _, t in instructions[s[0]:s[1] + 1])]
     innermost = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
     return [instructions[a:b + 1] for a, b in sorted(set(innermost))]
 
 
 def loop_stats(loop):
-    """(instructions, HGMMAs, local loads and stores, opcode counts) of one loop."""
+    """(instructions, warpgroup MMAs, local loads and stores, opcode counts) of one loop."""
     ops = collections.Counter(opcode(t) for _, t in loop)
-    return len(loop), ops["HGMMA"], ops["LDL"] + ops["STL"], ops
+    return len(loop), ops["HGMMA"] + ops["QGMMA"], ops["LDL"] + ops["STL"], ops
 
 
 def describe(cubin: bytes, top=8):
@@ -66,7 +67,7 @@ def describe(cubin: bytes, top=8):
     for loop in hot_loops(sass(cubin)):
         size, mma, spills, ops = loop_stats(loop)
         common = ", ".join(f"{op} {n}" for op, n in ops.most_common(top))
-        lines.append(f"loop at {loop[0][0]:#x}: {size} instructions, {mma} HGMMA, {spills} spill loads/stores; {common}")
+        lines.append(f"loop at {loop[0][0]:#x}: {size} instructions, {mma} MMA, {spills} spill loads/stores; {common}")
     return lines
 
 

@@ -189,7 +189,14 @@ def test_gluon_forward_launch_constants():
         assert consts["Q_IN_REGISTERS"] == (head_dim <= 128)
         assert not gluon_fwd.kernel_constants(problem(4096, head_dim=head_dim), replace(cfg, q_registers=False),
                                               2)["Q_IN_REGISTERS"]
-    assert gluon_fwd.o_staging_buffers(2**16, 2**17 + 2**15, 2) == 0  # no room left for 32 KB
+    assert gluon_fwd.o_staging_buffers(2**16, 2**16, 2**17 + 2**15, 2) == 0  # no room left for 32 KB
+    # Float8 Q and K/V ring, bf16 O: at d256 the three-slot ring, two Q buffers and both
+    # consumers' O buffers fit.
+    fp8_cfg = configs.by_head_dim(configs.V3_GLUON_FP8, 256)
+    fp8_consts = gluon_fwd.kernel_constants(problem(4096, head_dim=256, fp8=True), fp8_cfg, 1, 2)
+    assert fp8_consts["FP8"] == 1 and fp8_consts["O_BUFFERS"] == 2 and fp8_consts["Q_SLOTS"] == 2
+    assert gluon_fwd.kernel_constants(problem(4096, head_dim=256, fp8=True, fp8_per_block=True), fp8_cfg, 1,
+                                      2)["FP8"] == 2
     causal = problem(4096, 0)
     cfg = configs.by_head_dim(configs.V3_GLUON, 128)
     assert gluon_fwd.kernel_constants(causal, cfg, 2)["DYNAMIC"]
@@ -222,14 +229,21 @@ def test_decode_plan_splits_from_static_shapes():
     assert dispatch.decode_plan(torch.empty(1, 16, 32, 128, dtype=torch.bfloat16), 8, 4096, 0).block_m == 64
 
 
-def test_dropout_own_value_head_dim_and_fp8_take_v2_on_hopper():
-    # Only v2's kernels draw the dropout mask, take a V head dim of its own and FP8 inputs: v3
-    # hands such problems to them where the Gluon kernels would otherwise run (FP8: forward only).
+def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
+    # Only v2's kernels draw the dropout mask and take a V head dim of its own: v3 hands such
+    # problems to them where the Gluon kernels would otherwise run.  FP8 inputs (forward only)
+    # run the Gluon forward, with its own tiles, where it takes them, else v2's (never the
+    # plain-Triton Hopper forward, which has no float8 path).
     seed = torch.zeros(1, dtype=torch.int64)
     for p in (problem(dropout_p=0.1, dropout_seed=seed), problem(own_head_dim_v=64)):
         assert forward(p).kernel == "v2" and backward(p).kernel == "v2"
         assert forward(replace(p, window_right=0)).kernel == "v2"
-    assert forward(problem(fp8=True)).kernel == "v2"
+    fp8_plan = forward(problem(fp8=True))
+    assert fp8_plan.kernel == "v3-gluon" and fp8_plan.config == configs.by_head_dim(configs.V3_GLUON_FP8, 128)
+    assert forward(problem(fp8=True, own_head_dim_v=64)).kernel == "v2"
+    assert forward(problem(fp8=True), opts=KernelOptions(forward="triton")).kernel == "v2"
+    assert forward(problem(fp8=True), target=dispatch.Target(gluon=False, interpreter=False)).kernel == "v2"
+    assert forward(problem(fp8=True), version="v2").kernel == "v2"
     assert forward(problem()).kernel == "v3-gluon" and backward(problem()).kernel.startswith("v3-gluon")
     # The seed and the descales are no part of a plan's key.
     assert problem(dropout_p=0.1, dropout_seed=seed) == problem(dropout_p=0.1, dropout_seed=seed.clone())

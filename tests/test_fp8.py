@@ -14,6 +14,8 @@ from flashtile.reference import band_mask
 from flashtile.validation import band
 
 HEAD_DIM = 128 if ON_GPU else 32
+# The GPU's kernels differ per head dim (the Gluon forward: tiles, and a float32 P V sum up to d128).
+HEAD_DIMS = (64, 128, 256) if ON_GPU else (HEAD_DIM,)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
@@ -50,13 +52,16 @@ def emulated(q, k, v, causal, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fp8_forward_against_dequantized_oracle(dtype, causal):
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_fp8_forward_against_dequantized_oracle(dtype, causal, head_dim):
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, n, h, HEAD_DIM, device=DEVICE) * 3 for n, h in ((70, 4), (90, 2), (90, 2)))
+    seqlen_q, seqlen_k = (300, 420) if ON_GPU else (70, 90)  # several of the GPU's K/V blocks
+    q, k, v = (torch.randn(2, n, h, head_dim, device=DEVICE) * 3 for n, h in ((seqlen_q, 4), (seqlen_k, 2),
+                                                                              (seqlen_k, 2)))
     (q8, qd), (k8, kd), (v8, vd) = (quantize(x, 2, dtype) for x in (q, k, v))
     out, lse = fa3.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
                                    return_attn_probs=True)
-    assert out.dtype == torch.bfloat16 and out.shape == (2, 70, 4, HEAD_DIM)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, seqlen_q, 4, head_dim)
     qx, kx, vx = dequantized(q8, qd), dequantized(k8, kd), dequantized(v8, vd)
     oracle, oracle_lse = standard_attention(qx, kx, vx, causal=causal, upcast=True, return_lse=True)
     assert_within_rule("out", out, emulated(qx, kx, vx, causal, dtype), oracle, OUT_RULE)
@@ -145,18 +150,19 @@ def test_fp8_attn_func_with_incoherent_processing(dtype):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_fp8_block_scales_against_dequantized_oracle(causal):
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_fp8_block_scales_against_dequantized_oracle(causal, head_dim):
     # Scales per block of the kernel's own tiles (a query head's BLOCK_M rows, a KV head's
     # BLOCK_N rows): the output against float64 on the same dequantized blocks, by the FA rule
     # with the emulated roundings as the same-precision reference.
     torch.manual_seed(2)
     dtype = torch.float8_e4m3fn
     seqlen_q, seqlen_k = (300, 420) if ON_GPU else (70, 90)  # several of the GPU's tiles too
-    q, k, v = (torch.randn(2, n, h, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16) * s
+    q, k, v = (torch.randn(2, n, h, head_dim, device=DEVICE, dtype=torch.bfloat16) * s
                for n, h, s in ((seqlen_q, 4, 1), (seqlen_k, 2, 3), (seqlen_k, 2, 0.5)))
-    scale = HEAD_DIM ** -0.5
+    scale = head_dim ** -0.5
     left, right = fp8.validation.band(causal, (-1, -1), seqlen_q, seqlen_k)
-    tiles = fp8._kernel_tiles(q, k, v, scale, left, right, 0.0, "")
+    tiles = fp8._kernel_tiles(q, k, v, scale, left, right, 0.0, fp8.dispatch.resolve_version("auto", q.device), "")
     out = flashtile.fp8_attn_func(q, k, v, causal=causal, incoherent=False)
     parts = [fp8.quantize_blocks(x, rows, dtype) for x, rows in zip((q, k, v), (*tiles, tiles[1]))]
 

@@ -230,6 +230,27 @@ def test_fp8_forward_runs_both_matmuls_in_fp8(tmp_path, fp8, mma, mode):
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n128k32.{mma}") >= 2
 
 
+@pytest.mark.parametrize("fp8, mode, head_dim", [("fp8e4nv", 1, 128), ("fp8e5", 2, 128), ("fp8e4nv", 2, 256)])
+def test_gluon_fp8_forward_runs_float8_warpgroup_mmas(tmp_path, monkeypatch, fp8, mode, head_dim):
+    # The Gluon forward on float8 inputs: both products float8 warpgroup MMAs (k32), V read
+    # keys-contiguous by TMA, no spills in the consumers' loops; O leaves as bf16 by TMA.
+    compile_for_sm90(tmp_path, "v3.fwd_gluon", head_dim, fp8=fp8, fp8_mode=mode)
+    ptx = (tmp_path / f"v3.fwd_gluon_d{head_dim}.ptx").read_text()
+    kind = "e4m3.e4m3" if fp8 == "fp8e4nv" else "e5m2.e5m2"
+    shapes = set(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.{kind}", ptx))
+    assert str(head_dim) in shapes, shapes  # O += P V, n = head dim
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
+    from flashtile.kernels import configs
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    from sass_loops import hot_loops, loop_stats, sass
+    block_n = configs.by_head_dim(configs.V3_GLUON_FP8, head_dim).block_n
+    loops = hot_loops(sass((tmp_path / f"v3.fwd_gluon_d{head_dim}.cubin").read_bytes()))
+    assert loops
+    for loop in loops:
+        size, mma, spills, _ = loop_stats(loop)
+        assert mma == head_dim // 32 + block_n // 32 and spills == 0, (size, mma, spills)
+
+
 def test_sink_kernels_compile_for_sm90(tmp_path):
     # The interpreter runs what the compiler refuses (a plain global inside a kernel): the sinks'
     # join and gradient compile for sm_90 here.

@@ -105,14 +105,18 @@ class GluonSchedule:
 # for its TMA store: d64 three slots of 128 keys, d128 two (a third leaves no room to stage O),
 # d256 two of 64.
 V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (256, GluonSchedule(64, 2))]
+# Float8 Q/K/V take half the shared memory: a deeper ring at the same tiles.
+V3_GLUON_FP8 = [(64, GluonSchedule(128, 4)), (128, GluonSchedule(128, 3)), (256, GluonSchedule(64, 3))]
 # Three consumer warpgroups (192-row tiles, 160 registers each, as FlashAttention-3's d64
 # forward) pay at d64 once there are enough query rows to fill them: from this many rows,
 # without and with a band.  d128 has no registers for them (ptxas spills).
 THREE_CONSUMERS_FROM = {False: 2048, True: 8192}
 
 
-def gluon_consumers(head_dim_pad: int, banded: bool, seqlen_q: int) -> int:
-    return 3 if head_dim_pad == 64 and seqlen_q >= THREE_CONSUMERS_FROM[banded] else 2
+def gluon_consumers(head_dim_pad: int, banded: bool, seqlen_q: int, fp8: bool = False) -> int:
+    """Two, or three at d64 from THREE_CONSUMERS_FROM rows; float8 inputs always two (their
+    float32 P V accumulator spills three consumers' registers)."""
+    return 3 if head_dim_pad == 64 and seqlen_q >= THREE_CONSUMERS_FROM[banded] and not fp8 else 2
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,14 @@ def as_operand(x, dtype, UPCAST: tl.constexpr):
     return x
 
 
+# FP8: probabilities (at most 1) are multiplied by this before their cast to float8, so that small
+# ones keep the type's normal range (FlashAttention-3's 2**8); the output divides it back out.
+FP8_P_SCALE = tl.constexpr(256.0)
+# The FP8 forwards' modes: descales per (sequence, KV head), or per block of their tiles.
+FP8_PER_HEAD = tl.constexpr(1)
+FP8_PER_BLOCK = tl.constexpr(2)
+
+
 @triton.jit
 def fp8_operand(x, dtype, UPCAST: tl.constexpr):
     """x (non-negative, within the type's range) rounded to the float8 ``dtype`` for the next
@@ -122,9 +130,16 @@ def online_softmax_step(s, m_i, scale_log2):
     scores are all -inf so far keeps max -inf; its reference point is taken as 0 so that no
     ``-inf - (-inf)`` NaN appears.
     """
+    return scaled_softmax_step(s, m_i, scale_log2, 0.0)
+
+
+@triton.jit
+def scaled_softmax_step(s, m_i, scale_log2, log2_factor):
+    """online_softmax_step with the probabilities multiplied by 2**log2_factor, inside their
+    exponent (no extra instruction per score); the running max and the rescale factor as there."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s * scale_log2 - m_ref[:, None])
+    p = tl.math.exp2(s * scale_log2 - (m_ref - log2_factor)[:, None])
     alpha = tl.math.exp2(m_i - m_ref)
     return p, alpha, m_new
 

@@ -12,7 +12,8 @@ from triton.experimental.gluon import language as gl
 
 from flashtile.kernels.launch import Descriptor, descriptor_spec
 
-_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32,
+              torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
 
 
 def aligned(x) -> bool:
@@ -42,3 +43,21 @@ def _block_spec(rows, head_dim_pad, dtype):
 def descriptor(x, rows, head_dim_pad):
     """(batch, seqlen, heads, head_dim) as TMA sees it; one block is ``rows`` rows of one head."""
     return Descriptor(x, *_block_spec(rows, head_dim_pad, x.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _keys_block_spec(head_dim_pad, keys, dtype):
+    block = [1, 1, head_dim_pad, keys]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[dtype])
+    return block, layout, descriptor_spec(dtype, block, layout)
+
+
+def keys_contiguous_descriptor(v, keys, head_dim_pad):
+    """V (batch, seqlen, heads, head_dim) copied to (batch, heads, head_dim, seqlen) with its keys
+    contiguous, as TMA reads it ``keys`` keys of one head at a time: the layout a float8 P V
+    product reads its second operand in (along the keys).  Rows are padded to 16 bytes."""
+    batch, seqlen, heads, head_dim = v.shape
+    row = -(-seqlen * v.element_size() // 16) * 16 // v.element_size()
+    vt = v.new_empty(batch, heads, head_dim, row)[..., :seqlen]
+    vt.copy_(v.permute(0, 2, 3, 1))
+    return Descriptor(vt, *_keys_block_spec(head_dim_pad, keys, v.dtype))

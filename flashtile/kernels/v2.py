@@ -23,16 +23,11 @@ from flashtile.kernels import dropout, score
 from flashtile.kernels.blocks import band_mask, program_sequence, program_tile, visited_blocks
 from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import Problem
-from flashtile.kernels.tiles import (LOG2E, as_operand, finalize_rows, fp8_operand, load_tile, online_softmax_step,
-                                     row_delta, store_tile, values_product)
+from flashtile.kernels.tiles import (FP8_P_SCALE, FP8_PER_BLOCK, FP8_PER_HEAD, LOG2E, as_operand, finalize_rows,
+                                     fp8_operand, load_tile, online_softmax_step, row_delta, store_tile,
+                                     values_product)
 
 
-# FP8: probabilities (at most 1) are multiplied by this before their cast to float8, so that small
-# ones keep the type's normal range (FlashAttention-3's 2**8); the output divides it back out.
-FP8_P_SCALE = tl.constexpr(256.0)
-# The kernel's FP8 modes: descales per (sequence, KV head), or per block of its tiles.
-FP8_PER_HEAD = tl.constexpr(1)
-FP8_PER_BLOCK = tl.constexpr(2)
 
 
 @triton.jit

@@ -46,7 +46,7 @@ from flashtile.kernels.configs import WARPGROUP_ROWS
 from flashtile.kernels.gluon.scheduler import (end_tiles, next_tile, no_counter, publish_tile, read_next_tile,
                                                read_tile, sm_count, start_tiles, tile_counter)
 from flashtile.kernels.launch import launch
-from flashtile.kernels.tiles import LOG2E, finalize_rows, online_softmax_step
+from flashtile.kernels.tiles import FP8_P_SCALE, FP8_PER_BLOCK, LOG2E, finalize_rows, scaled_softmax_step
 
 PRODUCER_REGS = gl.constexpr(24)      # the TMA-issuing warp needs almost none
 SHARED_MEMORY = 232448 - 1024         # the H100/H200 per-block limit, less room for the mbarriers
@@ -70,10 +70,12 @@ class Schedule:
     Q_IN_REGISTERS: gl.constexpr
     LEFT_EDGE: gl.constexpr
     SCORE: gl.constexpr
+    FP8: gl.constexpr
+    FRESH_PV: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
-                 PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE):
+                 PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, FP8, FRESH_PV):
         self.ROWS = gl.constexpr(ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM_PAD = gl.constexpr(HEAD_DIM_PAD)
@@ -88,6 +90,8 @@ class Schedule:
         self.Q_IN_REGISTERS = gl.constexpr(Q_IN_REGISTERS)
         self.LEFT_EDGE = gl.constexpr(LEFT_EDGE)
         self.SCORE = gl.constexpr(SCORE)
+        self.FP8 = gl.constexpr(FP8)
+        self.FRESH_PV = gl.constexpr(FRESH_PV)
 
 
 @aggregate
@@ -243,6 +247,70 @@ class Outputs:
         self.slh = _value(slh)
 
 
+@aggregate
+class Descales:
+    """What dequantizes float8 Q, K and V (S.FP8): FP8_PER_HEAD, ``at`` (3, batch, heads_k) of q's,
+    k's and v's descales (part stride sdt), FlashAttention-3's; FP8_PER_BLOCK, (3, batch,
+    heads_q, blocks): q's per 64 rows (ROWS) of a query head, k's and v's per BLOCK_N keys of a
+    KV head.  Q's and K's multiply the scores' scale; V's per head multiplies the output at the
+    end, and per block weighs each block's P V product through O's unit (_add_values)."""
+    at: gl.tensor
+    sdt: Value
+    sdb: Value
+    sdh: Value
+
+    @gluon.constexpr_function
+    def __init__(self, at, sdt, sdb, sdh):
+        self.at = at
+        self.sdt = _value(sdt)
+        self.sdb = _value(sdb)
+        self.sdh = _value(sdh)
+
+    @gluon.jit
+    def rows_scale(self, batch, head, head_k, row0, S: gl.constexpr):
+        """The factor on the scores of one consumer's rows: q's descale (and k's, per head)."""
+        if S.FP8 == FP8_PER_BLOCK:
+            return gl.load(self.at + batch * self.sdb + head * self.sdh + row0 // S.ROWS)
+        else:
+            at = self.at + batch * self.sdb + head_k * self.sdh
+            return gl.load(at) * gl.load(at + self.sdt)
+
+    @gluon.jit
+    def key_scale(self, batch, head_k, n0, S: gl.constexpr):
+        """K block n0's descale (1 per head: rows_scale has it)."""
+        if S.FP8 == FP8_PER_BLOCK:
+            return gl.load(self.at + self.sdt + batch * self.sdb + head_k * self.sdh + n0 // S.BLOCK_N)
+        else:
+            return 1.0
+
+    @gluon.jit
+    def output_scale(self, batch, head_k, S: gl.constexpr):
+        """What the output is multiplied by at the end, besides O's unit: V's descale per head
+        over P's float8 factor."""
+        if S.FP8 == FP8_PER_BLOCK:
+            return 1.0 / FP8_P_SCALE
+        else:
+            return gl.load(self.at + 2 * self.sdt + batch * self.sdb + head_k * self.sdh) / FP8_P_SCALE
+
+    @gluon.jit
+    def value_scale(self, batch, head_k, n0, S: gl.constexpr):
+        """V block n0's descale per block (O's unit while its product is added), else 1."""
+        if S.FP8 == FP8_PER_BLOCK:
+            return gl.load(self.at + 2 * self.sdt + batch * self.sdb + head_k * self.sdh + n0 // S.BLOCK_N)
+        else:
+            return 1.0
+
+    @gluon.jit
+    def p_scale(self, S: gl.constexpr):
+        """(log2 f, 1 / f) of the factor f P is computed with for its float8 cast, FP8_P_SCALE
+        (the small probabilities in the type's normal range); f = 1 without FP8.  The softmax
+        applies it in the exponent (scaled_softmax_step) and takes it out of the row sums."""
+        if S.FP8:
+            return 8.0, 1.0 / FP8_P_SCALE  # log2(FP8_P_SCALE)
+        else:
+            return 0.0, 1.0
+
+
 # Where _exact_rows finds Q, K, V and O: 64-bit words in shared memory (each pointer as an
 # integer, then its batch, sequence and head strides; then the head dim), written before the
 # partitions start.  As kernel arguments captured by the consumer partitions they would take
@@ -325,8 +393,12 @@ def _producer(q_desc, k_desc, v_desc, buf, walk, counter, S: gl.constexpr):
                                             buf.k.index(slot))
             mbarrier.wait(buf.v_empty.index(slot), phase ^ 1)
             mbarrier.expect(buf.v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [batch, n0, head_k, 0], buf.v_ready.index(slot),
-                                            buf.v.index(slot))
+            if S.FP8:  # V keys-contiguous: (batch, heads, head_dim, seqlen)
+                tma.async_copy_global_to_shared(v_desc, [batch, head_k, 0, n0], buf.v_ready.index(slot),
+                                                buf.v.index(slot))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [batch, n0, head_k, 0], buf.v_ready.index(slot),
+                                                buf.v.index(slot))
             it += 1
         tile_i += 1
     end_tiles(buf.tile_ids, tile_i, buf.q_ready, buf.q_empty, walk.num_tiles, S.PERSISTENT)
@@ -356,13 +428,75 @@ def _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH: gl.constexpr, PI
 
 
 @gluon.jit
+def _values(buf, slot, S: gl.constexpr):
+    """V block in ring slot ``slot`` as O += P V's second operand, (keys, head dim).  Float8 V
+    sits keys-contiguous, (head dim, keys), and is read transposed: float8 warpgroup MMA takes
+    shared operands only along the reduced dimension."""
+    v = buf.v.index(slot)
+    if S.FP8:
+        return v.reshape([S.HEAD_DIM_PAD, S.BLOCK_N]).permute((1, 0))
+    else:
+        return v.reshape([S.BLOCK_N, S.HEAD_DIM_PAD])
+
+
+@gluon.jit
+def _issue_values(p_op, v, acc, o_zero, S: gl.constexpr):
+    """Start O += P V; with FRESH_PV the product goes to a zeroed accumulator (_add_values)."""
+    if S.FRESH_PV:
+        return warpgroup_mma(p_op, v, o_zero, use_acc=False, is_async=True)
+    else:
+        return warpgroup_mma(p_op, v, acc, is_async=True)
+
+
+@gluon.jit
+def _add_values(acc, pv, alpha, alpha_prev, v_unit, v_pv, v_next, FRESH_PV: gl.constexpr):
+    """O after the previous block's P V product ``pv``, rescaled to this block's running max
+    (factor ``alpha``; 1 after the last block), with the ``alpha_prev`` and ``v_unit`` of the
+    next call.  O is kept in units of a V descale (``v_unit``; Descales.value_scale, 1 but per
+    block), so that V's descale per block costs a multiply per row, not per element.
+
+    The MMA accumulated the product into O, in the unit of its block's V (``v_pv``): O times
+    alpha, brought to the next block's unit ``v_next``.  FRESH_PV (float8 MMAs sum in fewer
+    bits than float32): the product is apart, in ``v_pv``'s unit; O times the previous block's
+    factor, in that unit, plus the product: one fused multiply-add per element."""
+    if FRESH_PV:
+        return acc * (alpha_prev * (v_unit / v_pv)) + pv, alpha, v_pv
+    else:
+        return pv * (alpha * (v_pv / v_next)), alpha, v_next
+
+
+@gluon.jit
+def _wait_values(pv, p_op, FP8: gl.constexpr):
+    """Wait for the P V product; P's registers (read by it in flight) are kept alive up to here.
+    Triton 3.6 ties no 8-bit registers through the wait: float8 P's lifetime is left to ptxas,
+    which keeps the registers of an asynchronous MMA until its wait."""
+    if FP8:
+        pv = warpgroup_mma_wait(0, deps=[pv])
+    else:
+        pv, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
+    return pv, p_op
+
+
+@gluon.constexpr_function
+def _mma_k(dtype):
+    """The K of one warpgroup MMA instruction: 32 bytes of the operands' type."""
+    return gl.constexpr(256 // dtype.primitive_bitwidth)
+
+
+@gluon.constexpr_function
+def _register_k_width(dtype):
+    """Consecutive K elements a thread holds of a register operand: 32 bits of them."""
+    return gl.constexpr(32 // dtype.primitive_bitwidth)
+
+
+@gluon.jit
 def _pass_turn(turn, WHICH: gl.constexpr):
     """The tensor cores' turn goes to the next consumer (ping-pong with two)."""
     mbarrier.arrive(turn.index((WHICH + 1) % turn.shape[0]))
 
 
 @gluon.jit
-def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, scale_log2, score_args, S: gl.constexpr):
+def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_log2, score_args, S: gl.constexpr):
     """Consumer warpgroup WHICH: rows [64 * WHICH, 64 * WHICH + 64) of every tile handed over.
 
     Per K/V block j: (wait for its turn) issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, (pass the
@@ -373,17 +507,19 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, scale_log2, score_
     HEAD_DIM_PAD: gl.constexpr = S.HEAD_DIM_PAD
     STAGES: gl.constexpr = S.STAGES
     dtype: gl.constexpr = buf.q.dtype
+    MMA_K: gl.constexpr = _mma_k(dtype)
+    K_WIDTH: gl.constexpr = _register_k_width(dtype)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, MMA_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM_PAD, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+                                                       instr_shape=[16, HEAD_DIM_PAD, MMA_K])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH)
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=K_WIDTH)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    exp_scale = score.exp_scale(scale_log2, S.SCORE)
+    o_zero = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, o_layout)
     it = 0     # K/V blocks consumed so far: ring slot and mbarrier phase
     turns = 0  # ping-pong turns taken so far
     tile_i = 0
@@ -399,10 +535,17 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, scale_log2, score_
             mbarrier.arrive(buf.q_empty.index(q_slot))
         row0 = m0 + WHICH * ROWS  # this consumer's first row
         rows = row0 + gl.arange(0, ROWS, layout=s_rows)
+        head_k = head // walk.group
+        rows_scale = scale_log2  # on the scores of these rows (block_scale: of one K block)
+        out_scale = 1.0
+        if S.FP8:
+            rows_scale = scale_log2 * descales.rows_scale(batch, head, head_k, row0, S)
+            out_scale = descales.output_scale(batch, head_k, S)
         site = (batch, head, walk.seqlen_k - walk.seqlen_q, score_args)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
         acc = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, o_layout)
+        v_unit = descales.value_scale(batch, head_k, lo, S)  # O's unit: the first block's
         if n_blocks > 0:
             # First block: nothing to overlap with yet.
             slot = it % STAGES
@@ -413,10 +556,13 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, scale_log2, score_
                 turns += 1
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(buf.k_empty.index(slot))
-            s = _block_logits(s, site, rows, row0, lo, walk.seqlen_k, dlo, dhi, scale_log2, s_cols, S)
-            p, alpha, m_i = online_softmax_step(s, m_i, exp_scale)
-            l_i = gl.sum(p, 1)
+            block_scale = rows_scale * descales.key_scale(batch, head_k, lo, S)
+            s = _block_logits(s, site, rows, row0, lo, walk.seqlen_k, dlo, dhi, block_scale, s_cols, S)
+            log2_factor, inverse = descales.p_scale(S)
+            p, alpha, m_i = scaled_softmax_step(s, m_i, score.exp_scale(block_scale, S.SCORE), log2_factor)
+            l_i = gl.sum(p, 1) * inverse
             p_op = gl.convert_layout(p.to(dtype), p_layout)
+            alpha_prev = gl.convert_layout(alpha, o_rows)[:, None]
             prev_slot = slot
             prev_phase = phase
             it += 1
@@ -424,12 +570,12 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, scale_log2, score_
                 n0 = lo + j * BLOCK_N
                 slot = it % STAGES
                 phase = (it // STAGES) & 1
-                v_prev = buf.v.index(prev_slot).reshape([BLOCK_N, HEAD_DIM_PAD])
+                v_prev = _values(buf, prev_slot, S)
                 s = _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH, S.PINGPONG)
                 if S.OVERLAP:
                     # O += P_{j-1} V_{j-1} goes out with S_j; the softmax below runs under it.
                     mbarrier.wait(buf.v_ready.index(prev_slot), prev_phase)
-                    acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+                    pv = _issue_values(p_op, v_prev, acc, o_zero, S)
                 if S.PINGPONG:
                     _pass_turn(buf.turn, WHICH)
                     turns += 1
@@ -438,15 +584,19 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, scale_log2, score_
                 else:
                     s = warpgroup_mma_wait(0, deps=[s])
                     mbarrier.wait(buf.v_ready.index(prev_slot), prev_phase)
-                    acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+                    pv = _issue_values(p_op, v_prev, acc, o_zero, S)
                 mbarrier.arrive(buf.k_empty.index(slot))
-                s = _block_logits(s, site, rows, row0, n0, walk.seqlen_k, dlo, dhi, scale_log2, s_cols, S)
-                p, alpha, m_i = online_softmax_step(s, m_i, exp_scale)
-                l_i = l_i * alpha + gl.sum(p, 1)
+                block_scale = rows_scale * descales.key_scale(batch, head_k, n0, S)
+                s = _block_logits(s, site, rows, row0, n0, walk.seqlen_k, dlo, dhi, block_scale, s_cols, S)
+                log2_factor, inverse = descales.p_scale(S)
+                p, alpha, m_i = scaled_softmax_step(s, m_i, score.exp_scale(block_scale, S.SCORE), log2_factor)
+                l_i = l_i * alpha + gl.sum(p, 1) * inverse
                 # p_op of the previous block is read by the in-flight wgmma: keep it alive until here.
-                acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+                pv, p_op = _wait_values(pv, p_op, S.FP8)
                 mbarrier.arrive(buf.v_empty.index(prev_slot))
-                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                acc, alpha_prev, v_unit = _add_values(acc, pv, gl.convert_layout(alpha, o_rows)[:, None], alpha_prev,
+                                                      v_unit, descales.value_scale(batch, head_k, n0 - BLOCK_N, S),
+                                                      descales.value_scale(batch, head_k, n0, S), S.FRESH_PV)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 prev_slot = slot
                 prev_phase = phase
@@ -457,20 +607,29 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, scale_log2, score_
                 # Not inside the loop: a branch there costs d256 spills.
                 mbarrier.arrive(buf.q_empty.index(q_slot))
             mbarrier.wait(buf.v_ready.index(prev_slot), prev_phase)
-            v_prev = buf.v.index(prev_slot).reshape([BLOCK_N, HEAD_DIM_PAD])
-            acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
-            acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+            v_prev = _values(buf, prev_slot, S)
+            pv = _issue_values(p_op, v_prev, acc, o_zero, S)
+            pv, p_op = _wait_values(pv, p_op, S.FP8)
+            last = descales.value_scale(batch, head_k, lo + (n_blocks - 1) * BLOCK_N, S)
+            acc, alpha_prev, v_unit = _add_values(acc, pv, 1.0, alpha_prev, v_unit, last, last, S.FRESH_PV)
             mbarrier.arrive(buf.v_empty.index(prev_slot))
         elif not S.Q_IN_REGISTERS:
             mbarrier.arrive(buf.q_empty.index(q_slot))  # a tile with no K/V block
+        if S.FP8:
+            acc = acc * (v_unit * out_scale)
         out, lse = finalize_rows(acc, gl.convert_layout(m_i, o_rows), gl.convert_layout(l_i, o_rows))
         use = tile_i * S.CONSUMERS + WHICH
+        out_dtype: gl.constexpr = outputs.o_desc.dtype
+        if S.FP8:  # no exact path (it reads operands without descales): a non-finite input stays so
+            _store_rows(out.to(out_dtype), lse, buf, use, WHICH, outputs, batch, head, row0, walk.seqlen_q, o_layout,
+                        S)
         # An output that is not finite (inf - inf and NaN - NaN are NaN) is recomputed by the
         # masking rule (_exact_rows, which stores its rows itself); else the rows leave as usual.
-        if gl.max(gl.max(((acc - acc) != 0).to(gl.int32), 1), 0) > 0:
+        elif gl.max(gl.max(((acc - acc) != 0).to(gl.int32), 1), 0) > 0:
             _exact_rows(lse, batch, head, row0, use, WHICH, buf, stash, outputs, walk, scale_log2, score_args, S)
         else:
-            _store_rows(out.to(dtype), lse, buf, use, WHICH, outputs, batch, head, row0, walk.seqlen_q, o_layout, S)
+            _store_rows(out.to(out_dtype), lse, buf, use, WHICH, outputs, batch, head, row0, walk.seqlen_q, o_layout,
+                        S)
         tile_i += 1
         t = read_next_tile(buf.tile_ids, tile_i, buf.q_ready, walk.num_tiles, S.Q_SLOTS, S.PERSISTENT)
     tma.store_wait(0)
@@ -579,29 +738,32 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
                 O, sob, sos, soh, head_dim, LSE, slb, slh,
                 batch_heads, heads_q, group, head_group, m_blocks, num_tiles,
                 seqlen_q, seqlen_k, window_left, window_right, scale_log2, counter, score_args,
+                DESCALE, sdt, sdb, sdh,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
                 DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr):
+                Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr, FP8: gl.constexpr,
+                FRESH_PV: gl.constexpr):
     S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
-                               PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE)
+                               PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, FP8, FRESH_PV)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
     walk = TileWalk(num_tiles, batch_heads, heads_q, group, head_group, m_blocks, seqlen_q, seqlen_k, window_left,
                     window_right)
     stash = _stash_tensors(Q, sqb, sqs, sqh, K, skb, sks, skh, V, svb, svs, svh, O, sob, sos, soh, head_dim)
     outputs = Outputs(o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh)
+    descales = Descales(DESCALE, sdt, sdb, sdh)
     # The partitions are listed as written (Gluon builds no list at run time): one list per count.
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer, (0, buf, walk, stash, outputs, scale_log2, score_args, S)),
-            (_consumer, (1, buf, walk, stash, outputs, scale_log2, score_args, S)),
-            (_consumer, (2, buf, walk, stash, outputs, scale_log2, score_args, S)),
+            (_consumer, (0, buf, walk, stash, outputs, descales, scale_log2, score_args, S)),
+            (_consumer, (1, buf, walk, stash, outputs, descales, scale_log2, score_args, S)),
+            (_consumer, (2, buf, walk, stash, outputs, descales, scale_log2, score_args, S)),
             (_producer, (q_desc, k_desc, v_desc, buf, walk, counter, S)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (0, buf, walk, stash, outputs, scale_log2, score_args, S)),
-            (_consumer, (1, buf, walk, stash, outputs, scale_log2, score_args, S)),
+            (_consumer, (0, buf, walk, stash, outputs, descales, scale_log2, score_args, S)),
+            (_consumer, (1, buf, walk, stash, outputs, descales, scale_log2, score_args, S)),
             (_producer, (q_desc, k_desc, v_desc, buf, walk, counter, S)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -611,6 +773,9 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
 # consumer thread (O, S and P of 64 rows live there) and PRODUCER_REGS, as in FlashAttention-3:
 # 240 with two consumers, 160 with three.
 CONSUMER_REGS = {2: 240, 3: 160}
+# Float8 P V products summed into O in float32 (FRESH_PV) up to this head dim: at d256 a second
+# 64 x 256 accumulator takes the registers O already fills.
+FRESH_PV_MAX_HEAD_DIM = 128
 REGISTERS = 65536
 
 
@@ -620,33 +785,38 @@ def launch_options(consumers):
     return dict(num_warps=4, maxnreg=REGISTERS // threads // 8 * 8)
 
 
-def kernel_constants(p, cfg, element_size):
-    """The kernel's compile-time arguments for problem ``p`` under schedule ``cfg``."""
+def kernel_constants(p, cfg, element_size, out_element_size=None):
+    """The kernel's compile-time arguments for problem ``p`` under schedule ``cfg``; Q, K and V
+    of ``element_size`` bytes, O of ``out_element_size`` (the same by default)."""
     rows = WARPGROUP_ROWS
-    tile_bytes = cfg.tile_m * p.head_dim_pad * element_size  # Q or O of one tile
+    q_bytes = cfg.tile_m * p.head_dim_pad * element_size  # Q of one tile
+    o_bytes = cfg.tile_m * p.head_dim_pad * (out_element_size or element_size)
     ring_bytes = 2 * cfg.num_stages * cfg.block_n * p.head_dim_pad * element_size
     # O staged for its TMA store, then a second Q buffer, where shared memory holds them.
-    o_buffers = o_staging_buffers(tile_bytes, ring_bytes, cfg.consumers)
+    o_buffers = o_staging_buffers(q_bytes, o_bytes, ring_bytes, cfg.consumers)
     next_q = (cfg.next_q and cfg.persistent and o_buffers == cfg.consumers
-              and 3 * tile_bytes + ring_bytes <= SHARED_MEMORY)
+              and 2 * q_bytes + o_bytes + ring_bytes <= SHARED_MEMORY)
+    fresh_pv = p.fp8 and p.head_dim_pad <= FRESH_PV_MAX_HEAD_DIM
     return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
                 PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_BUFFERS=o_buffers, PERSISTENT=cfg.persistent,
                 # Tiles of uneven length (a band) from the atomic counter; equal ones strided over.
                 DYNAMIC=cfg.persistent and p.banded, Q_SLOTS=2 if next_q else 1, CONSUMERS=cfg.consumers,
                 CONSUMER_REGS=CONSUMER_REGS[cfg.consumers],
-                Q_IN_REGISTERS=q_in_registers(p.head_dim_pad, cfg),
+                # The float32 accumulator of FRESH_PV takes the registers Q would.
+                Q_IN_REGISTERS=q_in_registers(p.head_dim_pad, cfg) and not fresh_pv,
                 # A sliding window's left edge: without one (causal, none) only the right is tested.
-                LEFT_EDGE=p.window_left >= 0, SCORE=score.mod_of(p))
+                LEFT_EDGE=p.window_left >= 0, SCORE=score.mod_of(p), FP8=p.fp8_mode,
+                FRESH_PV=fresh_pv)
 
 
-def o_staging_buffers(tile_bytes, ring_bytes, consumers):
+def o_staging_buffers(q_bytes, o_bytes, ring_bytes, consumers):
     """Shared-memory buffers O is staged in for its TMA store: one per consumer where Q, the K/V
     ring and those fit (d64, d128); else one that two consumers take in turn (d256: Q and the
     two-slot ring leave 32 KB, one consumer's rows); else none, and O leaves from registers (as
     two-byte stores: the head dim's mask splits the pairs)."""
-    if 2 * tile_bytes + ring_bytes <= SHARED_MEMORY:
+    if q_bytes + o_bytes + ring_bytes <= SHARED_MEMORY:
         return consumers
-    if consumers == 2 and tile_bytes + tile_bytes // consumers + ring_bytes <= SHARED_MEMORY:
+    if consumers == 2 and q_bytes + o_bytes // consumers + ring_bytes <= SHARED_MEMORY:
         return 1
     return 0
 
@@ -675,9 +845,9 @@ def forward(plan, p, q, k, v):
     """Output and logsumexp (and an empty ``saved``) under the plan's schedule."""
     q, k, v = (tma_host.ready(x) for x in (q, k, v))
     cfg = plan.config
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=p.out_dtype(q), device=q.device)
     lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=q.device)
-    consts = kernel_constants(p, cfg, q.element_size())
+    consts = kernel_constants(p, cfg, q.element_size(), out.element_size())
     rows = consts["ROWS"]
     m_blocks = p.query_blocks(cfg.tile_m)
     batch_heads = p.batch * p.heads_q
@@ -685,15 +855,22 @@ def forward(plan, p, q, k, v):
     programs = min(num_tiles, sm_count(q.device.index)) if cfg.persistent else num_tiles
     head_group = heads_sharing_l2(p, q.element_size())
     pad = p.head_dim_pad
+    if p.fp8:
+        v_desc = tma_host.keys_contiguous_descriptor(v, cfg.block_n, pad)
+        descale = p.fp8_descale
+    else:
+        v_desc = tma_host.descriptor(v, cfg.block_n, pad)
+        descale = lse  # a placeholder, never read
     launch(
         _fwd_kernel, (programs,),
         tma_host.descriptor(q, rows, pad), tma_host.descriptor(k, cfg.block_n, pad),
-        tma_host.descriptor(v, cfg.block_n, pad), tma_host.descriptor(out, rows, pad),
+        v_desc, tma_host.descriptor(out, rows, pad),
         q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
         v, v.stride(0), v.stride(1), v.stride(2),
         out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, lse.stride(0), lse.stride(1),
         batch_heads, p.heads_q, p.group, head_group, m_blocks, num_tiles,
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.scale_log2,
         tile_counter(q.device) if consts["DYNAMIC"] else no_counter(q.device), score.args_of(p),
+        descale, *(descale.stride()[:3] if p.fp8 else (0, 0, 0)),
         **consts, **launch_options(cfg.consumers))
     return out, lse, lse.new_empty(0)
