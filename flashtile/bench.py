@@ -21,6 +21,10 @@ from flashtile import api, dispatch, options
 from flashtile.reference import standard_attention
 
 MODES = ("fwd", "bwd", "fwdbwd")
+# Input types: bf16 and fp16, and float8 (e4m3, e5m2) with descales per (sequence, KV head), as
+# FlashAttention-3's interface takes them (forward only, bf16 output).
+DTYPES = ("bf16", "fp16", "e4m3", "e5m2")
+FLOAT8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 
 
@@ -41,7 +45,13 @@ class Case:
 
     @property
     def torch_dtype(self):
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
+        """The type inputs are drawn in (float8 ones are drawn in bf16, then quantized)."""
+        return {"fp16": torch.float16}.get(self.dtype, torch.bfloat16)
+
+    @property
+    def float8(self):
+        """The float8 type of the inputs, or None."""
+        return FLOAT8.get(self.dtype)
 
     def flops(self) -> float:
         fwd = 4.0 * self.b * self.h * self.sq * self.sk * self.d / (2 if self.causal else 1)
@@ -51,9 +61,11 @@ class Case:
 def paper_grid(head_dims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384),
                causals=(False, True), modes=("fwd", "bwd"), dtype="bf16", tokens=16384, hidden=2048, softcap=0.0,
                alibi=False, sinks=False):
-    """The FlashAttention papers' sweep: batch x seqlen = 16k tokens, hidden 2048."""
-    return [Case(max(1, tokens // s), hidden // d, hidden // d, s, s, d, c, m, dtype, softcap, alibi, sinks)
-            for d in head_dims for c in causals for m in modes for s in seqlens]
+    """The FlashAttention papers' sweep: batch x seqlen = 16k tokens, hidden 2048; ``dtype`` one
+    of DTYPES or several (each cell in each)."""
+    dtypes = [dtype] if isinstance(dtype, str) else list(dtype)
+    return [Case(max(1, tokens // s), hidden // d, hidden // d, s, s, d, c, m, t, softcap, alibi, sinks)
+            for t in dtypes for d in head_dims for c in causals for m in modes for s in seqlens]
 
 
 # ---- providers: each maps (q, k, v, causal, score features) in (b, s, h, d) to the output ----
@@ -199,6 +211,8 @@ def make_step(provider, case, device, kernel_options=None):
     backward alone (autograd.grad of one forward's output), or both."""
     provider_fn = PROVIDERS[provider]
     features = score_features(case, device)
+    if case.float8 is not None:
+        return _float8_step(provider, case, device, kernel_options, features)
 
     def fn(q, k, v, causal):
         return provider_fn(q, k, v, causal, kernel_options=kernel_options, **features)
@@ -224,6 +238,28 @@ def make_step(provider, case, device, kernel_options=None):
     else:
         def step():
             torch.autograd.grad(fn(q, k, v, case.causal), inputs, dout)
+    return step
+
+
+def _float8_step(provider, case, device, kernel_options, features):
+    """One forward of ``provider`` on float8 inputs quantized from random bf16 ones, descales per
+    (sequence, KV head): flashtile's versions with an FP8 path take them as FlashAttention-3's
+    interface does; the other providers take no float8 inputs."""
+    from flashtile import fp8
+    if case.mode != "fwd":
+        raise NotImplementedError(f"{case.dtype} inputs: forward only (FP8 backward is fp8_attn_func's, from bf16)")
+    if not provider.startswith("flashtile-"):
+        raise NotImplementedError(f"{provider} takes no float8 inputs")
+    version = provider.split("-")[1]
+    q = torch.randn(case.b, case.sq, case.h, case.d, dtype=case.torch_dtype, device=device)
+    k, v = (torch.randn(case.b, case.sk, case.h_k, case.d, dtype=case.torch_dtype, device=device) for _ in range(2))
+    (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x, case.h_k, case.float8) for x in (q, k, v))
+
+    def step():
+        with torch.no_grad():
+            api._attention(q8, k8, v8, None, None, None, None, 0.0, None, case.causal, (-1, -1),
+                           features.get("softcap", 0.0), features.get("alibi_slopes"), False, False,
+                           features.get("sinks"), version, kernel_options, fp8_descales=(qd, kd, vd))
     return step
 
 
@@ -365,26 +401,33 @@ def markdown_table(records, baseline=None, failures=()):
     if not records:
         return "\n".join(["(no results)"] + failed) + "\n"
     env = {k: records[0][k] for k in ("gpu", "torch", "triton", "commit", "date")}
+    dtypes = list(dict.fromkeys(r["dtype"] for r in records))
     lines = [f"GPU {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, "
              f"{env['date']}; TFLOP/s (forward 4*b*h*sq*sk*d, half when causal; backward 2.5x), "
-             f"{records[0]['dtype']}, (batch, seqlen, heads, headdim) storage"
+             f"{', '.join(dtypes)}, (batch, seqlen, heads, headdim) storage"
+             f"{'; float8 inputs with descales per (sequence, KV head), bf16 output' if set(dtypes) & set(FLOAT8) else ''}"
              f"{'; CUDA-graph replays (no launch cost, L2 warm)' if records[0].get('timing') == 'cuda-graph' else ''}.",
              ""]
-    providers = list(dict.fromkeys(r["provider"] for r in records))
-    groups = dict.fromkeys((r["d"], r["causal"], r["mode"]) for r in records)
-    for d, causal, mode in groups:
-        rows = [r for r in records if (r["d"], r["causal"], r["mode"]) == (d, causal, mode)]
+    groups = dict.fromkeys((r["dtype"], r["d"], r["causal"], r["mode"]) for r in records)
+    for dtype, d, causal, mode in groups:
+        rows = [r for r in records if (r["dtype"], r["d"], r["causal"], r["mode"]) == (dtype, d, causal, mode)]
+        providers = list(dict.fromkeys(r["provider"] for r in rows))
         seqlens = sorted({r["sq"] for r in rows})
-        cols = providers + ([f"{p}/{baseline}" for p in providers if baseline and p != baseline and p.startswith("flashtile")])
-        lines += [f"### d{d} {'causal' if causal else 'non-causal'} {mode}", "",
+        # float8 cells: each provider against its own bf16 cell of the run, where there is one
+        bf16 = {(r["provider"], r["sq"]): r for r in records if dtype in FLOAT8 and r["dtype"] == "bf16"
+                and (r["d"], r["causal"], r["mode"]) == (d, causal, mode)}
+        versus = [(p, baseline) for p in providers if baseline in providers and p != baseline
+                  and p.startswith("flashtile")]
+        versus += [(p, "bf16") for p in providers if any(key[0] == p for key in bf16)]
+        cols = providers + [f"{p}/{b}" for p, b in versus]
+        lines += [f"### d{d} {'causal' if causal else 'non-causal'} {mode}{' ' + dtype if len(dtypes) > 1 else ''}", "",
                   "| seqlen | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
         for s in seqlens:
             by = {r["provider"]: r for r in rows if r["sq"] == s}
             cells = [f"{by[p]['tflops']:.0f}" if p in by else "—" for p in providers]
-            for p in providers:
-                if baseline and p != baseline and p.startswith("flashtile"):
-                    ok = p in by and baseline in by
-                    cells.append(f"{by[p]['tflops'] / by[baseline]['tflops']:.2f}x" if ok else "—")
+            for p, b in versus:
+                other = bf16.get((p, s)) if b == "bf16" else by.get(b)
+                cells.append(f"{by[p]['tflops'] / other['tflops']:.2f}x" if p in by and other else "—")
             lines.append(f"| {s} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines + failed)
@@ -405,12 +448,12 @@ def plot(records, path_prefix):
     for i, mode in enumerate(modes):
         for j, d in enumerate(head_dims):
             ax = axes[i][j]
-            for (prov, causal) in dict.fromkeys((r["provider"], r["causal"]) for r in records):
-                pts = sorted((r["sq"], r["tflops"]) for r in records
-                             if (r["provider"], r["causal"], r["mode"], r["d"]) == (prov, causal, mode, d))
+            for (prov, dtype, causal) in dict.fromkeys((r["provider"], r["dtype"], r["causal"]) for r in records):
+                pts = sorted((r["sq"], r["tflops"]) for r in records if (r["provider"], r["dtype"], r["causal"],
+                                                                         r["mode"], r["d"]) == (prov, dtype, causal, mode, d))
                 if pts:
                     ax.plot(*zip(*pts), marker="o", linestyle="--" if causal else "-",
-                            label=f"{prov}{' causal' if causal else ''}")
+                            label=f"{prov}{'' if dtype in ('bf16', 'fp16') else ' ' + dtype}{' causal' if causal else ''}")
             ax.set_xscale("log", base=2)
             ax.set_title(f"{mode}, headdim {d}")
             ax.set_xlabel("seqlen")

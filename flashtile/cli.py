@@ -42,7 +42,9 @@ def parser():
     b.add_argument("--seqlens", type=_positive_ints, default=[512, 1024, 2048, 4096, 8192, 16384])
     b.add_argument("--causal", type=_choices(("false", "true")), default=["false", "true"])
     b.add_argument("--modes", type=_choices(bench.MODES), default=["fwd", "bwd"])
-    b.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    b.add_argument("--dtype", type=_choices(bench.DTYPES), default=["bf16"],
+                   help="comma-separated; e4m3 and e5m2: float8 inputs with descales per (sequence, KV head), "
+                        "forward only, on the flashtile providers (FlashAttention-3's FP8 interface)")
     b.add_argument("--providers", type=_choices(tuple(bench.PROVIDERS)), default=list(bench.DEFAULT_PROVIDERS),
                    help="comma-separated (default: every provider that runs here except flex, whose "
                         "per-shape torch.compile would dominate the run)")

@@ -83,6 +83,24 @@ def test_bench_tiny_grid_under_the_interpreter(tmp_path):
     assert (tmp_path / "tiny_tflops.png").stat().st_size > 0
 
 
+def test_bench_float8_cells_beside_bf16_ones(tmp_path):
+    # --dtype bf16,e4m3: float8 cells on the providers with an FP8 path, in the same JSON schema
+    # (dtype "e4m3"), divided by the same provider's bf16 cell in the table; providers without
+    # float8 inputs and FP8 backwards are reported as not measured, not silently skipped.
+    res = _run_cli("bench", "--head-dims", "32", "--seqlens", "80", "--tokens", "80", "--hidden", "64",
+                   "--modes", "fwd,bwd", "--causal", "true", "--dtype", "bf16,e4m3",
+                   "--providers", "flashtile-v2,standard", "--baseline", "standard", "--out", str(tmp_path),
+                   "--name", "fp8", "--no-plots", interpret="0" if ON_GPU else "1")
+    assert res.returncode == 0, res.stderr
+    records = json.loads((tmp_path / "fp8.json").read_text())
+    float8 = [r for r in records if r["dtype"] == "e4m3"]
+    assert [(r["provider"], r["mode"]) for r in float8] == [("flashtile-v2", "fwd")]
+    assert float8[0]["tflops"] > 0 and set(float8[0]) == set(records[0])
+    assert len(records) - len(float8) == 2 * 2  # bf16: mode x provider
+    assert "### d32 causal fwd e4m3" in res.stdout and "flashtile-v2/bf16" in res.stdout
+    assert "standard takes no float8 inputs" in res.stdout and "forward only" in res.stdout
+
+
 def test_bench_without_gpu_or_interpreter_is_a_usage_error():
     if ON_GPU:
         pytest.skip("a GPU is present")
