@@ -9,6 +9,7 @@ from conftest import DEVICE, ON_GPU
 
 import flashtile
 from flashtile import flash_attn_interface as fa3, fp8, standard_attention
+from flashtile.kernels import score
 from flashtile.kernels.quantize import blocks as fused_quantize_blocks
 from flashtile.reference import band_mask
 from flashtile.validation import band
@@ -34,13 +35,15 @@ def dequantized(x, descale):
     return (x.double().view(batch, seqlen, heads_k, -1, d) * descale.double()[:, None, :, None, None]).view_as(x)
 
 
-def emulated(q, k, v, causal, dtype):
-    """The kernel's arithmetic in PyTorch on dequantized inputs: float32 scores and softmax
-    statistics, probabilities x 2**8 rounded to ``dtype`` for the product with V, bf16 out."""
+def emulated(q, k, v, causal, dtype, softcap=0.0):
+    """The kernel's arithmetic in PyTorch on dequantized inputs: float32 scores (capped) and
+    softmax statistics, probabilities x 2**8 rounded to ``dtype`` for the product with V, bf16
+    out."""
     q, k, v = q.float(), k.float(), v.float()
     group = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    s = score.reference(s, softcap)
     if causal:
         left, right = band(True, (-1, -1), q.shape[1], k.shape[1])
         s = s.masked_fill(~band_mask(q.shape[1], k.shape[1], left, right, device=s.device), float("-inf"))
@@ -67,6 +70,21 @@ def test_fp8_forward_against_dequantized_oracle(dtype, causal, head_dim):
     assert_within_rule("out", out, emulated(qx, kx, vx, causal, dtype), oracle, OUT_RULE)
     # float8 wgmma accumulates in fewer bits than float32 (scores agree to about 2**-11 relative).
     torch.testing.assert_close(lse, oracle_lse.float(), atol=1e-3, rtol=2e-3 if ON_GPU else 1e-4)
+
+
+def test_fp8_forward_with_softcap():
+    # The cap sees dequantized scores (the descales are on the scale the score hook takes):
+    # against the float64 oracle with the same cap, by the FA rule.
+    torch.manual_seed(4)
+    dtype = torch.float8_e4m3fn
+    seqlen_q, seqlen_k = (300, 420) if ON_GPU else (70, 90)
+    q, k, v = (torch.randn(2, n, h, HEAD_DIM, device=DEVICE) * 3 for n, h in ((seqlen_q, 4), (seqlen_k, 2),
+                                                                              (seqlen_k, 2)))
+    (q8, qd), (k8, kd), (v8, vd) = (quantize(x, 2, dtype) for x in (q, k, v))
+    out = fa3.flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, softcap=5.0)
+    qx, kx, vx = dequantized(q8, qd), dequantized(k8, kd), dequantized(v8, vd)
+    oracle = standard_attention(qx, kx, vx, causal=True, upcast=True, softcap=5.0)
+    assert_within_rule("out", out, emulated(qx, kx, vx, True, dtype, softcap=5.0), oracle, OUT_RULE)
 
 
 def test_fp8_varlen_with_and_without_descales():

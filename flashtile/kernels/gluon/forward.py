@@ -545,7 +545,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
         acc = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, o_layout)
-        v_unit = descales.value_scale(batch, head_k, lo, S)  # O's unit: the first block's
+        v_unit = descales.value_scale(batch, head_k, 0, S)  # O's unit before any block: any (O is 0)
         if n_blocks > 0:
             # First block: nothing to overlap with yet.
             slot = it % STAGES
