@@ -51,3 +51,28 @@ def test_ncu_stalls_splits_the_samples_by_region(monkeypatch, tmp_path, capsys):
     assert "| idle at a barrier | 15.0% | barrier 100.0% |" in out
     assert "| rest | 5.0% | long_sb 100.0% |" in out
     assert "Hot loops' samples by opcode: MUFU 75.0%, BRA 25.0%" in out
+
+
+def test_fp8_accuracy_protocol_end_to_end(tmp_path):
+    # scripts/fp8_accuracy.py on a tiny problem (the interpreter on CPU): every variant's RMSE
+    # in the JSON, float8 coarser than bf16 everywhere, the table with both float8 types, and
+    # gradients for bf16 v3 and for fp8_attn_func.
+    import subprocess
+
+    import torch
+    gpu = torch.cuda.is_available()
+    env = dict(os.environ, TRITON_INTERPRET="0" if gpu else "1", PYTHONPATH=ROOT)
+    out = tmp_path / "acc.json"
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "fp8_accuracy.py"), "--seqlen", "64",
+                          "--heads", "2", "--head-dim", "32", "--out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    result = json.loads(out.read_text())
+    variants = {f"{t}_{s}{i}" for t in ("e4m3", "e5m2") for s in ("tensor", "head", "block")
+                for i in ("", "_incoherent")}
+    for causal in ("non-causal", "causal"):
+        errors = result[causal]
+        assert set(errors) == variants | {"bf16_v3", "bf16_pytorch"}
+        assert all(errors["bf16_v3"] < errors[v] < 0.2 for v in variants), errors
+    assert [len(g) for g in result["gradients"].values()] == [3, 3]
+    assert "| e4m3 |" in res.stdout and "| e5m2 |" in res.stdout and "gradients dQ, dK, dV" in res.stdout
