@@ -33,12 +33,16 @@ def _rotation_cpu(head_dim: int) -> torch.Tensor:
     return signs[:, None].float() * hadamard / head_dim ** 0.5
 
 
+# Kept per device (and type): a copy from host memory at every call would wait for the work
+# queued on the GPU before it, exposing the call's Python time.  Read only.
+@functools.lru_cache(maxsize=None)
 def rotation(head_dim: int, device) -> torch.Tensor:
     """The orthogonal (head_dim, head_dim) float32 matrix D H / sqrt(head_dim) of incoherent
     processing (head_dim a power of two)."""
     return _rotation_cpu(head_dim).to(device)
 
 
+@functools.lru_cache(maxsize=None)
 def rotation_signs(head_dim: int, dtype, device) -> torch.Tensor:
     """D H, the ±1 matrix of ``rotation`` before its 1 / sqrt(head_dim), in ``dtype``."""
     return (_rotation_cpu(head_dim) * head_dim ** 0.5).round().to(device=device, dtype=dtype)
