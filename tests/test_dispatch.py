@@ -244,6 +244,10 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     assert forward(problem(fp8=True), opts=KernelOptions(forward="triton")).kernel == "v2"
     assert forward(problem(fp8=True), target=dispatch.Target(gluon=False, interpreter=False)).kernel == "v2"
     assert forward(problem(fp8=True), version="v2").kernel == "v2"
+    # d64 bands: v2's FP8 forward leads the Gluon one.
+    assert forward(problem(fp8=True, head_dim=64)).kernel == "v3-gluon"
+    assert forward(problem(window_right=0, fp8=True, head_dim=64)).kernel == "v2"
+    assert forward(problem(window_right=0, fp8=True)).kernel == "v3-gluon"
     assert forward(problem()).kernel == "v3-gluon" and backward(problem()).kernel.startswith("v3-gluon")
     # The seed and the descales are no part of a plan's key.
     assert problem(dropout_p=0.1, dropout_seed=seed) == problem(dropout_p=0.1, dropout_seed=seed.clone())
