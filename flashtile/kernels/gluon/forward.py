@@ -31,6 +31,11 @@ the two consumers take in turn (o_staging_buffers).  Band masks cost one compari
 (two where a sliding window has a left edge: LEFT_EDGE), only on blocks crossing an edge of the
 consumer's rows (blocks.band_edge_masks).  Gluon does not run under the interpreter: the CPU
 suite compiles this file for sm_90; numerics are checked on the GPU.
+
+Float8 inputs (``FP8``, FlashAttention-3's FP8 forward): both products are float8 MMAs, V is
+read from a keys-contiguous copy, Q's and K's descales go into the scores' scale and V's into
+O (``Descales``); up to d128 each block's P V product is added to O in float32 (``FRESH_PV``).
+The output is bf16.
 """
 import torch
 from triton.experimental import gluon
