@@ -3,8 +3,9 @@
 Each version (v1, v2, v3) on shapes that hit every code path once: sequence lengths that are not
 block multiples (masked tails), a block-multiple length (v3's unmasked TMA path), causal with
 seqlen_q != seqlen_k, a sliding window, GQA, varlen (with offsets given as a strided view),
-softcap, ALiBi, sinks, and head dims that need padding.  Prints one line per case; memcheck reports any
-out-of-bounds or misaligned access.
+softcap, ALiBi, sinks, and head dims that need padding; with v3, float8 inputs (FlashAttention-3's
+interface, and fp8_attn_func per block with its backward).  Prints one line per case; memcheck
+reports any out-of-bounds or misaligned access.
 
     compute-sanitizer --tool memcheck python scripts/sanitize_cases.py --kernel-options "backward=gluon"
 """
@@ -12,7 +13,8 @@ import argparse
 
 import torch
 
-from flashtile import flash_attn_func, flash_attn_varlen_func
+from flashtile import flash_attn_func, flash_attn_varlen_func, fp8
+from flashtile import flash_attn_interface as fa3
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal, window, softcap)
 CASES = [
@@ -35,6 +37,15 @@ ALIBI_CASES = [
     (2, 300, 200, 4, 4, 128, False, (64, 16), 30.0),
 ]
 
+# Float8 inputs (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal): key counts off
+# 16 (V's keys-contiguous copy is padded), GQA, each head dim, and a d64 band (v2's FP8 forward).
+FP8_CASES = [
+    (2, 77, 300, 4, 2, 128, True),
+    (1, 190, 190, 2, 1, 256, False),
+    (4, 1000, 1000, 8, 8, 64, False),
+    (1, 421, 421, 2, 2, 64, True),
+]
+
 
 def slopes(batch, heads, device):
     return torch.rand(batch, heads, device=device) * 0.5
@@ -49,6 +60,19 @@ def run(version, case, device, kernel_options, alibi=False):
     out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, version=version,
                           alibi_slopes=slopes(b, hq, device) if alibi else None, sinks=sinks,
                           kernel_options=kernel_options)
+    out.backward(torch.randn_like(out))
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_fp8(case, device):
+    b, sq, sk, hq, hk, d, causal = case
+    q = torch.randn(b, sq, hq, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, sk, hk, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(b, sk, hk, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x.detach(), hk, torch.float8_e4m3fn) for x in (q, k, v))
+    fa3.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    out = fp8.fp8_attn_func(q, k, v, causal=causal)
     out.backward(torch.randn_like(out))
     if device == "cuda":
         torch.cuda.synchronize()
@@ -82,6 +106,10 @@ def main():
             print(f"{version} {case} alibi, sinks ok", flush=True)
         run_varlen(version, args.device, args.kernel_options)
         print(f"{version} varlen ok", flush=True)
+    if "v3" in args.versions.split(","):  # the FP8 calls take the version the device runs best
+        for case in FP8_CASES:
+            run_fp8(case, args.device)
+            print(f"fp8 {case} ok", flush=True)
 
 
 if __name__ == "__main__":
