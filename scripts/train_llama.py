@@ -1,6 +1,11 @@
 """A Llama-style model trained with attn_implementation "sdpa" and "flashtile", same init, same data.
 
     python scripts/train_llama.py --out DIR      (on a GPU; transformers 5.0 or newer)
+    python scripts/train_llama.py --fp8 --layers 8 --steps 300 --out DIR   (and "fp8": FP8 attention)
+
+With ``--fp8`` a third copy trains with attn_implementation "fp8": flashtile.fp8_attn_func (Q, K,
+V quantized per block after incoherent processing, both forward matmuls in e4m3, the backward
+straight through in bf16); its loss curve, final loss and throughput join the others.
 
 1. Loss curves: each implementation trains its own copy of one random init for ``--steps`` steps on
    the same generated token batches (a random sparse bigram chain: learnable, no download);
@@ -23,12 +28,31 @@ import statistics
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 import flashtile.integrations.transformers  # noqa: F401  registers attn_implementation="flashtile"
-from flashtile import bench
+from flashtile import bench, fp8
 
 IMPLEMENTATIONS = ("sdpa", "flashtile")
+# No "flash" in the name: transformers would take it for a FlashAttention kernel to load.
+FP8 = "fp8"
+
+
+def fp8_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface over flashtile.fp8_attn_func: query, key, value (batch,
+    heads, seqlen, head_dim) in, (batch, seqlen, heads, head_dim) out; causal, unpadded batches."""
+    if attention_mask is not None:
+        raise NotImplementedError("attn_implementation='fp8' takes unpadded causal batches (no attention mask)")
+    if dropout:
+        raise NotImplementedError("attn_implementation='fp8' has no dropout")
+    out = fp8.fp8_attn_func(*(x.transpose(1, 2) for x in (query, key, value)), softmax_scale=scaling,
+                            causal=True)
+    return out, None
+
+
+AttentionInterface.register(FP8, fp8_attention)
+AttentionMaskInterface.register(FP8, flash_attention_mask)  # None without padding
 
 
 def batches(vocab, batch, seqlen, count, seed=0):
@@ -83,20 +107,20 @@ def timed_steps(model, tokens, steps):
     return tokens.numel() * steps / (time.perf_counter() - start), torch.cuda.max_memory_allocated() / 2**30
 
 
-def throughput(args, seqlen, batch):
+def throughput(args, seqlen, batch, implementations):
     model = make_model(args)
     tokens = torch.randint(0, args.vocab, (batch, seqlen), device="cuda")
-    runs = {name: [] for name in IMPLEMENTATIONS}
+    runs = {name: [] for name in implementations}
     memory = {}
     for _ in range(args.rounds):
-        for name in IMPLEMENTATIONS:
+        for name in implementations:
             model.set_attn_implementation(name)
             tps, memory[name] = timed_steps(model, tokens, args.timed_steps)
             runs[name].append(tps)
     del model
     torch.cuda.empty_cache()
     return {name: dict(tokens_per_s=statistics.median(runs[name]), runs=runs[name], peak_gib=memory[name])
-            for name in IMPLEMENTATIONS}
+            for name in implementations}
 
 
 def generate(model, prompt, name, new_tokens):
@@ -120,13 +144,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timed-steps", type=int, default=10)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--fp8", action="store_true", help='a third copy with attn_implementation "fp8"')
     ap.add_argument("--out", default="training_results")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    implementations = IMPLEMENTATIONS + ((FP8,) if args.fp8 else ())
 
     data = batches(args.vocab, args.batch, args.seqlen, args.steps)
     losses, models = {}, {}
-    for name in IMPLEMENTATIONS:
+    for name in implementations:
         model = make_model(args)
         model.set_attn_implementation(name)
         optimizer = optimizer_of(model)
@@ -134,10 +160,10 @@ def main():
         for tokens in data:
             curve.append(train_step(model, optimizer, tokens.cuda()).detach())
         losses[name] = torch.stack(curve).float().tolist()
-        models[name] = model
+        models[name] = model if name in IMPLEMENTATIONS else None
         del optimizer
         print(f"{name}: loss {losses[name][0]:.4f} -> {losses[name][-1]:.4f}", flush=True)
-    final = {name: statistics.mean(losses[name][-10:]) for name in IMPLEMENTATIONS}
+    final = {name: statistics.mean(losses[name][-10:]) for name in implementations}
     with open(os.path.join(args.out, "training.json"), "w") as f:  # the curves, should a later phase fail
         json.dump(dict(config=vars(args), losses=losses, final_loss=final), f)
 
@@ -156,14 +182,18 @@ def main():
     del model, models
     torch.cuda.empty_cache()
 
-    speed = {"seqlen_%d" % args.seqlen: throughput(args, args.seqlen, args.batch),
-             "seqlen_%d" % args.long_seqlen: throughput(args, args.long_seqlen, 1)}
+    speed = {"seqlen_%d" % args.seqlen: throughput(args, args.seqlen, args.batch, implementations),
+             "seqlen_%d" % args.long_seqlen: throughput(args, args.long_seqlen, 1, implementations)}
     record = dict(config=vars(args), losses=losses, final_loss=final,
                   final_loss_ratio=final["flashtile"] / final["sdpa"], throughput=speed,
                   generation=dict(sdpa=theirs, flashtile=ours, equal=first is None, first_difference=first,
                                   sdpa_top2_margin_there=margin), **bench.environment())
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(record, f, indent=1)
+    if args.fp8:
+        record["fp8_final_loss_ratio"] = final[FP8] / final["sdpa"]
+        with open(os.path.join(args.out, "training.json"), "w") as f:
+            json.dump(record, f, indent=1)
     plot(losses, os.path.join(args.out, "training.png"), args)
     print(summary(record))
 
@@ -176,6 +206,12 @@ def summary(record):
         lines.append(f"| {cell.split('_')[1]} | {r['sdpa']['tokens_per_s']:.0f} | {r['flashtile']['tokens_per_s']:.0f} | "
                      f"{r['flashtile']['tokens_per_s'] / r['sdpa']['tokens_per_s']:.3f} | "
                      f"{r['sdpa']['peak_gib']:.1f} / {r['flashtile']['peak_gib']:.1f} |")
+    if "fp8_final_loss_ratio" in record:
+        speeds = [f"{cell.split('_')[1]}: {r[FP8]['tokens_per_s']:.0f} "
+                  f"({r[FP8]['tokens_per_s'] / r['sdpa']['tokens_per_s']:.3f}x sdpa)"
+                  for cell, r in record["throughput"].items()]
+        lines += ["", f"FP8 attention: final loss {record['final_loss'][FP8]:.4f} (ratio to sdpa "
+                      f"{record['fp8_final_loss_ratio']:.4f}); tokens/s " + ", ".join(speeds)]
     g = record["generation"]
     lines.append("")
     lines.append("greedy generation: " + ("identical" if g["equal"] else
@@ -189,7 +225,7 @@ def plot(losses, path, args):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name in IMPLEMENTATIONS:
+    for name in losses:
         ax.plot(losses[name], label=f'attn_implementation="{name}"', linewidth=1.2,
                 linestyle="-" if name == "sdpa" else "--")
     ax.set_xlabel("step")

@@ -76,3 +76,36 @@ def test_fp8_accuracy_protocol_end_to_end(tmp_path):
         assert all(errors["bf16_v3"] < errors[v] < 0.2 for v in variants), errors
     assert [len(g) for g in result["gradients"].values()] == [3, 3]
     assert "| e4m3 |" in res.stdout and "| e5m2 |" in res.stdout and "gradients dQ, dK, dV" in res.stdout
+
+
+def test_train_llama_fp8_attention_matches_sdpa(monkeypatch):
+    # scripts/train_llama.py's attn_implementation "fp8" (fp8_attn_func through transformers'
+    # attention interface) on a tiny random Llama: logits and a gradient near "sdpa"'s, within
+    # what float8 attention inputs allow; padding masks refused by name.
+    import pytest
+    import torch
+    pytest.importorskip("transformers")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the FP8 kernels need a GPU or the interpreter")
+    import train_llama
+    from transformers import LlamaConfig, LlamaForCausalLM
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    tokens = torch.randint(0, 64, (2, 48), device=device)
+    logits, grads = {}, {}
+    for name in ("sdpa", train_llama.FP8):
+        model.set_attn_implementation(name)
+        model.zero_grad()
+        out = model(input_ids=tokens, labels=tokens)
+        out.loss.backward()
+        logits[name] = out.logits.float()
+        grads[name] = model.model.layers[0].self_attn.q_proj.weight.grad.float()
+    scale = logits["sdpa"].abs().mean()
+    assert (logits[train_llama.FP8] - logits["sdpa"]).abs().mean() < 0.05 * scale
+    cosine = torch.nn.functional.cosine_similarity(grads["sdpa"].flatten(), grads[train_llama.FP8].flatten(), dim=0)
+    assert cosine > 0.95, cosine
+    with pytest.raises(NotImplementedError, match="attn_implementation='fp8' takes unpadded"):
+        model(input_ids=tokens, attention_mask=torch.ones_like(tokens).index_fill_(1, torch.tensor([0], device=device), 0))
