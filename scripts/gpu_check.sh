@@ -19,6 +19,8 @@
 #   fp8     FP8 forwards beside bf16 in one run: flashtile-v3 (and v2) on bf16, e4m3 and e5m2 inputs,
 #           d64/d128/d256, causal and not, 4k-16k, 2 passes (fp8.*); FlashAttention-3's accuracy
 #           protocol, RMSE against float64 (fp8_accuracy.json, .md: scripts/fp8_accuracy.py)
+#   train   scripts/train_llama.py: "sdpa", "flashtile" and (TRAIN_ARGS, e.g. --fp8) more, loss curves,
+#           throughput, generation (training.*)
 #   decode  decoding over a KV cache: TB/s of K/V read by flashtile (contiguous, paged 16) and
 #           SDPA's backends, batch 1-64 x cache 4k-128k, 32/8 heads, d128 (decode.*; DECODE_ARGS)
 #   gluon   v3's Gluon forward: its tile sweep at 1k and 16k
@@ -95,6 +97,8 @@ for stage in $stages; do
         --providers flashtile-v3,flashtile-v2 --baseline flashtile-v2 --repeats 2 --out "$OUT" --name fp8 2>&1 \
         | grep -v "bench:" | tee "$OUT/fp8.log" || status=1
       python scripts/fp8_accuracy.py --out "$OUT/fp8_accuracy.json" | tee "$OUT/fp8_accuracy.md" || status=1 ;;
+    train)
+      python scripts/train_llama.py ${TRAIN_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/training.log" || status=1 ;;
     decode)
       python -m flashtile decode ${DECODE_ARGS:-} --out "$OUT" --name decode 2>&1 | tee "$OUT/decode.log" || status=1 ;;
     gluon)
