@@ -242,7 +242,7 @@ def main():
                 continue
             try:
                 fp8 = args.fp8 and (name == "v2.fwd" or name.startswith("v3.fwd_gluon"))
-                if fp8 and name == "v2.fwd":  # V keys-contiguous (v2.keys_contiguous)
+                if fp8 and name == "v2.fwd":  # V keys-contiguous (tma.keys_contiguous)
                     constexprs = {**{k: v for k, v in constexprs.items() if k != "svd"}, "FP8": args.fp8_mode, "svs": 1}
                 k = compile_one(fn, args.fp8 if fp8 else "bf16", constexprs, options, descriptors, tuples, args.aligned)
             except Exception as e:  # report and go on: one broken kernel should not hide the rest

@@ -113,6 +113,8 @@ def gluon_takes_fp8(head_dim_pad: int, banded: bool) -> bool:
     """Whether v3 runs float8 inputs in the Gluon forward rather than v2's: everywhere but d64
     bands, where the Gluon consumers' float8 layout work outweighs their MMAs (tuning.md)."""
     return not (banded and head_dim_pad <= 64)
+
+
 # Three consumer warpgroups (192-row tiles, 160 registers each, as FlashAttention-3's d64
 # forward) pay at d64 once there are enough query rows to fill them: from this many rows,
 # without and with a band.  d128 has no registers for them (ptxas spills).

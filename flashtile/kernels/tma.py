@@ -52,12 +52,18 @@ def _keys_block_spec(head_dim_pad, keys, dtype):
     return block, layout, descriptor_spec(dtype, block, layout)
 
 
-def keys_contiguous_descriptor(v, keys, head_dim_pad):
-    """V (batch, seqlen, heads, head_dim) copied to (batch, heads, head_dim, seqlen) with its keys
-    contiguous, as TMA reads it ``keys`` keys of one head at a time: the layout a float8 P V
-    product reads its second operand in (along the keys).  Rows are padded to 16 bytes."""
-    batch, seqlen, heads, head_dim = v.shape
+def keys_contiguous(v):
+    """V (..., seqlen, heads, head_dim) copied to (..., heads, head_dim, seqlen), its keys
+    contiguous, each row's start 16-byte aligned (as TMA reads it): the layout a float8 P V
+    product reads its second operand in (along the keys; read row by row, the tile would be
+    transposed a byte at a time in shared memory).  Batched or varlen."""
+    *lead, seqlen, heads, head_dim = v.shape
     row = -(-seqlen * v.element_size() // 16) * 16 // v.element_size()
-    vt = v.new_empty(batch, heads, head_dim, row)[..., :seqlen]
-    vt.copy_(v.permute(0, 2, 3, 1))
-    return Descriptor(vt, *_keys_block_spec(head_dim_pad, keys, v.dtype))
+    vt = v.new_empty(*lead, heads, head_dim, row)[..., :seqlen]
+    vt.copy_(v.movedim(-3, -1))
+    return vt
+
+
+def keys_contiguous_descriptor(v, keys, head_dim_pad):
+    """keys_contiguous(v) of a batched V as TMA reads it, ``keys`` keys of one head at a time."""
+    return Descriptor(keys_contiguous(v), *_keys_block_spec(head_dim_pad, keys, v.dtype))

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile.kernels import dropout, score
+from flashtile.kernels import dropout, score, tma
 from flashtile.kernels.blocks import band_mask, program_sequence, program_tile, visited_blocks
 from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import Problem
@@ -326,14 +326,6 @@ def _seed(p: Problem, placeholder):
     return p.dropout_seed if p.dropout else placeholder
 
 
-def keys_contiguous(v):
-    """``v`` laid out with its keys contiguous (a view of the same shape): float8 wgmma reads the
-    second operand of P V along the keys, which a (keys, head dim) tile stored row by row would
-    have to transpose a byte at a time in shared memory."""
-    seq_dim = v.dim() - 3
-    return v.movedim(seq_dim, -1).contiguous().movedim(-1, seq_dim)
-
-
 def forward(plan, p: Problem, q, k, v):
     """Returns (out, lse, saved); lse is (b, h, sq) or, for varlen, (h, total_q), natural log.
 
@@ -344,8 +336,8 @@ def forward(plan, p: Problem, q, k, v):
     cu_q, cu_k = p.cu_pointers(q.device)
     grid = (p.batch * p.heads_q * p.query_blocks(cfg.block_m),)
     descale = p.fp8_descale if p.fp8 else lse
-    if p.fp8:
-        v = keys_contiguous(v)
+    if p.fp8:  # the same shape, its keys contiguous
+        v = tma.keys_contiguous(v).movedim(-1, -3)
     launch(
         _fwd_kernel, grid,
         q, k, v, out, lse, cu_q, cu_k, _seed(p, cu_q), descale,
