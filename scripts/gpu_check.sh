@@ -26,7 +26,7 @@
 #   gluon   v3's Gluon forward: its tile sweep at 1k and 16k
 #           (sweep_gluon_*.jsonl)
 #   profile Nsight Compute over v3's kernels on a few bars cells (PROFILE_CASES: "head_dim seqlen
-#           causal|plain fwd|bwd" entries, ';'-separated): speed of light, memory, warp stalls
+#           causal|plain fwd|bwd [dtype]" entries, ';'-separated): speed of light, memory, warp stalls
 #           (ncu_*.csv), the SASS with its stall samples and their summary (ncu_*_sass.csv,
 #           ncu_*_stalls.md; ncu with --clock-control none, as METHOD.md asks)
 #   scripts/gpu_check.sh [stage ...]    (default: tests bench)
@@ -112,12 +112,12 @@ for stage in $stages; do
       IFS=';' read -ra entries <<< "$cases"
       for entry in "${entries[@]}"; do
         set -- $entry
-        name="ncu_d$1_s$2_$3_$4"
+        name="ncu_d$1_s$2_$3_$4${5:+_$5}"
         timeout 300 ncu --clock-control none --profile-from-start off --target-processes all \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
           --section LaunchStats --section Occupancy --section SourceCounters --import-source no \
           -f -o "$OUT/$name" python scripts/profile_case.py --head-dim "$1" --seqlen "$2" --mode "$4" \
-          $([ "$3" = causal ] && echo --causal) > "$OUT/$name.log" 2>&1 || status=1
+          --dtype "${5:-bf16}" $([ "$3" = causal ] && echo --causal) > "$OUT/$name.log" 2>&1 || status=1
         ncu --import "$OUT/$name.ncu-rep" --csv --page details > "$OUT/$name.csv" || status=1
         # The SASS with each instruction's stall samples, and where the warps wait (ncu_stalls.py).
         ncu --import "$OUT/$name.ncu-rep" --csv --page source --print-source sass > "$OUT/${name}_sass.csv" || status=1

@@ -23,6 +23,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--mode", choices=("fwd", "bwd"), default="bwd")
+    ap.add_argument("--dtype", choices=bench.DTYPES, default="bf16", help="e4m3/e5m2: the FP8 forward")
     ap.add_argument("--provider", default="flashtile-v3")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--calls", type=int, default=1)
@@ -30,7 +31,7 @@ def main():
     args = ap.parse_args()
     heads = args.hidden // args.head_dim
     case = bench.Case(args.tokens // args.seqlen, heads, heads, args.seqlen, args.seqlen, args.head_dim,
-                      args.causal, args.mode)
+                      args.causal, args.mode, args.dtype)
     step = bench.make_step(args.provider, case, torch.device(args.device))
     for _ in range(args.warmup):
         step()
