@@ -445,6 +445,21 @@ def _values(buf, slot, S: gl.constexpr):
 
 
 @gluon.jit
+def _p_operand(p, dtype: gl.constexpr, layout: gl.constexpr, FP8: gl.constexpr):
+    """P as O += P V's register operand.  Float8 P takes its keys in the order V's copy holds
+    them (tma.keys_contiguous_descriptor): key 8a + 2t + b of each 16 at 4t + 2a + b, so that
+    each thread's accumulator registers already hold the keys its operand registers take and
+    the change of layout moves no value between threads."""
+    if FP8:
+        ROWS: gl.constexpr = p.shape[0]
+        KEYS: gl.constexpr = p.shape[1]
+        p8 = p.to(dtype).reshape([ROWS, KEYS // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([ROWS, KEYS])
+        return gl.convert_layout(p8, layout)
+    else:
+        return gl.convert_layout(p.to(dtype), layout)
+
+
+@gluon.jit
 def _issue_values(p_op, v, acc, o_zero, S: gl.constexpr):
     """Start O += P V; with FRESH_PV the product goes to a zeroed accumulator (_add_values)."""
     if S.FRESH_PV:
@@ -566,7 +581,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
             log2_factor, inverse = descales.p_scale(S)
             p, alpha, m_i = scaled_softmax_step(s, m_i, score.exp_scale(block_scale, S.SCORE), log2_factor)
             l_i = gl.sum(p, 1) * inverse
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            p_op = _p_operand(p, dtype, p_layout, S.FP8)
             alpha_prev = gl.convert_layout(alpha, o_rows)[:, None]
             prev_slot = slot
             prev_phase = phase
@@ -602,7 +617,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
                 acc, alpha_prev, v_unit = _add_values(acc, pv, gl.convert_layout(alpha, o_rows)[:, None], alpha_prev,
                                                       v_unit, descales.value_scale(batch, head_k, n0 - BLOCK_N, S),
                                                       descales.value_scale(batch, head_k, n0, S), S.FRESH_PV)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                p_op = _p_operand(p, dtype, p_layout, S.FP8)
                 prev_slot = slot
                 prev_phase = phase
                 it += 1
