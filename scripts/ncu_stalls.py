@@ -14,13 +14,26 @@ import csv
 
 from sass_loops import opcode
 
+SAMPLES = "Warp Stall Sampling (All Samples)"
+
 
 def read(path):
+    """The SASS rows of the report's kernel with the most stall samples (a report of several
+    kernels has one "Kernel Name" section each)."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
-    start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
-    header = rows[start]
-    return header, [dict(zip(header, r)) for r in rows[start + 1:] if len(r) == len(header)]
+    sections, header = [], None
+    for r in rows:
+        if r and r[0] == "Kernel Name":
+            sections.append((r[1] if len(r) > 1 else "", []))
+        elif r and r[0] == "Address":
+            header = r
+            if not sections:
+                sections.append(("", []))
+        elif header and len(r) == len(header):
+            sections[-1][1].append(dict(zip(header, r)))
+    name, kernel_rows = max(sections, key=lambda s: sum(number(r[SAMPLES]) for r in s[1]))
+    return name, header, kernel_rows
 
 
 def number(text):
@@ -31,9 +44,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv")
     args = ap.parse_args(argv)
-    header, rows = read(args.csv)
+    name, header, rows = read(args.csv)
+    print(f"Kernel: `{name[:80]}`\n")
     reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
-    samples = "Warp Stall Sampling (All Samples)"
+    samples = SAMPLES
     most = max(number(r["Instructions Executed"]) for r in rows)
     regions = collections.defaultdict(collections.Counter)
     ops = collections.Counter()
