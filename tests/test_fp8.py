@@ -9,7 +9,7 @@ from conftest import DEVICE, ON_GPU
 
 import flashtile
 from flashtile import flash_attn_interface as fa3, fp8, standard_attention
-from flashtile.kernels import score
+from flashtile.kernels import keys_contiguous, score
 from flashtile.kernels.quantize import blocks as fused_quantize_blocks
 from flashtile.reference import band_mask
 from flashtile.validation import band
@@ -214,3 +214,19 @@ def test_fused_quantize_matches_pytorch(dtype, rotate, head_dim):
     differ = a != b
     assert differ.float().mean() < (0.01 if rotate else 1e-9)
     assert ((a - b).abs() <= step * b.abs() + 2.0 ** -6)[differ].all()
+
+
+@pytest.mark.parametrize("mma_order", [False, True])
+@pytest.mark.parametrize("shape", [(2, 150, 3, 80), (131, 2, 64)], ids=["batched", "varlen"])
+def test_keys_contiguous_copy(shape, mma_order):
+    # V with its keys contiguous (and, for the Gluon forward, in the float8 operand's order within
+    # each 16) from the copy kernel: the same bytes as PyTorch's copies, zeros past seqlen.
+    torch.manual_seed(5)
+    v = (torch.randn(shape, device=DEVICE) * 50).to(torch.float8_e4m3fn)
+    row = -(-shape[-3] // 16) * 16 + 32
+    got = keys_contiguous.copy(v, row, mma_order)
+    ref = keys_contiguous.reference(v, row, mma_order)
+    assert got.shape == ref.shape == (*shape[:-3], shape[-2], shape[-1], row)
+    assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    # (the operand's order mixes the keys of the last group of 16 with its padding)
+    assert not got[..., -(-shape[-3] // 16) * 16 if mma_order else shape[-3]:].float().any()

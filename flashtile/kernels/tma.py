@@ -10,6 +10,7 @@ import functools
 import torch
 from triton.experimental.gluon import language as gl
 
+from flashtile.kernels.keys_contiguous import copy as keys_contiguous_copy
 from flashtile.kernels.launch import Descriptor, descriptor_spec
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32,
@@ -55,35 +56,16 @@ def _keys_block_spec(head_dim_pad, keys, dtype):
 def keys_contiguous(v):
     """V (..., seqlen, heads, head_dim) copied to (..., heads, head_dim, seqlen), its keys
     contiguous, each row's start 16-byte aligned (as TMA reads it): the layout a float8 P V
-    product reads its second operand in (along the keys; read row by row, the tile would be
-    transposed a byte at a time in shared memory).  Batched or varlen."""
-    *lead, seqlen, heads, head_dim = v.shape
+    product reads its second operand in (kernels/keys_contiguous.py).  Batched or varlen."""
+    seqlen = v.shape[-3]
     row = -(-seqlen * v.element_size() // 16) * 16 // v.element_size()
-    vt = v.new_empty(*lead, heads, head_dim, row)[..., :seqlen]
-    vt.copy_(v.movedim(-3, -1))
-    return vt
-
-
-# A float8 V copy puts key 8a + 2t + b of each group of 16 at 4t + 2a + b (a, b < 2; t < 4): a
-# warpgroup MMA's float32 accumulator gives thread t of a quad the keys 2t, 2t + 1, 8 + 2t and
-# 9 + 2t of each 16, and its float8 register operand takes keys 4t to 4t + 3.  With V's keys
-# (and so P's: gluon/forward.py, _p_operand) in this order, P's change of layout moves no value
-# between threads (FlashAttention-3's).
+    return keys_contiguous_copy(v, row, mma_order=False)[..., :seqlen]
 
 
 def keys_contiguous_descriptor(v, keys, head_dim_pad):
-    """A batched V laid out as keys_contiguous lays it out, but in the float8 key order above
-    within each 16, as TMA reads it ``keys`` keys of one head at a time (the Gluon forward).  The
-    keys are padded with zeros to a multiple of 16 (the order mixes the last group's)."""
-    batch, seqlen, heads, head_dim = v.shape
-    groups, tail = divmod(seqlen, 16)
-    src = v.permute(0, 2, 3, 1)  # (batch, heads, head_dim, seqlen)
-    vt = v.new_empty(batch, heads, head_dim, groups + (tail > 0), 4, 2, 2)  # (..., group, t, a, b)
-    dst = vt.permute(0, 1, 2, 3, 5, 4, 6)  # the same memory as (..., group, a, t, b)
-    if groups:
-        dst[..., :groups, :, :, :].copy_(src[..., :groups * 16].unflatten(-1, (groups, 2, 4, 2)))
-    if tail:
-        last = v.new_zeros(batch, heads, head_dim, 16)
-        last[..., :tail] = src[..., groups * 16:]
-        dst[..., groups, :, :, :].copy_(last.unflatten(-1, (2, 4, 2)))
-    return Descriptor(vt.flatten(3), *_keys_block_spec(head_dim_pad, keys, v.dtype))
+    """A batched V laid out as keys_contiguous lays it out, but with the keys of each 16 in the
+    float8 register operand's order (kernels/keys_contiguous.py), as TMA reads it ``keys`` keys of
+    one head at a time (the Gluon forward).  The keys are padded with zeros to a multiple of 16
+    (the order mixes the last group's)."""
+    vt = keys_contiguous_copy(v, -(-v.shape[1] // 16) * 16, mma_order=True)
+    return Descriptor(vt, *_keys_block_spec(head_dim_pad, keys, v.dtype))

@@ -447,7 +447,7 @@ def _values(buf, slot, S: gl.constexpr):
 @gluon.jit
 def _p_operand(p, dtype: gl.constexpr, layout: gl.constexpr, FP8: gl.constexpr):
     """P as O += P V's register operand.  Float8 P takes its keys in the order V's copy holds
-    them (tma.keys_contiguous_descriptor): key 8a + 2t + b of each 16 at 4t + 2a + b, so that
+    them (kernels/keys_contiguous.py): key 8a + 2t + b of each 16 at 4t + 2a + b, so that
     each thread's accumulator registers already hold the keys its operand registers take and
     the change of layout moves no value between threads."""
     if FP8:
