@@ -46,7 +46,10 @@ def fp8_attention(module, query, key, value, attention_mask, scaling=None, dropo
         raise NotImplementedError("attn_implementation='fp8' takes unpadded causal batches (no attention mask)")
     if dropout:
         raise NotImplementedError("attn_implementation='fp8' has no dropout")
-    out = fp8.fp8_attn_func(*(x.transpose(1, 2) for x in (query, key, value)), softmax_scale=scaling,
+    # Under autocast the rotary embedding hands back float32 queries and keys; transformers'
+    # flash-attention path casts them back to the half type the same way.
+    half = value.dtype if value.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    out = fp8.fp8_attn_func(*(x.transpose(1, 2).to(half) for x in (query, key, value)), softmax_scale=scaling,
                             causal=True)
     return out, None
 

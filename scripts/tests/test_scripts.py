@@ -93,13 +93,14 @@ def test_train_llama_fp8_attention_matches_sdpa(monkeypatch):
     config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    model = LlamaForCausalLM(config).to(device=device)
     tokens = torch.randint(0, 64, (2, 48), device=device)
     logits, grads = {}, {}
     for name in ("sdpa", train_llama.FP8):
         model.set_attn_implementation(name)
         model.zero_grad()
-        out = model(input_ids=tokens, labels=tokens)
+        with torch.autocast(device, dtype=torch.bfloat16):  # as train_llama.train_step (float32 q, k)
+            out = model(input_ids=tokens, labels=tokens)
         out.loss.backward()
         logits[name] = out.logits.float()
         grads[name] = model.model.layers[0].self_attn.q_proj.weight.grad.float()
