@@ -446,22 +446,46 @@ def _values(buf, slot, S: gl.constexpr):
 
 @gluon.jit
 def _p_operand(p, dtype: gl.constexpr, layout: gl.constexpr, FP8: gl.constexpr):
-    """P as O += P V's register operand.  Float8 P takes its keys in the order V's copy holds
-    them (kernels/keys_contiguous.py): key 8a + 2t + b of each 16 at 4t + 2a + b, so that
-    each thread's accumulator registers already hold the keys its operand registers take and
-    the change of layout moves no value between threads."""
+    """P as O += P V's register operand (_issue_values takes it).  Float8 P takes its keys in the
+    order V's copy holds them (kernels/keys_contiguous.py), so that the change of layout moves no
+    value between threads, and is kept four keys to an int32 until its MMA (_float8_operand)."""
     if FP8:
         ROWS: gl.constexpr = p.shape[0]
         KEYS: gl.constexpr = p.shape[1]
-        p8 = p.to(dtype).reshape([ROWS, KEYS // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([ROWS, KEYS])
-        return gl.convert_layout(p8, layout)
+        p = p.reshape([ROWS, KEYS // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([ROWS, KEYS])
+        p = gl.convert_layout(p, layout).reshape([ROWS, KEYS // 4, 2, 2])
+        even, odd = gl.split(p)
+        k0, k2 = gl.split(even)
+        k1, k3 = gl.split(odd)
+        if dtype == gl.float8e5:
+            cvt: gl.constexpr = "cvt.rn.satfinite.e5m2x2.f32"
+        else:
+            cvt: gl.constexpr = "cvt.rn.satfinite.e4m3x2.f32"
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; " + cvt + " lo, $2, $1; " + cvt + " hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+            "=r,r,r,r,r", [k0, k1, k2, k3], dtype=gl.int32, is_pure=True, pack=1)
     else:
         return gl.convert_layout(p.to(dtype), layout)
 
 
 @gluon.jit
+def _float8_operand(packed, dtype: gl.constexpr, layout: gl.constexpr):
+    """_p_operand's packed float8 P as the MMA's register operand."""
+    b0 = packed.to(gl.int8)
+    b1 = (packed >> 8).to(gl.int8)
+    b2 = (packed >> 16).to(gl.int8)
+    b3 = (packed >> 24).to(gl.int8)
+    x = gl.join(gl.join(b0, b2), gl.join(b1, b3))
+    x = x.reshape([x.shape[0], x.shape[1] * 4]).to(dtype, bitcast=True)
+    return gl.convert_layout(x, layout)
+
+
+@gluon.jit
 def _issue_values(p_op, v, acc, o_zero, S: gl.constexpr):
     """Start O += P V; with FRESH_PV the product goes to a zeroed accumulator (_add_values)."""
+    if S.FP8:
+        p_op = _float8_operand(p_op, v.dtype, gl.DotOperandLayout(operand_index=0, parent=acc.type.layout,
+                                                                   k_width=4))
     if S.FRESH_PV:
         return warpgroup_mma(p_op, v, o_zero, use_acc=False, is_async=True)
     else:
@@ -490,10 +514,7 @@ def _wait_values(pv, p_op, FP8: gl.constexpr):
     """Wait for the P V product; P's registers (read by it in flight) are kept alive up to here.
     Triton 3.6 ties no 8-bit registers through the wait: float8 P's lifetime is left to ptxas,
     which keeps the registers of an asynchronous MMA until its wait."""
-    if FP8:
-        pv = warpgroup_mma_wait(0, deps=[pv])
-    else:
-        pv, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
+    pv, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
     return pv, p_op
 
 
