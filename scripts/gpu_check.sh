@@ -71,7 +71,7 @@ for stage in $stages; do
       (rc=0
        # v3's kernels each: the Gluon and the plain-Triton forward; the Gluon backwards (two
        # passes, one with TMA reduce-add) and v2's
-       for run in "backward=gluon v1,v2,v3" "backward=gluon-reduce v3" "forward=triton;backward=v2 v3"; do
+       for run in "backward=gluon v1,v2,v3,fp8" "backward=gluon-reduce v3" "forward=triton;backward=v2 v3"; do
          set -- $run
          echo "kernel options: $1"
          PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck --error-exitcode 1 \
