@@ -153,7 +153,7 @@ def _forward_plan(p, version, target, opts) -> Plan:
     if version == "v2" or p.v2_only:
         return _v2_forward(p, target, opts)
     kernel = opts.forward or "gluon"
-    if p.fp8 and not (kernel == "gluon" and target.gluon and configs.gluon_takes_fp8(p.head_dim_pad, p.banded)):
+    if p.fp8 and not (kernel == "gluon" and target.gluon):
         return _v2_forward(p, target, opts)  # (the plain-Triton Hopper forward has no float8 path)
     if kernel == "gluon" and target.gluon:
         return Plan("v3-gluon", gluon_schedule(p, opts))

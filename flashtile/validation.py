@@ -219,6 +219,9 @@ def version_takes(version: str, dropout_p: float, head_dim: int, head_dim_v: int
     path; v1 takes none of them."""
     if fp8 and device is not None and fp8_capable(device):
         raise NotImplementedError(f"FP8 inputs: {fp8_capable(device)}")
+    if fp8 and head_dim <= 16:
+        raise NotImplementedError(f"FP8 inputs: head dim {head_dim}; float8 tensor-core products reduce 32 values at a "
+                                  f"time, so the FP8 kernels take head dims above 16")
     if fp8 and version in ("v1", "tiled"):
         raise NotImplementedError(f"FP8 inputs: version={version!r} has no FP8 path; v2 and v3 do (on CPU "
                                   f"tensors, under TRITON_INTERPRET=1)")

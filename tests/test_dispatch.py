@@ -232,8 +232,8 @@ def test_decode_plan_splits_from_static_shapes():
 def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     # Only v2's kernels draw the dropout mask and take a V head dim of its own: v3 hands such
     # problems to them where the Gluon kernels would otherwise run.  FP8 inputs (forward only)
-    # run the Gluon forward, with its own tiles, where it takes them, else v2's (never the
-    # plain-Triton Hopper forward, which has no float8 path).
+    # run the Gluon forward, with its own tiles, at every head dim, band or not, else v2's
+    # (never the plain-Triton Hopper forward, which has no float8 path).
     seed = torch.zeros(1, dtype=torch.int64)
     for p in (problem(dropout_p=0.1, dropout_seed=seed), problem(own_head_dim_v=64)):
         assert forward(p).kernel == "v2" and backward(p).kernel == "v2"
@@ -244,10 +244,16 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     assert forward(problem(fp8=True), opts=KernelOptions(forward="triton")).kernel == "v2"
     assert forward(problem(fp8=True), target=dispatch.Target(gluon=False, interpreter=False)).kernel == "v2"
     assert forward(problem(fp8=True), version="v2").kernel == "v2"
-    # d64 bands: v2's FP8 forward leads the Gluon one.
-    assert forward(problem(fp8=True, head_dim=64)).kernel == "v3-gluon"
-    assert forward(problem(window_right=0, fp8=True, head_dim=64)).kernel == "v2"
-    assert forward(problem(window_right=0, fp8=True)).kernel == "v3-gluon"
+    for head_dim in (32, 64, 128, 256):
+        for window_right in (-1, 0):
+            assert forward(problem(window_right=window_right, fp8=True, head_dim=head_dim)).kernel == "v3-gluon"
+    # Three consumers at d64 from 2k rows, 4k with a band (8k for bf16 bands).
+    consumers = {(n, w, fp8): forward(problem(seqlen=n, window_right=w, fp8=fp8, head_dim=64)).config.consumers
+                 for n in (1024, 2048, 4096, 8192) for w in (-1, 0) for fp8 in (False, True)}
+    assert [n for n in (1024, 2048, 4096, 8192) if consumers[n, 0, True] == 3] == [4096, 8192]
+    assert [n for n in (1024, 2048, 4096, 8192) if consumers[n, 0, False] == 3] == [8192]
+    assert all(consumers[n, -1, fp8] == (3 if n >= 2048 else 2) for n in (1024, 2048, 4096, 8192)
+               for fp8 in (False, True))
     assert forward(problem()).kernel == "v3-gluon" and backward(problem()).kernel.startswith("v3-gluon")
     # The seed and the descales are no part of a plan's key.
     assert problem(dropout_p=0.1, dropout_seed=seed) == problem(dropout_p=0.1, dropout_seed=seed.clone())

@@ -9,14 +9,14 @@ from conftest import DEVICE, ON_GPU
 
 import flashtile
 from flashtile import flash_attn_interface as fa3, fp8, standard_attention
-from flashtile.kernels import keys_contiguous, score
+from flashtile.kernels import configs, keys_contiguous, score
 from flashtile.kernels.quantize import blocks as fused_quantize_blocks
 from flashtile.reference import band_mask
 from flashtile.validation import band
 
 HEAD_DIM = 128 if ON_GPU else 32
 # The GPU's kernels differ per head dim (the Gluon forward: tiles, and a float32 P V sum up to d128).
-HEAD_DIMS = (64, 128, 256) if ON_GPU else (HEAD_DIM,)
+HEAD_DIMS = (32, 64, 128, 256) if ON_GPU else (HEAD_DIM,)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
@@ -57,8 +57,22 @@ def emulated(q, k, v, causal, dtype, softcap=0.0):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_fp8_forward_against_dequantized_oracle(dtype, causal, head_dim):
+    check_forward(dtype, causal, head_dim, *((300, 420) if ON_GPU else (70, 90)))  # several K/V blocks
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_forward_three_consumers(monkeypatch, causal):
+    # d64's three consumer warpgroups (192-row tiles) on float8 inputs, which take them from 2k
+    # query rows (4k with a band): here from any length (lengths no other test plans for).
+    monkeypatch.setitem(configs.THREE_CONSUMERS_FROM_FP8, causal, 0)
+    assert configs.gluon_consumers(64, causal, 333, fp8=True) == 3
+    check_forward(torch.float8_e4m3fn, causal, 64, 333, 451)
+    check_block_scales(causal, 64, 333, 451)  # (fp8_attn_func: descales per block)
+
+
+def check_forward(dtype, causal, head_dim, seqlen_q, seqlen_k):
     torch.manual_seed(0)
-    seqlen_q, seqlen_k = (300, 420) if ON_GPU else (70, 90)  # several of the GPU's K/V blocks
     q, k, v = (torch.randn(2, n, h, head_dim, device=DEVICE) * 3 for n, h in ((seqlen_q, 4), (seqlen_k, 2),
                                                                               (seqlen_k, 2)))
     (q8, qd), (k8, kd), (v8, vd) = (quantize(x, 2, dtype) for x in (q, k, v))
@@ -119,6 +133,10 @@ def test_fp8_refusals():
         fa3.flash_attn_func(q8, q8, q8, k_descale=torch.ones(1, 2, dtype=torch.float64, device=DEVICE))
     with pytest.raises(ValueError, match="multiples of 16"):
         fa3.flash_attn_func(q8[..., :24], q8[..., :24], q8[..., :24])
+    with pytest.raises(NotImplementedError, match="head dim 16; float8 tensor-core products reduce 32"):
+        fa3.flash_attn_func(q8[..., :16], q8[..., :16], q8[..., :16])
+    with pytest.raises(NotImplementedError, match="head dim 16"):
+        flashtile.fp8_attn_func(q[..., :16].bfloat16(), q[..., :16].bfloat16(), q[..., :16].bfloat16())
     with pytest.raises(TypeError, match="flash_attn_interface"):
         from flashtile import flash_attn_func
         flash_attn_func(q8, q8, q8)
@@ -173,9 +191,12 @@ def test_fp8_block_scales_against_dequantized_oracle(causal, head_dim):
     # Scales per block of the kernel's own tiles (a query head's BLOCK_M rows, a KV head's
     # BLOCK_N rows): the output against float64 on the same dequantized blocks, by the FA rule
     # with the emulated roundings as the same-precision reference.
+    check_block_scales(causal, head_dim, *((300, 420) if ON_GPU else (70, 90)))  # several tiles
+
+
+def check_block_scales(causal, head_dim, seqlen_q, seqlen_k):
     torch.manual_seed(2)
     dtype = torch.float8_e4m3fn
-    seqlen_q, seqlen_k = (300, 420) if ON_GPU else (70, 90)  # several of the GPU's tiles too
     q, k, v = (torch.randn(2, n, h, head_dim, device=DEVICE, dtype=torch.bfloat16) * s
                for n, h, s in ((seqlen_q, 4, 1), (seqlen_k, 2, 3), (seqlen_k, 2, 0.5)))
     scale = head_dim ** -0.5

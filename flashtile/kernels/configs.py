@@ -109,22 +109,18 @@ V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (256, Glu
 V3_GLUON_FP8 = [(64, GluonSchedule(128, 4)), (128, GluonSchedule(128, 3)), (256, GluonSchedule(64, 3))]
 
 
-def gluon_takes_fp8(head_dim_pad: int, banded: bool) -> bool:
-    """Whether v3 runs float8 inputs in the Gluon forward rather than v2's: everywhere but d64
-    bands, where the Gluon consumers' float8 layout work outweighs their MMAs (tuning.md)."""
-    return not (banded and head_dim_pad <= 64)
-
-
 # Three consumer warpgroups (192-row tiles, 160 registers each, as FlashAttention-3's d64
 # forward) pay at d64 once there are enough query rows to fill them: from this many rows,
-# without and with a band.  d128 has no registers for them (ptxas spills).
+# without and with a band; float8 inputs (half the MMA time, the same softmax) already at 4k
+# rows with a band.  d128 has no registers for them (ptxas spills).
 THREE_CONSUMERS_FROM = {False: 2048, True: 8192}
+THREE_CONSUMERS_FROM_FP8 = {False: 2048, True: 4096}
 
 
 def gluon_consumers(head_dim_pad: int, banded: bool, seqlen_q: int, fp8: bool = False) -> int:
-    """Two, or three at d64 from THREE_CONSUMERS_FROM rows; float8 inputs always two (their
-    float32 P V accumulator spills three consumers' registers)."""
-    return 3 if head_dim_pad == 64 and seqlen_q >= THREE_CONSUMERS_FROM[banded] and not fp8 else 2
+    """Two, or three at d64 from THREE_CONSUMERS_FROM(_FP8) rows."""
+    start = (THREE_CONSUMERS_FROM_FP8 if fp8 else THREE_CONSUMERS_FROM)[banded]
+    return 3 if head_dim_pad == 64 and seqlen_q >= start else 2
 
 
 @dataclass(frozen=True)

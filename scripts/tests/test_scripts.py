@@ -90,7 +90,7 @@ def test_train_llama_fp8_attention_matches_sdpa(monkeypatch):
     import train_llama
     from transformers import LlamaConfig, LlamaForCausalLM
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(device=device)
