@@ -27,7 +27,7 @@ DIMS = 64
 def _copy_kernel(V, OUT, seqlen, heads, head_dim, row, svb, svs, svh, sob, soh, sod,
                  KEYS: tl.constexpr, DIMS: tl.constexpr, MMA_ORDER: tl.constexpr):
     bh = tl.program_id(1)
-    batch = bh // heads
+    batch = (bh // heads).to(tl.int64)  # a batch's offset may pass 2**31 elements
     head = bh % heads
     keys = tl.program_id(0) * KEYS + tl.arange(0, KEYS)
     dims = tl.program_id(2) * DIMS + tl.arange(0, DIMS)
