@@ -8,7 +8,7 @@ from attention_check import OUT_RULE, assert_within_rule
 from conftest import DEVICE, ON_GPU
 
 import flashtile
-from flashtile import flash_attn_interface as fa3, fp8, standard_attention
+from flashtile import dispatch, flash_attn_interface as fa3, fp8, standard_attention
 from flashtile.kernels import configs, keys_contiguous, score
 from flashtile.kernels.quantize import blocks as fused_quantize_blocks
 from flashtile.reference import band_mask
@@ -66,9 +66,16 @@ def test_fp8_forward_three_consumers(monkeypatch, causal):
     # d64's three consumer warpgroups (192-row tiles) on float8 inputs, which take them from 2k
     # query rows (4k with a band): here from any length (lengths no other test plans for).
     monkeypatch.setitem(configs.THREE_CONSUMERS_FROM_FP8, causal, 0)
-    assert configs.gluon_consumers(64, causal, 333, fp8=True) == 3
-    check_forward(torch.float8_e4m3fn, causal, 64, 333, 451)
-    check_block_scales(causal, 64, 333, 451)  # (fp8_attn_func: descales per block)
+    plans = []
+    plan_of = dispatch.forward_plan
+    monkeypatch.setattr(dispatch, "forward_plan", lambda *a: plans.append(plan_of(*a)) or plans[-1])
+    dispatch._forward_plan_cached.cache_clear()  # plans made before the patch (and after: below)
+    try:
+        check_forward(torch.float8_e4m3fn, causal, 64, 333, 451)
+        check_block_scales(causal, 64, 333, 451)  # (fp8_attn_func: descales per block)
+    finally:
+        dispatch._forward_plan_cached.cache_clear()
+    assert plans and all(p.kernel == "v3-gluon" and p.config.consumers == 3 for p in plans)
 
 
 def check_forward(dtype, causal, head_dim, seqlen_q, seqlen_k):
@@ -238,12 +245,18 @@ def test_fused_quantize_matches_pytorch(dtype, rotate, head_dim):
 
 
 @pytest.mark.parametrize("mma_order", [False, True])
-@pytest.mark.parametrize("shape", [(2, 150, 3, 80), (131, 2, 64)], ids=["batched", "varlen"])
-def test_keys_contiguous_copy(shape, mma_order):
+@pytest.mark.parametrize("shape, strided", [((2, 150, 3, 80), False), ((2, 150, 3, 80), True), ((131, 2, 64), False)],
+                         ids=["batched", "heads-major view", "varlen"])
+def test_keys_contiguous_copy(shape, strided, mma_order):
     # V with its keys contiguous (and, for the Gluon forward, in the float8 operand's order within
-    # each 16) from the copy kernel: the same bytes as PyTorch's copies, zeros past seqlen.
+    # each 16) from the copy kernel: the same bytes as PyTorch's copies, zeros past seqlen; also
+    # from a (batch, heads, seqlen, d) tensor seen as (batch, seqlen, heads, d).
     torch.manual_seed(5)
-    v = (torch.randn(shape, device=DEVICE) * 50).to(torch.float8_e4m3fn)
+    if strided:
+        b, n, h, d = shape
+        v = (torch.randn(b, h, n, d, device=DEVICE) * 50).to(torch.float8_e4m3fn).transpose(1, 2)
+    else:
+        v = (torch.randn(shape, device=DEVICE) * 50).to(torch.float8_e4m3fn)
     row = -(-shape[-3] // 16) * 16 + 32
     got = keys_contiguous.copy(v, row, mma_order)
     ref = keys_contiguous.reference(v, row, mma_order)
@@ -251,3 +264,6 @@ def test_keys_contiguous_copy(shape, mma_order):
     assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
     # (the operand's order mixes the keys of the last group of 16 with its padding)
     assert not got[..., -(-shape[-3] // 16) * 16 if mma_order else shape[-3]:].float().any()
+    if mma_order:
+        with pytest.raises(ValueError, match="row=20"):
+            keys_contiguous.copy(v, 20, mma_order)

@@ -2,7 +2,7 @@
 
 A warpgroup MMA reads float8 operands along the reduction only, and P V reduces over the keys, so
 V (..., seqlen, heads, head_dim) is copied to (..., heads, head_dim, keys).  One program per
-(block of KEYS keys, sequence × head, block of DIMS dims) loads the tile along the head dim,
+(sequence × head, block of KEYS keys, block of DIMS dims) loads the tile along the head dim,
 transposes it in registers (through shared memory) and stores it along the keys; a copy through
 ``Tensor.copy_`` of the transposed view writes a byte at a time and runs at a tenth of the
 bandwidth.
@@ -26,10 +26,10 @@ DIMS = 64
 @triton.jit
 def _copy_kernel(V, OUT, seqlen, heads, head_dim, row, svb, svs, svh, sob, soh, sod,
                  KEYS: tl.constexpr, DIMS: tl.constexpr, MMA_ORDER: tl.constexpr):
-    bh = tl.program_id(1)
-    batch = (bh // heads).to(tl.int64)  # a batch's offset may pass 2**31 elements
-    head = bh % heads
-    keys = tl.program_id(0) * KEYS + tl.arange(0, KEYS)
+    bh = tl.program_id(0)
+    batch = (bh // heads).to(tl.int64)  # a batch's or a head's offset may pass 2**31 elements
+    head = (bh % heads).to(tl.int64)
+    keys = tl.program_id(1) * KEYS + tl.arange(0, KEYS)
     dims = tl.program_id(2) * DIMS + tl.arange(0, DIMS)
     x = tl.load(V + batch * svb + head * svh + keys[:, None].to(tl.int64) * svs + dims[None, :],
                 mask=(keys[:, None] < seqlen) & (dims[None, :] < head_dim), other=0.0)
@@ -44,13 +44,16 @@ def copy(v, row: int, mma_order: bool):
     head_dim, row) (varlen: (heads, head_dim, row)) with keys past seqlen zero, in the float8
     operand's order within each 16 if ``mma_order``."""
     *lead, seqlen, heads, head_dim = v.shape
+    if mma_order and row % 16:
+        raise ValueError(f"row={row}: the float8 operand's key order permutes groups of 16 keys")
     if v.stride(-1) != 1:
         v = v.contiguous()
     out = v.new_empty(*lead, heads, head_dim, row)
     batch, svb = (lead[0], v.stride(0)) if lead else (1, 0)
     sob = out.stride(0) if lead else 0
     if out.numel():
-        launch(_copy_kernel, (triton.cdiv(row, KEYS), batch * heads, triton.cdiv(head_dim, DIMS)), v, out,
+        # Sequences x heads on the grid's first axis: the others stop at 65535.
+        launch(_copy_kernel, (batch * heads, triton.cdiv(row, KEYS), triton.cdiv(head_dim, DIMS)), v, out,
                seqlen, heads, head_dim, row, svb, v.stride(-3), v.stride(-2), sob, out.stride(-3),
                out.stride(-2), KEYS=KEYS, DIMS=DIMS, MMA_ORDER=mma_order, num_warps=4)
     return out

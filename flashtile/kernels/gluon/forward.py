@@ -510,10 +510,11 @@ def _add_values(acc, pv, alpha, alpha_prev, v_unit, v_pv, v_next, FRESH_PV: gl.c
 
 
 @gluon.jit
-def _wait_values(pv, p_op, FP8: gl.constexpr):
+def _wait_values(pv, p_op):
     """Wait for the P V product; P's registers (read by it in flight) are kept alive up to here.
-    Triton 3.6 ties no 8-bit registers through the wait: float8 P's lifetime is left to ptxas,
-    which keeps the registers of an asynchronous MMA until its wait."""
+    Float8 P is tied as the packed int32 that _float8_operand unpacks into the MMA's operand
+    (the same registers once the compiler folds the unpacking; ptxas keeps an asynchronous MMA's
+    registers until its wait either way)."""
     pv, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
     return pv, p_op
 
@@ -633,7 +634,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
                 p, alpha, m_i = scaled_softmax_step(s, m_i, score.exp_scale(block_scale, S.SCORE), log2_factor)
                 l_i = l_i * alpha + gl.sum(p, 1) * inverse
                 # p_op of the previous block is read by the in-flight wgmma: keep it alive until here.
-                pv, p_op = _wait_values(pv, p_op, S.FP8)
+                pv, p_op = _wait_values(pv, p_op)
                 mbarrier.arrive(buf.v_empty.index(prev_slot))
                 acc, alpha_prev, v_unit = _add_values(acc, pv, gl.convert_layout(alpha, o_rows)[:, None], alpha_prev,
                                                       v_unit, descales.value_scale(batch, head_k, n0 - BLOCK_N, S),
@@ -650,7 +651,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
             mbarrier.wait(buf.v_ready.index(prev_slot), prev_phase)
             v_prev = _values(buf, prev_slot, S)
             pv = _issue_values(p_op, v_prev, acc, o_zero, S)
-            pv, p_op = _wait_values(pv, p_op, S.FP8)
+            pv, p_op = _wait_values(pv, p_op)
             last = descales.value_scale(batch, head_k, lo + (n_blocks - 1) * BLOCK_N, S)
             acc, alpha_prev, v_unit = _add_values(acc, pv, 1.0, alpha_prev, v_unit, last, last, S.FRESH_PV)
             mbarrier.arrive(buf.v_empty.index(prev_slot))
