@@ -154,7 +154,7 @@ def _forward_plan(p, version, target, opts) -> Plan:
         return _v2_forward(p, target, opts)
     kernel = opts.forward or "gluon"
     if p.fp8 and not (kernel == "gluon" and target.gluon):
-        return _v2_forward(p, target, opts)  # (the plain-Triton Hopper forward has no float8 path)
+        return _v2_forward(p, target, opts)  # the plain-Triton Hopper forward has no float8 path
     if kernel == "gluon" and target.gluon:
         return Plan("v3-gluon", gluon_schedule(p, opts))
     if kernel == "v2" or (kernel == "gluon" and p.banded and p.seqlen_k <= configs.SHORT_KEYS):

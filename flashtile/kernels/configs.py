@@ -107,8 +107,6 @@ class GluonSchedule:
 V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (256, GluonSchedule(64, 2))]
 # Float8 Q/K/V take half the shared memory: a deeper ring at the same tiles.
 V3_GLUON_FP8 = [(64, GluonSchedule(128, 4)), (128, GluonSchedule(128, 3)), (256, GluonSchedule(64, 3))]
-
-
 # Three consumer warpgroups (192-row tiles, 160 registers each, as FlashAttention-3's d64
 # forward) pay at d64 once there are enough query rows to fill them: from this many rows,
 # without and with a band; float8 inputs (half the MMA time, the same softmax) already at 4k
