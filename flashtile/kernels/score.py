@@ -1,17 +1,20 @@
 """The score hook: what every kernel applies to the scores where it forms them.
 
 Kernels keep raw scores s = q . k and fold the softmax scale into the exponent: p =
-exp2(s * scale_log2 - m).  A score modification turns the scaled scores into other logits
-first, x -> f(x), in log2 units (x = s * scale * log2(e)): ``logits`` applies it where S is
-formed (forward, and the backward's recomputation of P), ``grad`` multiplies dS by f'(x) where
-dS is formed.  Without one (``MOD`` None) both are the identity and compile to exactly the
-kernel's plain code.
+exp2(s * scale_log2 - m).  A score modification turns the scaled scores x = s * scale * log2(e)
+into other logits f(x), log2 units.  It works in a unit u of its own, the first of its run-time
+arguments (the softcap in log2 units, else 1): ``logits`` returns y = f(x) / u where S is formed
+(forward, and the backward's recomputation of P), ``exp_scale`` the u the softmax's exponent
+multiplies y by, and ``grad`` multiplies dS by f'(x) where dS is formed.  The unit lets a
+softcap cost what FlashAttention-3's does: y = tanh(s * scale_log2 / u) is one multiply and a
+tanh per score, and u joins the exponent's existing multiply-add.  Without a modification
+(``MOD`` None) y = s and u = scale_log2: exactly the kernel's plain code.
 
 A ``ScoreMod`` is a pair of ``@triton.jit`` functions, plugged into every kernel as a
-compile-time argument, with this signature:
+compile-time argument, with this signature (in units of u = args[0]):
 
-    forward(x, q_idx, kv_idx, batch, head, offset, args) -> f(x)
-    backward(ds, y, q_idx, kv_idx, batch, head, offset, args) -> ds * f'(x), with y = f(x)
+    forward(x / u, q_idx, kv_idx, batch, head, offset, args) -> f(x) / u
+    backward(ds, y, q_idx, kv_idx, batch, head, offset, args) -> ds * f'(x), with y = f(x) / u
 
 ``q_idx`` and ``kv_idx`` are the positions of the rows and columns inside their sequences,
 shaped to broadcast against the score tile; ``batch`` the sequence (varlen: its index) and
@@ -36,6 +39,12 @@ class ScoreMod:
     name: str
     forward: object
     backward: object = None  # None: f'(x) = 1
+    # A distance bias, f(x) = inner(x) - slope * |i + offset - j| (ALiBi): ``slope(batch, head,
+    # args)`` in the hook's unit, ``inner`` the modification under the bias (None: the identity).
+    # On a block whose keys all lie on one side of every row's diagonal the bias is a column part
+    # plus a row part (one_side_logits); kernels that know their blocks use it, the rest forward.
+    slope: object = None
+    inner: object = None
 
 
 @triton.jit
@@ -55,23 +64,28 @@ _tanh = _tanh_exp2 if options.interpreting() else _tanh_approx
 
 @triton.jit
 def _softcap(x, q_idx, kv_idx, batch, head, offset, args):
-    cap = args[0]  # in log2 units: softcap * log2(e)
-    return cap * _tanh(x / cap)
+    # In units of the cap (args[0] = softcap * log2(e)): cap * tanh(x / cap) is tanh(x / cap) caps.
+    return _tanh(x)
 
 
 @triton.jit
 def _softcap_grad(ds, y, q_idx, kv_idx, batch, head, offset, args):
-    t = y / args[0]
-    return ds * (1.0 - t * t)
+    return ds * (1.0 - y * y)
+
+
+@triton.jit
+def _alibi_slope(batch, head, args):
+    """ALiBi's slope of (batch, head) in the hook's unit (log2(e) / args[0] per unit of flash_attn's),
+    read from args[1] with batch stride args[2] (0: one slope per head)."""
+    return tl.load(args[1] + batch * args[2] + head) * tiles.LOG2E / args[0]
 
 
 @triton.jit
 def _alibi_bias(q_idx, kv_idx, batch, head, offset, args):
-    """flash_attn's ALiBi bias, negated and in log2 units: slope * |i + offset - j| * log2(e),
-    the slope of (batch, head) read from args[1] with batch stride args[2] (0: one per head).
-    The positions turn into floats before they broadcast (a conversion per row and per column,
-    not per score); their difference is exact below 2**24."""
-    slope = tl.load(args[1] + batch * args[2] + head) * tiles.LOG2E
+    """flash_attn's ALiBi bias, negated, in the hook's unit: slope * |i + offset - j|.  The
+    positions turn into floats before they broadcast (a conversion per row and per column, not
+    per score); their difference is exact below 2**24."""
+    slope = _alibi_slope(batch, head, args)
     return slope * tl.abs((q_idx + offset).to(tl.float32) - kv_idx.to(tl.float32))
 
 
@@ -94,8 +108,8 @@ def _softcap_alibi_grad(ds, y, q_idx, kv_idx, batch, head, offset, args):
 
 
 SOFTCAP = ScoreMod("softcap", _softcap, _softcap_grad)
-ALIBI = ScoreMod("alibi", _alibi)  # a bias: f'(x) = 1
-SOFTCAP_ALIBI = ScoreMod("softcap+alibi", _softcap_alibi, _softcap_alibi_grad)
+ALIBI = ScoreMod("alibi", _alibi, slope=_alibi_slope)  # a bias: f'(x) = 1
+SOFTCAP_ALIBI = ScoreMod("softcap+alibi", _softcap_alibi, _softcap_alibi_grad, slope=_alibi_slope, inner=SOFTCAP)
 
 
 def mod_of(p):
@@ -106,44 +120,70 @@ def mod_of(p):
 
 
 def args_of(p) -> tuple:
-    """The run-time arguments of the problem's score modification: the softcap in log2 units
-    (one float also when there is none), then with ALiBi its slopes and their batch stride."""
+    """The run-time arguments of the problem's score modification: its unit (the softcap in log2
+    units, else 1), then with ALiBi its slopes and their batch stride."""
+    unit = p.softcap * LOG2E if p.softcap > 0 else 1.0
     if p.alibi_slopes is not None:
         slopes = p.alibi_slopes
-        return (p.softcap * LOG2E, slopes, slopes.stride(0) if slopes.dim() == 2 else 0)
-    return (p.softcap * LOG2E,)
+        return (unit, slopes, slopes.stride(0) if slopes.dim() == 2 else 0)
+    return (unit,)
 
 
 @triton.jit
 def logits(s, scale_log2, q_idx, kv_idx, site, MOD: tl.constexpr):
     """Raw scores as the online softmax takes them: unchanged without a modification (the
-    softmax applies scale_log2: exp_scale), else f(s * scale_log2), log2 units.  ``site``:
+    softmax applies scale_log2: exp_scale), else f(s * scale_log2) / u, u = args[0].  ``site``:
     (batch, head, offset, args) of the tile (see the module doc)."""
     if MOD is None:
         return s
     else:
         batch, head, offset, args = site
-        return MOD.forward(s * scale_log2, q_idx, kv_idx, batch, head, offset, args)
+        return MOD.forward(s * (scale_log2 / args[0]), q_idx, kv_idx, batch, head, offset, args)
 
 
 @triton.jit
-def exp_scale(scale_log2, MOD: tl.constexpr):
-    """The factor the softmax's exponent applies to what ``logits`` returns."""
+def exp_scale(scale_log2, site, MOD: tl.constexpr):
+    """The factor the softmax's exponent applies to what ``logits`` returns: log2 units per unit."""
     if MOD is None:
         return scale_log2
     else:
-        return 1.0
+        return site[3][0]
 
 
 @triton.jit
 def scaled_logits(s, scale_log2, q_idx, kv_idx, site, MOD: tl.constexpr):
-    """Logits in log2 units, for kernels that scale the scores before the softmax."""
-    return logits(s, scale_log2, q_idx, kv_idx, site, MOD) * exp_scale(scale_log2, MOD)
+    """Logits in log2 units, for kernels that scale the scores before the softmax (and take no
+    ``grad``, which reads logits' own units)."""
+    return logits(s, scale_log2, q_idx, kv_idx, site, MOD) * exp_scale(scale_log2, site, MOD)
+
+
+@triton.jit
+def distance_slope(site, MOD: tl.constexpr):
+    """The slope of MOD's distance bias (MOD.slope set) for the tile's (batch, head), in the unit."""
+    batch, head, offset, args = site
+    return MOD.slope(batch, head, args)
+
+
+@triton.jit
+def one_side_logits(s, scale_log2, col_bias, q_idx, kv_idx, site, MOD: tl.constexpr):
+    """``logits`` of a block whose keys lie all left (at or before) or all right of every row's
+    diagonal i + offset, for a distance bias: there -slope * |i + offset - j| is
+    side * slope * (j - n0) + side * slope * (n0 - i - offset), side +1 left and -1 right.
+    ``col_bias`` is the first part, side * slope * (j - n0), the same for every block of a side;
+    the caller adds the second, one per row, to the softmax (tiles.scaled_softmax_step's
+    row_log2).  A score costs one multiply-add for the bias, not four."""
+    batch, head, offset, args = site
+    x = s * (scale_log2 / args[0])
+    if MOD.inner is None:
+        return x + col_bias
+    else:
+        return MOD.inner.forward(x, q_idx, kv_idx, batch, head, offset, args) + col_bias
 
 
 @triton.jit
 def grad(ds, y, q_idx, kv_idx, site, MOD: tl.constexpr):
-    """dS with respect to the scaled scores: ``ds`` (with respect to the logits ``y``) times f'."""
+    """dS with respect to the scaled scores: ``ds`` (with respect to the logits) times f', ``y``
+    what ``logits`` returned."""
     if MOD is None:
         return ds
     elif MOD.backward is None:

@@ -130,16 +130,24 @@ def online_softmax_step(s, m_i, scale_log2):
     scores are all -inf so far keeps max -inf; its reference point is taken as 0 so that no
     ``-inf - (-inf)`` NaN appears.
     """
-    return scaled_softmax_step(s, m_i, scale_log2, 0.0)
+    return scaled_softmax_step(s, m_i, scale_log2, 0.0, None)
 
 
 @triton.jit
-def scaled_softmax_step(s, m_i, scale_log2, log2_factor):
+def scaled_softmax_step(s, m_i, scale_log2, log2_factor, row_log2):
     """online_softmax_step with the probabilities multiplied by 2**log2_factor, inside their
-    exponent (no extra instruction per score); the running max and the rescale factor as there."""
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s * scale_log2 - (m_ref - log2_factor)[:, None])
+    exponent (no extra instruction per score); the running max and the rescale factor as there.
+    ``row_log2``: None, or a term per row (log2 units) that the logits add to s * scale_log2: the
+    row part of a bias split into a column part (already in ``s``) and a row part, which costs
+    instructions per row, not per score (score.one_side_logits)."""
+    if row_log2 is None:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s * scale_log2 - (m_ref - log2_factor)[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2 + row_log2)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s * scale_log2 - (m_ref - row_log2 - log2_factor)[:, None])
     alpha = tl.math.exp2(m_i - m_ref)
     return p, alpha, m_new
 

@@ -176,10 +176,10 @@ def _bwd_kernel(Q, K, V, O, DO, DLSE, M, L, DQACC, DK, DV, CU_Q, CU_K,
                 m_i = tl.load(M + stat_base + rows, mask=in_seq, other=0.0)
                 l_i = tl.load(L + stat_base + rows, mask=in_seq, other=1.0)
                 visible = band_mask(rows, cols, seqlen_k, dlo, dhi) & in_seq[:, None]
-                s = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, rows[:, None], cols[None, :], site,
-                                        SCORE)
+                s = score.logits(tl.dot(q, tl.trans(k)), scale_log2, rows[:, None], cols[None, :], site, SCORE)
                 m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
-                p = tl.where(visible, tl.math.exp2(s - m_ref[:, None]) / tl.where(l_i == 0.0, 1.0, l_i)[:, None], 0.0)
+                p = tl.math.exp2(s * score.exp_scale(scale_log2, site, SCORE) - m_ref[:, None])
+                p = tl.where(visible, p / tl.where(l_i == 0.0, 1.0, l_i)[:, None], 0.0)
                 dv += tl.dot(tl.trans(as_operand(p, Q.dtype.element_ty, UPCAST)), do)
                 dp = tl.dot(do, tl.trans(v))
                 # D_i = rowsum(dO_i * O_i) (Algorithm 4, line 19), minus any gradient of the logsumexp.

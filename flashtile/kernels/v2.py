@@ -157,8 +157,8 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, 
                       HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
         # Rows past the sequence read lse = +inf, so their probabilities are exactly 0.
         lse = tl.load(lse_base + cols, mask=cols < seqlen_q, other=float("inf")) * LOG2E
-        yT = score.scaled_logits(tl.dot(k, tl.trans(q)), scale_log2, cols[None, :], rows_k[:, None], site, SCORE)
-        pT = tl.math.exp2(yT - lse[None, :])
+        yT = score.logits(tl.dot(k, tl.trans(q)), scale_log2, cols[None, :], rows_k[:, None], site, SCORE)
+        pT = tl.math.exp2(yT * score.exp_scale(scale_log2, site, SCORE) - lse[None, :])
         if MASK:
             visible = band_mask(rows_k, cols, seqlen_q, -dhi, -dlo)
             pT = tl.where(visible, pT, 0.0)
@@ -248,8 +248,8 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, of
                       HEAD_DIM, HEAD_DIM_PAD, MASK, UPCAST)
         v = load_tile(v_base + cols[:, None] * svs + offs_dv[None, :], cols, seqlen_k, offs_dv,
                       HEAD_DIM_V, HEAD_DIM_V_PAD, MASK, UPCAST)
-        y = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, rows[:, None], cols[None, :], site, SCORE)
-        p = tl.math.exp2(y - lse[:, None])
+        y = score.logits(tl.dot(q, tl.trans(k)), scale_log2, rows[:, None], cols[None, :], site, SCORE)
+        p = tl.math.exp2(y * score.exp_scale(scale_log2, site, SCORE) - lse[:, None])
         if MASK:
             visible = band_mask(rows, cols, seqlen_k, dlo, dhi)
             p = tl.where(visible, p, 0.0)

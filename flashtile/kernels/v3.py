@@ -54,7 +54,7 @@ def _fwd_blocks(acc, m_i, l_i, q, k_desc, v_desc, rows, offs_n, lo, hi, seqlen_k
         s = score.logits(tl.dot(q, tl.trans(k)), scale_log2, rows[:, None], cols[None, :], site, SCORE)
         if MASK:
             s = tl.where(band_mask(rows, cols, seqlen_k, dlo, dhi), s, float("-inf"))
-        p, alpha, m_i = online_softmax_step(s, m_i, score.exp_scale(scale_log2, SCORE))
+        p, alpha, m_i = online_softmax_step(s, m_i, score.exp_scale(scale_log2, site, SCORE))
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load(v_desc, n0, UPCAST)
         acc = acc * alpha[:, None] + values_product(p, v, v_desc.dtype, UPCAST, MASK)

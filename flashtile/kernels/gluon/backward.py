@@ -317,8 +317,8 @@ def _probs_t(sT, lse, rows_k, m0, band, seqlen_q, scale_log2, site, SCORE: gl.co
     need not stay in registers until dP^T has landed."""
     cols = m0 + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, sT.type.layout))
     yT = score.logits(sT, scale_log2, cols[None, :], rows_k[:, None], site, SCORE)
-    pT = _in_band_t(gl.exp2(yT * score.exp_scale(scale_log2, SCORE) - lse[None, :]), rows_k, m0, band, seqlen_q,
-                    ROW_BOUNDS)
+    unit = score.exp_scale(scale_log2, site, SCORE)
+    pT = _in_band_t(gl.exp2(yT * unit - lse[None, :]), rows_k, m0, band, seqlen_q, ROW_BOUNDS)
     return pT, score.grad(pT, yT, cols[None, :], rows_k[:, None], site, SCORE)
 
 
@@ -740,8 +740,8 @@ def _probs(s, lse, rows, n0, band, seqlen_k, scale_log2, site, BLOCK_N: gl.const
     """P of one K/V block in the dQ pass from S (through the score hook), and P f' (as _probs_t)."""
     cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
     y = score.logits(s, scale_log2, rows[:, None], cols[None, :], site, SCORE)
-    p = _in_band(gl.exp2(y * score.exp_scale(scale_log2, SCORE) - lse[:, None]), rows, n0, band, seqlen_k, BLOCK_N,
-                 col_layout)
+    unit = score.exp_scale(scale_log2, site, SCORE)
+    p = _in_band(gl.exp2(y * unit - lse[:, None]), rows, n0, band, seqlen_k, BLOCK_N, col_layout)
     return p, score.grad(p, y, rows[:, None], cols[None, :], site, SCORE)
 
 

@@ -75,12 +75,13 @@ class Schedule:
     Q_IN_REGISTERS: gl.constexpr
     LEFT_EDGE: gl.constexpr
     SCORE: gl.constexpr
+    DISTANCE: gl.constexpr
     FP8: gl.constexpr
     FRESH_PV: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
-                 PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, FP8, FRESH_PV):
+                 PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, FP8, FRESH_PV):
         self.ROWS = gl.constexpr(ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM_PAD = gl.constexpr(HEAD_DIM_PAD)
@@ -95,6 +96,7 @@ class Schedule:
         self.Q_IN_REGISTERS = gl.constexpr(Q_IN_REGISTERS)
         self.LEFT_EDGE = gl.constexpr(LEFT_EDGE)
         self.SCORE = gl.constexpr(SCORE)
+        self.DISTANCE = gl.constexpr(DISTANCE)
         self.FP8 = gl.constexpr(FP8)
         self.FRESH_PV = gl.constexpr(FRESH_PV)
 
@@ -410,14 +412,44 @@ def _producer(q_desc, k_desc, v_desc, buf, walk, counter, S: gl.constexpr):
 
 
 @gluon.jit
-def _block_logits(s, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2, col_layout: gl.constexpr,
-                  S: gl.constexpr):
-    """The scores of block n0 as the softmax takes them: through the score hook (score.logits),
-    then -inf outside the band (the edges the block crosses: blocks.band_edge_masks)."""
+def _distance_bias(site, rows, col_layout: gl.constexpr, S: gl.constexpr):
+    """A distance bias's parts for the tile (score.one_side_logits): slope * (j - n0) for the
+    columns of a block, slope * (i + offset) for the consumer's rows, and the slope."""
+    slope = score.distance_slope(site, S.SCORE)
+    cols = slope * gl.arange(0, S.BLOCK_N, layout=col_layout).to(gl.float32)
+    return cols, slope * (rows + site[2]).to(gl.float32), slope
+
+
+@gluon.jit
+def _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2, log2_factor, distance,
+                   col_layout: gl.constexpr, S: gl.constexpr):
+    """The online softmax step (tiles.scaled_softmax_step) of block n0's scores: through the
+    score hook (score.logits; a distance bias off the diagonal as a column part and a row part:
+    score.one_side_logits), -inf outside the band (the edges the block crosses:
+    blocks.band_edge_masks).  Returns P, the rescale factor and the new running max."""
     offs = gl.arange(0, S.BLOCK_N, layout=col_layout)
-    s = score.logits(s, scale_log2, rows[:, None], (n0 + offs)[None, :], site, S.SCORE)
-    return band_edge_masks(s, rows, offs, n0, S.BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
-                           float("-inf"), S.LEFT_EDGE)
+    unit = score.exp_scale(scale_log2, site, S.SCORE)
+    if S.DISTANCE:
+        col_bias, diag, slope = distance
+        offset = site[2]
+        left = n0 + S.BLOCK_N - 1 <= row0 + offset       # every key at or before every row's diagonal
+        right = n0 >= row0 + rows.shape[0] - 1 + offset  # every key at or after it
+        if left | right:
+            side = left.to(gl.float32) * 2.0 - 1.0
+            y = score.one_side_logits(s, scale_log2, (col_bias * side)[None, :], rows[:, None], (n0 + offs)[None, :],
+                                      site, S.SCORE)
+            row_log2 = (slope * n0 - diag) * (side * unit)
+        else:
+            y = score.logits(s, scale_log2, rows[:, None], (n0 + offs)[None, :], site, S.SCORE)
+            row_log2 = diag * 0.0
+        y = band_edge_masks(y, rows, offs, n0, S.BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
+                            float("-inf"), S.LEFT_EDGE)
+        return scaled_softmax_step(y, m_i, unit, log2_factor, row_log2)
+    else:
+        y = score.logits(s, scale_log2, rows[:, None], (n0 + offs)[None, :], site, S.SCORE)
+        y = band_edge_masks(y, rows, offs, n0, S.BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
+                            float("-inf"), S.LEFT_EDGE)
+        return scaled_softmax_step(y, m_i, unit, log2_factor, None)
 
 
 @gluon.jit
@@ -584,6 +616,9 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
             rows_scale = scale_log2 * descales.rows_scale(batch, head, head_k, row0, S)
             out_scale = descales.output_scale(batch, head_k, S)
         site = (batch, head, walk.seqlen_k - walk.seqlen_q, score_args)
+        distance = None
+        if S.DISTANCE:
+            distance = _distance_bias(site, rows, s_cols, S)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
         acc = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, o_layout)
@@ -599,9 +634,9 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(buf.k_empty.index(slot))
             block_scale = rows_scale * descales.key_scale(batch, head_k, lo, S)
-            s = _block_logits(s, site, rows, row0, lo, walk.seqlen_k, dlo, dhi, block_scale, s_cols, S)
             log2_factor, inverse = descales.p_scale(S)
-            p, alpha, m_i = scaled_softmax_step(s, m_i, score.exp_scale(block_scale, S.SCORE), log2_factor)
+            p, alpha, m_i = _block_softmax(s, m_i, site, rows, row0, lo, walk.seqlen_k, dlo, dhi, block_scale,
+                                           log2_factor, distance, s_cols, S)
             l_i = gl.sum(p, 1) * inverse
             p_op = _p_operand(p, dtype, p_layout, S.FP8)
             alpha_prev = gl.convert_layout(alpha, o_rows)[:, None]
@@ -629,9 +664,9 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
                     pv = _issue_values(p_op, v_prev, acc, o_zero, S)
                 mbarrier.arrive(buf.k_empty.index(slot))
                 block_scale = rows_scale * descales.key_scale(batch, head_k, n0, S)
-                s = _block_logits(s, site, rows, row0, n0, walk.seqlen_k, dlo, dhi, block_scale, s_cols, S)
                 log2_factor, inverse = descales.p_scale(S)
-                p, alpha, m_i = scaled_softmax_step(s, m_i, score.exp_scale(block_scale, S.SCORE), log2_factor)
+                p, alpha, m_i = _block_softmax(s, m_i, site, rows, row0, n0, walk.seqlen_k, dlo, dhi, block_scale,
+                                               log2_factor, distance, s_cols, S)
                 l_i = l_i * alpha + gl.sum(p, 1) * inverse
                 # p_op of the previous block is read by the in-flight wgmma: keep it alive until here.
                 pv, p_op = _wait_values(pv, p_op)
@@ -737,7 +772,7 @@ def _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_row
                 s += gl.sum(q.to(gl.float32) * k.to(gl.float32)[None, :], 1)
             y = score.logits(s, scale_log2, rows, key, site, SCORE)
             visible = (key - rows >= dlo) & (key - rows <= dhi) & in_seq
-            p = gl.where(visible, gl.exp2(y * score.exp_scale(scale_log2, SCORE) - lse2), 0.0)
+            p = gl.where(visible, gl.exp2(y * score.exp_scale(scale_log2, site, SCORE) - lse2), 0.0)
             v = gl.load(v_base + key.to(gl.int64) * svs + cols, mask=cols < head_dim, other=0.0)
             acc += gl.where(visible[:, None], p[:, None] * v.to(gl.float32)[None, :], 0.0)
         gl.store(o_rows + cols[None, :], acc.to(o_base.dtype.element_ty), mask=in_seq[:, None] & (cols[None, :] < head_dim))
@@ -784,10 +819,10 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
                 DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr, FP8: gl.constexpr,
-                FRESH_PV: gl.constexpr):
+                Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr, DISTANCE: gl.constexpr,
+                FP8: gl.constexpr, FRESH_PV: gl.constexpr):
     S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
-                               PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, FP8, FRESH_PV)
+                               PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, FP8, FRESH_PV)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
     walk = TileWalk(num_tiles, batch_heads, heads_q, group, head_group, m_blocks, seqlen_q, seqlen_k, window_left,
                     window_right)
@@ -839,16 +874,21 @@ def kernel_constants(p, cfg, element_size, out_element_size=None):
     next_q = (cfg.next_q and cfg.persistent and o_buffers == cfg.consumers
               and 2 * q_bytes + o_bytes + ring_bytes <= SHARED_MEMORY)
     fresh_pv = p.fp8 and p.head_dim_pad <= FRESH_PV_MAX_HEAD_DIM
+    # A distance bias (ALiBi) split into column and row parts off the diagonal: its column part
+    # takes 32 registers a thread, which two consumers up to d128 have once Q stays in shared
+    # memory (three consumers' 160 registers, and d256's, spill).
+    distance = (score.mod_of(p) is not None and score.mod_of(p).slope is not None and cfg.consumers == 2
+                and p.head_dim_pad <= 128)
     return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
                 PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_BUFFERS=o_buffers, PERSISTENT=cfg.persistent,
                 # Tiles of uneven length (a band) from the atomic counter; equal ones strided over.
                 DYNAMIC=cfg.persistent and p.banded, Q_SLOTS=2 if next_q else 1, CONSUMERS=cfg.consumers,
                 CONSUMER_REGS=CONSUMER_REGS[cfg.consumers],
                 # The float32 accumulator of FRESH_PV takes the registers Q would.
-                Q_IN_REGISTERS=q_in_registers(p.head_dim_pad, cfg) and not fresh_pv,
+                Q_IN_REGISTERS=q_in_registers(p.head_dim_pad, cfg) and not fresh_pv and not distance,
                 # A sliding window's left edge: without one (causal, none) only the right is tested.
-                LEFT_EDGE=p.window_left >= 0, SCORE=score.mod_of(p), FP8=p.fp8_mode,
-                FRESH_PV=fresh_pv)
+                LEFT_EDGE=p.window_left >= 0, SCORE=score.mod_of(p), FP8=p.fp8_mode, FRESH_PV=fresh_pv,
+                DISTANCE=distance)
 
 
 def o_staging_buffers(q_bytes, o_bytes, ring_bytes, consumers):
