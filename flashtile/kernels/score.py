@@ -164,20 +164,62 @@ def distance_slope(site, MOD: tl.constexpr):
     return MOD.slope(batch, head, args)
 
 
+@triton.constexpr_function
+def splits_distance(MOD):
+    """Whether MOD is a distance bias (ALiBi), which one_side_logits can split."""
+    return MOD is not None and MOD.slope is not None
+
+
 @triton.jit
-def one_side_logits(s, scale_log2, col_bias, q_idx, kv_idx, site, MOD: tl.constexpr):
-    """``logits`` of a block whose keys lie all left (at or before) or all right of every row's
-    diagonal i + offset, for a distance bias: there -slope * |i + offset - j| is
-    side * slope * (j - n0) + side * slope * (n0 - i - offset), side +1 left and -1 right.
-    ``col_bias`` is the first part, side * slope * (j - n0), the same for every block of a side;
-    the caller adds the second, one per row, to the softmax (tiles.scaled_softmax_step's
-    row_log2).  A score costs one multiply-add for the bias, not four."""
+def diagonal_side(k_first, k_last, q_first, q_last, offset):
+    """+1.0 if keys k_first..k_last all lie at or before the diagonal i + offset of every query
+    q_first..q_last, -1.0 if all at or after it, 0.0 if the diagonal crosses the block (then the
+    left side's split and crossing_part)."""
+    left = k_last <= q_first + offset
+    right = k_first >= q_last + offset
+    return left.to(tl.float32) - right.to(tl.float32)
+
+
+@triton.jit
+def crossing_part(q_idx, kv_idx, offset, slope):
+    """What the left side's split (diagonal_side +1) lacks right of the diagonal, on a block the
+    diagonal crosses: 2 * slope * min(i + offset - j, 0), for -slope * |i + offset - j| =
+    slope * (j - i - offset) + that.  Integers until the min: exact."""
+    return (2.0 * slope) * tl.minimum(q_idx + offset - kv_idx, 0).to(tl.float32)
+
+
+@triton.jit
+def inner_logits(s, scale_log2, q_idx, kv_idx, site, MOD: tl.constexpr):
+    """A distance bias's ``logits`` without the bias: inner(s * scale_log2 / u)."""
     batch, head, offset, args = site
     x = s * (scale_log2 / args[0])
     if MOD.inner is None:
-        return x + col_bias
+        return x
     else:
-        return MOD.inner.forward(x, q_idx, kv_idx, batch, head, offset, args) + col_bias
+        return MOD.inner.forward(x, q_idx, kv_idx, batch, head, offset, args)
+
+
+@triton.jit
+def inner_grad(ds, t, q_idx, kv_idx, site, MOD: tl.constexpr):
+    """A distance bias's ``grad`` (f' = inner'), ``t`` what inner_logits returned."""
+    if MOD.inner is None:
+        return ds
+    elif MOD.inner.backward is None:
+        return ds
+    else:
+        batch, head, offset, args = site
+        return MOD.inner.backward(ds, t, q_idx, kv_idx, batch, head, offset, args)
+
+
+@triton.jit
+def one_side_logits(s, scale_log2, col_bias, q_idx, kv_idx, site, MOD: tl.constexpr):
+    """``logits`` of a block whose keys lie all left (at or before) or all right of every row's
+    diagonal i + offset (diagonal_side +1 or -1), for a distance bias: there -slope * |i + offset
+    - j| is side * slope * (j - n0) + side * slope * (n0 - i - offset).  ``col_bias`` is the
+    first part, the same for every block of a side; the caller adds the second, one per row, to
+    the softmax (tiles.scaled_softmax_step's row_log2) or to the logsumexp it subtracts.  A score
+    costs one multiply-add for the bias, not four."""
+    return inner_logits(s, scale_log2, q_idx, kv_idx, site, MOD) + col_bias
 
 
 @triton.jit

@@ -311,15 +311,41 @@ def _in_band_t(x, rows_k, m0, band, seqlen_q, ROW_BOUNDS: gl.constexpr):
 
 
 @gluon.jit
-def _probs_t(sT, lse, rows_k, m0, band, seqlen_q, scale_log2, site, SCORE: gl.constexpr, ROW_BOUNDS: gl.constexpr):
-    """P^T of the Q block from m0 from S^T (through the score hook), and P^T times the hook's
-    derivative f', what dS^T is formed from (dS^T = P^T f' (dP^T - D)): taken now, the logits
-    need not stay in registers until dP^T has landed."""
+def _probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, scale_log2, site, SCORE: gl.constexpr,
+             ROW_BOUNDS: gl.constexpr, SPLIT_CROSSING: gl.constexpr):
+    """P^T of the Q block from m0 from S^T (key rows ``rows_k`` from k0; through the score hook),
+    and P^T times the hook's derivative f', what dS^T is formed from (dS^T = P^T f' (dP^T - D)):
+    taken now, the logits need not stay in registers until dP^T has landed.  A distance bias is
+    split (score.one_side_logits): its key part per row, its query part into lse; on blocks the
+    diagonal crosses too with SPLIT_CROSSING (score.crossing_part), else there through the hook
+    (the single pass spills less with the first, the two passes with the second)."""
     cols = m0 + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, sT.type.layout))
-    yT = score.logits(sT, scale_log2, cols[None, :], rows_k[:, None], site, SCORE)
     unit = score.exp_scale(scale_log2, site, SCORE)
-    pT = _in_band_t(gl.exp2(yT * unit - lse[None, :]), rows_k, m0, band, seqlen_q, ROW_BOUNDS)
-    return pT, score.grad(pT, yT, cols[None, :], rows_k[:, None], site, SCORE)
+    if score.splits_distance(SCORE):
+        side = score.diagonal_side(k0, k0 + sT.shape[0] - 1, m0, m0 + sT.shape[1] - 1, site[2])
+        crossing = side == 0.0
+        if SPLIT_CROSSING:
+            side += crossing.to(gl.float32)  # the left side's split, and crossing_part
+        if (side != 0.0) | SPLIT_CROSSING:
+            slope = score.distance_slope(site, SCORE) * unit  # log2 units
+            tT = score.inner_logits(sT, scale_log2, cols[None, :], rows_k[:, None], site, SCORE)
+            key_part = (slope * side) * (rows_k - k0).to(gl.float32)
+            lse_part = lse - (slope * side) * (k0 - site[2] - cols).to(gl.float32)
+            xT = tT * unit + key_part[:, None]
+            if SPLIT_CROSSING:
+                if crossing:
+                    xT += score.crossing_part(cols[None, :], rows_k[:, None], site[2], slope)
+            pT = _in_band_t(gl.exp2(xT - lse_part[None, :]), rows_k, m0, band, seqlen_q, ROW_BOUNDS)
+            pT_ds = score.inner_grad(pT, tT, cols[None, :], rows_k[:, None], site, SCORE)
+        else:
+            yT = score.logits(sT, scale_log2, cols[None, :], rows_k[:, None], site, SCORE)
+            pT = _in_band_t(gl.exp2(yT * unit - lse[None, :]), rows_k, m0, band, seqlen_q, ROW_BOUNDS)
+            pT_ds = score.grad(pT, yT, cols[None, :], rows_k[:, None], site, SCORE)
+        return pT, pT_ds
+    else:
+        yT = score.logits(sT, scale_log2, cols[None, :], rows_k[:, None], site, SCORE)
+        pT = _in_band_t(gl.exp2(yT * unit - lse[None, :]), rows_k, m0, band, seqlen_q, ROW_BOUNDS)
+        return pT, score.grad(pT, yT, cols[None, :], rows_k[:, None], site, SCORE)
 
 
 @gluon.jit
@@ -359,15 +385,15 @@ def _scores(a, b, c_smem, d_smem, ready, count, s_zero, ROWS: gl.constexpr, HEAD
 
 
 @gluon.jit
-def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, m0, band, seqlen_q, scale_log2,
-                   site, op_layout: gl.constexpr, SCORE: gl.constexpr):
+def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, k0, m0, band, seqlen_q, scale_log2,
+                   site, op_layout: gl.constexpr, SCORE: gl.constexpr, DQ_REDUCE: gl.constexpr):
     """One streamed Q block's products against a consumer partition's K/V rows, once its S^T and
     dP^T are in flight (_scores): dV += P^T dO and dK += dS^T Q with P^T and dS^T as register
     operands; lse and D from the block's ring slot.  dV and dK are left in flight (with the
     operands they read): the caller waits for them."""
     lse = lse_ref.load(gl.SliceLayout(0, s_zero.type.layout)) * LOG2E
     sT = warpgroup_mma_wait(1, deps=[sT])
-    pT, pT_ds = _probs_t(sT, lse, rows_k, m0, band, seqlen_q, scale_log2, site, SCORE, True)
+    pT, pT_ds = _probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, scale_log2, site, SCORE, True, DQ_REDUCE)
     pT_op = gl.convert_layout(pT.to(q.dtype), op_layout)
     dv = warpgroup_mma(pT_op, do, dv, is_async=True)
     # D only now: loaded with lse, its registers were held across the S^T wait (d128 spilled more).
@@ -432,7 +458,7 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats
             site = (batch, head, walk.seqlen_k - seqlen_q, score_args)
             for i in range(n_blocks):
                 dk, dv = _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_smem, delta_smem,
-                                   ds_smem, dq_smem, dq_desc, dk, dv, s_zero, rows_k, it, lo + i * BLOCK_M,
+                                   ds_smem, dq_smem, dq_desc, dk, dv, s_zero, rows_k, r0, it, lo + i * BLOCK_M,
                                    (dlo, dhi, full_lo, full_hi), batch, head, seqlen_q, softmax_scale, scale_log2, site,
                                    op_layout, WHICH * ROWS, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, DQ_REDUCE,
                                    HEAD_DIM_PAD > 64, SCORE)
@@ -458,7 +484,7 @@ def _per_iteration(x, it):
 
 @gluon.jit
 def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_smem, delta_smem, ds_smem, dq_smem,
-              dq_desc, dk, dv, s_zero, rows_k, it, m0, band, batch, head, seqlen_q, softmax_scale, scale_log2, site,
+              dq_desc, dk, dv, s_zero, rows_k, k0, it, m0, band, batch, head, seqlen_q, softmax_scale, scale_log2, site,
               op_layout: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr,
               SLOT_PER_ITERATION: gl.constexpr, SCORE: gl.constexpr):
@@ -475,8 +501,8 @@ def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_sm
     slot, q, do, sT, dpT = _scores(k_rows, v_rows, q_smem, do_smem, q_ready, it, s_zero, BLOCK_M, HEAD_DIM_PAD,
                                    STAGES)
     dk, dv, dsT, pT_op, dsT_op = _dkdv_products(sT, dpT, q, do, lse_smem.index(slot), delta_smem.index(slot),
-                                                dk, dv, s_zero, rows_k, m0, band, seqlen_q, scale_log2, site, op_layout,
-                                                SCORE)
+                                                dk, dv, s_zero, rows_k, k0, m0, band, seqlen_q, scale_log2, site,
+                                                op_layout, SCORE, DQ_REDUCE)
     if DQ_REDUCE:
         # dS and the fp32 dQ staging have two buffers each: one written here was last read two
         # blocks ago (dS by that block's dQ product, the staging by its reduce, which
@@ -544,8 +570,8 @@ def _kv_consumers_split_d(bufs, walk, row_stats, dk_desc, dv_desc, ds_smem, p_sm
                                                      g + next_head < group)
                 sT = warpgroup_mma_wait(1, deps=[sT])
                 site = (batch, head_k * group + g, walk.seqlen_k - seqlen_q, score_args)
-                pT, pT_ds = _probs_t(sT, lse, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2,
-                                     site, SCORE, True)
+                pT, pT_ds = _probs_t(sT, lse, rows_k, n0, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2,
+                                     site, SCORE, True, False)
                 dpT = warpgroup_mma_wait(0, deps=[dpT])
                 buf = it % 2
                 p_smem.index(buf).store(pT.to(dtype))
@@ -613,8 +639,8 @@ def _kv_consumers_shared_scores(buf, walk, stats, dk_desc, dv_desc, p_smem, ds_s
                 lse = lse_smem.index(slot).load(cols_layout) * LOG2E
                 sT = warpgroup_mma_wait(1, deps=[sT])
                 site = (batch, head, walk.seqlen_k - seqlen_q, score_args)
-                pT, pT_ds = _probs_t(sT, lse, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2,
-                                     site, SCORE, False)
+                pT, pT_ds = _probs_t(sT, lse, rows_k, n0, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2,
+                                     site, SCORE, False, True)
                 p_smem.store(pT.to(dtype))
                 delta = delta_smem.index(slot).load(cols_layout)
                 dpT = warpgroup_mma_wait(0, deps=[dpT])
@@ -735,14 +761,30 @@ def _in_band(x, rows, n0, band, seqlen_k, BLOCK_N: gl.constexpr, col_layout: gl.
 
 
 @gluon.jit
-def _probs(s, lse, rows, n0, band, seqlen_k, scale_log2, site, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
+def _probs(s, lse, rows, q0, n0, band, seqlen_k, scale_log2, site, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
            SCORE: gl.constexpr):
-    """P of one K/V block in the dQ pass from S (through the score hook), and P f' (as _probs_t)."""
+    """P of one K/V block in the dQ pass from S (query rows ``rows`` from q0; through the score
+    hook), and P f' (as _probs_t; a distance bias's query part goes into lse, its key part is
+    the block's columns')."""
     cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
-    y = score.logits(s, scale_log2, rows[:, None], cols[None, :], site, SCORE)
     unit = score.exp_scale(scale_log2, site, SCORE)
-    p = _in_band(gl.exp2(y * unit - lse[:, None]), rows, n0, band, seqlen_k, BLOCK_N, col_layout)
-    return p, score.grad(p, y, rows[:, None], cols[None, :], site, SCORE)
+    if score.splits_distance(SCORE):
+        side = score.diagonal_side(n0, n0 + BLOCK_N - 1, q0, q0 + s.shape[0] - 1, site[2])
+        crossing = side == 0.0
+        side += crossing.to(gl.float32)  # the left side's split, and crossing_part
+        slope = score.distance_slope(site, SCORE) * unit  # log2 units
+        t = score.inner_logits(s, scale_log2, rows[:, None], cols[None, :], site, SCORE)
+        key_part = (slope * side) * (cols - n0).to(gl.float32)
+        lse_part = lse - (slope * side) * (n0 - site[2] - rows).to(gl.float32)
+        x = t * unit + key_part[None, :]
+        if crossing:
+            x += score.crossing_part(rows[:, None], cols[None, :], site[2], slope)
+        p = _in_band(gl.exp2(x - lse_part[:, None]), rows, n0, band, seqlen_k, BLOCK_N, col_layout)
+        return p, score.inner_grad(p, t, rows[:, None], cols[None, :], site, SCORE)
+    else:
+        y = score.logits(s, scale_log2, rows[:, None], cols[None, :], site, SCORE)
+        p = _in_band(gl.exp2(y * unit - lse[:, None]), rows, n0, band, seqlen_k, BLOCK_N, col_layout)
+        return p, score.grad(p, y, rows[:, None], cols[None, :], site, SCORE)
 
 
 @gluon.jit
@@ -810,7 +852,7 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
             n0 = lo + i * BLOCK_N
             slot, k, v, s, dp = _scores(q, do, k_smem, v_smem, kv_ready, j, s_zero, BLOCK_N, HEAD_DIM_PAD, STAGES)
             s = warpgroup_mma_wait(1, deps=[s])
-            p, p_ds = _probs(s, lse, rows, n0, (dlo, dhi, full_lo, full_hi), seqlen_k, scale_log2, site, BLOCK_N,
+            p, p_ds = _probs(s, lse, rows, r0, n0, (dlo, dhi, full_lo, full_hi), seqlen_k, scale_log2, site, BLOCK_N,
                              gl.SliceLayout(0, s_layout), SCORE)
             dp = warpgroup_mma_wait(0, deps=[dp])
             ds = _ds(p_ds, dp, delta, n0, (dlo, dhi, full_lo, full_hi)).to(dtype)

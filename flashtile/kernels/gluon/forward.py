@@ -413,11 +413,10 @@ def _producer(q_desc, k_desc, v_desc, buf, walk, counter, S: gl.constexpr):
 
 @gluon.jit
 def _distance_bias(site, rows, col_layout: gl.constexpr, S: gl.constexpr):
-    """A distance bias's parts for the tile (score.one_side_logits): slope * (j - n0) for the
-    columns of a block, slope * (i + offset) for the consumer's rows, and the slope."""
+    """A distance bias's column part for the tile (score.one_side_logits), slope * (j - n0) for
+    the columns of a block, and the slope."""
     slope = score.distance_slope(site, S.SCORE)
-    cols = slope * gl.arange(0, S.BLOCK_N, layout=col_layout).to(gl.float32)
-    return cols, slope * (rows + site[2]).to(gl.float32), slope
+    return slope * gl.arange(0, S.BLOCK_N, layout=col_layout).to(gl.float32), slope
 
 
 @gluon.jit
@@ -430,18 +429,16 @@ def _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2,
     offs = gl.arange(0, S.BLOCK_N, layout=col_layout)
     unit = score.exp_scale(scale_log2, site, S.SCORE)
     if S.DISTANCE:
-        col_bias, diag, slope = distance
-        offset = site[2]
-        left = n0 + S.BLOCK_N - 1 <= row0 + offset       # every key at or before every row's diagonal
-        right = n0 >= row0 + rows.shape[0] - 1 + offset  # every key at or after it
-        if left | right:
-            side = left.to(gl.float32) * 2.0 - 1.0
+        col_bias, slope = distance
+        side = score.diagonal_side(n0, n0 + S.BLOCK_N - 1, row0, row0 + rows.shape[0] - 1, site[2])
+        if side != 0.0:
             y = score.one_side_logits(s, scale_log2, (col_bias * side)[None, :], rows[:, None], (n0 + offs)[None, :],
                                       site, S.SCORE)
-            row_log2 = (slope * n0 - diag) * (side * unit)
-        else:
+            # The distances as integers, converted once: exact where they are large.
+            row_log2 = (slope * side * unit) * (n0 - site[2] - rows).to(gl.float32)
+        else:  # across the diagonal, through the hook (with score.crossing_part: 0.96x, spills)
             y = score.logits(s, scale_log2, rows[:, None], (n0 + offs)[None, :], site, S.SCORE)
-            row_log2 = diag * 0.0
+            row_log2 = (rows * 0).to(gl.float32)
         y = band_edge_masks(y, rows, offs, n0, S.BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
                             float("-inf"), S.LEFT_EDGE)
         return scaled_softmax_step(y, m_i, unit, log2_factor, row_log2)
