@@ -233,7 +233,7 @@ def _v3_backward_kernel(p, opts) -> str:
         return "v2"
     mod = score.mod_of(p)
     single_pass_possible = (not p.deterministic and not configs.split_head_dim(p.head_dim_pad)
-                            and (mod is None or mod is score.ALIBI))
+                            and mod is not score.SOFTCAP_ALIBI)
     if opts.backward == "gluon-reduce":
         return "v3-gluon-reduce" if single_pass_possible else "v3-gluon"
     if opts.backward == "gluon":

@@ -93,17 +93,21 @@ def test_alibi(version, causal, per_batch, shape):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon kernels run on the GPU")
+@pytest.mark.parametrize("feature", ["alibi", "softcap"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("backward", ["gluon", "gluon-reduce"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_alibi_v3_backward_kernels(causal, backward, head_dim):
-    # Both Gluon backwards with ALiBi, forced (the single pass runs it by default only from
-    # 2k keys): blocks left and right of the diagonal split the bias; those across it too in
-    # the single pass and the dQ pass, through the hook in the dK/dV pass.
+def test_score_mods_v3_backward_kernels(causal, backward, head_dim, feature):
+    # Both Gluon backwards with ALiBi or a softcap, forced (the single pass runs by default only
+    # from 2k keys): ALiBi's blocks left and right of the diagonal split the bias, those across
+    # it too in the single pass and the dQ pass, through the hook in the dK/dV pass.
     q, k, v = make_qkv(BATCH, 1100, 900, 2 * HEADS, HEADS, head_dim, DTYPES[0], DEVICE)
-    slopes = alibi_slopes(BATCH, 2 * HEADS)
-    check_against_reference(attention("v3", causal=causal, alibi_slopes=slopes, kernel_options=f"backward={backward}"),
-                            q, k, v, causal=causal, alibi_slopes=slopes)
+    if feature == "alibi":
+        kw, rules = dict(alibi_slopes=alibi_slopes(BATCH, 2 * HEADS)), {}
+    else:
+        q, kw, rules = q * 3, dict(softcap=5.0), dict(rules=(SOFTCAP_RULE, (3.0, 1e-4)))
+    check_against_reference(attention("v3", causal=causal, kernel_options=f"backward={backward}", **kw), q, k, v,
+                            causal=causal, **rules, **kw)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
