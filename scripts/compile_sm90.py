@@ -91,7 +91,7 @@ def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0, alibi=
         p = replace(p, fp8=True, fp8_per_block=fp8_mode == 2)
     dtype = FP8_DTYPES[fp8] if fp8 else torch.bfloat16
     cfg = dispatch.gluon_schedule(p, opts)
-    consts = gluon_fwd.kernel_constants(p, cfg, dtype.itemsize, 2)
+    consts = gluon_fwd.kernel_constants(p, cfg, dtype.itemsize, 2, dtype)
     q_block = tma.block_layout(consts["ROWS"], p.head_dim_pad, dtype)
     kv_block = tma.block_layout(cfg.block_n, p.head_dim_pad, dtype)
     o_block = (*tma.block_layout(consts["ROWS"], p.head_dim_pad, torch.bfloat16), "bf16")

@@ -206,6 +206,15 @@ def test_gluon_forward_launch_constants():
     assert gluon_fwd.kernel_constants(causal, cfg, 2)["DYNAMIC"]
     assert not gluon_fwd.kernel_constants(causal, replace(cfg, persistent=False), 2)["DYNAMIC"]
     assert gluon_fwd.kernel_constants(replace(causal, softcap=30.0), cfg, 2)["SCORE"] is not None
+    # A softcap is every row's max (BOUNDED) on bf16 alone, while its range stays in P's normal range.
+    capped = replace(causal, softcap=30.0)
+    assert gluon_fwd.kernel_constants(capped, cfg, 2, dtype=torch.bfloat16)["BOUNDED"]
+    assert not any(gluon_fwd.kernel_constants(x, cfg, 2, dtype=dtype)["BOUNDED"] for x, dtype in (
+        (capped, torch.float16), (replace(capped, softcap=40.0), torch.bfloat16), (causal, torch.bfloat16),
+        (replace(capped, alibi_slopes=torch.ones(4)), torch.bfloat16)))
+    # ALiBi is split off the diagonal with two consumers up to d128 (Q then from shared memory).
+    alibi = gluon_fwd.kernel_constants(replace(causal, alibi_slopes=torch.ones(4)), cfg, 2)
+    assert alibi["DISTANCE"] and not alibi["Q_IN_REGISTERS"]
     # The band's left edge is tested only where a window has one.
     assert not gluon_fwd.kernel_constants(causal, cfg, 2)["LEFT_EDGE"]
     assert gluon_fwd.kernel_constants(replace(causal, window_left=0), cfg, 2)["LEFT_EDGE"]

@@ -67,6 +67,19 @@ def test_softcap(version, causal):
                             rules=(SOFTCAP_RULE, (3.0, 1e-4)))
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+def test_softcap_rows_far_below_the_cap(version):
+    # Rows whose every score is far below the cap, the cap high: with the cap as the reference
+    # point (the Gluon forward's bound, bf16) their probabilities sit about 2**-86 below it and
+    # must still average V, as the reference does.
+    sq, sk = (300, 700) if ON_GPU else (40, 70)
+    q, k, v = make_qkv(BATCH, sq, sk, HEADS, HEADS, 64, DTYPES[0], DEVICE)
+    k = k[:, :1].expand_as(k).contiguous()  # one key repeated: every score of a row is equal
+    q[:, ::2] = -8 * k[:, :1]                # half the rows score about -8 * |k|^2 / sqrt(d) on every key
+    check_against_reference(attention(version, softcap=30.0), q, k, v, softcap=30.0,
+                            rules=(SOFTCAP_RULE, (3.0, 1e-4)))
+
+
 def alibi_slopes(*shape):
     """BLOOM's slopes 2^(-8 i / heads) over the last dim, scaled per leading index so that rows
     of a (batch, heads) table differ."""

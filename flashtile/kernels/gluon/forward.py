@@ -76,12 +76,13 @@ class Schedule:
     LEFT_EDGE: gl.constexpr
     SCORE: gl.constexpr
     DISTANCE: gl.constexpr
+    BOUNDED: gl.constexpr
     FP8: gl.constexpr
     FRESH_PV: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
-                 PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, FP8, FRESH_PV):
+                 PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8, FRESH_PV):
         self.ROWS = gl.constexpr(ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM_PAD = gl.constexpr(HEAD_DIM_PAD)
@@ -97,6 +98,7 @@ class Schedule:
         self.LEFT_EDGE = gl.constexpr(LEFT_EDGE)
         self.SCORE = gl.constexpr(SCORE)
         self.DISTANCE = gl.constexpr(DISTANCE)
+        self.BOUNDED = gl.constexpr(BOUNDED)
         self.FP8 = gl.constexpr(FP8)
         self.FRESH_PV = gl.constexpr(FRESH_PV)
 
@@ -446,7 +448,12 @@ def _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2,
         y = score.logits(s, scale_log2, rows[:, None], (n0 + offs)[None, :], site, S.SCORE)
         y = band_edge_masks(y, rows, offs, n0, S.BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
                             float("-inf"), S.LEFT_EDGE)
-        return scaled_softmax_step(y, m_i, unit, log2_factor, None)
+        if S.BOUNDED:
+            # m_i is the logits' bound (the consumer's start): no row max, O is never rescaled.
+            p = gl.exp2(y * unit - m_i[:, None])
+            return p, gl.full(m_i.shape, 1.0, gl.float32, m_i.type.layout), m_i
+        else:
+            return scaled_softmax_step(y, m_i, unit, log2_factor, None)
 
 
 @gluon.jit
@@ -617,6 +624,8 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
         if S.DISTANCE:
             distance = _distance_bias(site, rows, s_cols, S)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
+        if S.BOUNDED:
+            m_i = gl.full([ROWS], score.exp_scale(scale_log2, site, S.SCORE), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
         acc = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, o_layout)
         v_unit = descales.value_scale(batch, head_k, 0, S)  # O's unit before any block: any (O is 0)
@@ -817,9 +826,10 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
                 DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr, DISTANCE: gl.constexpr,
-                FP8: gl.constexpr, FRESH_PV: gl.constexpr):
+                BOUNDED: gl.constexpr, FP8: gl.constexpr, FRESH_PV: gl.constexpr):
     S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
-                               PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, FP8, FRESH_PV)
+                               PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8,
+                               FRESH_PV)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
     walk = TileWalk(num_tiles, batch_heads, heads_q, group, head_group, m_blocks, seqlen_q, seqlen_k, window_left,
                     window_right)
@@ -859,9 +869,9 @@ def launch_options(consumers):
     return dict(num_warps=4, maxnreg=REGISTERS // threads // 8 * 8)
 
 
-def kernel_constants(p, cfg, element_size, out_element_size=None):
+def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=torch.bfloat16):
     """The kernel's compile-time arguments for problem ``p`` under schedule ``cfg``; Q, K and V
-    of ``element_size`` bytes, O of ``out_element_size`` (the same by default)."""
+    of ``element_size`` bytes and type ``dtype``, O of ``out_element_size`` (the same by default)."""
     rows = WARPGROUP_ROWS
     q_bytes = cfg.tile_m * p.head_dim_pad * element_size  # Q of one tile
     o_bytes = cfg.tile_m * p.head_dim_pad * (out_element_size or element_size)
@@ -885,7 +895,22 @@ def kernel_constants(p, cfg, element_size, out_element_size=None):
                 Q_IN_REGISTERS=q_in_registers(p.head_dim_pad, cfg) and not fresh_pv and not distance,
                 # A sliding window's left edge: without one (causal, none) only the right is tested.
                 LEFT_EDGE=p.window_left >= 0, SCORE=score.mod_of(p), FP8=p.fp8_mode, FRESH_PV=fresh_pv,
-                DISTANCE=distance)
+                DISTANCE=distance, BOUNDED=softcap_bounds_logits(p, dtype))
+
+
+# The widest logit range (log2 units) the softmax takes from a fixed reference point: P stays at
+# 2**-100 or more, normal in float32 and bf16 with room for its products with V (a softcap's
+# logits span 2 * softcap * log2(e): softcaps up to 34.6).
+BOUNDED_RANGE = 100.0
+
+
+def softcap_bounds_logits(p, dtype) -> bool:
+    """Whether the softmax takes the softcap as every row's max (score logits ``y`` at most 1 unit,
+    u = softcap * log2(e)): no running max, O never rescaled, the result the same.  Only a softcap
+    alone (a bias is unbounded below: a row could underflow whole), on bf16 (fp16's P and float8's
+    would underflow where bf16's is normal), of range within BOUNDED_RANGE."""
+    return (p.softcap > 0 and p.alibi_slopes is None and dtype == torch.bfloat16
+            and 2 * p.softcap * score.LOG2E <= BOUNDED_RANGE)
 
 
 def o_staging_buffers(q_bytes, o_bytes, ring_bytes, consumers):
@@ -926,7 +951,7 @@ def forward(plan, p, q, k, v):
     cfg = plan.config
     out = torch.empty(q.shape, dtype=p.out_dtype(q), device=q.device)
     lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=q.device)
-    consts = kernel_constants(p, cfg, q.element_size(), out.element_size())
+    consts = kernel_constants(p, cfg, q.element_size(), out.element_size(), q.dtype)
     rows = consts["ROWS"]
     m_blocks = p.query_blocks(cfg.tile_m)
     batch_heads = p.batch * p.heads_q
