@@ -438,7 +438,7 @@ def _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2,
                                       site, S.SCORE)
             # The distances as integers, converted once: exact where they are large.
             row_log2 = (slope * side * unit) * (n0 - site[2] - rows).to(gl.float32)
-        else:  # across the diagonal, through the hook (with score.crossing_part: 0.96x, spills)
+        else:  # across the diagonal, through the hook (score.crossing_part there spills)
             y = score.logits(s, scale_log2, rows[:, None], (n0 + offs)[None, :], site, S.SCORE)
             row_log2 = (rows * 0).to(gl.float32)
         y = band_edge_masks(y, rows, offs, n0, S.BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
