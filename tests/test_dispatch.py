@@ -211,7 +211,7 @@ def test_gluon_forward_launch_constants():
     assert gluon_fwd.kernel_constants(capped, cfg, 2, dtype=torch.bfloat16)["BOUNDED"]
     assert not any(gluon_fwd.kernel_constants(x, cfg, 2, dtype=dtype)["BOUNDED"] for x, dtype in (
         (capped, torch.float16), (replace(capped, softcap=40.0), torch.bfloat16), (causal, torch.bfloat16),
-        (replace(capped, alibi_slopes=torch.ones(4)), torch.bfloat16)))
+        (replace(capped, alibi_slopes=torch.ones(4)), torch.bfloat16), (capped, None)))
     # ALiBi is split off the diagonal with two consumers up to d128 (Q then from shared memory).
     alibi = gluon_fwd.kernel_constants(replace(causal, alibi_slopes=torch.ones(4)), cfg, 2)
     assert alibi["DISTANCE"] and not alibi["Q_IN_REGISTERS"]

@@ -88,7 +88,7 @@ def alibi_slopes(*shape):
     return (slopes * (1 + torch.rand(shape[:-1] + (1,), device=DEVICE))).float().expand(shape).contiguous()
 
 
-@pytest.mark.parametrize("shape", [(700, 1000, 64), (1100, 600, 128)] if ON_GPU else [(70, 100, 64)])
+@pytest.mark.parametrize("shape", [(700, 1000, 64), (1100, 600, 128), (500, 900, 256)] if ON_GPU else [(70, 100, 64)])
 @pytest.mark.parametrize("per_batch", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("version", VERSIONS)
@@ -96,8 +96,8 @@ def test_alibi(version, causal, per_batch, shape):
     # flash_attn's ALiBi bias -slope * |i + seqlen_k - seqlen_q - j| on the scaled scores, one
     # slope per query head or per (batch, head), with GQA and seqlen_q != seqlen_k (the bias is
     # zero on the bottom-right diagonal), forward and backward.  On the GPU the diagonal sits
-    # right and left of the first row (the Gluon forward's blocks left and right of every row's
-    # diagonal take the bias as a column and a row part), d64 and d128.
+    # right and left of the first row (the Gluon kernels' blocks left and right of every row's
+    # diagonal take the bias as a column and a row part), d64 to d256.
     sq, sk, head_dim = shape
     q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, head_dim, DTYPES[0], DEVICE)
     slopes = alibi_slopes(BATCH, 2 * HEADS) if per_batch else alibi_slopes(2 * HEADS)

@@ -869,9 +869,10 @@ def launch_options(consumers):
     return dict(num_warps=4, maxnreg=REGISTERS // threads // 8 * 8)
 
 
-def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=torch.bfloat16):
+def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
     """The kernel's compile-time arguments for problem ``p`` under schedule ``cfg``; Q, K and V
-    of ``element_size`` bytes and type ``dtype``, O of ``out_element_size`` (the same by default)."""
+    of ``element_size`` bytes and type ``dtype`` (None: unknown, so no bounded softcap), O of
+    ``out_element_size`` (the same by default)."""
     rows = WARPGROUP_ROWS
     q_bytes = cfg.tile_m * p.head_dim_pad * element_size  # Q of one tile
     o_bytes = cfg.tile_m * p.head_dim_pad * (out_element_size or element_size)
@@ -909,7 +910,7 @@ def softcap_bounds_logits(p, dtype) -> bool:
     u = softcap * log2(e)): no running max, O never rescaled, the result the same.  Only a softcap
     alone (a bias is unbounded below: a row could underflow whole), on bf16 (fp16's P and float8's
     would underflow where bf16's is normal), of range within BOUNDED_RANGE."""
-    return (p.softcap > 0 and p.alibi_slopes is None and dtype == torch.bfloat16
+    return (p.softcap > 0 and p.alibi_slopes is None and dtype == torch.bfloat16 and not p.fp8
             and 2 * p.softcap * score.LOG2E <= BOUNDED_RANGE)
 
 
