@@ -36,6 +36,11 @@ Float8 inputs (``FP8``, FlashAttention-3's FP8 forward): both products are float
 read from a keys-contiguous copy, Q's and K's descales go into the scores' scale and V's into
 O (``Descales``); up to d128 each block's P V product is added to O in float32 (``FRESH_PV``).
 The output is bf16.
+
+Score modifications (softcap, ALiBi) go through the score hook (score.py) where S is formed.
+Two take a shorter way here: ALiBi off the diagonal as a column part and a row part
+(``DISTANCE``: _block_softmax), and on bf16 a softcap as every row's max (``BOUNDED``:
+softcap_bounds_logits).
 """
 import torch
 from triton.experimental import gluon
@@ -414,7 +419,7 @@ def _producer(q_desc, k_desc, v_desc, buf, walk, counter, S: gl.constexpr):
 
 
 @gluon.jit
-def _distance_bias(site, rows, col_layout: gl.constexpr, S: gl.constexpr):
+def _distance_bias(site, col_layout: gl.constexpr, S: gl.constexpr):
     """A distance bias's column part for the tile (score.one_side_logits), slope * (j - n0) for
     the columns of a block, and the slope."""
     slope = score.distance_slope(site, S.SCORE)
@@ -622,7 +627,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
         site = (batch, head, walk.seqlen_k - walk.seqlen_q, score_args)
         distance = None
         if S.DISTANCE:
-            distance = _distance_bias(site, rows, s_cols, S)
+            distance = _distance_bias(site, s_cols, S)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         if S.BOUNDED:
             m_i = gl.full([ROWS], score.exp_scale(scale_log2, site, S.SCORE), gl.float32, s_rows)
