@@ -15,7 +15,8 @@
 #   ab      the working tree's v3 against a revision's (AB_REV, extracted into .ab by
 #           scripts/ab_revision.py: carry .ab) over the bars grid, with a null pair and cuDNN (ab.*)
 #   features v3 with each score feature (softcap 30, ALiBi, sinks) against v3 without, d128 8k,
-#           forward and backward (features.md, features_*.json; FEATURES: a ','-separated subset)
+#           forward and backward: a run per feature (features_*.json), joined by
+#           scripts/features_table.py (features.json, features.md); FEATURES: a ','-separated subset
 #   fp8     FP8 forwards beside bf16 in one run: flashtile-v3 (and v2) on bf16, e4m3 and e5m2 inputs,
 #           d64/d128/d256, causal and not, 4k-16k, 2 passes (fp8.*); FlashAttention-3's accuracy
 #           protocol, RMSE against float64 (fp8_accuracy.json, .md: scripts/fp8_accuracy.py)
@@ -91,7 +92,8 @@ for stage in $stages; do
         python -m flashtile bench --head-dims 128 --seqlens 8192 --causal false,true \
           $([ "$1" != none ] && echo "--$*") --providers flashtile-v3 --repeats 3 --no-plots --out "$OUT" \
           --name "features_$1" 2>&1 | grep -v "bench:"
-      done | tee "$OUT/features.md" || status=1 ;;
+      done > "$OUT/features.log" || status=1
+      python scripts/features_table.py "$OUT"/features_*.json --out "$OUT/features.json" || status=1 ;;
     fp8)
       python -m flashtile bench --head-dims 64,128,256 --seqlens 4096,8192,16384 --modes fwd --dtype bf16,e4m3,e5m2 \
         --providers flashtile-v3,flashtile-v2 --baseline flashtile-v2 --repeats 2 --out "$OUT" --name fp8 2>&1 \

@@ -30,6 +30,30 @@ def test_bars_table_counts_cells_at_or_above_the_baseline(monkeypatch, tmp_path,
     assert "| 128 | no | 1024 | 600 | 500 | 1.200 |  |  |  |  |  | - / - |" in out
 
 
+def test_features_table_joins_the_runs_against_no_feature(tmp_path, capsys):
+    # scripts/features_table.py: the features' runs joined into one record file, a row per
+    # feature with each cell's ratio to the run without one; a cell a run lacks stays empty.
+    import features_table
+
+    def run(name, tflops, **feature):
+        path = tmp_path / f"features_{name}.json"
+        path.write_text(json.dumps([dict(provider="flashtile-v3", b=2, h=16, d=128, sq=8192, dtype="bf16",
+                                         causal=c, mode=m, tflops=t, **feature) for (m, c), t in tflops.items()]))
+        return str(path)
+
+    runs = [run("none", {("fwd", False): 600, ("bwd", False): 500, ("fwd", True): 400}),
+            run("softcap", {("fwd", False): 540, ("bwd", False): 450}, softcap=30.0),
+            run("alibi", {("fwd", False): 300}, alibi=True, softcap=0.0)]
+    features_table.main([*runs, "--out", str(tmp_path / "features.json")])
+    out = capsys.readouterr().out
+    assert "| feature | fwd non-causal | fwd causal | bwd non-causal |" in out
+    assert "| none | 600 | 400 | 500 |" in out
+    assert "| alibi | 300 (0.50x) |  |  |" in out
+    assert "| softcap 30 | 540 (0.90x) |  | 450 (0.90x) |" in out
+    assert len(json.loads((tmp_path / "features.json").read_text())) == 6
+    assert (tmp_path / "features.md").read_text() == out
+
+
 def test_ncu_stalls_splits_the_samples_by_region(monkeypatch, tmp_path, capsys):
     # scripts/ncu_stalls.py: Nsight Compute's SASS page (a preamble, then one row per
     # instruction) split into hot loops (run at least half as often as the most run
