@@ -91,6 +91,29 @@ def assert_consumer_loops(cubin, head_dim, consumers, monkeypatch):
         assert mma == head_dim // 16 + block_n // 16 and spills == 0, (size, mma, spills)
 
 
+def test_v3_gluon_forward_score_features_loops(tmp_path, monkeypatch):
+    # d128: a softcap on bf16 is every row's max (BOUNDED): no running max (FMNMX) in the K/V
+    # loop, a tanh and an exp2 per score on the special-function unit; ALiBi split off the
+    # diagonal keeps the loop free of spills; with both, the running max is back.
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    from sass_loops import hot_loops, loop_stats, sass
+
+    def loops(name, **feature):
+        compile_for_sm90(tmp_path / name, "v3.fwd_gluon", 128, **feature)
+        cubin = (tmp_path / name / "v3.fwd_gluon_d128.cubin").read_bytes()
+        found = [loop_stats(loop) for loop in hot_loops(sass(cubin))]
+        assert len(found) == 2 and all(spills == 0 and mma == 16 for _, mma, spills, _ in found), found
+        return [ops for *_, ops in found]
+
+    scores = 64 * 128 // 128  # a consumer's 64 x 128 block over its 128 threads
+    for ops in loops("softcap", softcap=30.0):
+        assert ops["FMNMX"] == 0 and 2 * scores <= ops["MUFU"] <= 2 * scores + 4, ops
+    for ops in loops("alibi", alibi=True):
+        assert ops["FMNMX"] > 0
+    for ops in loops("both", softcap=30.0, alibi=True):
+        assert ops["FMNMX"] > 0
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_v3_gluon_window_forward_compiles_for_sm90(tmp_path, monkeypatch, head_dim):
     # A sliding window's left edge is tested only where the window has one (LEFT_EDGE): the
