@@ -217,8 +217,9 @@ def one_side_logits(s, scale_log2, col_bias, q_idx, kv_idx, site, MOD: tl.conste
     diagonal i + offset (diagonal_side +1 or -1), for a distance bias: there -slope * |i + offset
     - j| is side * slope * (j - n0) + side * slope * (n0 - i - offset).  ``col_bias`` is the
     first part, the same for every block of a side; the caller adds the second, one per row, to
-    the softmax (tiles.scaled_softmax_step's row_log2) or to the logsumexp it subtracts.  A score
-    costs one multiply-add for the bias, not four."""
+    the softmax (tiles.scaled_softmax_step's row_log2).  A score costs one multiply-add for the
+    bias, not four.  (The Gluon backward forms the same two parts from inner_logits itself, the
+    query part folded into the logsumexp it subtracts.)"""
     return inner_logits(s, scale_log2, q_idx, kv_idx, site, MOD) + col_bias
 
 
