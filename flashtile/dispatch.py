@@ -274,6 +274,7 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     upcast: bool     # fp32 tiles under the interpreter (its bf16 matmuls are wrong)
+    paired: bool = False  # two key blocks a loop step (kernels/decode.py's _attend)
 
 
 # Keys a split should have at least: fewer make the combine's reads weigh.
@@ -281,14 +282,20 @@ DECODE_MIN_SPLIT_KEYS = 256
 DECODE_MAX_SPLITS = 64
 
 
-def decode_plan(q, heads_k: int, capacity: int, num_splits: int) -> DecodePlan:
+def decode_plan(q, heads_k: int, capacity: int, num_splits: int, paged: bool = False) -> DecodePlan:
     """Tiles and split count for q (batch, seqlen_q, heads, head_dim) over a cache of
-    ``capacity`` keys per sequence.  ``num_splits`` 0: enough programs for one per SM where the
-    row blocks alone do not fill the GPU (more, each with fewer keys in flight, read the cache
-    slower on the H200), each split at least DECODE_MIN_SPLIT_KEYS keys of the capacity (a
-    static shape: no sequence length is read on the host); > 0: that many."""
-    batch, seqlen_q, heads, head_dim = q.shape
-    interpreter = _options.interpreting()
+    ``capacity`` keys per sequence (``paged``: in pages, through a block table).  ``num_splits``
+    0: enough programs for one per SM where the row blocks alone do not fill the GPU (more, each
+    with fewer keys in flight, read the cache slower on the H200), each split at least
+    DECODE_MIN_SPLIT_KEYS keys of the capacity (a static shape: no sequence length is read on
+    the host); > 0: that many.  Asked at every decoding step: remembered per shape."""
+    device = q.device.index if q.is_cuda else None
+    return _decode_plan(*q.shape, q.dtype, device, heads_k, capacity, num_splits, paged, _options.interpreting())
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capacity, num_splits, paged,
+                 interpreter) -> DecodePlan:
     rows = seqlen_q * (heads // heads_k)
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     block_n = 16 if interpreter else (64 if head_dim <= 128 else 32)
@@ -296,9 +303,11 @@ def decode_plan(q, heads_k: int, capacity: int, num_splits: int) -> DecodePlan:
         splits = num_splits
     else:
         from flashtile.kernels.gluon.scheduler import sm_count
-        sms = 4 if interpreter or not q.is_cuda else sm_count(q.device.index)
+        sms = 4 if interpreter or device is None else sm_count(device)
         programs = -(-rows // block_m) * batch * heads_k
         wanted = -(-sms // programs)
         splits = max(1, min(wanted, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
-    upcast = interpreter and q.dtype == torch.bfloat16
-    return DecodePlan(block_m, block_n, splits, 4, 3, upcast)
+    upcast = interpreter and dtype == torch.bfloat16
+    # Pages: the table's load takes a pipeline stage of its own, leaving one for K/V; two blocks
+    # a step keep as many keys in flight as a contiguous cache's two stages (the same bits).
+    return DecodePlan(block_m, block_n, splits, 4, 4 if paged else 3, upcast, paged)

@@ -184,7 +184,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k is not None:
         _append(k_cache, v_cache, k, v, new_positions, batch_idx, block_table)
     q = validation.last_dim_contiguous(q)
-    plan = dispatch.decode_plan(q, heads_k, capacity, num_splits)
+    plan = dispatch.decode_plan(q, heads_k, capacity, num_splits, block_table is not None)
     features = types.SimpleNamespace(softcap=softcap, alibi_slopes=alibi_slopes)
     ends, new_keys = (seqlens, seqlen_new) if isinstance(seqlens, torch.Tensor) else (None, seqlens + seqlen_new)
     out, lse = decode.forward(plan, q, k_cache, v_cache, ends, new_keys, leftpad, batch_idx, block_table, scale,

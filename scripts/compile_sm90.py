@@ -158,11 +158,11 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     # Decoding against a paged cache, GQA packed (one split writes the output itself), and the
     # combine of several splits.
     q = torch.empty(8, 1, 32, head_dim, dtype=torch.bfloat16)
-    plan = dispatch.decode_plan(q, 8, 4096, 1)
+    plan = dispatch.decode_plan(q, 8, 4096, 1, paged=True)
     yield "decode.split", decode._split_kernel, dict(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=decode.padded_head_dim(head_dim), BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, PAGED=True, HAS_ENDS=True, HAS_LEFTPAD=False, HAS_BATCH_IDX=False, UPCAST=False,
-        SCORE=score.mod_of(p)), dict(num_warps=plan.num_warps, num_stages=plan.num_stages), None
+        SCORE=score.mod_of(p), PAIRED=plan.paired), dict(num_warps=plan.num_warps, num_stages=plan.num_stages), None
     combine = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=decode.padded_head_dim(head_dim), BLOCK_T=decode.COMBINE_ROWS)
     yield "decode.combine", decode._combine_kernel, combine, dict(num_warps=decode.COMBINE_WARPS), None
     f = dispatch.forward_plan(p, "v2", dispatch.HOPPER, opts).config

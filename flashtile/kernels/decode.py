@@ -48,30 +48,59 @@ def _cache_index(batch_row, keys, in_seq, page_size, BLOCK_TABLE, sbt, batch, ou
 
 
 @triton.jit
+def _block(acc, m_i, l_i, q, n0, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs, svh, sbt, batch, batch_row, head_k,
+           start, token, seqlen_k, dlo, dhi, page_size, outer_count, scale_log2, site,
+           HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+           UPCAST: tl.constexpr, SCORE: tl.constexpr, MASKED: tl.constexpr):
+    """The online softmax step of key block [n0, n0 + BLOCK_N): not MASKED, inside the band and
+    the sequence (no element mask, no bounds on the loads, the plain P @ V)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    cols = n0 + offs_n
+    in_seq = cols < seqlen_k
+    outer, inner = _cache_index(batch_row, start + cols, in_seq, page_size, BLOCK_TABLE, sbt, batch, outer_count,
+                                PAGED, MASKED)
+    k_ptrs = (K + head_k * skh + outer * skb + inner * sks)[:, None] + offs_d[None, :]
+    v_ptrs = (V + head_k * svh + outer * svb + inner * svs)[:, None] + offs_d[None, :]
+    k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, UPCAST)
+    s = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, token[:, None], cols[None, :], site, SCORE)
+    if MASKED:
+        s = tl.where(band_mask(token, cols, seqlen_k, dlo, dhi), s, float("-inf"))
+    p, alpha, m_i = online_softmax_step(s, m_i, 1.0)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, UPCAST)
+    acc = acc * alpha[:, None] + values_product(p, v, V.dtype.element_ty, UPCAST, MASKED)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attend(acc, m_i, l_i, q, lo, hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs, svh, sbt, batch, batch_row, head_k,
             start, token, seqlen_k, dlo, dhi, page_size, outer_count, scale_log2, site,
             HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-            UPCAST: tl.constexpr, SCORE: tl.constexpr, MASKED: tl.constexpr):
+            UPCAST: tl.constexpr, SCORE: tl.constexpr, MASKED: tl.constexpr, PAIRED: tl.constexpr):
     """The online softmax over key blocks [lo, hi) (hi a multiple of BLOCK_N unless MASKED).
-    Blocks entirely inside the band and the sequence are not MASKED: no element mask, no
-    bounds on the loads, the plain P @ V."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    for n0 in range(lo, hi, BLOCK_N):
-        cols = n0 + offs_n
-        in_seq = cols < seqlen_k
-        outer, inner = _cache_index(batch_row, start + cols, in_seq, page_size, BLOCK_TABLE, sbt, batch, outer_count,
-                                    PAGED, MASKED)
-        k_ptrs = (K + head_k * skh + outer * skb + inner * sks)[:, None] + offs_d[None, :]
-        v_ptrs = (V + head_k * svh + outer * svb + inner * svs)[:, None] + offs_d[None, :]
-        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, UPCAST)
-        s = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, token[:, None], cols[None, :], site, SCORE)
-        if MASKED:
-            s = tl.where(band_mask(token, cols, seqlen_k, dlo, dhi), s, float("-inf"))
-        p, alpha, m_i = online_softmax_step(s, m_i, 1.0)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, UPCAST)
-        acc = acc * alpha[:, None] + values_product(p, v, V.dtype.element_ty, UPCAST, MASKED)
+    PAIRED (unmasked blocks): two blocks a loop step, so that each pipeline stage holds twice
+    the keys in flight (a paged cache's table load takes a stage of its own); the arithmetic is
+    block by block as unpaired, so the results are the same bits."""
+    if PAIRED and not MASKED:
+        pairs_hi = lo + (hi - lo) // (2 * BLOCK_N) * (2 * BLOCK_N)
+        for n0 in range(lo, pairs_hi, 2 * BLOCK_N):
+            acc, m_i, l_i = _block(acc, m_i, l_i, q, n0, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs, svh, sbt, batch,
+                                   batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size, outer_count,
+                                   scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST, SCORE, False)
+            acc, m_i, l_i = _block(acc, m_i, l_i, q, n0 + BLOCK_N, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs, svh,
+                                   sbt, batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size,
+                                   outer_count, scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST,
+                                   SCORE, False)
+        if pairs_hi < hi:
+            acc, m_i, l_i = _block(acc, m_i, l_i, q, pairs_hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs, svh, sbt,
+                                   batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size, outer_count,
+                                   scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST, SCORE, False)
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _block(acc, m_i, l_i, q, n0, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs, svh, sbt, batch,
+                                   batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size, outer_count,
+                                   scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST, SCORE, MASKED)
     return acc, m_i, l_i
 
 
@@ -82,7 +111,8 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
                   window_right, score_args,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGED: tl.constexpr, HAS_ENDS: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-                  HAS_BATCH_IDX: tl.constexpr, UPCAST: tl.constexpr, SCORE: tl.constexpr):
+                  HAS_BATCH_IDX: tl.constexpr, UPCAST: tl.constexpr, SCORE: tl.constexpr,
+                  PAIRED: tl.constexpr):
     """Rows [m0, m0 + BLOCK_M) of (query token, query head of the group) for one KV head, over
     this split's share of the keys.  O and LSE: the output and logsumexp, or with several splits
     (the grid's third dimension) the per-split partials (split stride sop, slp).  Sequence b
@@ -133,14 +163,14 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, full_lo, full_hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs,
                                     svh, sbt, batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size,
                                     outer_count, scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST,
-                                    SCORE, False)
+                                    SCORE, False, PAIRED)
         else:
             part_lo = split_lo if part == 0 else full_hi
             part_hi = full_lo if part == 0 else split_hi
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, part_lo, part_hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs,
                                     svh, sbt, batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size,
                                     outer_count, scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST,
-                                    SCORE, True)
+                                    SCORE, True, PAIRED)
     out, lse = finalize_rows(acc, m_i, l_i)
     o_rows = O + split.to(tl.int64) * sop + batch.to(tl.int64) * sob + token.to(tl.int64) * sos + head * soh
     tl.store(o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=in_rows[:, None] & in_dim[None, :])
@@ -188,8 +218,9 @@ COMBINE_ROWS, COMBINE_WARPS = 16, 4  # the combine's rows per program and warps
 
 
 def padded_head_dim(head_dim):
-    """The kernels' head-dim tile: a power of two, at least the 16 a matmul needs."""
-    return max(16, triton.next_power_of_2(head_dim))
+    """The kernels' head-dim tile: a power of two, at least the 16 a matmul needs (integer
+    arithmetic: triton.next_power_of_2 goes through the JIT's call path, microseconds a step)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
 
 
 def forward(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, block_table, scale, window, features):
@@ -210,7 +241,7 @@ def forward(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, bl
     else:
         part_o, part_lse = out, lse
     dummy = q  # a pointer for the absent tables (never read)
-    grid = (triton.cdiv(seqlen_q * group, plan.block_m), batch * heads_k, plan.splits)
+    grid = (-(-seqlen_q * group // plan.block_m), batch * heads_k, plan.splits)
     head_dim_pad = padded_head_dim(head_dim)
     launch(
         _split_kernel, grid,
@@ -226,10 +257,10 @@ def forward(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, bl
         window[0], window[1], score.args_of(features),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         PAGED=paged, HAS_ENDS=seqlens is not None, HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None,
-        UPCAST=plan.upcast, SCORE=score.mod_of(features), num_warps=plan.num_warps, num_stages=plan.num_stages)
+        UPCAST=plan.upcast, SCORE=score.mod_of(features), PAIRED=plan.paired, num_warps=plan.num_warps, num_stages=plan.num_stages)
     if plan.splits > 1:
         launch(
-            _combine_kernel, (triton.cdiv(seqlen_q, COMBINE_ROWS), batch * heads),
+            _combine_kernel, (-(-seqlen_q // COMBINE_ROWS), batch * heads),
             part_o, part_lse, out, lse, seqlen_q, heads, plan.splits,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3),
             part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
