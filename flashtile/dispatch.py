@@ -274,7 +274,6 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     upcast: bool     # fp32 tiles under the interpreter (its bf16 matmuls are wrong)
-    paired: bool = False  # two key blocks a loop step (kernels/decode.py's _attend)
 
 
 # Keys a split should have at least: fewer make the combine's reads weigh.
@@ -298,7 +297,9 @@ def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capac
                  interpreter) -> DecodePlan:
     rows = seqlen_q * (heads // heads_k)
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    block_n = 16 if interpreter else (64 if head_dim <= 128 else 32)
+    # Pages: the table's load takes a pipeline stage of its own, so a paged cache runs one more
+    # stage and steps of twice the keys, to keep as many in flight as a contiguous one.
+    block_n = 16 if interpreter else (64 if head_dim <= 128 else 32) * (2 if paged else 1)
     if num_splits > 0:
         splits = num_splits
     else:
@@ -308,6 +309,4 @@ def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capac
         wanted = -(-sms // programs)
         splits = max(1, min(wanted, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
     upcast = interpreter and dtype == torch.bfloat16
-    # Pages: the table's load takes a pipeline stage of its own, leaving one for K/V; two blocks
-    # a step keep as many keys in flight as a contiguous cache's two stages (the same bits).
-    return DecodePlan(block_m, block_n, splits, 4, 4 if paged else 3, upcast, paged)
+    return DecodePlan(block_m, block_n, splits, 4, 4 if paged else 3, upcast)

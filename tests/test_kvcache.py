@@ -152,12 +152,22 @@ def test_batch_index_leftpad_window_softcap_alibi():
 
 
 def test_paged_equals_contiguous_bitwise():
-    # The same cache contents and split count: the same bits, paged or not.
-    paged = Case(batch=3, seqlen_q=4, heads=8, heads_k=2, page_size=16)
-    out_paged, lse_paged = paged.run(causal=True, num_splits=3)
-    paged.page_size, paged.block_table = None, None
-    out_dense, lse_dense = paged.run(causal=True, num_splits=3)
-    assert torch.equal(out_paged, out_dense) and torch.equal(lse_paged, lse_dense)
+    # The same cache contents, tiles and split count: the same bits, paged or not.  (A paged
+    # cache's default tiles take longer steps, dispatch.decode_plan: both are checked against
+    # the oracle.)
+    case = Case(batch=3, seqlen_q=4, heads=8, heads_k=2, page_size=16)
+    features = types.SimpleNamespace(softcap=0.0, alibi_slopes=None)
+    lengths = case.lengths.int().to(DEVICE)
+    scale, window = case.q.shape[-1] ** -0.5, (-1, 0)
+    for paged in (False, True):
+        plan = dispatch.decode_plan(case.q, 2, case.k_dense.shape[1], 3, paged=paged)
+        runs = [decode.forward(plan, case.q, case.k_pages, case.v_pages, lengths, 0, None, None, case.block_table,
+                               scale, window, features),
+                decode.forward(plan, case.q, case.k_dense, case.v_dense, lengths, 0, None, None, None, scale, window,
+                               features)]
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), f"paged plan: {paged}"
+    out, lse = case.run(causal=True, num_splits=3)
+    case.check(out, lse, causal=True)
 
 
 def test_every_split_count_agrees():

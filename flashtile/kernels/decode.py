@@ -48,59 +48,30 @@ def _cache_index(batch_row, keys, in_seq, page_size, BLOCK_TABLE, sbt, batch, ou
 
 
 @triton.jit
-def _block(acc, m_i, l_i, q, n0, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs, svh, sbt, batch, batch_row, head_k,
-           start, token, seqlen_k, dlo, dhi, page_size, outer_count, scale_log2, site,
-           HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-           UPCAST: tl.constexpr, SCORE: tl.constexpr, MASKED: tl.constexpr):
-    """The online softmax step of key block [n0, n0 + BLOCK_N): not MASKED, inside the band and
-    the sequence (no element mask, no bounds on the loads, the plain P @ V)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    cols = n0 + offs_n
-    in_seq = cols < seqlen_k
-    outer, inner = _cache_index(batch_row, start + cols, in_seq, page_size, BLOCK_TABLE, sbt, batch, outer_count,
-                                PAGED, MASKED)
-    k_ptrs = (K + head_k * skh + outer * skb + inner * sks)[:, None] + offs_d[None, :]
-    v_ptrs = (V + head_k * svh + outer * svb + inner * svs)[:, None] + offs_d[None, :]
-    k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, UPCAST)
-    s = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, token[:, None], cols[None, :], site, SCORE)
-    if MASKED:
-        s = tl.where(band_mask(token, cols, seqlen_k, dlo, dhi), s, float("-inf"))
-    p, alpha, m_i = online_softmax_step(s, m_i, 1.0)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, UPCAST)
-    acc = acc * alpha[:, None] + values_product(p, v, V.dtype.element_ty, UPCAST, MASKED)
-    return acc, m_i, l_i
-
-
-@triton.jit
 def _attend(acc, m_i, l_i, q, lo, hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs, svh, sbt, batch, batch_row, head_k,
             start, token, seqlen_k, dlo, dhi, page_size, outer_count, scale_log2, site,
             HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-            UPCAST: tl.constexpr, SCORE: tl.constexpr, MASKED: tl.constexpr, PAIRED: tl.constexpr):
+            UPCAST: tl.constexpr, SCORE: tl.constexpr, MASKED: tl.constexpr):
     """The online softmax over key blocks [lo, hi) (hi a multiple of BLOCK_N unless MASKED).
-    PAIRED (unmasked blocks): two blocks a loop step, so that each pipeline stage holds twice
-    the keys in flight (a paged cache's table load takes a stage of its own); the arithmetic is
-    block by block as unpaired, so the results are the same bits."""
-    if PAIRED and not MASKED:
-        pairs_hi = lo + (hi - lo) // (2 * BLOCK_N) * (2 * BLOCK_N)
-        for n0 in range(lo, pairs_hi, 2 * BLOCK_N):
-            acc, m_i, l_i = _block(acc, m_i, l_i, q, n0, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs, svh, sbt, batch,
-                                   batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size, outer_count,
-                                   scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST, SCORE, False)
-            acc, m_i, l_i = _block(acc, m_i, l_i, q, n0 + BLOCK_N, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs, svh,
-                                   sbt, batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size,
-                                   outer_count, scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST,
-                                   SCORE, False)
-        if pairs_hi < hi:
-            acc, m_i, l_i = _block(acc, m_i, l_i, q, pairs_hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs, svh, sbt,
-                                   batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size, outer_count,
-                                   scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST, SCORE, False)
-    else:
-        for n0 in range(lo, hi, BLOCK_N):
-            acc, m_i, l_i = _block(acc, m_i, l_i, q, n0, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs, svh, sbt, batch,
-                                   batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size, outer_count,
-                                   scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST, SCORE, MASKED)
+    Blocks entirely inside the band and the sequence are not MASKED: no element mask, no
+    bounds on the loads, the plain P @ V."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + offs_n
+        in_seq = cols < seqlen_k
+        outer, inner = _cache_index(batch_row, start + cols, in_seq, page_size, BLOCK_TABLE, sbt, batch, outer_count,
+                                    PAGED, MASKED)
+        k_ptrs = (K + head_k * skh + outer * skb + inner * sks)[:, None] + offs_d[None, :]
+        v_ptrs = (V + head_k * svh + outer * svb + inner * svs)[:, None] + offs_d[None, :]
+        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, UPCAST)
+        s = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, token[:, None], cols[None, :], site, SCORE)
+        if MASKED:
+            s = tl.where(band_mask(token, cols, seqlen_k, dlo, dhi), s, float("-inf"))
+        p, alpha, m_i = online_softmax_step(s, m_i, 1.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, UPCAST)
+        acc = acc * alpha[:, None] + values_product(p, v, V.dtype.element_ty, UPCAST, MASKED)
     return acc, m_i, l_i
 
 
@@ -111,8 +82,7 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
                   window_right, score_args,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGED: tl.constexpr, HAS_ENDS: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-                  HAS_BATCH_IDX: tl.constexpr, UPCAST: tl.constexpr, SCORE: tl.constexpr,
-                  PAIRED: tl.constexpr):
+                  HAS_BATCH_IDX: tl.constexpr, UPCAST: tl.constexpr, SCORE: tl.constexpr):
     """Rows [m0, m0 + BLOCK_M) of (query token, query head of the group) for one KV head, over
     this split's share of the keys.  O and LSE: the output and logsumexp, or with several splits
     (the grid's third dimension) the per-split partials (split stride sop, slp).  Sequence b
@@ -163,14 +133,14 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, full_lo, full_hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs,
                                     svh, sbt, batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size,
                                     outer_count, scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST,
-                                    SCORE, False, PAIRED)
+                                    SCORE, False)
         else:
             part_lo = split_lo if part == 0 else full_hi
             part_hi = full_lo if part == 0 else split_hi
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, part_lo, part_hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs,
                                     svh, sbt, batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size,
                                     outer_count, scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST,
-                                    SCORE, True, PAIRED)
+                                    SCORE, True)
     out, lse = finalize_rows(acc, m_i, l_i)
     o_rows = O + split.to(tl.int64) * sop + batch.to(tl.int64) * sob + token.to(tl.int64) * sos + head * soh
     tl.store(o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=in_rows[:, None] & in_dim[None, :])
@@ -178,43 +148,36 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
 
 
 @triton.jit
-def _combine_kernel(PART_O, PART_LSE, O, LSE, seqlen_q, heads, splits,
+def _combine_kernel(PART_O, PART_LSE, O, LSE, heads, splits,
                     sop, sob, sos, soh, slp, slb, slh, tob, tos, toh, tlb, tlh,
-                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The splits' partial outputs of rows [t0, t0 + BLOCK_T) of one (batch, head), weighted by
-    exp(lse_split - lse).  A split that saw no key (lse +inf, output 0) weighs nothing; a row
-    that saw none at all gives 0 and lse +inf."""
-    t0 = tl.program_id(0) * BLOCK_T
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """The splits' partial outputs of one row (token, batch x head), weighted by
+    exp(lse_split - lse).  Every split's logsumexp in one load and every partial output in a
+    second (a (splits, head_dim) tile): two round trips, where a loop over the splits would
+    wait for each.  A split that saw no key (lse +inf, output 0) weighs nothing; a row that saw
+    none at all gives 0 and lse +inf."""
+    token = tl.program_id(0)
     batch = (tl.program_id(1) // heads).to(tl.int64)
     head = tl.program_id(1) % heads
-    tokens = t0 + tl.arange(0, BLOCK_T)
-    in_rows = tokens < seqlen_q
+    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask = in_rows[:, None] & (offs_d[None, :] < HEAD_DIM)
-    stats = PART_LSE + batch * slb + head * slh + tokens
-    top = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    for s in range(splits):
-        lse = tl.load(stats + s * slp, mask=in_rows, other=float("inf"))
-        top = tl.maximum(top, tl.where(lse == float("inf"), float("-inf"), lse))
+    in_splits = offs_s < splits
+    lse = tl.load(PART_LSE + offs_s * slp + batch * slb + head * slh + token, mask=in_splits, other=float("inf"))
+    top = tl.max(tl.where(lse == float("inf"), float("-inf"), lse), 0)
     ref = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros([BLOCK_T], tl.float32)
-    acc = tl.zeros([BLOCK_T, HEAD_DIM_PAD], tl.float32)
-    outs = PART_O + batch * sob + tokens[:, None].to(tl.int64) * sos + head * soh + offs_d[None, :]
-    for s in range(splits):
-        lse = tl.load(stats + s * slp, mask=in_rows, other=float("inf"))
-        weight = tl.where(lse == float("inf"), 0.0, tl.math.exp2((lse - ref) * LOG2E))
-        total += weight
-        part = tl.load(outs + s * sop, mask=mask, other=0.0)
-        acc += weight[:, None] * part
+    weight = tl.where(lse == float("inf"), 0.0, tl.math.exp2((lse - ref) * LOG2E))
+    total = tl.sum(weight, 0)
+    parts = tl.load(PART_O + offs_s[:, None].to(tl.int64) * sop + batch * sob + token.to(tl.int64) * sos + head * soh
+                    + offs_d[None, :], mask=in_splits[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     empty = total == 0.0
-    out = acc / tl.where(empty, 1.0, total)[:, None]
+    out = tl.sum(weight[:, None] * parts, 0) / tl.where(empty, 1.0, total)
     lse = tl.where(empty, float("inf"), ref + tl.log(tl.where(empty, 1.0, total)))
-    tl.store(O + batch * tob + tokens[:, None].to(tl.int64) * tos + head * toh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=mask)
-    tl.store(LSE + batch * tlb + head * tlh + tokens, lse, mask=in_rows)
+    tl.store(O + batch * tob + token.to(tl.int64) * tos + head * toh + offs_d, out.to(O.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+    tl.store(LSE + batch * tlb + head * tlh + token, lse)
 
 
-COMBINE_ROWS, COMBINE_WARPS = 16, 4  # the combine's rows per program and warps
+COMBINE_WARPS = 4
 
 
 def padded_head_dim(head_dim):
@@ -257,13 +220,14 @@ def forward(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, bl
         window[0], window[1], score.args_of(features),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         PAGED=paged, HAS_ENDS=seqlens is not None, HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None,
-        UPCAST=plan.upcast, SCORE=score.mod_of(features), PAIRED=plan.paired, num_warps=plan.num_warps, num_stages=plan.num_stages)
+        UPCAST=plan.upcast, SCORE=score.mod_of(features), num_warps=plan.num_warps, num_stages=plan.num_stages)
     if plan.splits > 1:
         launch(
-            _combine_kernel, (-(-seqlen_q // COMBINE_ROWS), batch * heads),
-            part_o, part_lse, out, lse, seqlen_q, heads, plan.splits,
+            _combine_kernel, (seqlen_q, batch * heads),
+            part_o, part_lse, out, lse, heads, plan.splits,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3),
             part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_T=COMBINE_ROWS, num_warps=COMBINE_WARPS)
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=max(2, 1 << (plan.splits - 1).bit_length()),
+            num_warps=COMBINE_WARPS)
     return out, lse
