@@ -284,10 +284,11 @@ DECODE_MAX_SPLITS = 64
 def decode_plan(q, heads_k: int, capacity: int, num_splits: int, paged: bool = False) -> DecodePlan:
     """Tiles and split count for q (batch, seqlen_q, heads, head_dim) over a cache of
     ``capacity`` keys per sequence (``paged``: in pages, through a block table).  ``num_splits``
-    0: enough programs for one per SM where the row blocks alone do not fill the GPU (more, each
-    with fewer keys in flight, read the cache slower on the H200), each split at least
-    DECODE_MIN_SPLIT_KEYS keys of the capacity (a static shape: no sequence length is read on
-    the host); > 0: that many.  Asked at every decoding step: remembered per shape."""
+    0: as many programs as two per SM hold, where the row blocks alone are fewer (two reside
+    beside each other; a count between one and two per SM, or past two, leaves a partial wave),
+    each split at least DECODE_MIN_SPLIT_KEYS keys of the capacity (a static shape: no sequence
+    length is read on the host); > 0: that many.  Asked at every decoding step: remembered per
+    shape."""
     device = q.device.index if q.is_cuda else None
     return _decode_plan(*q.shape, q.dtype, device, heads_k, capacity, num_splits, paged, _options.interpreting())
 
@@ -306,7 +307,6 @@ def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capac
         from flashtile.kernels.gluon.scheduler import sm_count
         sms = 4 if interpreter or device is None else sm_count(device)
         programs = -(-rows // block_m) * batch * heads_k
-        wanted = -(-sms // programs)
-        splits = max(1, min(wanted, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
+        splits = max(1, min(2 * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
     upcast = interpreter and dtype == torch.bfloat16
     return DecodePlan(block_m, block_n, splits, 4, 4 if paged else 3, upcast)
