@@ -274,6 +274,7 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     upcast: bool     # fp32 tiles under the interpreter (its bf16 matmuls are wrong)
+    pdl: bool = False  # the combine launched as the split kernel's programmatic dependent (Hopper)
 
 
 # Keys a split should have at least: fewer make the combine's reads weigh.
@@ -309,4 +310,5 @@ def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capac
         programs = -(-rows // block_m) * batch * heads_k
         splits = max(1, min(2 * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
     upcast = interpreter and dtype == torch.bfloat16
-    return DecodePlan(block_m, block_n, splits, 4, 4 if paged else 3, upcast)
+    pdl = not interpreter and device is not None and _capability(device)[0] >= 9
+    return DecodePlan(block_m, block_n, splits, 4, 4 if paged else 3, upcast, pdl)

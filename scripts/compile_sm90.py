@@ -162,9 +162,9 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     yield "decode.split", decode._split_kernel, dict(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=decode.padded_head_dim(head_dim), BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, PAGED=True, HAS_ENDS=True, HAS_LEFTPAD=False, HAS_BATCH_IDX=False, UPCAST=False,
-        SCORE=score.mod_of(p)), dict(num_warps=plan.num_warps, num_stages=plan.num_stages), None
-    combine = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=decode.padded_head_dim(head_dim), SPLITS_PAD=16)
-    yield "decode.combine", decode._combine_kernel, combine, dict(num_warps=decode.COMBINE_WARPS), None
+        SCORE=score.mod_of(p), PDL=True), dict(num_warps=plan.num_warps, num_stages=plan.num_stages), None
+    combine = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=decode.padded_head_dim(head_dim), SPLITS_PAD=16, PDL=True)
+    yield "decode.combine", decode._combine_kernel, combine, dict(num_warps=decode.COMBINE_WARPS, launch_pdl=True), None
     f = dispatch.forward_plan(p, "v2", dispatch.HOPPER, opts).config
     v2_base = dict(base, DROPOUT=with_dropout, HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=p.head_dim_pad)
     # V's head-dim stride is 1 as launched (specialized): its keys' stride is, for float8.

@@ -289,7 +289,9 @@ def test_sink_kernels_compile_for_sm90(tmp_path):
 
 def test_decode_kernels_compile_for_sm90(tmp_path):
     # The split-KV kernel over a paged cache (with ALiBi: each packed row reads its own query
-    # head's slope) and the combine of its splits.
-    for kernel in ("decode.split", "decode.combine"):
+    # head's slope) and the combine of its splits, its programmatic dependent: the split kernel
+    # lets it launch, the combine waits for the split grid before reading.
+    for kernel, control in (("decode.split", "griddepcontrol.launch_dependents"),
+                            ("decode.combine", "griddepcontrol.wait")):
         compile_for_sm90(tmp_path / kernel, kernel, 128, softcap=30.0, alibi=True)
-        assert (tmp_path / kernel / f"{kernel}_d128.cubin").stat().st_size > 0, kernel
+        assert control in (tmp_path / kernel / f"{kernel}_d128.ptx").read_text(), kernel

@@ -16,6 +16,7 @@ end_b.  Scores go through the score hook (score.py), with each row's own query h
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.kernels import score
 from flashtile.kernels.blocks import band_mask, diagonal_band, visited_blocks
@@ -82,7 +83,7 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
                   window_right, score_args,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGED: tl.constexpr, HAS_ENDS: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-                  HAS_BATCH_IDX: tl.constexpr, UPCAST: tl.constexpr, SCORE: tl.constexpr):
+                  HAS_BATCH_IDX: tl.constexpr, UPCAST: tl.constexpr, SCORE: tl.constexpr, PDL: tl.constexpr):
     """Rows [m0, m0 + BLOCK_M) of (query token, query head of the group) for one KV head, over
     this split's share of the keys.  O and LSE: the output and logsumexp, or with several splits
     (the grid's third dimension) the per-split partials (split stride sop, slp).  Sequence b
@@ -141,6 +142,8 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
                                     svh, sbt, batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size,
                                     outer_count, scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST,
                                     SCORE, True)
+    if PDL:  # the combine may start launching: it waits for this grid before reading
+        gdc_launch_dependents()
     out, lse = finalize_rows(acc, m_i, l_i)
     o_rows = O + split.to(tl.int64) * sop + batch.to(tl.int64) * sob + token.to(tl.int64) * sos + head * soh
     tl.store(o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=in_rows[:, None] & in_dim[None, :])
@@ -150,12 +153,16 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
 @triton.jit
 def _combine_kernel(PART_O, PART_LSE, O, LSE, heads, splits,
                     sop, sob, sos, soh, slp, slb, slh, tob, tos, toh, tlb, tlh,
-                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                    PDL: tl.constexpr):
     """The splits' partial outputs of one row (token, batch x head), weighted by
     exp(lse_split - lse).  Every split's logsumexp in one load and every partial output in a
     second (a (splits, head_dim) tile): two round trips, where a loop over the splits would
     wait for each.  A split that saw no key (lse +inf, output 0) weighs nothing; a row that saw
-    none at all gives 0 and lse +inf."""
+    none at all gives 0 and lse +inf.  PDL: launched as the split kernel's programmatic
+    dependent (its launch overlaps the split kernel's end), so it first waits for that grid."""
+    if PDL:
+        gdc_wait()
     token = tl.program_id(0)
     batch = (tl.program_id(1) // heads).to(tl.int64)
     head = tl.program_id(1) % heads
@@ -220,7 +227,8 @@ def forward(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, bl
         window[0], window[1], score.args_of(features),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         PAGED=paged, HAS_ENDS=seqlens is not None, HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None,
-        UPCAST=plan.upcast, SCORE=score.mod_of(features), num_warps=plan.num_warps, num_stages=plan.num_stages)
+        UPCAST=plan.upcast, SCORE=score.mod_of(features), PDL=plan.pdl, num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
     if plan.splits > 1:
         launch(
             _combine_kernel, (seqlen_q, batch * heads),
@@ -229,5 +237,5 @@ def forward(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, bl
             part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=max(2, 1 << (plan.splits - 1).bit_length()),
-            num_warps=COMBINE_WARPS)
+            PDL=plan.pdl, num_warps=COMBINE_WARPS, launch_pdl=plan.pdl)
     return out, lse
