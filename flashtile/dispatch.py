@@ -227,13 +227,12 @@ def _v3_backward_kernel(p, opts) -> str:
     """v3's backward where the Gluon kernels run: by default the single pass from
     GLUON_REDUCE_MIN_KEYS keys (d64, d128), the two Gluon passes below that, at d256 (the head
     dim split between the warpgroups), whenever gradients must be bitwise reproducible, and with
-    a score modification other than a lone distance bias (the single pass has no registers for
-    its logits: it spills; ALiBi split off the diagonal keeps none)."""
+    a score modification the single pass has no registers for (ScoreMod.single_pass)."""
     if opts.backward == "v2":
         return "v2"
     mod = score.mod_of(p)
     single_pass_possible = (not p.deterministic and not configs.split_head_dim(p.head_dim_pad)
-                            and mod is not score.SOFTCAP_ALIBI)
+                            and (mod is None or mod.single_pass))
     if opts.backward == "gluon-reduce":
         return "v3-gluon-reduce" if single_pass_possible else "v3-gluon"
     if opts.backward == "gluon":

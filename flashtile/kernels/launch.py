@@ -86,8 +86,20 @@ def _argument_class(x):
 
 
 def specialization_key(args) -> tuple:
-    """What triton's specialization of the runtime ``args`` depends on, as a hashable tuple."""
-    return tuple(map(_argument_class, args))
+    """What triton's specialization of the runtime ``args`` depends on, as a hashable tuple.
+    Integers and tensors, most of every launch's arguments, are classified inline (as
+    _integer_class and _tensor_class do): a function call an argument is most of the cost."""
+    key = []
+    append = key.append
+    for x in args:
+        kind = type(x)
+        if kind is int:
+            append((x == 1, x % 16 == 0, -2**31 <= x < 2**31))
+        elif kind is torch.Tensor:
+            append((x.dtype, x.data_ptr() % 16 == 0))
+        else:
+            append(_argument_class(x))
+    return tuple(key)
 
 
 def _checked(args) -> list:

@@ -45,6 +45,9 @@ class ScoreMod:
     # plus a row part (one_side_logits); kernels that know their blocks use it, the rest forward.
     slope: object = None
     inner: object = None
+    # Whether the single-pass Gluon backward runs it without spilling: a modification whose
+    # gradient needs the logits kept beside the bias's parts does not fit its registers.
+    single_pass: bool = True
 
 
 @triton.jit
@@ -109,7 +112,8 @@ def _softcap_alibi_grad(ds, y, q_idx, kv_idx, batch, head, offset, args):
 
 SOFTCAP = ScoreMod("softcap", _softcap, _softcap_grad)
 ALIBI = ScoreMod("alibi", _alibi, slope=_alibi_slope)  # a bias: f'(x) = 1
-SOFTCAP_ALIBI = ScoreMod("softcap+alibi", _softcap_alibi, _softcap_alibi_grad, slope=_alibi_slope, inner=SOFTCAP)
+SOFTCAP_ALIBI = ScoreMod("softcap+alibi", _softcap_alibi, _softcap_alibi_grad, slope=_alibi_slope, inner=SOFTCAP,
+                         single_pass=False)
 
 
 def mod_of(p):
