@@ -168,10 +168,13 @@ def distance_slope(site, MOD: tl.constexpr):
     return MOD.slope(batch, head, args)
 
 
-@triton.constexpr_function
-def splits_distance(MOD):
-    """Whether MOD is a distance bias (ALiBi), which one_side_logits can split."""
-    return MOD is not None and MOD.slope is not None
+def is_distance_bias(mod) -> bool:
+    """Whether ``mod`` is a distance bias (ALiBi), which one_side_logits can split."""
+    return mod is not None and mod.slope is not None
+
+
+# The same test inside kernels (on the host, a constexpr function goes through the JIT's call path).
+splits_distance = triton.constexpr_function(is_distance_bias)
 
 
 @triton.jit

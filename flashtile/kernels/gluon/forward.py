@@ -890,7 +890,7 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
     # A distance bias (ALiBi) split into column and row parts off the diagonal: its column part
     # takes 32 registers a thread, which two consumers up to d128 have once Q stays in shared
     # memory (three consumers' 160 registers, and d256's, spill).
-    distance = score.splits_distance(score.mod_of(p)) and cfg.consumers == 2 and p.head_dim_pad <= 128
+    distance = score.is_distance_bias(score.mod_of(p)) and cfg.consumers == 2 and p.head_dim_pad <= 128
     return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
                 PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_BUFFERS=o_buffers, PERSISTENT=cfg.persistent,
                 # Tiles of uneven length (a band) from the atomic counter; equal ones strided over.
