@@ -287,8 +287,9 @@ def decode_plan(q, heads_k: int, capacity: int, num_splits: int, paged: bool = F
     0: as many programs as two per SM hold, where the row blocks alone are fewer (two reside
     beside each other; a count between one and two per SM, or past two, leaves a partial wave),
     each split at least DECODE_MIN_SPLIT_KEYS keys of the capacity (a static shape: no sequence
-    length is read on the host); > 0: that many.  Asked at every decoding step: remembered per
-    shape."""
+    length is read on the host); > 0: that many, at most DECODE_MAX_SPLITS (the combine holds
+    every split's partial output of a row at once).  Asked at every decoding step: remembered
+    per shape."""
     device = q.device.index if q.is_cuda else None
     return _decode_plan(*q.shape, q.dtype, device, heads_k, capacity, num_splits, paged, _options.interpreting())
 
@@ -302,7 +303,7 @@ def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capac
     # stage and steps of twice the keys, to keep as many in flight as a contiguous one.
     block_n = 16 if interpreter else (64 if head_dim <= 128 else 32) * (2 if paged else 1)
     if num_splits > 0:
-        splits = num_splits
+        splits = min(num_splits, DECODE_MAX_SPLITS)
     else:
         from flashtile.kernels.gluon.scheduler import sm_count
         sms = 4 if interpreter or device is None else sm_count(device)

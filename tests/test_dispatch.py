@@ -244,6 +244,18 @@ def test_decode_plan_splits_from_static_shapes():
     # stage and steps of twice the keys.
     contiguous, paged = (dispatch._decode_plan(8, 1, 32, 128, torch.bfloat16, None, 8, 4096, 1, p, False) for p in (False, True))
     assert (paged.block_n, paged.num_stages) == (2 * contiguous.block_n, contiguous.num_stages + 1)
+    # An explicit count past what the combine holds is capped.
+    assert dispatch.decode_plan(one_token, 8, 4096, 1000).splits == dispatch.DECODE_MAX_SPLITS
+
+
+def test_decode_combine_is_a_programmatic_dependent_on_hopper_only(monkeypatch):
+    # griddepcontrol exists from sm_90; the interpreter has no inline assembly.
+    for capability, expected in (((9, 0), True), ((8, 0), False)):
+        monkeypatch.setattr(dispatch, "_CAPABILITIES", {5: capability})
+        dispatch._decode_plan.cache_clear()  # plans are remembered per device, whose capability is fixed
+        assert dispatch._decode_plan(8, 1, 32, 128, torch.bfloat16, 5, 8, 4096, 1, False, False).pdl is expected
+        assert not dispatch._decode_plan(8, 1, 32, 128, torch.bfloat16, 5, 8, 4096, 1, False, True).pdl
+    assert not dispatch._decode_plan(8, 1, 32, 128, torch.bfloat16, None, 8, 4096, 1, False, False).pdl
 
 
 def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():

@@ -155,7 +155,8 @@ def test_paged_equals_contiguous_bitwise():
     # The same cache contents, tiles and split count: the same bits, paged or not.  (A paged
     # cache's default tiles take longer steps, dispatch.decode_plan: both are checked against
     # the oracle.)
-    case = Case(batch=3, seqlen_q=4, heads=8, heads_k=2, page_size=16)
+    # On the GPU, caches long enough for the paged tiles' unmasked 128-key steps in every split.
+    case = Case(batch=3, seqlen_q=4, heads=8, heads_k=2, capacity=1000 if ON_GPU else 90, page_size=16)
     features = types.SimpleNamespace(softcap=0.0, alibi_slopes=None)
     lengths = case.lengths.int().to(DEVICE)
     scale, window = case.q.shape[-1] ** -0.5, (-1, 0)

@@ -12,7 +12,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def compile_for_sm90(tmp_path, only, head_dim, kernel_options="", softcap=0.0, alibi=False, dropout=False, fp8=None,
                      fp8_mode=1):
-    env = dict(os.environ, TRITON_INTERPRET="0")
+    # This checkout's flashtile, whatever else is installed.
+    path = os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
     res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_sm90.py"), "--head-dims",
                           str(head_dim), "--only", only, "--dump", str(tmp_path), "--options", kernel_options,
                           "--softcap", str(softcap)] + (["--alibi"] if alibi else [])
@@ -45,7 +47,9 @@ def test_v3_warp_specialized_partitions_store_their_own_rows(tmp_path):
 def test_every_kernel_compiles_for_sm90_with_varlen():
     # Varlen changes the index types (cu_seqlens loads) that TMA and loop bounds see, which the
     # interpreter does not check: compile every kernel's varlen form for Hopper.
-    env = dict(os.environ, TRITON_INTERPRET="0")
+    # This checkout's flashtile, whatever else is installed.
+    path = os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
     res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_sm90.py"), "--head-dims", "128",
                           "--varlen"], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0 and "FAILED" not in res.stdout, res.stdout + res.stderr[-2000:]
