@@ -87,6 +87,8 @@ def parser():
     dec.add_argument("--head-dim", type=_positive_int, default=128)
     dec.add_argument("--page-size", type=_positive_int, default=16, help="rows per page of flashtile-paged")
     dec.add_argument("--providers", type=_choices(decode_bench.PROVIDERS), default=list(decode_bench.PROVIDERS))
+    dec.add_argument("--kernel-options", default="",
+                     help="developer switches for the flashtile providers, e.g. tiles.decode_paged=128,4,4")
     dec.add_argument("--out", default="bench_results")
     dec.add_argument("--name", default="decode")
     sub.add_parser("demo", help="flashtile vs standard attention: error against float64, memory, speed")
@@ -191,8 +193,14 @@ def cmd_decode(args):
         print("flashtile decode needs a CUDA GPU; to check the pipeline on a CPU, set TRITON_INTERPRET=1 and "
               "narrow the grid, e.g. --batches 1 --caches 64 --heads 4 --heads-k 2 --head-dim 32", file=sys.stderr)
         return 2
+    try:
+        kernel_options = options.KernelOptions.parse(args.kernel_options)
+    except ValueError as e:
+        print(f"--kernel-options: {e}", file=sys.stderr)
+        return 2
     records = decode_bench.run(args.batches, args.caches, args.providers, args.heads, args.heads_k, args.head_dim,
-                               args.page_size, on_error=lambda msg: print(f"failed: {msg}", file=sys.stderr))
+                               args.page_size, on_error=lambda msg: print(f"failed: {msg}", file=sys.stderr),
+                               kernel_options=kernel_options)
     if not records:
         print("no provider ran a cell", file=sys.stderr)
         return 1

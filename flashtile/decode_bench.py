@@ -29,13 +29,15 @@ def _inputs(batch, cache, heads, heads_k, head_dim, device):
     return q, k, v
 
 
-def make_call(provider, batch, cache, heads=32, heads_k=8, head_dim=128, page_size=16, device=None):
-    """A no-argument call of ``provider`` on one decode cell (inputs made here)."""
+def make_call(provider, batch, cache, heads=32, heads_k=8, head_dim=128, page_size=16, device=None,
+              kernel_options=None):
+    """A no-argument call of ``provider`` on one decode cell (inputs made here); ``kernel_options``
+    for the flashtile providers (options.KernelOptions: tiles.decode, tiles.decode_paged)."""
     device = device or bench.default_device()
     q, k, v = _inputs(batch, cache, heads, heads_k, head_dim, device)
     lengths = torch.full((batch,), cache, dtype=torch.int32, device=device)
     if provider == "flashtile":
-        return lambda: kvcache.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths)
+        return lambda: kvcache.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, kernel_options=kernel_options)
     if provider == "flashtile-paged":
         blocks = -(-cache // page_size)
         pad = blocks * page_size - cache
@@ -48,7 +50,7 @@ def make_call(provider, batch, cache, heads=32, heads_k=8, head_dim=128, page_si
         k_pages, v_pages = (x[order.long()] for x in pages)
         block_table = table.view(batch, blocks)
         return lambda: kvcache.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths,
-                                                       block_table=block_table)
+                                                       block_table=block_table, kernel_options=kernel_options)
     if provider.startswith("sdpa-"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -90,8 +92,10 @@ def measure(provider, batch, cache, **shape):
     return ms, graph_ms, _host_us(call)
 
 
-def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size=16, on_error=print):
-    """Records of every (batch, cache, provider); a provider that fails a cell is reported."""
+def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size=16, on_error=print,
+        kernel_options=None):
+    """Records of every (batch, cache, provider); a provider that fails a cell is reported.
+    ``kernel_options`` (options.KernelOptions) go to the flashtile providers and into the records."""
     env = bench.environment()
     copy_tbps = bench.ceilings()["copy_tbps"] if torch.cuda.is_available() else None
     records = []
@@ -101,7 +105,8 @@ def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size
             for provider in providers:
                 try:
                     ms, graph_ms, host_us = measure(provider, batch, cache, heads=heads, heads_k=heads_k,
-                                          head_dim=head_dim, page_size=page_size)
+                                                    head_dim=head_dim, page_size=page_size,
+                                                    kernel_options=kernel_options)
                 except Exception as e:  # one provider failing must not stop the grid
                     on_error(f"{provider} batch {batch} cache {cache}: {type(e).__name__}: {str(e)[:160]}")
                     continue
@@ -111,7 +116,8 @@ def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size
                 records.append(dict(provider=provider, batch=batch, cache=cache, heads=heads, heads_k=heads_k,
                                     head_dim=head_dim, page_size=page_size, dtype="bf16", ms=ms,
                                     tbps=kv_bytes / ms / 1e9, graph_ms=graph_ms,
-                                    graph_tbps=graph_ms and kv_bytes / graph_ms / 1e9, host_us=host_us, copy_tbps=copy_tbps, **env))
+                                    graph_tbps=graph_ms and kv_bytes / graph_ms / 1e9, host_us=host_us, copy_tbps=copy_tbps,
+                                    kernel_options=str(kernel_options or ""), **env))
     return records
 
 

@@ -281,22 +281,25 @@ DECODE_MIN_SPLIT_KEYS = 256
 DECODE_MAX_SPLITS = 64
 
 
-def decode_plan(q, heads_k: int, capacity: int, num_splits: int, paged: bool = False) -> DecodePlan:
+def decode_plan(q, heads_k: int, capacity: int, num_splits: int, paged: bool = False,
+                opts=_options.ENVIRONMENT) -> DecodePlan:
     """Tiles and split count for q (batch, seqlen_q, heads, head_dim) over a cache of
     ``capacity`` keys per sequence (``paged``: in pages, through a block table).  ``num_splits``
     0: as many programs as two per SM hold, where the row blocks alone are fewer (two reside
     beside each other; a count between one and two per SM, or past two, leaves a partial wave),
     each split at least DECODE_MIN_SPLIT_KEYS keys of the capacity (a static shape: no sequence
     length is read on the host); > 0: that many, at most DECODE_MAX_SPLITS (the combine holds
-    every split's partial output of a row at once).  Asked at every decoding step: remembered
-    per shape."""
+    every split's partial output of a row at once).  ``opts``: its tiles.decode / decode_paged
+    override (keys a step, stages, warps).  Asked at every decoding step: remembered per shape."""
     device = q.device.index if q.is_cuda else None
-    return _decode_plan(*q.shape, q.dtype, device, heads_k, capacity, num_splits, paged, _options.interpreting())
+    tiles = opts.tile("decode_paged" if paged else "decode")
+    return _decode_plan(*q.shape, q.dtype, device, heads_k, capacity, num_splits, paged, _options.interpreting(),
+                        tiles)
 
 
 @functools.lru_cache(maxsize=256)
 def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capacity, num_splits, paged,
-                 interpreter) -> DecodePlan:
+                 interpreter, tiles=None) -> DecodePlan:
     rows = seqlen_q * (heads // heads_k)
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     # Pages: the table's load takes a pipeline stage of its own, so a paged cache runs one more
@@ -311,4 +314,5 @@ def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capac
         splits = max(1, min(2 * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
     upcast = interpreter and dtype == torch.bfloat16
     pdl = not interpreter and device is not None and _capability(device)[0] >= 9
-    return DecodePlan(block_m, block_n, splits, 4, 4 if paged else 3, upcast, pdl)
+    block_n, stages, warps = tiles or (block_n, 4 if paged else 3, 4)
+    return DecodePlan(block_m, block_n, splits, warps, stages, upcast, pdl)

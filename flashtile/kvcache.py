@@ -10,7 +10,7 @@ import types
 
 import torch
 
-from flashtile import dispatch, rotary, validation
+from flashtile import dispatch, options, rotary, validation
 from flashtile.kernels import decode
 
 
@@ -91,7 +91,8 @@ def _append(k_cache, v_cache, k, v, positions, batch_idx, block_table):
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            kernel_options=None):
     """Attention of q (batch, seqlen_q, nheads, headdim) over a KV cache, flash_attn's semantics.
 
     k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or with ``block_table``
@@ -103,7 +104,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     int32: the cache row of each sequence; cache_leftpad (batch,) int32: where each sequence's
     keys start.  causal / window_size are aligned to the end of each sequence's keys.
     num_splits: 0 picks the split-KV count, n > 0 uses n.  Returns out, or (out, softmax_lse)
-    with lse (batch, nheads, seqlen_q), natural log.
+    with lse (batch, nheads, seqlen_q), natural log.  ``kernel_options``: developer switches
+    (options.KernelOptions: tiles.decode, tiles.decode_paged).
     """
     _same_kind("q", q, q)
     if q.dtype not in validation.SUPPORTED_DTYPES:
@@ -184,7 +186,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k is not None:
         _append(k_cache, v_cache, k, v, new_positions, batch_idx, block_table)
     q = validation.last_dim_contiguous(q)
-    plan = dispatch.decode_plan(q, heads_k, capacity, num_splits, block_table is not None)
+    plan = dispatch.decode_plan(q, heads_k, capacity, num_splits, block_table is not None,
+                                options.resolve(kernel_options))
     features = types.SimpleNamespace(softcap=softcap, alibi_slopes=alibi_slopes)
     ends, new_keys = (seqlens, seqlen_new) if isinstance(seqlens, torch.Tensor) else (None, seqlens + seqlen_new)
     out, lse = decode.forward(plan, q, k_cache, v_cache, ends, new_keys, leftpad, batch_idx, block_table, scale,

@@ -23,7 +23,8 @@
 #   train   scripts/train_llama.py: "sdpa", "flashtile" and (TRAIN_ARGS, e.g. --fp8) more, loss curves,
 #           throughput, generation (training.*)
 #   decode  decoding over a KV cache: TB/s of K/V read by flashtile (contiguous, paged 16) and
-#           SDPA's backends, batch 1-64 x cache 4k-128k, 32/8 heads, d128 (decode.*; DECODE_ARGS)
+#           SDPA's backends, batch 1-64 x cache 4k-128k, 32/8 heads, d128 (decode.*; DECODE_ARGS, e.g.
+#           --kernel-options "tiles.decode_paged=128,4,4" for a tile candidate)
 #   gluon   v3's Gluon forward: its tile sweep at 1k and 16k
 #           (sweep_gluon_*.jsonl)
 #   profile Nsight Compute over v3's kernels on a few bars cells (PROFILE_CASES: "head_dim seqlen

@@ -197,9 +197,13 @@ def test_decode_bench_tiny_grid(tmp_path):
     shape = dict(heads=4, heads_k=2, head_dim=32, page_size=16)
     outs = [decode_bench.make_call(p, 2, 48, **shape)() for p in ("flashtile", "flashtile-paged")]
     assert torch.equal(outs[0], outs[1])
+    tiles = "tiles.decode=32,2,4;tiles.decode_paged=32,3,4"  # a tile override, as a sweep passes it
     assert cli.main(["decode", "--batches", "1", "--caches", "40", "--heads", "4", "--heads-k", "2", "--head-dim", "32",
-                 "--providers", "flashtile,flashtile-paged", "--out", str(tmp_path), "--name", "d"]) == 0
+                 "--providers", "flashtile,flashtile-paged", "--kernel-options", tiles, "--out", str(tmp_path),
+                 "--name", "d"]) == 0
     records = json.loads((tmp_path / "d.json").read_text())
     assert {r["provider"] for r in records} == {"flashtile", "flashtile-paged"}
+    assert {r["kernel_options"] for r in records} == {tiles}
+    assert cli.main(["decode", "--kernel-options", "tiles.decode=32,2"]) == 2  # three integers
     assert all(r["tbps"] > 0 and r["host_us"] > 0 for r in records)
     assert "| 1 | 40 |" in (tmp_path / "d.md").read_text()

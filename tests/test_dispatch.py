@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flashtile import dispatch
+from flashtile import dispatch, options
 from flashtile.dispatch import HOPPER, Plan, Target
 from flashtile.kernels import configs, tma
 from flashtile.kernels.configs import Config, GluonBackward, GluonSchedule
@@ -244,6 +244,11 @@ def test_decode_plan_splits_from_static_shapes():
     # stage and steps of twice the keys.
     contiguous, paged = (dispatch._decode_plan(8, 1, 32, 128, torch.bfloat16, None, 8, 4096, 1, p, False) for p in (False, True))
     assert (paged.block_n, paged.num_stages) == (2 * contiguous.block_n, contiguous.num_stages + 1)
+    # A tile override (keys a step, stages, warps) replaces the tiles of its layout only.
+    opts = options.KernelOptions.parse("tiles.decode_paged=32,5,8")
+    plan = dispatch.decode_plan(one_token, 8, 4096, 5, paged=True, opts=opts)
+    assert (plan.block_n, plan.num_stages, plan.num_warps, plan.splits) == (32, 5, 8, 5)
+    assert dispatch.decode_plan(one_token, 8, 4096, 5, opts=opts) == dispatch.decode_plan(one_token, 8, 4096, 5)
     # An explicit count past what the combine holds is capped.
     assert dispatch.decode_plan(one_token, 8, 4096, 1000).splits == dispatch.DECODE_MAX_SPLITS
 
