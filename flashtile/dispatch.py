@@ -274,6 +274,7 @@ class DecodePlan:
     num_stages: int
     upcast: bool     # fp32 tiles under the interpreter (its bf16 matmuls are wrong)
     pdl: bool = False  # the combine launched as the split kernel's programmatic dependent (Hopper)
+    maxnreg: int | None = None  # registers a thread at most (None: the compiler's choice)
 
 
 # Keys a split should have at least: fewer make the combine's reads weigh.
@@ -290,7 +291,7 @@ def decode_plan(q, heads_k: int, capacity: int, num_splits: int, paged: bool = F
     each split at least DECODE_MIN_SPLIT_KEYS keys of the capacity (a static shape: no sequence
     length is read on the host); > 0: that many, at most DECODE_MAX_SPLITS (the combine holds
     every split's partial output of a row at once).  ``opts``: its tiles.decode / decode_paged
-    override (keys a step, stages, warps).  Asked at every decoding step: remembered per shape."""
+    override (keys a step, stages, warps[, registers a thread]).  Asked at every decoding step: remembered per shape."""
     device = q.device.index if q.is_cuda else None
     tiles = opts.tile("decode_paged" if paged else "decode")
     return _decode_plan(*q.shape, q.dtype, device, heads_k, capacity, num_splits, paged, _options.interpreting(),
@@ -314,5 +315,5 @@ def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capac
         splits = max(1, min(2 * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
     upcast = interpreter and dtype == torch.bfloat16
     pdl = not interpreter and device is not None and _capability(device)[0] >= 9
-    block_n, stages, warps = tiles or (block_n, 4 if paged else 3, 4)
-    return DecodePlan(block_m, block_n, splits, warps, stages, upcast, pdl)
+    block_n, stages, warps, maxnreg = (*tiles, None)[:4] if tiles else (block_n, 4 if paged else 3, 4, None)
+    return DecodePlan(block_m, block_n, splits, warps, stages, upcast, pdl, maxnreg)

@@ -249,6 +249,9 @@ def test_decode_plan_splits_from_static_shapes():
     plan = dispatch.decode_plan(one_token, 8, 4096, 5, paged=True, opts=opts)
     assert (plan.block_n, plan.num_stages, plan.num_warps, plan.splits) == (32, 5, 8, 5)
     assert dispatch.decode_plan(one_token, 8, 4096, 5, opts=opts) == dispatch.decode_plan(one_token, 8, 4096, 5)
+    capped = options.KernelOptions.parse("tiles.decode=64,3,4,168")
+    assert dispatch.decode_plan(one_token, 8, 4096, 5, opts=capped).maxnreg == 168
+    assert dispatch.decode_plan(one_token, 8, 4096, 5).maxnreg is None
     # An explicit count past what the combine holds is capped.
     assert dispatch.decode_plan(one_token, 8, 4096, 1000).splits == dispatch.DECODE_MAX_SPLITS
 

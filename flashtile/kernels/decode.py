@@ -228,7 +228,7 @@ def forward(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, bl
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         PAGED=paged, HAS_ENDS=seqlens is not None, HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None,
         UPCAST=plan.upcast, SCORE=score.mod_of(features), PDL=plan.pdl, num_warps=plan.num_warps,
-        num_stages=plan.num_stages)
+        num_stages=plan.num_stages, maxnreg=plan.maxnreg)
     if plan.splits > 1:
         launch(
             _combine_kernel, (seqlen_q, batch * heads),
