@@ -116,8 +116,8 @@ def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size
                 records.append(dict(provider=provider, batch=batch, cache=cache, heads=heads, heads_k=heads_k,
                                     head_dim=head_dim, page_size=page_size, dtype="bf16", ms=ms,
                                     tbps=kv_bytes / ms / 1e9, graph_ms=graph_ms,
-                                    graph_tbps=graph_ms and kv_bytes / graph_ms / 1e9, host_us=host_us, copy_tbps=copy_tbps,
-                                    kernel_options=str(kernel_options or ""), **env))
+                                    graph_tbps=graph_ms and kv_bytes / graph_ms / 1e9, host_us=host_us,
+                                    copy_tbps=copy_tbps, kernel_options=str(kernel_options or ""), **env))
     return records
 
 

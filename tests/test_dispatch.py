@@ -242,7 +242,8 @@ def test_decode_plan_splits_from_static_shapes():
     assert dispatch.decode_plan(torch.empty(1, 16, 32, 128, dtype=torch.bfloat16), 8, 4096, 0).block_m == 64
     # On the GPU, a paged cache (its table's load a pipeline stage of its own) takes one more
     # stage and steps of twice the keys.
-    contiguous, paged = (dispatch._decode_plan(8, 1, 32, 128, torch.bfloat16, None, 8, 4096, 1, p, False) for p in (False, True))
+    contiguous, paged = (dispatch._decode_plan(8, 1, 32, 128, torch.bfloat16, None, 8, 4096, 1, p, False)
+                         for p in (False, True))
     assert (paged.block_n, paged.num_stages) == (2 * contiguous.block_n, contiguous.num_stages + 1)
     # A tile override (keys a step, stages, warps) replaces the tiles of its layout only.
     opts = options.KernelOptions.parse("tiles.decode_paged=32,5,8")

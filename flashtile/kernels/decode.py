@@ -169,7 +169,8 @@ def _combine_kernel(PART_O, PART_LSE, O, LSE, heads, splits,
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     in_splits = offs_s < splits
-    lse = tl.load(PART_LSE + offs_s.to(tl.int64) * slp + batch * slb + head * slh + token, mask=in_splits, other=float("inf"))
+    lse = tl.load(PART_LSE + offs_s.to(tl.int64) * slp + batch * slb + head * slh + token, mask=in_splits,
+                  other=float("inf"))
     top = tl.max(tl.where(lse == float("inf"), float("-inf"), lse), 0)
     ref = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.where(lse == float("inf"), 0.0, tl.math.exp2((lse - ref) * LOG2E))
