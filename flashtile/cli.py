@@ -116,10 +116,8 @@ def cmd_bench(args):
     for p in args.providers:
         if p not in ok:
             print(f"skipping {p}: {why[p]}", file=sys.stderr)
-    try:
-        kernel_options = options.KernelOptions.parse(args.kernel_options)
-    except ValueError as e:
-        print(f"--kernel-options: {e}", file=sys.stderr)
+    kernel_options = _kernel_options(args.kernel_options)
+    if kernel_options is None:
         return 2
     cases = bench.paper_grid(args.head_dims, args.seqlens, [c == "true" for c in args.causal], args.modes,
                              args.dtype, args.tokens, args.hidden, softcap=args.softcap,
@@ -185,6 +183,16 @@ def cmd_io(args):
     return 0
 
 
+def _kernel_options(text):
+    """``--kernel-options`` parsed, or None once the error is printed."""
+    from flashtile import options
+    try:
+        return options.KernelOptions.parse(text)
+    except ValueError as e:
+        print(f"--kernel-options: {e}", file=sys.stderr)
+        return None
+
+
 def cmd_decode(args):
     import torch
 
@@ -193,10 +201,8 @@ def cmd_decode(args):
         print("flashtile decode needs a CUDA GPU; to check the pipeline on a CPU, set TRITON_INTERPRET=1 and "
               "narrow the grid, e.g. --batches 1 --caches 64 --heads 4 --heads-k 2 --head-dim 32", file=sys.stderr)
         return 2
-    try:
-        kernel_options = options.KernelOptions.parse(args.kernel_options)
-    except ValueError as e:
-        print(f"--kernel-options: {e}", file=sys.stderr)
+    kernel_options = _kernel_options(args.kernel_options)
+    if kernel_options is None:
         return 2
     records = decode_bench.run(args.batches, args.caches, args.providers, args.heads, args.heads_k, args.head_dim,
                                args.page_size, on_error=lambda msg: print(f"failed: {msg}", file=sys.stderr),

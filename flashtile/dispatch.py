@@ -32,6 +32,7 @@ import torch
 from flashtile import options as _options
 from flashtile.kernels import configs, score
 from flashtile.kernels.configs import Config
+from flashtile.kernels.problem import next_power_of_2
 
 VERSIONS = ("v1", "v2", "v3")
 # Every accepted value of ``version``: "tiled" is the PyTorch implementation, runnable anywhere.
@@ -302,7 +303,7 @@ def decode_plan(q, heads_k: int, capacity: int, num_splits: int, paged: bool = F
 def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capacity, num_splits, paged,
                  interpreter, tiles=None) -> DecodePlan:
     rows = seqlen_q * (heads // heads_k)
-    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    block_m = min(64, max(16, next_power_of_2(rows)))
     # Pages: the table's load takes a pipeline stage of its own, so a paged cache runs one more
     # stage and steps of twice the keys, to keep as many in flight as a contiguous one.
     block_n = 16 if interpreter else (64 if head_dim <= 128 else 32) * (2 if paged else 1)

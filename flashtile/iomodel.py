@@ -146,7 +146,8 @@ def gpu_tiles(version: str, s: "Shape"):
 def summary(s: Shape):
     """Model for each algorithm at the block sizes the kernels use on the GPU."""
     from flashtile.kernels import v1 as v1_kernels
-    pad = max(16, 1 << (s.d - 1).bit_length())
+    from flashtile.kernels.problem import padded_head_dim
+    pad = padded_head_dim(s.d)
     fwd, bwd = v1_kernels.block_sizes(pad)
     model = {"standard": standard(s), "v1": v1(s, *fwd, *bwd)}
     for version in ("v2", "v3"):

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from flashtile import options
 from flashtile.kernels.launch import launch
+from flashtile.kernels.problem import next_power_of_2
 from flashtile.kernels.tiles import LOG2E, row_delta
 
 
@@ -91,14 +92,14 @@ def _share_kernel(OUT, DOUT, LSE, DLSE, SINKS, SHARE, seqlen, head_dim, sob, sos
 
 def tiles(head_dim):
     """(BLOCK_S, BLOCK_D) of both kernels: a row of the head dim, up to 8192 elements a program."""
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     return max(1, min(64, 8192 // block_d)), block_d
 
 
 def _grid_and_blocks(rows, head_dim):
     block_s, block_d = tiles(head_dim)
     b, s, h, _ = rows.shape
-    return (triton.cdiv(s, block_s), h, b), block_s, block_d
+    return (-(-s // block_s), h, b), block_s, block_d
 
 
 def join(varlen, out, lse, saved, sinks):

@@ -21,7 +21,7 @@ from flashtile import dispatch, sinks
 from flashtile.kernels import configs, decode, dropout, quantize, score, tma, v1, v2, v3
 from flashtile.kernels.gluon import backward as gluon_bwd
 from flashtile.kernels.gluon import forward as gluon_fwd
-from flashtile.kernels.problem import Problem
+from flashtile.kernels.problem import Problem, padded_head_dim
 from flashtile.options import KernelOptions
 from sass_loops import describe
 
@@ -160,10 +160,10 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     q = torch.empty(8, 1, 32, head_dim, dtype=torch.bfloat16)
     plan = dispatch.decode_plan(q, 8, 4096, 1, paged=True)
     yield "decode.split", decode._split_kernel, dict(
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=decode.padded_head_dim(head_dim), BLOCK_M=plan.block_m,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, PAGED=True, HAS_ENDS=True, HAS_LEFTPAD=False, HAS_BATCH_IDX=False, UPCAST=False,
         SCORE=score.mod_of(p), PDL=True), dict(num_warps=plan.num_warps, num_stages=plan.num_stages), None
-    combine = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=decode.padded_head_dim(head_dim), SPLITS_PAD=16, PDL=True)
+    combine = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), SPLITS_PAD=16, PDL=True)
     yield "decode.combine", decode._combine_kernel, combine, dict(num_warps=decode.COMBINE_WARPS, launch_pdl=True), None
     f = dispatch.forward_plan(p, "v2", dispatch.HOPPER, opts).config
     v2_base = dict(base, DROPOUT=with_dropout, HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=p.head_dim_pad)

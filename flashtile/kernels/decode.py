@@ -21,6 +21,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from flashtile.kernels import score
 from flashtile.kernels.blocks import band_mask, diagonal_band, visited_blocks
 from flashtile.kernels.launch import launch
+from flashtile.kernels.problem import next_power_of_2, padded_head_dim
 from flashtile.kernels.tiles import LOG2E, finalize_rows, load_tile, online_softmax_step, values_product
 
 
@@ -188,12 +189,6 @@ def _combine_kernel(PART_O, PART_LSE, O, LSE, heads, splits,
 COMBINE_WARPS = 4
 
 
-def padded_head_dim(head_dim):
-    """The kernels' head-dim tile: a power of two, at least the 16 a matmul needs (integer
-    arithmetic: triton.next_power_of_2 goes through the JIT's call path, microseconds a step)."""
-    return max(16, 1 << (head_dim - 1).bit_length())
-
-
 def forward(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, block_table, scale, window, features):
     """(out, lse) of q (batch, seqlen_q, heads, head_dim) over the caches.  Each sequence ends at
     ``seqlens[b] + new_keys`` in its cache row (``seqlens`` (batch,) int32, or None: at
@@ -237,6 +232,6 @@ def forward(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, bl
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3),
             part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=max(2, 1 << (plan.splits - 1).bit_length()),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=max(2, next_power_of_2(plan.splits)),
             PDL=plan.pdl, num_warps=COMBINE_WARPS, launch_pdl=plan.pdl)
     return out, lse

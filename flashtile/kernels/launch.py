@@ -50,55 +50,35 @@ def descriptor_spec(dtype, block_shape, layout) -> str:
     return f"{dtype}{list(block_shape)}{layout!r}"
 
 
-def _integer_class(x):
-    # triton: 1 becomes a constant, multiples of 16 are marked divisible, the range picks i32/i64.
-    return (x == 1, x % 16 == 0, -2**31 <= x < 2**31)
-
-
-def _tensor_class(x):
-    return (x.dtype, x.data_ptr() % 16 == 0)
-
-
-_ARGUMENT_CLASS = {  # by exact type: one dict lookup an argument
+# Arguments other than integers and tensors, by exact type.
+_OTHER_CLASS = {
     Descriptor: lambda x: x.spec,
-    torch.Tensor: _tensor_class,
-    int: _integer_class,
     bool: lambda x: (bool, x),
     float: lambda x: float,
     type(None): lambda x: None,
 }
 
 
-def _tuple_class(x):
-    return tuple(map(_argument_class, x))
-
-
-_ARGUMENT_CLASS[tuple] = _tuple_class
-
-
-def _argument_class(x):
-    classify = _ARGUMENT_CLASS.get(type(x))
-    if classify is not None:
-        return classify(x)
-    if isinstance(x, torch.Tensor):  # a subclass (Parameter, ...)
-        return _tensor_class(x)
-    raise TypeError(f"no launch key for a {type(x).__name__} argument")
-
-
 def specialization_key(args) -> tuple:
     """What triton's specialization of the runtime ``args`` depends on, as a hashable tuple.
-    Integers and tensors, most of every launch's arguments, are classified inline (as
-    _integer_class and _tensor_class do): a function call an argument is most of the cost."""
+    Integers and tensors, most of every launch's arguments, are classified inline: a function
+    call an argument would be most of the cost."""
     key = []
     append = key.append
     for x in args:
         kind = type(x)
         if kind is int:
+            # triton: 1 becomes a constant, multiples of 16 are marked divisible, the range picks i32/i64.
             append((x == 1, x % 16 == 0, -2**31 <= x < 2**31))
-        elif kind is torch.Tensor:
+        elif kind is torch.Tensor or isinstance(x, torch.Tensor):  # a subclass too (Parameter, ...)
             append((x.dtype, x.data_ptr() % 16 == 0))
+        elif kind is tuple:
+            append(specialization_key(x))
         else:
-            append(_argument_class(x))
+            classify = _OTHER_CLASS.get(kind)
+            if classify is None:
+                raise TypeError(f"no launch key for a {kind.__name__} argument")
+            append(classify(x))
     return tuple(key)
 
 

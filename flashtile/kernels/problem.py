@@ -14,6 +14,18 @@ from flashtile import options
 from flashtile.kernels.tiles import LOG2E
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two at least ``n`` (>= 1).  Plain integer arithmetic, for the host:
+    triton.next_power_of_2 goes through the JIT's call path (microseconds a call)."""
+    return 1 << (n - 1).bit_length()
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """A head dim's tile: tl.dot needs K >= 16 and power-of-two tiles; padded lanes are masked
+    to zero."""
+    return max(16, next_power_of_2(head_dim))
+
+
 @functools.lru_cache(maxsize=None)
 def _placeholder(device: torch.device) -> torch.Tensor:
     # One per device, made once: no allocation or fill on every launch.
@@ -117,9 +129,7 @@ class Problem:
 
     @property
     def head_dim_pad(self) -> int:
-        # tl.dot needs K >= 16 and power-of-two tiles; padded lanes are masked to zero.  Plain
-        # integer arithmetic: triton.next_power_of_2 goes through the JIT's call path (~8 us).
-        return max(16, 1 << (self.head_dim - 1).bit_length())
+        return padded_head_dim(self.head_dim)
 
     @property
     def fp8_mode(self) -> int:
@@ -144,7 +154,7 @@ class Problem:
 
     @property
     def head_dim_v_pad(self) -> int:
-        return max(16, 1 << (self.head_dim_v - 1).bit_length())
+        return padded_head_dim(self.head_dim_v)
 
     @property
     def widest_head_dim_pad(self) -> int:

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from flashtile import options
 from flashtile.kernels.launch import launch
+from flashtile.kernels.problem import padded_head_dim
 from flashtile.kernels.tiles import fp8_operand
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # float32's smallest normal: an all-zero block's amax
@@ -60,10 +61,10 @@ def blocks(x, rows: int, dtype, fp8_max: float, signs=None):
     batch, seqlen, heads, head_dim = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    n_blocks = triton.cdiv(seqlen, rows)
+    n_blocks = -(-seqlen // rows)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     descale = torch.empty(batch, heads, n_blocks, dtype=torch.float32, device=x.device)
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    head_dim_pad = padded_head_dim(head_dim)
     if signs is not None and (signs.shape != (head_dim, head_dim) or head_dim != head_dim_pad
                               or signs.dtype != x.dtype):
         raise ValueError(f"signs must be ({head_dim}, {head_dim}) in {x.dtype} with a power-of-two head dim, got "

@@ -311,6 +311,15 @@ def _in_band_t(x, rows_k, m0, band, seqlen_q, ROW_BOUNDS: gl.constexpr):
 
 
 @gluon.jit
+def _hook_probs_t(sT, lse, cols, rows_k, m0, band, seqlen_q, scale_log2, unit, site, SCORE: gl.constexpr,
+                  ROW_BOUNDS: gl.constexpr):
+    """_probs_t through the score hook whole: (P^T, P^T f')."""
+    yT = score.logits(sT, scale_log2, cols[None, :], rows_k[:, None], site, SCORE)
+    pT = _in_band_t(gl.exp2(yT * unit - lse[None, :]), rows_k, m0, band, seqlen_q, ROW_BOUNDS)
+    return pT, score.grad(pT, yT, cols[None, :], rows_k[:, None], site, SCORE)
+
+
+@gluon.jit
 def _probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, scale_log2, site, SCORE: gl.constexpr,
              ROW_BOUNDS: gl.constexpr, SPLIT_CROSSING: gl.constexpr):
     """P^T of the Q block from m0 from S^T (key rows ``rows_k`` from k0; through the score hook),
@@ -338,14 +347,11 @@ def _probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, scale_log2, site, SCORE: g
             pT = _in_band_t(gl.exp2(xT - lse_part[None, :]), rows_k, m0, band, seqlen_q, ROW_BOUNDS)
             pT_ds = score.inner_grad(pT, tT, cols[None, :], rows_k[:, None], site, SCORE)
         else:
-            yT = score.logits(sT, scale_log2, cols[None, :], rows_k[:, None], site, SCORE)
-            pT = _in_band_t(gl.exp2(yT * unit - lse[None, :]), rows_k, m0, band, seqlen_q, ROW_BOUNDS)
-            pT_ds = score.grad(pT, yT, cols[None, :], rows_k[:, None], site, SCORE)
+            pT, pT_ds = _hook_probs_t(sT, lse, cols, rows_k, m0, band, seqlen_q, scale_log2, unit, site, SCORE,
+                                      ROW_BOUNDS)
         return pT, pT_ds
     else:
-        yT = score.logits(sT, scale_log2, cols[None, :], rows_k[:, None], site, SCORE)
-        pT = _in_band_t(gl.exp2(yT * unit - lse[None, :]), rows_k, m0, band, seqlen_q, ROW_BOUNDS)
-        return pT, score.grad(pT, yT, cols[None, :], rows_k[:, None], site, SCORE)
+        return _hook_probs_t(sT, lse, cols, rows_k, m0, band, seqlen_q, scale_log2, unit, site, SCORE, ROW_BOUNDS)
 
 
 @gluon.jit

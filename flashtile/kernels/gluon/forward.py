@@ -454,8 +454,9 @@ def _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2,
         y = band_edge_masks(y, rows, offs, n0, S.BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
                             float("-inf"), S.LEFT_EDGE)
         if S.BOUNDED:
-            # m_i is the logits' bound (the consumer's start): no row max, O is never rescaled.
-            p = gl.exp2(y * unit - m_i[:, None])
+            # m_i is the logits' bound (the consumer's start): no row max, O is never rescaled;
+            # P times 2**log2_factor, as scaled_softmax_step's.
+            p = gl.exp2(y * unit - (m_i - log2_factor)[:, None])
             return p, gl.full(m_i.shape, 1.0, gl.float32, m_i.type.layout), m_i
         else:
             return scaled_softmax_step(y, m_i, unit, log2_factor, None)
