@@ -205,6 +205,13 @@ def test_gluon_forward_launch_constants():
     cfg = configs.by_head_dim(configs.V3_GLUON, 128)
     assert gluon_fwd.kernel_constants(causal, cfg, 2)["DYNAMIC"]
     assert not gluon_fwd.kernel_constants(causal, replace(cfg, persistent=False), 2)["DYNAMIC"]
+    # Outputs checked for non-finite rows only where a band masks keys inside the tensors (past
+    # their end TMA reads zeros), and not on float8 (no recomputation path).
+    assert gluon_fwd.kernel_constants(causal, cfg, 2)["CHECK_FINITE"]
+    assert gluon_fwd.kernel_constants(replace(problem(4096), window_left=64), cfg, 2)["CHECK_FINITE"]
+    assert not gluon_fwd.kernel_constants(problem(4096), cfg, 2)["CHECK_FINITE"]
+    assert not gluon_fwd.kernel_constants(replace(causal, fp8=True), configs.by_head_dim(configs.V3_GLUON_FP8, 128),
+                                          1, 2)["CHECK_FINITE"]
     assert gluon_fwd.kernel_constants(replace(causal, softcap=30.0), cfg, 2)["SCORE"] is not None
     # A softcap is every row's max (BOUNDED) on bf16 alone, while its range stays in P's normal range.
     capped = replace(causal, softcap=30.0)

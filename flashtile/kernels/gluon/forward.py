@@ -84,10 +84,12 @@ class Schedule:
     BOUNDED: gl.constexpr
     FP8: gl.constexpr
     FRESH_PV: gl.constexpr
+    CHECK_FINITE: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
-                 PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8, FRESH_PV):
+                 PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8, FRESH_PV,
+                 CHECK_FINITE):
         self.ROWS = gl.constexpr(ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM_PAD = gl.constexpr(HEAD_DIM_PAD)
@@ -106,6 +108,7 @@ class Schedule:
         self.BOUNDED = gl.constexpr(BOUNDED)
         self.FP8 = gl.constexpr(FP8)
         self.FRESH_PV = gl.constexpr(FRESH_PV)
+        self.CHECK_FINITE = gl.constexpr(CHECK_FINITE)
 
 
 @aggregate
@@ -128,9 +131,11 @@ class Buffers:
     v_empty: gl.shared_memory_descriptor
     turn: gl.shared_memory_descriptor
     o_free: gl.shared_memory_descriptor
+    not_finite: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, q, k, v, o, tile_ids, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, o_free):
+    def __init__(self, q, k, v, o, tile_ids, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, o_free,
+                 not_finite):
         self.q = q
         self.k = k
         self.v = v
@@ -144,6 +149,7 @@ class Buffers:
         self.v_empty = v_empty
         self.turn = turn
         self.o_free = o_free
+        self.not_finite = not_finite
 
     @gluon.jit
     def allocate(q_desc, k_desc, v_desc, o_desc, S: gl.constexpr):
@@ -164,6 +170,10 @@ class Buffers:
         v_empty = gl.allocate_shared_memory(gl.int64, [S.STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [S.CONSUMERS, 1], mbarrier.MBarrierLayout())
         o_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())  # one O buffer, shared
+        if S.CHECK_FINITE:  # each consumer's rows: whether the row's output came out not finite
+            not_finite = gl.allocate_shared_memory(gl.int32, [S.CONSUMERS, S.ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        else:
+            not_finite = tile_ids  # a placeholder, never used
         for i in gl.static_range(S.Q_SLOTS):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=S.CONSUMERS)
@@ -175,7 +185,8 @@ class Buffers:
         for i in gl.static_range(S.CONSUMERS):
             mbarrier.init(turn.index(i), count=1)
         mbarrier.init(o_free.index(0), count=1)
-        return Buffers(q, k, v, o, tile_ids, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, o_free)
+        return Buffers(q, k, v, o, tile_ids, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, o_free,
+                       not_finite)
 
 
 @gluon.constexpr_function
@@ -709,38 +720,31 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
         out, lse = finalize_rows(acc, gl.convert_layout(m_i, o_rows), gl.convert_layout(l_i, o_rows))
         use = tile_i * S.CONSUMERS + WHICH
         out_dtype: gl.constexpr = outputs.o_desc.dtype
-        if S.FP8:  # no exact path (it reads operands without descales): a non-finite input stays so
-            _store_rows(out.to(out_dtype), lse, buf, use, WHICH, outputs, batch, head, row0, walk.seqlen_q, o_layout,
-                        S)
-        # An output that is not finite (inf - inf and NaN - NaN are NaN) is recomputed by the
-        # masking rule (_exact_rows, which stores its rows itself); else the rows leave as usual.
-        elif gl.max(gl.max(((acc - acc) != 0).to(gl.int32), 1), 0) > 0:
-            _exact_rows(lse, batch, head, row0, use, WHICH, buf, stash, outputs, walk, scale_log2, score_args, S)
-        else:
-            _store_rows(out.to(out_dtype), lse, buf, use, WHICH, outputs, batch, head, row0, walk.seqlen_q, o_layout,
-                        S)
+        not_finite = _store_rows(out.to(out_dtype), lse, acc, buf, use, WHICH, outputs, batch, head, row0,
+                                 walk.seqlen_q, o_layout, S)
+        if S.CHECK_FINITE and not_finite > 0:
+            _exact_rows(batch, head, row0, WHICH, buf, stash, outputs, walk, scale_log2, score_args, S)
         tile_i += 1
         t = read_next_tile(buf.tile_ids, tile_i, buf.q_ready, walk.num_tiles, S.Q_SLOTS, S.PERSISTENT)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _exact_rows(lse, batch, head, row0, use, WHICH: gl.constexpr, buf, stash, outputs, walk, scale_log2,
-                score_args, S: gl.constexpr):
-    """The consumer's rows computed again by the masking rule, and stored with their logsumexp
-    ``lse`` (natural log, from the main loop): a key outside a row's band contributes nothing,
+def _exact_rows(batch, head, row0, WHICH: gl.constexpr, buf, stash, outputs, walk, scale_log2, score_args,
+                S: gl.constexpr):
+    """The consumer's rows computed again by the masking rule, with the logsumexp of the main
+    loop (natural log): a key outside a row's band contributes nothing,
     whatever its value.  The tensor cores' P V turns a masked key's probability of 0 times an
     infinite value into NaN; a consumer whose output came out not finite (rare: V holds inf or
-    NaN) comes here.  The work is a function of its own (_exact_rows_cold, not inlined, scalar
-    arguments only), so that the main loop's register allocation does not see it."""
-    rows = row0 + gl.arange(0, S.ROWS, layout=lse.type.layout)
-    in_seq = rows < walk.seqlen_q
+    NaN) comes here, its rows and their logsumexp already stored (_store_rows).  The work is a
+    function of its own (_exact_rows_cold, not inlined, scalar arguments only), so that the main
+    loop's register allocation does not see it."""
     lse_rows = outputs.LSE + batch.to(gl.int64) * outputs.slb + head * outputs.slh
-    gl.store(lse_rows + rows, lse, mask=in_seq)
-    if S.O_BUFFERS == 1:  # the shared staging buffer's turn, passed on unused
-        mbarrier.wait(buf.o_free.index(0), (use & 1) ^ 1)
-        mbarrier.arrive(buf.o_free.index(0))
-    gl.thread_barrier()  # the logsumexp written before the function reads it back
+    # The rows' TMA store written to global memory (not only read from shared memory, as
+    # tma.store_wait waits for) before they are written again, and every thread's logsumexp
+    # there for the function to read back.
+    _bulk_stores_done(lse_rows)
+    gl.thread_barrier()
     dlo, dhi, lo, _, _, n_blocks = band_blocks(row0 - WHICH * S.ROWS, S.CONSUMERS * S.ROWS, S.BLOCK_N, walk.seqlen_q,
                                                walk.seqlen_k, walk.window_left, walk.window_right, False)
     dtype: gl.constexpr = buf.q.dtype
@@ -753,6 +757,14 @@ def _exact_rows(lse, batch, head, row0, use, WHICH: gl.constexpr, buf, stash, ou
                      row0, dlo, dhi, lo, gl.minimum(lo + n_blocks * S.BLOCK_N, walk.seqlen_k), walk.seqlen_q,
                      walk.seqlen_k - walk.seqlen_q, batch, head, scale_log2, score_args, S.ROWS, S.HEAD_DIM_PAD,
                      S.SCORE)
+
+
+@gluon.jit
+def _bulk_stores_done(anchor):
+    """Wait until this thread's TMA stores have completed their writes to global memory, and
+    order those writes before its later generic stores (``anchor``: any scalar; asm needs one)."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
+                              "=r,l", [anchor], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit(noinline=True)
@@ -791,14 +803,20 @@ def _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_row
 
 
 @gluon.jit
-def _store_rows(out, lse, buf, use, WHICH: gl.constexpr, outputs, batch, head, row0, seqlen_q,
+def _store_rows(out, lse, acc, buf, use, WHICH: gl.constexpr, outputs, batch, head, row0, seqlen_q,
                 o_layout: gl.constexpr, S: gl.constexpr):
     """One consumer's O rows and their logsumexp; rows past the sequence, lanes past the head dim
     dropped.  O goes by TMA store through a staging buffer in shared memory: one per consumer,
     or one the two consumers take in turn (``use``: this consumer's turn, counted over the CTA),
-    or, with O_BUFFERS == 0, straight from registers."""
+    or, with O_BUFFERS == 0, straight from registers.
+
+    With CHECK_FINITE it returns non-zero where a row came out not finite (``acc``: O before
+    its division), for the caller to recompute the rows.  The flags go through shared memory
+    beside O, so the barrier O's TMA store needs anyway makes every warp's visible, and they are
+    read once the store is under way: the check costs a sum per row, off the store's path."""
     ROWS: gl.constexpr = S.ROWS
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    not_finite = 0
     if S.O_BUFFERS > 0:
         SHARED: gl.constexpr = S.O_BUFFERS == 1
         o_buf = buf.o.index(0 if SHARED else WHICH)
@@ -808,8 +826,12 @@ def _store_rows(out, lse, buf, use, WHICH: gl.constexpr, outputs, batch, head, r
         else:
             tma.store_wait(0)  # this consumer's previous store has left its buffer
         o_buf.reshape([ROWS, S.HEAD_DIM_PAD]).store(out)
+        if S.CHECK_FINITE:
+            _flag_rows(acc, buf.not_finite.index(WHICH))
         fence_async_shared()
         tma.async_copy_shared_to_global(outputs.o_desc, [batch, row0, head, 0], o_buf)
+        if S.CHECK_FINITE:
+            not_finite = _flagged(buf.not_finite.index(WHICH))
         if SHARED:
             tma.store_wait(0)
             gl.thread_barrier()  # every thread past the wait before the buffer is handed on
@@ -819,7 +841,29 @@ def _store_rows(out, lse, buf, use, WHICH: gl.constexpr, outputs, batch, head, r
         ptrs = (outputs.O + batch.to(gl.int64) * outputs.sob + rows[:, None].to(gl.int64) * outputs.sos
                 + head * outputs.soh + cols[None, :])
         gl.store(ptrs, out, mask=(rows[:, None] < seqlen_q) & (cols[None, :] < outputs.head_dim))
+        if S.CHECK_FINITE:
+            _flag_rows(acc, buf.not_finite.index(WHICH))
+            not_finite = _flagged(buf.not_finite.index(WHICH))
     gl.store(outputs.LSE + batch.to(gl.int64) * outputs.slb + head * outputs.slh + rows, lse, mask=rows < seqlen_q)
+    return not_finite
+
+
+@gluon.jit
+def _flag_rows(acc, flags):
+    """Whether each row of ``acc`` holds a value that is not finite, into ``flags`` (one int per
+    row in shared memory).  A row's sum is not finite then; finite values that overflow it count
+    too (rare: those rows are recomputed, still exact)."""
+    row_sums = gl.sum(acc, 1)
+    flags.store(((row_sums - row_sums) != 0).to(gl.int32))
+
+
+@gluon.jit
+def _flagged(flags):
+    """Whether any of ``flags`` is set, read by every thread whole once a barrier has passed: a
+    warp's read spans the rows, so the reduction is one warp instruction, with no shared scratch
+    and no barrier of its own."""
+    ROWS: gl.constexpr = flags.shape[0]
+    return gl.max(flags.load(gl.BlockedLayout([ROWS // 32], [32], [gl.num_warps()], [0])), 0)
 
 
 @gluon.jit
@@ -832,10 +876,10 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
                 DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr, DISTANCE: gl.constexpr,
-                BOUNDED: gl.constexpr, FP8: gl.constexpr, FRESH_PV: gl.constexpr):
+                BOUNDED: gl.constexpr, FP8: gl.constexpr, FRESH_PV: gl.constexpr, CHECK_FINITE: gl.constexpr):
     S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
                                PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8,
-                               FRESH_PV)
+                               FRESH_PV, CHECK_FINITE)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
     walk = TileWalk(num_tiles, batch_heads, heads_q, group, head_group, m_blocks, seqlen_q, seqlen_k, window_left,
                     window_right)
@@ -901,7 +945,12 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
                 Q_IN_REGISTERS=q_in_registers(p.head_dim_pad, cfg) and not fresh_pv and not distance,
                 # A sliding window's left edge: without one (causal, none) only the right is tested.
                 LEFT_EDGE=p.window_left >= 0, SCORE=score.mod_of(p), FP8=p.fp8_mode, FRESH_PV=fresh_pv,
-                DISTANCE=distance, BOUNDED=softcap_bounds_logits(p, dtype))
+                DISTANCE=distance, BOUNDED=softcap_bounds_logits(p, dtype),
+                # Only a band masks keys that lie inside the tensors (past the end TMA reads
+                # zeros), whose values could turn P V non-finite: an output that comes out so is
+                # recomputed by the masking rule (_exact_rows).  Not float8 (the recomputation
+                # reads operands without their descales): a non-finite input stays so.
+                CHECK_FINITE=p.banded and not p.fp8)
 
 
 # The widest logit range (log2 units) the softmax takes from a fixed reference point: P stays at
