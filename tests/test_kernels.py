@@ -396,6 +396,27 @@ def test_masked_keys_contribute_nothing_whatever_their_value(version, value):
     assert torch.isfinite(dv).all() and max_err(dv, ref_dv) < 5e-2
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_storage_past_the_keys_and_head_dim_is_never_read(version, causal):
+    # K and V viewed out of wider buffers that hold inf / NaN past seqlen_k and past the head
+    # dim: no row sees any of it (the Gluon forward checks its rows for non-finite values only
+    # on a band, relying on keys past the tensors being read as zeros).
+    sq, sk, head_dim = (1000, 700, 96) if ON_GPU else (70, 50, 40)
+    q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, head_dim, DTYPES[0], DEVICE)
+    views = []
+    for x, poison in ((k, float("nan")), (v, float("inf"))):
+        wide = torch.full((BATCH, sk + 37, HEADS, head_dim + 32), poison, dtype=x.dtype, device=DEVICE)
+        wide[:, :sk, :, :head_dim] = x
+        views.append(wide[:, :sk, :, :head_dim])
+    assert not views[1].is_contiguous()
+    out = flash_attn_func(q, *views, causal=causal, version=version)
+    ref = standard_attention(*(x.double() for x in (q, k, v)), causal=causal, upcast=True)
+    rows = slice(sq - sk, None) if causal else slice(None)  # bottom-right: the first rows see no key
+    assert torch.isfinite(out).all()
+    assert max_err(out[:, rows], ref[:, rows]) < 2e-2
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_rows_that_see_no_key_stay_zero_next_to_non_finite_values(version):
     # Bottom-right causal with more queries than keys: the first rows see no key; the key they

@@ -59,7 +59,7 @@ from flashtile.kernels.launch import launch
 from flashtile.kernels.tiles import FP8_P_SCALE, FP8_PER_BLOCK, LOG2E, finalize_rows, scaled_softmax_step
 
 PRODUCER_REGS = gl.constexpr(24)      # the TMA-issuing warp needs almost none
-SHARED_MEMORY = 232448 - 1024         # the H100/H200 per-block limit, less room for the mbarriers
+SHARED_MEMORY = 232448 - 1024         # the H100/H200 per-block limit, less room for the mbarriers and row flags
 L2_BUDGET = 32 * 2**20                # K/V bytes of the heads walked together (the H200 has 50 MB of L2)
 
 
@@ -171,7 +171,8 @@ class Buffers:
         turn = gl.allocate_shared_memory(gl.int64, [S.CONSUMERS, 1], mbarrier.MBarrierLayout())
         o_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())  # one O buffer, shared
         if S.CHECK_FINITE:  # each consumer's rows: whether the row's output came out not finite
-            not_finite = gl.allocate_shared_memory(gl.int32, [S.CONSUMERS, S.ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            not_finite = gl.allocate_shared_memory(gl.int32, [S.CONSUMERS, S.ROWS],
+                                                   gl.SwizzledSharedLayout(1, 1, 1, [0]))
         else:
             not_finite = tile_ids  # a placeholder, never used
         for i in gl.static_range(S.Q_SLOTS):
@@ -762,7 +763,8 @@ def _exact_rows(batch, head, row0, WHICH: gl.constexpr, buf, stash, outputs, wal
 @gluon.jit
 def _bulk_stores_done(anchor):
     """Wait until this thread's TMA stores have completed their writes to global memory, and
-    order those writes before its later generic stores (``anchor``: any scalar; asm needs one)."""
+    order those writes before its later generic stores (``anchor``: any scalar; asm needs one).
+    Only the threads that issued the stores wait: a barrier after it holds the others."""
     gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
                               "=r,l", [anchor], dtype=gl.int32, is_pure=False, pack=1)
 
@@ -859,9 +861,9 @@ def _flag_rows(acc, flags):
 
 @gluon.jit
 def _flagged(flags):
-    """Whether any of ``flags`` is set, read by every thread whole once a barrier has passed: a
-    warp's read spans the rows, so the reduction is one warp instruction, with no shared scratch
-    and no barrier of its own."""
+    """Whether any of ``flags`` is set, read by every thread whole once a barrier has passed (with
+    O staged in shared memory, the one before its TMA store): a warp's read spans the rows, so
+    the reduction is one warp instruction, with no shared scratch."""
     ROWS: gl.constexpr = flags.shape[0]
     return gl.max(flags.load(gl.BlockedLayout([ROWS // 32], [32], [gl.num_warps()], [0])), 0)
 
