@@ -17,6 +17,7 @@ import torch
 import triton
 
 from flashtile import bench, kvcache
+from flashtile.kernels.problem import cdiv
 
 PROVIDERS = ("flashtile", "flashtile-paged", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient")
 
@@ -39,7 +40,7 @@ def make_call(provider, batch, cache, heads=32, heads_k=8, head_dim=128, page_si
     if provider == "flashtile":
         return lambda: kvcache.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, kernel_options=kernel_options)
     if provider == "flashtile-paged":
-        blocks = -(-cache // page_size)
+        blocks = cdiv(cache, page_size)
         pad = blocks * page_size - cache
         pages = [torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).view(batch * blocks, page_size, heads_k, head_dim)
                  for x in (k, v)]

@@ -32,7 +32,7 @@ import torch
 from flashtile import options as _options
 from flashtile.kernels import configs, score
 from flashtile.kernels.configs import Config
-from flashtile.kernels.problem import next_power_of_2
+from flashtile.kernels.problem import cdiv, next_power_of_2
 
 VERSIONS = ("v1", "v2", "v3")
 # Every accepted value of ``version``: "tiled" is the PyTorch implementation, runnable anywhere.
@@ -312,7 +312,7 @@ def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capac
     else:
         from flashtile.kernels.gluon.scheduler import sm_count
         sms = 4 if interpreter or device is None else sm_count(device)
-        programs = -(-rows // block_m) * batch * heads_k
+        programs = cdiv(rows, block_m) * batch * heads_k
         splits = max(1, min(2 * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
     upcast = interpreter and dtype == torch.bfloat16
     pdl = not interpreter and device is not None and _capability(device)[0] >= 9

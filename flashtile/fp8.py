@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from flashtile import dispatch, ops, options, validation
 from flashtile.kernels.configs import WARPGROUP_ROWS
 from flashtile.kernels.quantize import blocks as fused_quantize_blocks
-from flashtile.kernels.problem import Problem
+from flashtile.kernels.problem import Problem, cdiv
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -62,7 +62,7 @@ def quantize_blocks(x, rows: int, dtype):
     float32: one scale per ``rows`` rows of each head (the last block may be short).  In PyTorch
     operations: the reference of the fused kernel ``fp8_attn_func`` runs (kernels/quantize.py)."""
     batch, seqlen, heads, d = x.shape
-    blocks = -(-seqlen // rows)
+    blocks = cdiv(seqlen, rows)
     padded = F.pad(x.float(), (0, 0, 0, 0, 0, blocks * rows - seqlen)).view(batch, blocks, rows, heads, d)
     descale = padded.abs().amax(dim=(2, 4)).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX[dtype]
     quantized = (padded / descale[:, :, None, :, None]).view(batch, blocks * rows, heads, d)[:, :seqlen]

@@ -9,6 +9,8 @@ causal band.
 """
 from dataclasses import dataclass, replace
 
+from flashtile.kernels.problem import cdiv
+
 ELEM = 2   # bf16 / fp16 bytes
 F32 = 4
 
@@ -30,14 +32,14 @@ class Shape:
 
 def visited_pairs(sq, sk, block_q, block_k, causal):
     """Number of (Q block, K block) pairs a kernel visits: all, or those touching the causal band."""
-    n_q, n_k = -(-sq // block_q), -(-sk // block_k)
+    n_q, n_k = cdiv(sq, block_q), cdiv(sk, block_k)
     if not causal:
         return n_q * n_k
     off = sk - sq
     total = 0
     for i in range(n_q):
         last_col = min(sk, (i + 1) * block_q - 1 + off + 1)  # exclusive end of visible keys
-        total += max(0, -(-last_col // block_k))
+        total += max(0, cdiv(last_col, block_k))
     return total
 
 

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from flashtile import options
 from flashtile.kernels.launch import launch
-from flashtile.kernels.problem import next_power_of_2
+from flashtile.kernels.problem import cdiv, next_power_of_2
 from flashtile.kernels.tiles import LOG2E, row_delta
 
 
@@ -99,7 +99,7 @@ def tiles(head_dim):
 def _grid_and_blocks(rows, head_dim):
     block_s, block_d = tiles(head_dim)
     b, s, h, _ = rows.shape
-    return (-(-s // block_s), h, b), block_s, block_d
+    return (cdiv(s, block_s), h, b), block_s, block_d
 
 
 def join(varlen, out, lse, saved, sinks):

@@ -21,7 +21,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from flashtile.kernels import score
 from flashtile.kernels.blocks import band_mask, diagonal_band, visited_blocks
 from flashtile.kernels.launch import launch
-from flashtile.kernels.problem import next_power_of_2, padded_head_dim
+from flashtile.kernels.problem import cdiv, next_power_of_2, padded_head_dim
 from flashtile.kernels.tiles import LOG2E, finalize_rows, load_tile, online_softmax_step, values_product
 
 
@@ -207,7 +207,7 @@ def forward(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, bl
     else:
         part_o, part_lse = out, lse
     dummy = q  # a pointer for the absent tables (never read)
-    grid = (-(-seqlen_q * group // plan.block_m), batch * heads_k, plan.splits)
+    grid = (cdiv(seqlen_q * group, plan.block_m), batch * heads_k, plan.splits)
     head_dim_pad = padded_head_dim(head_dim)
     launch(
         _split_kernel, grid,

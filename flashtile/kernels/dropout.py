@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from flashtile.kernels.launch import launch
+from flashtile.kernels.problem import cdiv
 
 KEYS_PER_CALL = tl.constexpr(8)
 
@@ -70,6 +71,6 @@ def kept(seed, batch, heads_q, seqlen_q, seqlen_k, dropout_p) -> torch.Tensor:
     out = torch.empty(batch, heads_q, seqlen_q, seqlen_k, dtype=torch.int8, device=seed.device)
     block = 16
     if out.numel():
-        launch(_kept_kernel, (triton.cdiv(seqlen_q, block), batch * heads_q), seed, out, heads_q, seqlen_q, seqlen_k,
+        launch(_kept_kernel, (cdiv(seqlen_q, block), batch * heads_q), seed, out, heads_q, seqlen_q, seqlen_k,
                dropout_p, BLOCK=block)
     return out.bool()

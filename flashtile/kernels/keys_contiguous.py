@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from flashtile.kernels.launch import launch
+from flashtile.kernels.problem import cdiv
 
 KEYS = 128
 DIMS = 64
@@ -53,7 +54,7 @@ def copy(v, row: int, mma_order: bool):
     sob = out.stride(0) if lead else 0
     if out.numel():
         # Sequences x heads on the grid's first axis: the others stop at 65535.
-        launch(_copy_kernel, (batch * heads, triton.cdiv(row, KEYS), triton.cdiv(head_dim, DIMS)), v, out,
+        launch(_copy_kernel, (batch * heads, cdiv(row, KEYS), cdiv(head_dim, DIMS)), v, out,
                seqlen, heads, head_dim, row, svb, v.stride(-3), v.stride(-2), sob, out.stride(-3),
                out.stride(-2), KEYS=KEYS, DIMS=DIMS, MMA_ORDER=mma_order, num_warps=4)
     return out

@@ -14,10 +14,16 @@ from flashtile import options
 from flashtile.kernels.tiles import LOG2E
 
 
+# Host integer helpers in plain arithmetic: triton.next_power_of_2 and triton.cdiv go through
+# the JIT's call path (microseconds a call).
 def next_power_of_2(n: int) -> int:
-    """The smallest power of two at least ``n`` (>= 1).  Plain integer arithmetic, for the host:
-    triton.next_power_of_2 goes through the JIT's call path (microseconds a call)."""
+    """The smallest power of two at least ``n`` (>= 1)."""
     return 1 << (n - 1).bit_length()
+
+
+def cdiv(n: int, d: int) -> int:
+    """``n / d`` rounded up."""
+    return -(-n // d)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -162,13 +168,12 @@ class Problem:
         return max(self.head_dim_pad, self.head_dim_v_pad)
 
     def query_blocks(self, rows: int) -> int:
-        """Blocks of ``rows`` query rows per sequence (the last may be partial).  Plain integer
-        arithmetic, as head_dim_pad: triton.cdiv goes through the JIT's call path (~5 us)."""
-        return -(-self.seqlen_q // rows)
+        """Blocks of ``rows`` query rows per sequence (the last may be partial)."""
+        return cdiv(self.seqlen_q, rows)
 
     def key_blocks(self, rows: int) -> int:
         """Blocks of ``rows`` key rows per sequence (the last may be partial)."""
-        return -(-self.seqlen_k // rows)
+        return cdiv(self.seqlen_k, rows)
 
     @property
     def scale_log2(self) -> float:

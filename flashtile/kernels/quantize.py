@@ -14,7 +14,7 @@ import triton.language as tl
 
 from flashtile import options
 from flashtile.kernels.launch import launch
-from flashtile.kernels.problem import padded_head_dim
+from flashtile.kernels.problem import cdiv, padded_head_dim
 from flashtile.kernels.tiles import fp8_operand
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # float32's smallest normal: an all-zero block's amax
@@ -61,7 +61,7 @@ def blocks(x, rows: int, dtype, fp8_max: float, signs=None):
     batch, seqlen, heads, head_dim = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    n_blocks = -(-seqlen // rows)
+    n_blocks = cdiv(seqlen, rows)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     descale = torch.empty(batch, heads, n_blocks, dtype=torch.float32, device=x.device)
     head_dim_pad = padded_head_dim(head_dim)

@@ -12,6 +12,7 @@ from triton.experimental.gluon import language as gl
 
 from flashtile.kernels.keys_contiguous import copy as keys_contiguous_copy
 from flashtile.kernels.launch import Descriptor, descriptor_spec
+from flashtile.kernels.problem import cdiv
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32,
               torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
@@ -58,7 +59,7 @@ def keys_contiguous(v):
     contiguous, each row's start 16-byte aligned (as TMA reads it): the layout a float8 P V
     product reads its second operand in (kernels/keys_contiguous.py).  Batched or varlen."""
     seqlen = v.shape[-3]
-    row = -(-seqlen * v.element_size() // 16) * 16 // v.element_size()
+    row = cdiv(seqlen * v.element_size(), 16) * 16 // v.element_size()
     return keys_contiguous_copy(v, row, mma_order=False)[..., :seqlen]
 
 
@@ -67,5 +68,5 @@ def keys_contiguous_descriptor(v, keys, head_dim_pad):
     float8 register operand's order (kernels/keys_contiguous.py), as TMA reads it ``keys`` keys of
     one head at a time (the Gluon forward).  The keys are padded with zeros to a multiple of 16
     (the order mixes the last group's)."""
-    vt = keys_contiguous_copy(v, -(-v.shape[1] // 16) * 16, mma_order=True)
+    vt = keys_contiguous_copy(v, cdiv(v.shape[1], 16) * 16, mma_order=True)
     return Descriptor(vt, *_keys_block_spec(head_dim_pad, keys, v.dtype))

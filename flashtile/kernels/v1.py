@@ -24,7 +24,7 @@ from flashtile import options
 from flashtile.kernels import score
 from flashtile.kernels.blocks import band_mask, program_sequence, visited_blocks
 from flashtile.kernels.launch import launch
-from flashtile.kernels.problem import Problem
+from flashtile.kernels.problem import Problem, cdiv
 from flashtile.kernels.tiles import as_operand, load_tile, store_tile, values_product
 
 # On-chip memory of one SM that the paper's block-size rule divides up: the 227 KiB one
@@ -45,9 +45,9 @@ def block_sizes(head_dim_pad: int) -> tuple[tuple[int, int], tuple[int, int]]:
     capped where the register file, not shared memory, runs out first: 128 rows, and 64
     columns in the backward.  (One stage: FA1 predates software pipelining of the K/V loads.)
     """
-    bc = min(128, _pow2_floor(-(-SRAM_ELEMENTS // (4 * head_dim_pad))))
+    bc = min(128, _pow2_floor(cdiv(SRAM_ELEMENTS, 4 * head_dim_pad)))
     br = min(bc, head_dim_pad)
-    bwd_bc = min(64, _pow2_floor(-(-SRAM_ELEMENTS // (8 * head_dim_pad))))
+    bwd_bc = min(64, _pow2_floor(cdiv(SRAM_ELEMENTS, 8 * head_dim_pad)))
     return (br, bc), (br, bwd_bc)
 
 
@@ -68,7 +68,7 @@ def splits(programs: int, n_blocks: int, device, cap: int, forced=None) -> int:
     target = 2 * sms
     if programs >= 0.8 * target:
         return 1
-    return max(1, min(-(-target // programs), n_blocks, cap))
+    return max(1, min(cdiv(target, programs), n_blocks, cap))
 
 
 @triton.jit

@@ -723,7 +723,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
         out_dtype: gl.constexpr = outputs.o_desc.dtype
         not_finite = _store_rows(out.to(out_dtype), lse, acc, buf, use, WHICH, outputs, batch, head, row0,
                                  walk.seqlen_q, o_layout, S)
-        if S.CHECK_FINITE and not_finite > 0:
+        if S.CHECK_FINITE and not_finite > 0:  # a constexpr test first: no check, no recomputation compiled
             _exact_rows(batch, head, row0, WHICH, buf, stash, outputs, walk, scale_log2, score_args, S)
         tile_i += 1
         t = read_next_tile(buf.tile_ids, tile_i, buf.q_ready, walk.num_tiles, S.Q_SLOTS, S.PERSISTENT)
@@ -734,12 +734,12 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
 def _exact_rows(batch, head, row0, WHICH: gl.constexpr, buf, stash, outputs, walk, scale_log2, score_args,
                 S: gl.constexpr):
     """The consumer's rows computed again by the masking rule, with the logsumexp of the main
-    loop (natural log): a key outside a row's band contributes nothing,
-    whatever its value.  The tensor cores' P V turns a masked key's probability of 0 times an
-    infinite value into NaN; a consumer whose output came out not finite (rare: V holds inf or
-    NaN) comes here, its rows and their logsumexp already stored (_store_rows).  The work is a
-    function of its own (_exact_rows_cold, not inlined, scalar arguments only), so that the main
-    loop's register allocation does not see it."""
+    loop (natural log): a key outside a row's band contributes nothing, whatever its value.  The
+    tensor cores' P V turns a masked key's probability of 0 times an infinite value into NaN; a
+    consumer whose output came out not finite (rare: V holds inf or NaN) comes here, its rows
+    and their logsumexp already stored (_store_rows).  The work is a function of its own
+    (_exact_rows_cold, not inlined, scalar arguments only), so that the main loop's register
+    allocation does not see it."""
     lse_rows = outputs.LSE + batch.to(gl.int64) * outputs.slb + head * outputs.slh
     # The rows' TMA store written to global memory (not only read from shared memory, as
     # tma.store_wait waits for) before they are written again, and every thread's logsumexp
