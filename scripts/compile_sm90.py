@@ -97,7 +97,13 @@ def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0, alibi=
     o_block = (*tma.block_layout(consts["ROWS"], p.head_dim_pad, torch.bfloat16), "bf16")
     v_block = tma._keys_block_spec(p.head_dim_pad, cfg.block_n, dtype)[:2] if fp8 else kv_block
     descriptors = {"q_desc": q_block, "o_desc": o_block, "k_desc": kv_block, "v_desc": v_block}
-    return consts, gluon_fwd.launch_options(cfg.consumers), descriptors
+    return dict(consts, **walk_constants(p)), gluon_fwd.launch_options(cfg.consumers), descriptors
+
+
+def walk_constants(p):
+    """Without a band a launch passes head_group 1 (one head's tiles adjacent), which triton
+    specializes into a constant."""
+    return {} if p.banded else dict(head_group=1)
 
 
 def gluon_bwd_case(head_dim_pad, opts, dq_pass, dq_reduce=False, persistent=True, causal=False, softcap=0.0,
@@ -133,7 +139,7 @@ def gluon_bwd_case(head_dim_pad, opts, dq_pass, dq_reduce=False, persistent=True
         descriptors.update(dk_desc=out_block, dv_desc=out_block)
         descriptors["dq_desc"] = (*tma.block_layout(block_m, head_dim_pad, torch.float32), "fp32") \
             if dq_reduce else out_block
-    return consts, dict(b.launch_options(head_dim_pad, dq_reduce)), descriptors
+    return dict(consts, **walk_constants(p)), dict(b.launch_options(head_dim_pad, dq_reduce)), descriptors
 
 
 def _options(cfg):

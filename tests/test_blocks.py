@@ -1,6 +1,7 @@
 """The band's element masks: band_edge_masks (the Gluon forward's, testing only the edges a block
 crosses, with and without the left one) and band_rows_mask (the Gluon backward's) against
-band_mask (every rule at once), over blocks on and off the band's edges."""
+band_mask (every rule at once), over blocks on and off the band's edges; the walk over a band's tiles
+(grouped_tile)."""
 import itertools
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile.kernels.blocks import band_edge_masks, band_mask, band_rows_mask, diagonal_band
+from flashtile.kernels.blocks import band_edge_masks, band_mask, band_rows_mask, diagonal_band, grouped_tile
 from conftest import DEVICE
 
 ROWS, COLS = 16, 16
@@ -50,3 +51,25 @@ def test_edge_masks_equal_the_band_mask(seqlen_q, seqlen_k, window_left, window_
             assert torch.equal(row_bounds, full), (r0, n0, left_edge)
             masked += int(torch.isinf(full).any())
     assert masked > 0 or window_left < 0 and window_right < 0  # the edges were tested, not skipped
+
+
+@triton.jit
+def _walk(BH, STEP, num_tiles, batch_heads, head_group, blocks, TILES: tl.constexpr):
+    t = tl.arange(0, TILES)
+    bh, step = grouped_tile(t, batch_heads, head_group, blocks)
+    tl.store(BH + t, bh, mask=t < num_tiles)
+    tl.store(STEP + t, step, mask=t < num_tiles)
+
+
+@pytest.mark.parametrize("batch_heads,blocks,head_group", [(8, 5, 3), (7, 4, 7), (6, 3, 1), (5, 4, 2), (4, 1, 3)])
+def test_grouped_walk_takes_every_tile_once_a_group_a_step_at_a_time(batch_heads, blocks, head_group):
+    # The tile walk of the Gluon kernels' bands: heads in groups (the last one smaller where
+    # head_group does not divide them), a group's tiles one step at a time with its heads adjacent.
+    tiles = batch_heads * blocks
+    bh, step = (torch.full((tiles,), -1, dtype=torch.int32, device=DEVICE) for _ in range(2))
+    _walk[(1,)](bh, step, tiles, batch_heads, head_group, blocks, triton.next_power_of_2(tiles))
+    walked = list(zip(bh.tolist(), step.tolist()))
+    expected = [(h, s) for first in range(0, batch_heads, head_group) for s in range(blocks)
+                for h in range(first, min(first + head_group, batch_heads))]
+    assert walked == expected
+    assert sorted(walked) == [(h, s) for h in range(batch_heads) for s in range(blocks)]

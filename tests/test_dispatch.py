@@ -11,6 +11,7 @@ from flashtile.kernels import configs, tma
 from flashtile.kernels.configs import Config, GluonBackward, GluonSchedule
 from flashtile.kernels.gluon import backward as gluon_bwd
 from flashtile.kernels.gluon import forward as gluon_fwd
+from flashtile.kernels.gluon import scheduler
 from flashtile.kernels.problem import Problem
 from flashtile.options import KernelOptions
 
@@ -175,6 +176,12 @@ def test_gluon_backward_pass_schedule(monkeypatch):
     assert gluon_bwd.pass_schedule(replace(plain, head_dim=256), cfg, 512, gpu) == Schedule(512, 1, False, False)
     assert gluon_bwd.pass_schedule(plain, replace(cfg, persistent=False), 512, gpu) == Schedule(512, 1, False, False)
     assert Schedule(132, 2, True, True).constants() == dict(SLOTS=2, PERSISTENT=True, DYNAMIC=True)
+    # A band's heads are walked together (as many as share L2) only with few tiles a SM.
+    causal, budget = replace(plain, window_right=0), scheduler.L2_BUDGET
+    assert gluon_bwd.walk_head_group(causal, 4 * 132, 8, budget // 8, gpu) == 8
+    assert gluon_bwd.walk_head_group(causal, 4 * 132, 8, budget // 4, gpu) == 4
+    assert gluon_bwd.walk_head_group(causal, 4 * 132 + 1, 8, budget // 8, gpu) == 1
+    assert gluon_bwd.walk_head_group(plain, 256, 8, 1, gpu) == 1
 
 
 def test_gluon_forward_launch_constants():
@@ -225,12 +232,14 @@ def test_gluon_forward_launch_constants():
     # The band's left edge is tested only where a window has one.
     assert not gluon_fwd.kernel_constants(causal, cfg, 2)["LEFT_EDGE"]
     assert gluon_fwd.kernel_constants(replace(causal, window_left=0), cfg, 2)["LEFT_EDGE"]
-    # Banded walks interleave the heads whose K/V fit in L2; equal tiles go one head at a time.
-    assert gluon_fwd.heads_sharing_l2(replace(causal, batch=16, heads_q=16, seqlen_q=1024, seqlen_k=1024), 2) == 64
-    assert gluon_fwd.heads_sharing_l2(replace(causal, seqlen_q=16384, seqlen_k=16384), 2) == 4
-    assert gluon_fwd.heads_sharing_l2(replace(causal, heads_q=2, heads_k=2, seqlen_q=1024, seqlen_k=1024), 2) == 4
-    assert gluon_fwd.heads_sharing_l2(replace(causal, seqlen_q=2 ** 20, seqlen_k=2 ** 20, head_dim=256), 2) == 1
-    assert gluon_fwd.heads_sharing_l2(problem(1024), 2) == 1
+    # Banded walks interleave as many heads as have their streamed blocks fit in L2 (at least one,
+    # at most all); equal tiles go one head at a time.
+    budget = scheduler.L2_BUDGET
+    assert scheduler.heads_sharing_l2(causal, 256, budget // 64) == 64
+    assert scheduler.heads_sharing_l2(causal, 16, budget // 64) == 16
+    assert scheduler.heads_sharing_l2(causal, 16, 2 * budget) == 1
+    assert scheduler.heads_sharing_l2(problem(1024), 256, 1) == 1
+    assert scheduler.heads_sharing_l2(causal, 4, budget // 3) == 2  # 2 + 2 rather than 3 + 1
 
 
 def test_decode_plan_splits_from_static_shapes():

@@ -11,6 +11,7 @@ from conftest import DEVICE, ON_GPU
 from flashtile import flash_attn_func, flash_attn_varlen_func, standard_attention
 from flashtile.kernels import configs
 from flashtile.kernels.gluon import backward as gluon_bwd
+from flashtile.kernels.gluon import forward as gluon_fwd
 from flashtile.kernels.gluon import scheduler
 
 VERSIONS = ["v1", "v2", "v3", "tiled"]
@@ -320,6 +321,22 @@ def test_v3_gluon_backward(monkeypatch, kernels, head_dim, window, tiles=""):
     q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, head_dim, DTYPES[0], DEVICE)
     check_against_reference(attention("v3", window_size=window, kernel_options=f"backward={kernels};{tiles}"),
                             q, k, v, window_size=window)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernels run on the GPU only")
+@pytest.mark.parametrize("l2_budget", [768_000, 1_100_000])
+@pytest.mark.parametrize("kernels", ["gluon", "gluon-reduce"])
+def test_v3_bands_walk_heads_in_uneven_groups(monkeypatch, kernels, l2_budget):
+    # A band's tiles are walked in groups of the heads whose streamed blocks fit in L2: with this
+    # budget 3 heads (16 = 5 x 3 + 1) in the forward and the dQ pass and 2 in the dK/dV pass,
+    # or 4 and 3 (8 = 3 + 3 + 2), on 3 persistent CTAs (the backward's passes walk heads
+    # together whatever their tile count here).
+    monkeypatch.setattr(scheduler, "L2_BUDGET", l2_budget)
+    monkeypatch.setattr(gluon_bwd, "sm_count", lambda device_index: 3)
+    monkeypatch.setattr(gluon_bwd, "BALANCE_TILES_PER_SM", 10**6)
+    monkeypatch.setattr(gluon_fwd, "sm_count", lambda device_index: 3)
+    q, k, v = make_qkv(BATCH, 700, 1000, 2 * HEADS, HEADS, 64, DTYPES[0], DEVICE)
+    check_against_reference(attention("v3", causal=True, kernel_options=f"backward={kernels}"), q, k, v, causal=True)
 
 
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 8)])

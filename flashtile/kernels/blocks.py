@@ -78,6 +78,27 @@ def split_tile(t, seqlen, ROWS: tl.constexpr):
 
 
 @triton.jit
+def grouped_tile(t, batch_heads, head_group, blocks):
+    """(batch x head, step) of tile ``t`` of a walk over batch_heads x blocks tiles in groups of
+    ``head_group`` (batch, head) pairs: a group's tiles one step at a time, its heads adjacent
+    within a step (the last group may be smaller).  A band's tiles taken in this order come
+    longest first across the group, which keeps a greedy walk (the CTAs taking tiles as they
+    free up) balanced; one head's tiles in a row would leave its short ones, and the next
+    head's long ones, to the end of the walk.  ``head_group`` 1 is split_tile's order."""
+    if head_group == 1:  # (a launch passing 1 makes it a constant: this branch alone is compiled)
+        bh = t // blocks
+        step = t % blocks
+    else:
+        group_tiles = head_group * blocks
+        first = t // group_tiles * head_group
+        heads_here = tl.minimum(head_group, batch_heads - first)
+        r = t % group_tiles
+        bh = first + r % heads_here
+        step = r // heads_here
+    return bh, step
+
+
+@triton.jit
 def band_mask(rows, cols, n_cols, dlo, dhi):
     """Element mask of a (rows x cols) tile: inside the band and inside the key sequence."""
     diff = cols[None, :] - rows[:, None]

@@ -51,16 +51,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from flashtile.kernels import score
 from flashtile.kernels import tma as tma_host
-from flashtile.kernels.blocks import band_blocks, band_edge_masks
+from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile
 from flashtile.kernels.configs import WARPGROUP_ROWS
-from flashtile.kernels.gluon.scheduler import (end_tiles, next_tile, no_counter, publish_tile, read_next_tile,
-                                               read_tile, sm_count, start_tiles, tile_counter)
+from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter, publish_tile,
+                                               read_next_tile, read_tile, sm_count, start_tiles, tile_counter)
 from flashtile.kernels.launch import launch
 from flashtile.kernels.tiles import FP8_P_SCALE, FP8_PER_BLOCK, LOG2E, finalize_rows, scaled_softmax_step
 
 PRODUCER_REGS = gl.constexpr(24)      # the TMA-issuing warp needs almost none
 SHARED_MEMORY = 232448 - 1024         # the H100/H200 per-block limit, less room for the mbarriers and row flags
-L2_BUDGET = 32 * 2**20                # K/V bytes of the heads walked together (the H200 has 50 MB of L2)
 
 
 @aggregate
@@ -235,12 +234,8 @@ class TileWalk:
         CTAs running at one time re-read K/V from L2 rather than HBM.  Inside a group, query
         blocks run from the last to the first (causal tiles come longest first), the group's
         heads adjacent.  (Which blocks need a mask the consumers decide for their own rows.)"""
-        group_tiles = self.head_group * self.m_blocks
-        first_head = t // group_tiles * self.head_group
-        heads_here = gl.minimum(self.head_group, self.batch_heads - first_head)  # the last group may be smaller
-        r = t % group_tiles
-        m0 = (self.m_blocks - 1 - r // heads_here) * TILE_M
-        bh = first_head + r % heads_here
+        bh, step = grouped_tile(t, self.batch_heads, self.head_group, self.m_blocks)
+        m0 = (self.m_blocks - 1 - step) * TILE_M
         dlo, dhi, lo, _, _, n_blocks = band_blocks(m0, TILE_M, BLOCK_N, self.seqlen_q, self.seqlen_k,
                                                    self.window_left, self.window_right, False)
         return bh // self.heads_q, bh % self.heads_q, m0, dlo, dhi, lo, n_blocks
@@ -990,18 +985,6 @@ def q_in_registers(head_dim_pad, cfg) -> bool:
     return cfg.q_registers and head_dim_pad <= 128 and cfg.consumers == 2
 
 
-def heads_sharing_l2(p, element_size):
-    """How many (batch, head) pairs the tile walk keeps together.  Tiles of equal length: one,
-    its row blocks adjacent, so the CTAs resident together read the same K/V blocks at about the
-    same time.  A band's tiles, taken longest first: as many as have K and V fit in L2_BUDGET, at
-    least one, at most all (one at a time leaves each head's short tiles to the end of the walk,
-    unbalanced)."""
-    if not p.banded:
-        return 1
-    kv_bytes_per_head = 2 * p.seqlen_k * p.head_dim_pad * element_size
-    return max(1, min(p.batch * p.heads_q, L2_BUDGET // kv_bytes_per_head))
-
-
 def forward(plan, p, q, k, v):
     """Output and logsumexp (and an empty ``saved``) under the plan's schedule."""
     q, k, v = (tma_host.ready(x) for x in (q, k, v))
@@ -1014,7 +997,7 @@ def forward(plan, p, q, k, v):
     batch_heads = p.batch * p.heads_q
     num_tiles = m_blocks * batch_heads
     programs = min(num_tiles, sm_count(q.device.index)) if cfg.persistent else num_tiles
-    head_group = heads_sharing_l2(p, q.element_size())
+    head_group = heads_sharing_l2(p, batch_heads, 2 * p.seqlen_k * p.head_dim_pad * q.element_size())  # K and V
     pad = p.head_dim_pad
     if p.fp8:
         v_desc = tma_host.keys_contiguous_descriptor(v, cfg.block_n, pad)

@@ -20,7 +20,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from flashtile.kernels.blocks import split_tile
+from flashtile.kernels.blocks import grouped_tile
+
+
+# Bytes of the streamed blocks of the heads a band's walk keeps together (the H200 has 50 MB of L2).
+L2_BUDGET = 32 * 2**20
 
 
 @gluon.jit
@@ -88,14 +92,30 @@ def read_next_tile(tile_ids, tile_i, ready, num_tiles, SLOTS: gl.constexpr, PERS
 
 
 @gluon.jit
-def stationary_tile(t, heads, seqlen, ROWS: gl.constexpr, LONGEST_FIRST: gl.constexpr):
-    """(batch, head, first row) of tile ``t``: ROWS stationary rows of one head, one head's
-    tiles adjacent (blocks.split_tile); LONGEST_FIRST: its row blocks from the last (the dQ
-    pass: causal rows that see the most keys first)."""
-    bh, block, blocks = split_tile(t, seqlen, ROWS)
+def stationary_tile(t, num_tiles, heads, seqlen, head_group, ROWS: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+    """(batch, head, first row) of tile ``t`` of ``num_tiles``: ROWS stationary rows of one head,
+    walked in groups of ``head_group`` heads (blocks.grouped_tile; 1: one head's tiles
+    adjacent); LONGEST_FIRST: the row blocks from the last (the dQ pass: causal rows that see
+    the most keys first), else from the first (the dK/dV pass: causal keys seen by the most rows)."""
+    blocks = gl.cdiv(seqlen, ROWS)
+    bh, block = grouped_tile(t, num_tiles // blocks, head_group, blocks)
     if LONGEST_FIRST:
         block = blocks - 1 - block
     return bh // heads, bh % heads, block * ROWS
+
+
+def heads_sharing_l2(p, batch_heads, streamed_bytes_per_head) -> int:
+    """How many of a walk's ``batch_heads`` (batch, head) pairs blocks.grouped_tile keeps
+    together.  Tiles of equal length: one, its row blocks adjacent, so the CTAs resident together
+    read the same streamed blocks at about the same time.  A band's tiles (uneven, taken longest
+    first): as many heads as have their streamed blocks fit in L2_BUDGET, at least one, at most
+    all (one at a time leaves each head's short tiles to the end of the walk, unbalanced), in
+    groups of even size (a last group much smaller than the others ends the walk unbalanced)."""
+    if not p.banded:
+        return 1
+    most = max(1, min(batch_heads, L2_BUDGET // streamed_bytes_per_head))
+    groups = -(-batch_heads // most)
+    return -(-batch_heads // groups)
 
 
 @functools.lru_cache(maxsize=None)
