@@ -217,9 +217,11 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
                    *gluon_bwd_case(p.head_dim_pad, opts, True, False, False, **features))
             yield ("v3.bwd_dkdv_gluon_tile", gluon_bwd._dkdv_kernel,
                    *gluon_bwd_case(p.head_dim_pad, opts, False, False, False, **features))
-            # The single pass (it does not split the head dim).
+            # The single pass (it does not split the head dim), after D and its zeroed dQ.
             yield ("v3.bwd_reduce_gluon", gluon_bwd._dkdv_kernel,
                    *gluon_bwd_case(p.head_dim_pad, opts, False, True, **features))
+            yield ("v3.bwd_delta", gluon_bwd._delta_kernel, dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad,
+                   BLOCK_M=64, HAS_DLSE=False), dict(num_warps=4), None)
 
 
 def main():

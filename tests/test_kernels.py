@@ -13,6 +13,7 @@ from flashtile.kernels import configs
 from flashtile.kernels.gluon import backward as gluon_bwd
 from flashtile.kernels.gluon import forward as gluon_fwd
 from flashtile.kernels.gluon import scheduler
+from flashtile.kernels.problem import Problem
 
 VERSIONS = ["v1", "v2", "v3", "tiled"]
 DTYPES = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16]
@@ -337,6 +338,22 @@ def test_v3_bands_walk_heads_in_uneven_groups(monkeypatch, kernels, l2_budget):
     monkeypatch.setattr(gluon_fwd, "sm_count", lambda device_index: 3)
     q, k, v = make_qkv(BATCH, 700, 1000, 2 * HEADS, HEADS, 64, DTYPES[0], DEVICE)
     check_against_reference(attention("v3", causal=True, kernel_options=f"backward={kernels}"), q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("head_dim, dlse", [(64, False), (40, True)])
+def test_single_pass_delta_zeroes_the_dq_accumulator(head_dim, dlse):
+    # The single pass's first kernel: D = rowsum(dO * O) - dlse per row, and the float32 dQ its
+    # reduce-adds go into zeroed, whatever it held; rows off the 64-row grid, a padded head dim.
+    seqlen = 100
+    out, dout = (torch.randn(BATCH, seqlen, HEADS, head_dim, device=DEVICE).to(DTYPES[0]) for _ in range(2))
+    lse = torch.randn(BATCH, HEADS, seqlen, device=DEVICE)
+    grad_lse = torch.randn_like(lse) if dlse else None
+    dq_acc = torch.full((BATCH, seqlen, HEADS, head_dim), float("nan"), device=DEVICE)
+    p = Problem(BATCH, HEADS, HEADS, seqlen, seqlen, head_dim, 0.1, -1, -1, None, None)
+    delta = gluon_bwd._delta(p, out, dout, grad_lse, lse, dq_acc)
+    expected = (out.float() * dout.float()).sum(-1).transpose(1, 2) - (grad_lse if dlse else 0.0)
+    torch.testing.assert_close(delta, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
 
 
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 8)])

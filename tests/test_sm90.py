@@ -291,6 +291,14 @@ def test_sink_kernels_compile_for_sm90(tmp_path):
         assert "ex2.approx" in (tmp_path / kernel / f"{kernel}_d128.ptx").read_text(), kernel
 
 
+def test_single_pass_delta_kernel_compiles_for_sm90(tmp_path):
+    # The single pass's first kernel (plain Triton, numerics in test_kernels): D, and the float32
+    # dQ zeroed.
+    for head_dim in (64, 128):
+        compile_for_sm90(tmp_path / str(head_dim), "v3.bwd_delta", head_dim)
+        assert "st.global" in (tmp_path / str(head_dim) / f"v3.bwd_delta_d{head_dim}.ptx").read_text()
+
+
 def test_decode_kernels_compile_for_sm90(tmp_path):
     # The split-KV kernel over a paged cache (with ALiBi: each packed row reads its own query
     # head's slope) and the combine of its splits, its programmatic dependent: the split kernel

@@ -932,7 +932,7 @@ def backward(plan, p, dout, dlse, q, k, v, out, lse, saved):
     by TMA reduce-add ("v3-gluon-reduce").  ``dlse`` (gradient reaching the logsumexp) may be None."""
     q, k, v, dout = (tma_host.ready(x) for x in (q, k, v, dout))
     if plan.kernel == "v3-gluon-reduce":
-        return _single_pass(plan.config, p, dout, q, k, v, lse, _delta(p, out, dout, dlse, lse))
+        return _single_pass(plan.config, p, dout, dlse, q, k, v, out, lse)
     return _two_passes(plan.config, p, dout, dlse, q, k, v, out, lse)
 
 
@@ -960,23 +960,26 @@ def _two_passes(cfg, p, dout, dlse, q, k, v, out, lse):
     return dq, dk, dv
 
 
-def _single_pass(cfg, p, dout, q, k, v, lse, delta):
+def _single_pass(cfg, p, dout, dlse, q, k, v, out, lse):
     """dq, dk, dv in one K/V-stationary pass, FlashAttention-3's: each Q block's dQ share added
-    in fp32 by TMA reduce-add (summation order varies from run to run); ``delta`` holds
-    D = rowsum(dO * O) - dlse already.  Head dims up to 128 (the fp32 dQ staging of SPLIT_D's
-    64-row blocks does not fit in shared memory next to its operands)."""
+    in fp32 by TMA reduce-add (summation order varies from run to run), after D = rowsum(dO * O)
+    - dlse (_delta).  Head dims up to 128 (the fp32 dQ staging of SPLIT_D's 64-row blocks does
+    not fit in shared memory next to its operands)."""
     if split_head_dim(p.head_dim_pad):
         raise ValueError("the single-pass Gluon backward takes head dims up to 128")
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    delta = _delta(p, out, dout, dlse, lse, dq_acc)
     _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc)
     return dq_acc.to(q.dtype), dk, dv
 
 
 @triton.jit
-def _delta_kernel(O, DO, DLSE, DELTA, sob, sos, soh, sdb, sds, sdh, slb, slh, seqlen_q, heads_q,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
-    """D = rowsum(dO * O) - dlse for the rows of one block, before the single pass."""
+def _delta_kernel(O, DO, DLSE, DELTA, DQACC, sob, sos, soh, sdb, sds, sdh, slb, slh, sqb, sqs, sqh, seqlen_q,
+                  heads_q, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  HAS_DLSE: tl.constexpr):
+    """D = rowsum(dO * O) - dlse for the rows of one block, before the single pass, and the
+    rows' float32 dQ accumulator zeroed for its reduce-adds (no memset launch of its own)."""
     bh = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
     batch = (bh // heads_q).to(tl.int64)
@@ -989,15 +992,19 @@ def _delta_kernel(O, DO, DLSE, DELTA, sob, sos, soh, sdb, sds, sdh, slb, slh, se
                    rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, True)
     stat = batch * slb + head * slh + rows
     tl.store(DELTA + stat, row_delta(o, do, DLSE, stat, rows, seqlen_q, HAS_DLSE), mask=rows < seqlen_q)
+    tl.store(DQACC + batch * sqb + rows[:, None] * sqs + head * sqh + offs_d[None, :],
+             tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32), mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
 
 
-def _delta(p, out, dout, dlse, lse):
-    """D = rowsum(dO * O) - dlse, for the single pass (the two passes compute it in their dQ pass)."""
+def _delta(p, out, dout, dlse, lse, dq_acc):
+    """D = rowsum(dO * O) - dlse, for the single pass (the two passes compute it in their dQ pass),
+    and ``dq_acc`` zeroed."""
     delta = torch.empty_like(lse)
     launch(
         _delta_kernel, (p.batch * p.heads_q, p.query_blocks(64)),
-        out, dout, delta if dlse is None else dlse, delta, out.stride(0), out.stride(1), out.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1), p.seqlen_q, p.heads_q,
+        out, dout, delta if dlse is None else dlse, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1), dq_acc.stride(0),
+        dq_acc.stride(1), dq_acc.stride(2), p.seqlen_q, p.heads_q,
         HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=64, HAS_DLSE=dlse is not None, num_warps=4)
     return delta
 

@@ -42,6 +42,8 @@ Two take a shorter way here: ALiBi off the diagonal as a column part and a row p
 (``DISTANCE``: _block_softmax), and on bf16 a softcap as every row's max (``BOUNDED``:
 softcap_bounds_logits).
 """
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.language.core import _aggregate as aggregate
@@ -950,6 +952,10 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
                 CHECK_FINITE=p.banded and not p.fp8)
 
 
+# Asked at every call, the same few problems coming back; the dict is shared: read, never changed.
+_kernel_constants_cached = functools.lru_cache(maxsize=1024)(kernel_constants)
+
+
 # The widest logit range (log2 units) the softmax takes from a fixed reference point: P stays at
 # 2**-100 or more, normal in float32 and bf16 with room for its products with V (a softcap's
 # logits span 2 * softcap * log2(e): softcaps up to 34.6).
@@ -991,7 +997,8 @@ def forward(plan, p, q, k, v):
     cfg = plan.config
     out = torch.empty(q.shape, dtype=p.out_dtype(q), device=q.device)
     lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=q.device)
-    consts = kernel_constants(p, cfg, q.element_size(), out.element_size(), q.dtype)
+    args = (p, cfg, q.element_size(), out.element_size(), q.dtype)
+    consts = kernel_constants(*args) if p.holds_tensors else _kernel_constants_cached(*args)
     rows = consts["ROWS"]
     m_blocks = p.query_blocks(cfg.tile_m)
     batch_heads = p.batch * p.heads_q
