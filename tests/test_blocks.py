@@ -56,7 +56,7 @@ def test_edge_masks_equal_the_band_mask(seqlen_q, seqlen_k, window_left, window_
 @triton.jit
 def _walk(BH, STEP, num_tiles, batch_heads, head_group, blocks, TILES: tl.constexpr):
     t = tl.arange(0, TILES)
-    bh, step = grouped_tile(t, batch_heads, head_group, blocks)
+    bh, step = grouped_tile(tl.where(t < num_tiles, t, 0), batch_heads, head_group, blocks)  # tiles that exist
     tl.store(BH + t, bh, mask=t < num_tiles)
     tl.store(STEP + t, step, mask=t < num_tiles)
 

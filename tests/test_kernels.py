@@ -336,8 +336,19 @@ def test_v3_bands_walk_heads_in_uneven_groups(monkeypatch, kernels, l2_budget):
     monkeypatch.setattr(gluon_bwd, "sm_count", lambda device_index: 3)
     monkeypatch.setattr(gluon_bwd, "BALANCE_TILES_PER_SM", 10**6)
     monkeypatch.setattr(gluon_fwd, "sm_count", lambda device_index: 3)
+    groups = []  # the head groups the launches take
+
+    def recorded(choose):
+        def choose_and_record(*args):
+            groups.append(choose(*args))
+            return groups[-1]
+        return choose_and_record
+
+    for module in (gluon_fwd, gluon_bwd):
+        monkeypatch.setattr(module, "heads_sharing_l2", recorded(module.heads_sharing_l2))
     q, k, v = make_qkv(BATCH, 700, 1000, 2 * HEADS, HEADS, 64, DTYPES[0], DEVICE)
     check_against_reference(attention("v3", causal=True, kernel_options=f"backward={kernels}"), q, k, v, causal=True)
+    assert set(groups) == ({3, 2} if l2_budget == 768_000 else {4, 3})
 
 
 @pytest.mark.parametrize("head_dim, dlse", [(64, False), (40, True)])

@@ -292,11 +292,11 @@ def test_sink_kernels_compile_for_sm90(tmp_path):
 
 
 def test_single_pass_delta_kernel_compiles_for_sm90(tmp_path):
-    # The single pass's first kernel (plain Triton, numerics in test_kernels): D, and the float32
-    # dQ zeroed.
+    # The single pass's first kernel (plain Triton, numerics in test_kernels): D (a store per row
+    # a thread holds), and the float32 dQ zeroed (a 64-row tile: more stores a thread).
     for head_dim in (64, 128):
         compile_for_sm90(tmp_path / str(head_dim), "v3.bwd_delta", head_dim)
-        assert "st.global" in (tmp_path / str(head_dim) / f"v3.bwd_delta_d{head_dim}.ptx").read_text()
+        assert (tmp_path / str(head_dim) / f"v3.bwd_delta_d{head_dim}.ptx").read_text().count("st.global") > 8
 
 
 def test_decode_kernels_compile_for_sm90(tmp_path):

@@ -110,7 +110,8 @@ def heads_sharing_l2(p, batch_heads, streamed_bytes_per_head) -> int:
     read the same streamed blocks at about the same time.  A band's tiles (uneven, taken longest
     first): as many heads as have their streamed blocks fit in L2_BUDGET, at least one, at most
     all (one at a time leaves each head's short tiles to the end of the walk, unbalanced), in
-    groups of even size (a last group much smaller than the others ends the walk unbalanced)."""
+    groups as even as their count allows (2 + 2 rather than 3 + 1: a last group much smaller
+    than the others ends the walk unbalanced)."""
     if not p.banded:
         return 1
     most = max(1, min(batch_heads, L2_BUDGET // streamed_bytes_per_head))
