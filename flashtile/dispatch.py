@@ -32,7 +32,7 @@ import torch
 from flashtile import options as _options
 from flashtile.kernels import configs, score
 from flashtile.kernels.configs import Config
-from flashtile.kernels.problem import cdiv, next_power_of_2
+from flashtile.kernels.problem import cdiv, next_power_of_2, remembered
 
 VERSIONS = ("v1", "v2", "v3")
 # Every accepted value of ``version``: "tiled" is the PyTorch implementation, runnable anywhere.
@@ -127,18 +127,6 @@ def _tiles(opts, target, table, default):
     return configs.INTERPRETER if target.interpreter else default
 
 
-def forward_plan(p, version: str, target: Target, opts) -> Plan:
-    """The forward kernel and tiles of problem ``p`` under ``version`` (already resolved)."""
-    # Asked at every call, the same few problems coming back: remembered, but for problems that
-    # hold tensors (varlen offsets, ALiBi slopes), new at every call.
-    return _forward_plan(p, version, target, opts) if p.holds_tensors else _forward_plan_cached(p, version, target, opts)
-
-
-def backward_plan(p, version: str, target: Target, opts) -> Plan:
-    """The backward kernels and tiles of problem ``p`` under ``version`` (already resolved)."""
-    return _backward_plan(p, version, target, opts) if p.holds_tensors else _backward_plan_cached(p, version, target, opts)
-
-
 def _v1_plan(p, target, opts, mode) -> Plan:
     from flashtile.kernels import v1  # its tiles follow the paper's rule
     fwd, bwd = v1.block_sizes(p.head_dim_pad)
@@ -146,7 +134,9 @@ def _v1_plan(p, target, opts, mode) -> Plan:
     return Plan("v1", _tiles(opts, target, f"v1_{mode}", cfg), splits=opts.v1_splits)
 
 
-def _forward_plan(p, version, target, opts) -> Plan:
+@remembered
+def forward_plan(p, version: str, target: Target, opts) -> Plan:
+    """The forward kernel and tiles of problem ``p`` under ``version`` (already resolved)."""
     if p.empty or version == "tiled":
         return Plan("tiled")
     if version == "v1":
@@ -202,7 +192,9 @@ def gluon_schedule(p, opts) -> configs.GluonSchedule:
     return replace(cfg, **{t: False for t in opts.ablate})
 
 
-def _backward_plan(p, version, target, opts) -> Plan:
+@remembered
+def backward_plan(p, version: str, target: Target, opts) -> Plan:
+    """The backward kernels and tiles of problem ``p`` under ``version`` (already resolved)."""
     if p.empty or version == "tiled":
         return Plan("tiled")
     if version == "v1":
@@ -218,10 +210,6 @@ def _backward_plan(p, version, target, opts) -> Plan:
     cfg = (configs.GluonBackward(*override) if override is not None else
            configs.by_head_dim(configs.V3_GLUON_BWD_REDUCE if reduce else configs.V3_GLUON_BWD, p.head_dim_pad))
     return Plan(kernel, replace(cfg, persistent="persistent" not in opts.ablate))
-
-
-_forward_plan_cached = functools.lru_cache(maxsize=1024)(_forward_plan)
-_backward_plan_cached = functools.lru_cache(maxsize=1024)(_backward_plan)
 
 
 def _v3_backward_kernel(p, opts) -> str:

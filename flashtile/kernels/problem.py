@@ -32,6 +32,21 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
+def remembered(fn):
+    """``fn(p, ...)``, a function of a problem and hashable arguments, remembered for problems that
+    are a cache key: asked at every call, the same few problems come back.  A problem that holds
+    tensors (varlen offsets, ALiBi slopes, a dropout seed, FP8 descales: new at every call) is
+    computed afresh.  Results are shared between calls: read them, never change them."""
+    cached = functools.lru_cache(maxsize=1024)(fn)
+
+    @functools.wraps(fn)
+    def call(p, *args, **kwargs):
+        return fn(p, *args, **kwargs) if p.holds_tensors else cached(p, *args, **kwargs)
+
+    call.cache_clear = cached.cache_clear
+    return call
+
+
 @functools.lru_cache(maxsize=None)
 def _placeholder(device: torch.device) -> torch.Tensor:
     # One per device, made once: no allocation or fill on every launch.

@@ -687,8 +687,8 @@ def _kv_consumers_shared_scores(buf, walk, stats, dk_desc, dv_desc, p_smem, ds_s
 
 @gluon.jit
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, slb, slh, num_tiles,
-                 heads_k, group, head_group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2, counter,
-                 score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                 heads_k, group, head_group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
+                 counter, score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                  STAGES: gl.constexpr, SLOTS: gl.constexpr, DQ_REDUCE: gl.constexpr, SPLIT_D: gl.constexpr,
                  SHARED_SCORES: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SCORE: gl.constexpr):
     # The two passes: a partition per consumer warpgroup; SPLIT_D and DQ_REDUCE: one of both.
@@ -899,9 +899,9 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
 @gluon.jit
 def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh,
                num_tiles, heads_q, group, head_group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale,
-               scale_log2, counter, score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-               STAGES: gl.constexpr, SLOTS: gl.constexpr, HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr,
-               PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SCORE: gl.constexpr):
+               scale_log2, counter, score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr, HAS_DLSE: gl.constexpr,
+               SPLIT_D: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SCORE: gl.constexpr):
     # With SPLIT_D both consumer warpgroups are one partition; else each is its own.  The
     # stationary pair is Q and dO, the streamed one K and V.
     buf = PassBuffers.allocate(q_desc, do_desc, k_desc, v_desc, STAGES, 1 if SPLIT_D else 2, SLOTS)
@@ -993,7 +993,8 @@ def _delta_kernel(O, DO, DLSE, DELTA, DQACC, sob, sos, soh, sdb, sds, sdh, slb, 
     stat = batch * slb + head * slh + rows
     tl.store(DELTA + stat, row_delta(o, do, DLSE, stat, rows, seqlen_q, HAS_DLSE), mask=rows < seqlen_q)
     tl.store(DQACC + batch * sqb + rows[:, None] * sqs + head * sqh + offs_d[None, :],
-             tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32), mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
+             tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32),
+             mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
 
 
 def _delta(p, out, dout, dlse, lse, dq_acc):

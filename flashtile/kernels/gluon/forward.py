@@ -42,8 +42,6 @@ Two take a shorter way here: ALiBi off the diagonal as a column part and a row p
 (``DISTANCE``: _block_softmax), and on bf16 a softcap as every row's max (``BOUNDED``:
 softcap_bounds_logits).
 """
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.language.core import _aggregate as aggregate
@@ -58,6 +56,7 @@ from flashtile.kernels.configs import WARPGROUP_ROWS
 from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter, publish_tile,
                                                read_next_tile, read_tile, sm_count, start_tiles, tile_counter)
 from flashtile.kernels.launch import launch
+from flashtile.kernels.problem import remembered
 from flashtile.kernels.tiles import FP8_P_SCALE, FP8_PER_BLOCK, LOG2E, finalize_rows, scaled_softmax_step
 
 PRODUCER_REGS = gl.constexpr(24)      # the TMA-issuing warp needs almost none
@@ -918,6 +917,7 @@ def launch_options(consumers):
     return dict(num_warps=4, maxnreg=REGISTERS // threads // 8 * 8)
 
 
+@remembered
 def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
     """The kernel's compile-time arguments for problem ``p`` under schedule ``cfg``; Q, K and V
     of ``element_size`` bytes and type ``dtype`` (None: unknown, so no bounded softcap), O of
@@ -950,10 +950,6 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
                 # recomputed by the masking rule (_exact_rows).  Not float8 (the recomputation
                 # reads operands without their descales): a non-finite input stays so.
                 CHECK_FINITE=p.banded and not p.fp8)
-
-
-# Asked at every call, the same few problems coming back; the dict is shared: read, never changed.
-_kernel_constants_cached = functools.lru_cache(maxsize=1024)(kernel_constants)
 
 
 # The widest logit range (log2 units) the softmax takes from a fixed reference point: P stays at
@@ -997,8 +993,7 @@ def forward(plan, p, q, k, v):
     cfg = plan.config
     out = torch.empty(q.shape, dtype=p.out_dtype(q), device=q.device)
     lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=q.device)
-    args = (p, cfg, q.element_size(), out.element_size(), q.dtype)
-    consts = kernel_constants(*args) if p.holds_tensors else _kernel_constants_cached(*args)
+    consts = kernel_constants(p, cfg, q.element_size(), out.element_size(), q.dtype)
     rows = consts["ROWS"]
     m_blocks = p.query_blocks(cfg.tile_m)
     batch_heads = p.batch * p.heads_q

@@ -21,6 +21,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from flashtile.kernels.blocks import grouped_tile
+from flashtile.kernels.problem import cdiv
 
 
 # Bytes of the streamed blocks of the heads a band's walk keeps together (the H200 has 50 MB of L2).
@@ -115,8 +116,7 @@ def heads_sharing_l2(p, batch_heads, streamed_bytes_per_head) -> int:
     if not p.banded:
         return 1
     most = max(1, min(batch_heads, L2_BUDGET // streamed_bytes_per_head))
-    groups = -(-batch_heads // most)
-    return -(-batch_heads // groups)
+    return cdiv(batch_heads, cdiv(batch_heads, most))
 
 
 @functools.lru_cache(maxsize=None)
