@@ -10,7 +10,8 @@ Forward kernels:
   "v2"           FlashAttention-2 (kernels/v2.py)
   "v3-gluon"     FlashAttention-3's warp-specialized forward in Gluon (kernels/gluon/forward.py)
   "v3-triton"    the Hopper forward in plain Triton (kernels/v3.py): what the Gluon kernel does
-                 not take (varlen, broadcast layouts, the interpreter)
+                 not take (broadcast layouts, the interpreter) and, unless kernel options force
+                 the Gluon one, varlen
 With dropout (their Triton draws the mask: kernels/dropout.py) or a V head dim of its own, v3
 runs v2's kernels both ways.  FP8 inputs (forward only) run the Gluon forward where it takes the
 problem, else v2's.
@@ -107,8 +108,9 @@ def broadcast(x) -> bool:
 
 
 def gluon_takes(p) -> bool:
-    """Whether the Gluon kernels take problem ``p``: batched, at the head dims they are built for."""
-    return not p.varlen and p.head_dim_pad in configs.GLUON_HEAD_DIMS and p.head_dim % 8 == 0
+    """Whether the Gluon kernels take problem ``p``: at the head dims they are built for (packed
+    sequences: forward_plan and backward_plan say which)."""
+    return p.head_dim_pad in configs.GLUON_HEAD_DIMS and p.head_dim % 8 == 0
 
 
 def target_of(p, *tensors) -> Target:
@@ -144,9 +146,13 @@ def forward_plan(p, version: str, target: Target, opts) -> Plan:
     if version == "v2" or p.v2_only:
         return _v2_forward(p, target, opts)
     kernel = opts.forward or "gluon"
-    if p.fp8 and not (kernel == "gluon" and target.gluon):
+    # Packed sequences take the Gluon forward (its walk skips the tiles past a sequence's end)
+    # only when the options ask for it (experimental), and not in float8 (V's keys-contiguous
+    # copy is batched).
+    gluon = target.gluon and (not p.varlen or (opts.forward == "gluon" and not p.fp8))
+    if p.fp8 and not (kernel == "gluon" and gluon):
         return _v2_forward(p, target, opts)  # the plain-Triton Hopper forward has no float8 path
-    if kernel == "gluon" and target.gluon:
+    if kernel == "gluon" and gluon:
         return Plan("v3-gluon", gluon_schedule(p, opts))
     if kernel == "v2" or (kernel == "gluon" and p.banded and p.seqlen_k <= configs.SHORT_KEYS):
         # Short bands the Gluon kernel does not take run faster in v2 than in plain Triton.
@@ -199,7 +205,8 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
         return Plan("tiled")
     if version == "v1":
         return _v1_plan(p, target, opts, "bwd")
-    kernel = "v2" if version == "v2" or p.v2_only or not target.gluon else _v3_backward_kernel(p, opts)
+    gluon = target.gluon and not p.varlen  # the Gluon backward takes batched problems only
+    kernel = "v2" if version == "v2" or p.v2_only or not gluon else _v3_backward_kernel(p, opts)
     if kernel == "v2":
         kv = configs.by_head_dim(configs.v2_bwd_kv_table(p.banded), p.widest_head_dim_pad)
         dq = configs.by_head_dim(configs.V2_BWD_Q, p.widest_head_dim_pad)

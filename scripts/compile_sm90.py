@@ -82,11 +82,16 @@ def problem(head_dim, causal=False, window_left=-1, softcap=0.0, seqlen=4096, al
 FP8_DTYPES = {"fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
 
 
-def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0, alibi=False, fp8=None, fp8_mode=1):
+def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0, alibi=False, fp8=None, fp8_mode=1,
+               varlen=False):
     """v3's Gluon forward with the constants and launch options gluon/forward.py would use;
     ``window_left`` >= 0: a sliding window's left edge, tested in the kernel only then; ``fp8``
-    (a triton float8 type name): float8 inputs with descales per head (``fp8_mode`` 1) or block (2)."""
+    (a triton float8 type name): float8 inputs with descales per head (``fp8_mode`` 1) or block (2);
+    ``varlen``: packed sequences (cu_seqlens)."""
     p = problem(head_dim, causal, window_left, softcap, alibi=alibi)
+    if varlen:
+        offsets = torch.zeros(2, dtype=torch.int32)
+        p = replace(p, cu_seqlens_q=offsets, cu_seqlens_k=offsets, total_q=p.seqlen_q, total_k=p.seqlen_k)
     if fp8:
         p = replace(p, fp8=True, fp8_per_block=fp8_mode == 2)
     dtype = FP8_DTYPES[fp8] if fp8 else torch.bfloat16
@@ -198,7 +203,13 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
             WARP_SPECIALIZE=plan.unmasked and c3.warp_specialize), _options(c3), None
     features = dict(softcap=softcap, alibi=alibi)
     fp8_features = dict(features, fp8=fp8, fp8_mode=fp8_mode)
-    if not varlen:  # the Gluon kernels take batched problems only
+    if varlen:  # the Gluon forward takes packed sequences (not float8); the Gluon backward does not
+        yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, varlen=True, **features))
+        yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel,
+               *gluon_case(head_dim, opts, causal=True, varlen=True, **features))
+        yield ("v3.fwd_gluon_window", gluon_fwd._fwd_kernel,
+               *gluon_case(head_dim, opts, causal=True, window_left=512, varlen=True, **features))
+    else:
         yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, **fp8_features))
         yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, causal=True, **fp8_features))
         yield ("v3.fwd_gluon_window", gluon_fwd._fwd_kernel,

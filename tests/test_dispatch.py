@@ -142,10 +142,10 @@ def test_gluon_takes_only_what_its_descriptors_describe():
     on_gpu = type("T", (), {"is_cuda": True, "stride": q.stride})()
     assert dispatch.target_of(p, on_gpu, on_gpu, on_gpu).gluon in (True, False)  # interpreter-dependent
     assert not dispatch.target_of(p, q, q, q).gluon  # CPU tensors
-    # The Gluon kernels take every score modification, not varlen.
+    # The Gluon kernels take every score modification, and packed sequences (forward_plan says when).
     assert dispatch.gluon_takes(p) and dispatch.gluon_takes(replace(p, softcap=30.0))
     assert dispatch.gluon_takes(replace(p, alibi_slopes=torch.ones(4), softcap=30.0))
-    assert not dispatch.gluon_takes(replace(p, cu_seqlens_q=torch.zeros(3, dtype=torch.int32)))
+    assert dispatch.gluon_takes(replace(p, cu_seqlens_q=torch.zeros(3, dtype=torch.int32)))
     assert not dispatch.gluon_takes(replace(p, head_dim=20))
     assert dispatch.broadcast(q[:1].expand(2, 64, 4, 64))
     assert not dispatch.broadcast(q.transpose(1, 2).contiguous().transpose(1, 2))
@@ -281,6 +281,24 @@ def test_decode_combine_is_a_programmatic_dependent_on_hopper_only(monkeypatch):
         assert dispatch._decode_plan(8, 1, 32, 128, torch.bfloat16, 5, 8, 4096, 1, False, False).pdl is expected
         assert not dispatch._decode_plan(8, 1, 32, 128, torch.bfloat16, 5, 8, 4096, 1, False, True).pdl
     assert not dispatch._decode_plan(8, 1, 32, 128, torch.bfloat16, None, 8, 4096, 1, False, False).pdl
+
+
+def test_packed_sequences_take_the_gluon_forward_only_when_forced():
+    # Packed sequences run the plain-Triton forward (v2's on short bands) unless the options
+    # force the Gluon one; their backward is v2's whatever the options (the Gluon backward takes
+    # batched problems only); float8 ones run v2's forward.
+    offsets = torch.zeros(3, dtype=torch.int32)
+    for seqlen, window_right, default in ((4096, -1, "v3-triton"), (4096, 0, "v3-triton"), (512, 0, "v2")):
+        p = replace(problem(seqlen, window_right), cu_seqlens_q=offsets, cu_seqlens_k=offsets, total_q=2 * seqlen,
+                    total_k=2 * seqlen)
+        assert forward(p).kernel == default
+        forced = forward(p, opts=KernelOptions(forward="gluon"))
+        assert forced.kernel == "v3-gluon" and forced.config == forward(replace(p, cu_seqlens_q=None,
+                                                                                cu_seqlens_k=None)).config
+        assert forward(p, opts=KernelOptions(forward="gluon"), target=NO_GLUON).kernel != "v3-gluon"
+        for opts in (NONE, KernelOptions(backward="gluon"), KernelOptions(backward="gluon-reduce")):
+            assert backward(p, opts=opts).kernel == "v2"
+        assert forward(replace(p, fp8=True), opts=KernelOptions(forward="gluon")).kernel == "v2"
 
 
 def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():

@@ -588,6 +588,98 @@ def test_varlen_sinks(version):
     assert max_err(grads[3], dsinks) <= 3 * max_err(pt_dsinks, dsinks) + 1e-4
 
 
+# Packed lengths for the Gluon forward's packed walk: empty, one row, not tile multiples, longer
+# queries than keys (causal rows that see no key), a sequence with no key, one of several tiles.
+GLUON_PACKED_Q = [300, 0, 1, 1000, 129, 64, 2100]
+GLUON_PACKED_K = [500, 7, 200, 700, 129, 0, 2100]
+
+
+def _packed_gluon_forward(q, k, v, cu_q, cu_k, options="forward=gluon", **kw):
+    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(GLUON_PACKED_Q), max(GLUON_PACKED_K), version="v3",
+                                  return_attn_probs=True, kernel_options=options, **kw)
+
+
+def _check_packed(out, lse, q, k, v, cu_q, cu_k, dout=None, grads=None, **mask):
+    """Each sequence of a packed call against the float64 oracle (FA rule), its logsumexp too;
+    with ``grads``, the gradients of ``dout``."""
+    for b, qs, ks, one in _per_sequence(cu_q, cu_k, q, k, v):
+        seq_mask = {key: (value[b] if key == "alibi_slopes" and value.dim() == 2 else value)
+                    for key, value in mask.items()}
+        oracle, oracle_lse = standard_attention(*one, upcast=True, return_lse=True, **seq_mask)
+        pt = standard_attention(*one, **seq_mask)
+        rule = 3 if "softcap" in mask else 2
+        assert max_err(out[qs][None], oracle) <= rule * max_err(pt, oracle) + 1e-5, b
+        seen = torch.isfinite(oracle_lse[0])
+        assert torch.equal(torch.isfinite(lse[:, qs]), seen), b
+        assert max_err(lse[:, qs][seen], oracle_lse[0][seen]) <= 1e-3, b
+        if grads is not None:
+            _, oracle_grads = _with_grads(lambda *t: standard_attention(*t, upcast=True, **seq_mask), one,
+                                          dout[qs][None].double())
+            _, pt_grads = _with_grads(lambda *t: standard_attention(*t, **seq_mask), one, dout[qs][None])
+            for g, sl, g_ref, g_pt in zip(grads, (qs, ks, ks), oracle_grads, pt_grads):
+                assert max_err(g[sl][None], g_ref) <= 3 * max_err(g_pt, g_ref) + 1e-4, b
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0), (40, 30)])
+def test_v3_gluon_forward_packed_sequences(head_dim, window):
+    # The Gluon forward on packed sequences (kernel option forward=gluon): its walk skips the
+    # tiles past each sequence's end, a sequence's last partial tile is stored by pointer (the
+    # next sequence's rows stay untouched: poisoned NaN would show), the next sequence's keys
+    # are masked.  GQA, 4 query heads over 2.
+    q, k, v, cu_q, cu_k = _varlen_case(GLUON_PACKED_Q, GLUON_PACKED_K, d=head_dim)
+    out, lse, _ = _packed_gluon_forward(q, k, v, cu_q, cu_k, window_size=window)
+    _check_packed(out, lse, q, k, v, cu_q, cu_k, window_size=window)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
+def test_v3_gluon_forward_packed_gradients_and_score_mods():
+    # Gradients (v2's backward over the Gluon forward's output and logsumexp), softcap, ALiBi
+    # per sequence, FA3's seqused tables.
+    q, k, v, cu_q, cu_k = _varlen_case(GLUON_PACKED_Q, GLUON_PACKED_K, d=128)
+    dout = torch.randn_like(q)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse, _ = _packed_gluon_forward(*leaves, cu_q, cu_k, causal=True)
+    grads = torch.autograd.grad(out, leaves, dout)
+    _check_packed(out.detach(), lse, q, k, v, cu_q, cu_k, dout, grads, causal=True)
+    slopes = alibi_slopes(len(GLUON_PACKED_Q), q.shape[1])
+    for mods in (dict(softcap=30.0), dict(alibi_slopes=slopes), dict(softcap=20.0, alibi_slopes=slopes)):
+        out, lse, _ = _packed_gluon_forward(q, k, v, cu_q, cu_k, causal=True, **mods)
+        _check_packed(out, lse, q, k, v, cu_q, cu_k, causal=True, **mods)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
+@pytest.mark.parametrize("options", ["forward=gluon;tiles.v3_gluon=128,3,3", "forward=gluon;ablate=persistent"])
+def test_v3_gluon_forward_packed_other_schedules(monkeypatch, options):
+    # d64's three consumer warpgroups (192-row tiles) and the ablation of the persistent walk
+    # (packed sequences keep it: a CTA may find no tile of its own).
+    monkeypatch.setitem(configs.THREE_CONSUMERS_FROM, True, 0)
+    monkeypatch.setitem(configs.THREE_CONSUMERS_FROM, False, 0)
+    q, k, v, cu_q, cu_k = _varlen_case(GLUON_PACKED_Q, GLUON_PACKED_K, d=64)
+    for causal in (False, True):
+        out, lse, _ = _packed_gluon_forward(q, k, v, cu_q, cu_k, options, causal=causal)
+        _check_packed(out, lse, q, k, v, cu_q, cu_k, causal=causal)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
+def test_v3_gluon_forward_packed_neighbours_do_not_leak():
+    # The keys after a sequence's end are the next sequence's, read by TMA with the block: a
+    # non-finite value there must not reach this sequence's output (recomputed rows), and the
+    # rows after its end are the next sequence's, which its stores must leave alone.
+    lengths = [70, 130, 64]
+    q, k, v, cu_q, cu_k = _varlen_case(lengths, lengths, d=128)
+    v[70 + 100] = float("inf")  # inside sequence 1, in the block sequence 0's last keys share
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 130, version="v3", return_attn_probs=True,
+                                         kernel_options="forward=gluon")
+    ref = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 130, version="v3", return_attn_probs=True,
+                                 kernel_options="forward=triton")
+    assert torch.isfinite(out[:70]).all() and torch.isfinite(out[200:]).all()
+    torch.testing.assert_close(out[:70], ref[0][:70], atol=2e-3, rtol=0)
+    torch.testing.assert_close(out[200:], ref[0][200:], atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse, ref[1], atol=1e-3, rtol=0)
+
+
 def _with_grads(fn, inputs, dout):
     leaves = [x.clone().requires_grad_() for x in inputs]
     out = fn(*leaves)

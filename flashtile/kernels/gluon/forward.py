@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from flashtile.kernels import score
 from flashtile.kernels import tma as tma_host
-from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile
+from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile, sequence_bounds
 from flashtile.kernels.configs import WARPGROUP_ROWS
 from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter, publish_tile,
                                                read_next_tile, read_tile, sm_count, start_tiles, tile_counter)
@@ -85,11 +85,12 @@ class Schedule:
     FP8: gl.constexpr
     FRESH_PV: gl.constexpr
     CHECK_FINITE: gl.constexpr
+    VARLEN: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
                  PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8, FRESH_PV,
-                 CHECK_FINITE):
+                 CHECK_FINITE, VARLEN):
         self.ROWS = gl.constexpr(ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM_PAD = gl.constexpr(HEAD_DIM_PAD)
@@ -109,6 +110,7 @@ class Schedule:
         self.FP8 = gl.constexpr(FP8)
         self.FRESH_PV = gl.constexpr(FRESH_PV)
         self.CHECK_FINITE = gl.constexpr(CHECK_FINITE)
+        self.VARLEN = gl.constexpr(VARLEN)
 
 
 @aggregate
@@ -201,7 +203,9 @@ Value = (gl.tensor, gl.constexpr)
 
 @aggregate
 class TileWalk:
-    """The persistent walk over (batch x head, query block) tiles: its sizes and the band."""
+    """The persistent walk over (batch x head, query block) tiles: its sizes and the band.
+    VARLEN: the batch's sequences are packed (``CU_Q``/``CU_K``, blocks.sequence_bounds), each
+    tile's lengths are its sequence's, and ``m_blocks`` counts the longest one's blocks."""
     num_tiles: Value
     batch_heads: Value
     heads_q: Value
@@ -212,10 +216,14 @@ class TileWalk:
     seqlen_k: Value
     window_left: Value
     window_right: Value
+    CU_Q: gl.tensor
+    CU_K: gl.tensor
+    totals: gl.tuple
+    VARLEN: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, num_tiles, batch_heads, heads_q, group, head_group, m_blocks, seqlen_q, seqlen_k,
-                 window_left, window_right):
+                 window_left, window_right, CU_Q, CU_K, totals, VARLEN):
         self.num_tiles = _value(num_tiles)
         self.batch_heads = _value(batch_heads)
         self.heads_q = _value(heads_q)
@@ -226,10 +234,27 @@ class TileWalk:
         self.seqlen_k = _value(seqlen_k)
         self.window_left = _value(window_left)
         self.window_right = _value(window_right)
+        self.CU_Q = CU_Q
+        self.CU_K = CU_K
+        self.totals = totals
+        self.VARLEN = gl.constexpr(VARLEN)
+
+    @gluon.jit
+    def sequence(self, batch):
+        """Sequence ``batch`` as (its TMA batch coordinate, first query row, first key row, query
+        rows, keys).  Packed (VARLEN): coordinate 0 of a (1, total, heads, head dim) view, the
+        sequence from its offsets; else the batch entry, from row 0."""
+        if self.VARLEN:
+            q_start, seqlen_q = sequence_bounds(batch, self.CU_Q, 0, self.totals[0], self.totals[2], True)
+            k_start, seqlen_k = sequence_bounds(batch, self.CU_K, 0, self.totals[1], self.totals[3], True)
+            return 0, q_start.to(gl.int32), k_start.to(gl.int32), seqlen_q, seqlen_k
+        else:
+            return batch, 0, 0, self.seqlen_q, self.seqlen_k
 
     @gluon.jit
     def tile(self, t, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Tile ``t``: (batch, head, first query row, band, first visited K/V block, their count).
+        """Tile ``t``: (batch, head, first query row, band, first visited K/V block, their count,
+        the sequence as ``sequence`` gives it).
 
         Heads are walked in groups of ``head_group`` whose K and V fit in L2 together, so the
         CTAs running at one time re-read K/V from L2 rather than HBM.  Inside a group, query
@@ -237,9 +262,33 @@ class TileWalk:
         heads adjacent.  (Which blocks need a mask the consumers decide for their own rows.)"""
         bh, step = grouped_tile(t, self.batch_heads, self.head_group, self.m_blocks)
         m0 = (self.m_blocks - 1 - step) * TILE_M
-        dlo, dhi, lo, _, _, n_blocks = band_blocks(m0, TILE_M, BLOCK_N, self.seqlen_q, self.seqlen_k,
-                                                   self.window_left, self.window_right, False)
-        return bh // self.heads_q, bh % self.heads_q, m0, dlo, dhi, lo, n_blocks
+        if self.VARLEN:
+            batch = bh // self.heads_q
+            seq = self.sequence(batch)
+            dlo, dhi, lo, _, _, n_blocks = band_blocks(m0, TILE_M, BLOCK_N, seq[3], seq[4], self.window_left,
+                                                       self.window_right, False)
+            return batch, bh % self.heads_q, m0, dlo, dhi, lo, n_blocks, seq
+        else:
+            dlo, dhi, lo, _, _, n_blocks = band_blocks(m0, TILE_M, BLOCK_N, self.seqlen_q, self.seqlen_k,
+                                                       self.window_left, self.window_right, False)
+            batch = bh // self.heads_q
+            return batch, bh % self.heads_q, m0, dlo, dhi, lo, n_blocks, self.sequence(batch)
+
+    @gluon.jit
+    def past_sequence(self, t, TILE_M: gl.constexpr):
+        """Whether tile ``t`` (< num_tiles) starts past its sequence's query rows: a packed batch's
+        tiles cover its longest sequence, so the shorter ones leave tiles with no row to compute."""
+        bh, step = grouped_tile(gl.minimum(t, self.num_tiles - 1), self.batch_heads, self.head_group, self.m_blocks)
+        seq = self.sequence(bh // self.heads_q)
+        return (t < self.num_tiles) & ((self.m_blocks - 1 - step) * TILE_M >= seq[3])
+
+    @gluon.jit
+    def live(self, t, counter, S: gl.constexpr):
+        """Tile ``t``, or (VARLEN) the first the walk reaches from it with query rows to compute."""
+        if self.VARLEN:
+            while self.past_sequence(t, S.CONSUMERS * S.ROWS):
+                t = next_tile(t, self.num_tiles, counter, S.PERSISTENT, S.DYNAMIC)
+        return t
 
 
 @aggregate
@@ -374,8 +423,8 @@ def _stashed(stash, AT: gl.constexpr):
 
 
 @gluon.jit
-def _rows_of(stash, AT: gl.constexpr, batch, head, dtype: gl.constexpr):
-    """The pointer to (batch, sequence start, head) of the tensor stashed at AT, and its row stride."""
+def _rows_of(stash, AT: gl.constexpr, batch, start, head, dtype: gl.constexpr):
+    """The pointer to (batch, row ``start``, head) of the tensor stashed at AT, and its row stride."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     i = gl.arange(0, STASH_WORDS, layout=layout)
     words = stash.load(layout)
@@ -383,7 +432,7 @@ def _rows_of(stash, AT: gl.constexpr, batch, head, dtype: gl.constexpr):
     sb = gl.max(gl.where(i == AT + 1, words, 0), 0)
     ss = gl.max(gl.where(i == AT + 2, words, 0), 0)
     sh = gl.max(gl.where(i == AT + 3, words, 0), 0)
-    return base + batch.to(gl.int64) * sb + head.to(gl.int64) * sh, ss
+    return base + batch.to(gl.int64) * sb + ss * start + head.to(gl.int64) * sh, ss
 
 
 @gluon.jit
@@ -392,8 +441,10 @@ def _producer(q_desc, k_desc, v_desc, buf, walk, counter, S: gl.constexpr):
     tile_i = 0
     t = gl.program_id(0)
     start_tiles(counter, S.DYNAMIC)
+    t = walk.live(t, counter, S)
     while t < walk.num_tiles:
-        batch, head, m0, dlo, dhi, lo, n_blocks = walk.tile(t, S.CONSUMERS * S.ROWS, S.BLOCK_N)
+        batch, head, m0, dlo, dhi, lo, n_blocks, seq = walk.tile(t, S.CONSUMERS * S.ROWS, S.BLOCK_N)
+        at, q_start, k_start, _, _ = seq
         head_k = head // walk.group
         # Every consumer is done with the Q this slot held (and has read that tile's number).
         q_slot = tile_i % S.Q_SLOTS
@@ -403,26 +454,28 @@ def _producer(q_desc, k_desc, v_desc, buf, walk, counter, S: gl.constexpr):
         q_bar = buf.q_ready.index(q_slot)
         mbarrier.expect(q_bar, S.CONSUMERS * q_desc.block_type.nbytes)
         for c in gl.static_range(S.CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [batch, m0 + c * S.ROWS, head, 0], q_bar,
+            tma.async_copy_global_to_shared(q_desc, [at, m0 + c * S.ROWS + q_start, head, 0], q_bar,
                                             buf.q.index(S.CONSUMERS * q_slot + c))
         for j in range(n_blocks):
-            n0 = lo + j * S.BLOCK_N
+            n0 = lo + j * S.BLOCK_N + k_start
             slot = it % S.STAGES
             phase = (it // S.STAGES) & 1
             mbarrier.wait(buf.k_empty.index(slot), phase ^ 1)
             mbarrier.expect(buf.k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [batch, n0, head_k, 0], buf.k_ready.index(slot),
+            tma.async_copy_global_to_shared(k_desc, [at, n0, head_k, 0], buf.k_ready.index(slot),
                                             buf.k.index(slot))
             mbarrier.wait(buf.v_empty.index(slot), phase ^ 1)
             mbarrier.expect(buf.v_ready.index(slot), v_desc.block_type.nbytes)
             if S.FP8:  # V keys-contiguous: (batch, heads, head_dim, seqlen)
-                tma.async_copy_global_to_shared(v_desc, [batch, head_k, 0, n0], buf.v_ready.index(slot),
+                tma.async_copy_global_to_shared(v_desc, [at, head_k, 0, n0], buf.v_ready.index(slot),
                                                 buf.v.index(slot))
             else:
-                tma.async_copy_global_to_shared(v_desc, [batch, n0, head_k, 0], buf.v_ready.index(slot),
+                tma.async_copy_global_to_shared(v_desc, [at, n0, head_k, 0], buf.v_ready.index(slot),
                                                 buf.v.index(slot))
             it += 1
         tile_i += 1
+        # Past tiles with no rows once this tile's loads are out: the search delays only the next.
+        t = walk.live(t, counter, S)
     end_tiles(buf.tile_ids, tile_i, buf.q_ready, buf.q_empty, walk.num_tiles, S.PERSISTENT)
 
 
@@ -617,7 +670,9 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
     tile_i = 0
     t = read_tile(buf.tile_ids, tile_i, buf.q_ready, S.Q_SLOTS)
     while t < walk.num_tiles:
-        batch, head, m0, dlo, dhi, lo, n_blocks = walk.tile(t, S.CONSUMERS * ROWS, BLOCK_N)
+        batch, head, m0, dlo, dhi, lo, n_blocks, seq = walk.tile(t, S.CONSUMERS * ROWS, BLOCK_N)
+        seqlen_q = seq[3]
+        seqlen_k = seq[4]
         q_slot = tile_i % S.Q_SLOTS
         q_op = buf.q.index(S.CONSUMERS * q_slot + WHICH).reshape([ROWS, HEAD_DIM_PAD])  # S = Q K^T's A
         if S.Q_IN_REGISTERS:
@@ -633,7 +688,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
         if S.FP8:
             rows_scale = scale_log2 * descales.rows_scale(batch, head, head_k, row0, S)
             out_scale = descales.output_scale(batch, head_k, S)
-        site = (batch, head, walk.seqlen_k - walk.seqlen_q, score_args)
+        site = (batch, head, seqlen_k - seqlen_q, score_args)
         distance = None
         if S.DISTANCE:
             distance = _distance_bias(site, s_cols, S)
@@ -655,7 +710,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
             mbarrier.arrive(buf.k_empty.index(slot))
             block_scale = rows_scale * descales.key_scale(batch, head_k, lo, S)
             log2_factor, inverse = descales.p_scale(S)
-            p, alpha, m_i = _block_softmax(s, m_i, site, rows, row0, lo, walk.seqlen_k, dlo, dhi, block_scale,
+            p, alpha, m_i = _block_softmax(s, m_i, site, rows, row0, lo, seqlen_k, dlo, dhi, block_scale,
                                            log2_factor, distance, s_cols, S)
             l_i = gl.sum(p, 1) * inverse
             p_op = _p_operand(p, dtype, p_layout, S.FP8)
@@ -685,7 +740,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
                 mbarrier.arrive(buf.k_empty.index(slot))
                 block_scale = rows_scale * descales.key_scale(batch, head_k, n0, S)
                 log2_factor, inverse = descales.p_scale(S)
-                p, alpha, m_i = _block_softmax(s, m_i, site, rows, row0, n0, walk.seqlen_k, dlo, dhi, block_scale,
+                p, alpha, m_i = _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, block_scale,
                                                log2_factor, distance, s_cols, S)
                 l_i = l_i * alpha + gl.sum(p, 1) * inverse
                 # p_op of the previous block is read by the in-flight wgmma: keep it alive until here.
@@ -717,17 +772,17 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
         out, lse = finalize_rows(acc, gl.convert_layout(m_i, o_rows), gl.convert_layout(l_i, o_rows))
         use = tile_i * S.CONSUMERS + WHICH
         out_dtype: gl.constexpr = outputs.o_desc.dtype
-        not_finite = _store_rows(out.to(out_dtype), lse, acc, buf, use, WHICH, outputs, batch, head, row0,
-                                 walk.seqlen_q, o_layout, S)
+        not_finite = _store_rows(out.to(out_dtype), lse, acc, buf, use, WHICH, outputs, batch, head, row0, seq,
+                                 o_layout, S)
         if S.CHECK_FINITE and not_finite > 0:  # a constexpr test first: no check, no recomputation compiled
-            _exact_rows(batch, head, row0, WHICH, buf, stash, outputs, walk, scale_log2, score_args, S)
+            _exact_rows(batch, head, row0, seq, WHICH, buf, stash, outputs, walk, scale_log2, score_args, S)
         tile_i += 1
         t = read_next_tile(buf.tile_ids, tile_i, buf.q_ready, walk.num_tiles, S.Q_SLOTS, S.PERSISTENT)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _exact_rows(batch, head, row0, WHICH: gl.constexpr, buf, stash, outputs, walk, scale_log2, score_args,
+def _exact_rows(batch, head, row0, seq, WHICH: gl.constexpr, buf, stash, outputs, walk, scale_log2, score_args,
                 S: gl.constexpr):
     """The consumer's rows computed again by the masking rule, with the logsumexp of the main
     loop (natural log): a key outside a row's band contributes nothing, whatever its value.  The
@@ -736,23 +791,24 @@ def _exact_rows(batch, head, row0, WHICH: gl.constexpr, buf, stash, outputs, wal
     and their logsumexp already stored (_store_rows).  The work is a function of its own
     (_exact_rows_cold, not inlined, scalar arguments only), so that the main loop's register
     allocation does not see it."""
-    lse_rows = outputs.LSE + batch.to(gl.int64) * outputs.slb + head * outputs.slh
+    _, q_start, k_start, seqlen_q, seqlen_k = seq
+    lse_rows = outputs.LSE + batch.to(gl.int64) * outputs.slb + head * outputs.slh + q_start
     # The rows' TMA store written to global memory (not only read from shared memory, as
     # tma.store_wait waits for) before they are written again, and every thread's logsumexp
     # there for the function to read back.
     _bulk_stores_done(lse_rows)
     gl.thread_barrier()
-    dlo, dhi, lo, _, _, n_blocks = band_blocks(row0 - WHICH * S.ROWS, S.CONSUMERS * S.ROWS, S.BLOCK_N, walk.seqlen_q,
-                                               walk.seqlen_k, walk.window_left, walk.window_right, False)
+    dlo, dhi, lo, _, _, n_blocks = band_blocks(row0 - WHICH * S.ROWS, S.CONSUMERS * S.ROWS, S.BLOCK_N, seqlen_q,
+                                               seqlen_k, walk.window_left, walk.window_right, False)
     dtype: gl.constexpr = buf.q.dtype
     head_k = head // walk.group
-    q_base, sqs = _rows_of(stash, Q_AT, batch, head, dtype)
-    k_base, sks = _rows_of(stash, K_AT, batch, head_k, dtype)
-    v_base, svs = _rows_of(stash, V_AT, batch, head_k, dtype)
-    o_base, sos = _rows_of(stash, O_AT, batch, head, dtype)
+    q_base, sqs = _rows_of(stash, Q_AT, batch, q_start, head, dtype)
+    k_base, sks = _rows_of(stash, K_AT, batch, k_start, head_k, dtype)
+    v_base, svs = _rows_of(stash, V_AT, batch, k_start, head_k, dtype)
+    o_base, sos = _rows_of(stash, O_AT, batch, q_start, head, dtype)
     _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_rows, _stashed(stash, HEAD_DIM_AT),
-                     row0, dlo, dhi, lo, gl.minimum(lo + n_blocks * S.BLOCK_N, walk.seqlen_k), walk.seqlen_q,
-                     walk.seqlen_k - walk.seqlen_q, batch, head, scale_log2, score_args, S.ROWS, S.HEAD_DIM_PAD,
+                     row0, dlo, dhi, lo, gl.minimum(lo + n_blocks * S.BLOCK_N, seqlen_k), seqlen_q,
+                     seqlen_k - seqlen_q, batch, head, scale_log2, score_args, S.ROWS, S.HEAD_DIM_PAD,
                      S.SCORE)
 
 
@@ -801,20 +857,20 @@ def _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_row
 
 
 @gluon.jit
-def _store_rows(out, lse, acc, buf, use, WHICH: gl.constexpr, outputs, batch, head, row0, seqlen_q,
+def _store_rows(out, lse, acc, buf, use, WHICH: gl.constexpr, outputs, batch, head, row0, seq,
                 o_layout: gl.constexpr, S: gl.constexpr):
     """One consumer's O rows and their logsumexp; rows past the sequence, lanes past the head dim
-    dropped.  O goes by TMA store through a staging buffer in shared memory: one per consumer,
-    or one the two consumers take in turn (``use``: this consumer's turn, counted over the CTA),
-    or, with O_BUFFERS == 0, straight from registers.
+    dropped.  O goes by TMA store through a staging buffer in shared memory (_store_staged): one
+    per consumer, or one the two consumers take in turn (``use``: this consumer's turn, counted
+    over the CTA), or, with O_BUFFERS == 0, straight from registers (_store_unstaged).  A packed
+    sequence's (VARLEN) rows that run past its end go straight from registers too: the TMA
+    store would write the next sequence's first rows.
 
-    With CHECK_FINITE it returns non-zero where a row came out not finite (``acc``: O before
-    its division), for the caller to recompute the rows.  The flags go through shared memory
-    beside O, so the barrier O's TMA store needs anyway makes every warp's visible, and they are
-    read once the store is under way: the check costs a sum per row, off the store's path."""
+    With CHECK_FINITE it returns non-zero where a row came out not finite, for the caller to
+    recompute the rows."""
     ROWS: gl.constexpr = S.ROWS
+    _, q_start, _, seqlen_q, _ = seq
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-    not_finite = 0
     if S.O_BUFFERS > 0:
         SHARED: gl.constexpr = S.O_BUFFERS == 1
         o_buf = buf.o.index(0 if SHARED else WHICH)
@@ -823,26 +879,56 @@ def _store_rows(out, lse, acc, buf, use, WHICH: gl.constexpr, outputs, batch, he
             mbarrier.wait(buf.o_free.index(0), (use & 1) ^ 1)
         else:
             tma.store_wait(0)  # this consumer's previous store has left its buffer
-        o_buf.reshape([ROWS, S.HEAD_DIM_PAD]).store(out)
-        if S.CHECK_FINITE:
-            _flag_rows(acc, buf.not_finite.index(WHICH))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(outputs.o_desc, [batch, row0, head, 0], o_buf)
-        if S.CHECK_FINITE:
-            not_finite = _flagged(buf.not_finite.index(WHICH))
+        if S.VARLEN:
+            if row0 + ROWS > seqlen_q:
+                not_finite = _store_unstaged(out, acc, buf, WHICH, outputs, batch, head, rows, seq, o_layout, S)
+            else:
+                not_finite = _store_staged(out, acc, buf, o_buf, WHICH, outputs, batch, head, row0, seq, S)
+        else:
+            not_finite = _store_staged(out, acc, buf, o_buf, WHICH, outputs, batch, head, row0, seq, S)
         if SHARED:
             tma.store_wait(0)
             gl.thread_barrier()  # every thread past the wait before the buffer is handed on
             mbarrier.arrive(buf.o_free.index(0))
-    else:  # without shared memory for staging: two-byte stores (the head dim's mask splits pairs)
-        cols = gl.arange(0, S.HEAD_DIM_PAD, layout=gl.SliceLayout(0, o_layout))
-        ptrs = (outputs.O + batch.to(gl.int64) * outputs.sob + rows[:, None].to(gl.int64) * outputs.sos
-                + head * outputs.soh + cols[None, :])
-        gl.store(ptrs, out, mask=(rows[:, None] < seqlen_q) & (cols[None, :] < outputs.head_dim))
-        if S.CHECK_FINITE:
-            _flag_rows(acc, buf.not_finite.index(WHICH))
-            not_finite = _flagged(buf.not_finite.index(WHICH))
-    gl.store(outputs.LSE + batch.to(gl.int64) * outputs.slb + head * outputs.slh + rows, lse, mask=rows < seqlen_q)
+    else:
+        not_finite = _store_unstaged(out, acc, buf, WHICH, outputs, batch, head, rows, seq, o_layout, S)
+    gl.store(outputs.LSE + batch.to(gl.int64) * outputs.slb + head * outputs.slh + q_start + rows, lse,
+             mask=rows < seqlen_q)
+    return not_finite
+
+
+@gluon.jit
+def _store_staged(out, acc, buf, o_buf, WHICH: gl.constexpr, outputs, batch, head, row0, seq, S: gl.constexpr):
+    """O's rows by TMA store from the staging buffer ``o_buf``.  The not-finite flags go through
+    shared memory beside O, so the barrier O's TMA store needs anyway makes every warp's visible,
+    and they are read once the store is under way: the check costs a sum per row, off the
+    store's path."""
+    at, q_start, _, _, _ = seq
+    not_finite = 0
+    o_buf.reshape([S.ROWS, S.HEAD_DIM_PAD]).store(out)
+    if S.CHECK_FINITE:
+        _flag_rows(acc, buf.not_finite.index(WHICH))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(outputs.o_desc, [at, row0 + q_start, head, 0], o_buf)
+    if S.CHECK_FINITE:
+        not_finite = _flagged(buf.not_finite.index(WHICH))
+    return not_finite
+
+
+@gluon.jit
+def _store_unstaged(out, acc, buf, WHICH: gl.constexpr, outputs, batch, head, rows, seq, o_layout: gl.constexpr,
+                    S: gl.constexpr):
+    """O's ``rows`` by pointer from registers, rows past the sequence and lanes past the head dim
+    dropped: two-byte stores (the head dim's mask splits the pairs)."""
+    _, q_start, _, seqlen_q, _ = seq
+    not_finite = 0
+    cols = gl.arange(0, S.HEAD_DIM_PAD, layout=gl.SliceLayout(0, o_layout))
+    ptrs = (outputs.O + batch.to(gl.int64) * outputs.sob + (rows + q_start)[:, None].to(gl.int64) * outputs.sos
+            + head * outputs.soh + cols[None, :])
+    gl.store(ptrs, out, mask=(rows[:, None] < seqlen_q) & (cols[None, :] < outputs.head_dim))
+    if S.CHECK_FINITE:
+        _flag_rows(acc, buf.not_finite.index(WHICH))
+        not_finite = _flagged(buf.not_finite.index(WHICH))
     return not_finite
 
 
@@ -868,19 +954,20 @@ def _flagged(flags):
 def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, skh, V, svb, svs, svh,
                 O, sob, sos, soh, head_dim, LSE, slb, slh,
                 batch_heads, heads_q, group, head_group, m_blocks, num_tiles,
-                seqlen_q, seqlen_k, window_left, window_right, scale_log2, counter, score_args,
+                seqlen_q, seqlen_k, window_left, window_right, CU_Q, CU_K, totals, scale_log2, counter, score_args,
                 DESCALE, sdt, sdb, sdh,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
                 DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr, DISTANCE: gl.constexpr,
-                BOUNDED: gl.constexpr, FP8: gl.constexpr, FRESH_PV: gl.constexpr, CHECK_FINITE: gl.constexpr):
+                BOUNDED: gl.constexpr, FP8: gl.constexpr, FRESH_PV: gl.constexpr, CHECK_FINITE: gl.constexpr,
+                VARLEN: gl.constexpr):
     S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
                                PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8,
-                               FRESH_PV, CHECK_FINITE)
+                               FRESH_PV, CHECK_FINITE, VARLEN)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
     walk = TileWalk(num_tiles, batch_heads, heads_q, group, head_group, m_blocks, seqlen_q, seqlen_k, window_left,
-                    window_right)
+                    window_right, CU_Q, CU_K, totals, VARLEN)
     stash = _stash_tensors(Q, sqb, sqs, sqh, K, skb, sks, skh, V, svb, svs, svh, O, sob, sos, soh, head_dim)
     outputs = Outputs(o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh)
     descales = Descales(DESCALE, sdt, sdb, sdh)
@@ -935,21 +1022,26 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
     # takes 32 registers a thread, which two consumers up to d128 have once Q stays in shared
     # memory (three consumers' 160 registers, and d256's, spill).
     distance = score.is_distance_bias(score.mod_of(p)) and cfg.consumers == 2 and p.head_dim_pad <= 128
+    # Packed sequences are walked persistently whatever the schedule: a CTA whose tiles all lie
+    # past their sequences must still tell its consumers that no tile is coming (end_tiles).
+    persistent = cfg.persistent or p.varlen
     return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
-                PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_BUFFERS=o_buffers, PERSISTENT=cfg.persistent,
-                # Tiles of uneven length (a band) from the atomic counter; equal ones strided over.
-                DYNAMIC=cfg.persistent and p.banded, Q_SLOTS=2 if next_q else 1, CONSUMERS=cfg.consumers,
+                PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_BUFFERS=o_buffers, PERSISTENT=persistent,
+                # Tiles of uneven length (a band, packed sequences) from the atomic counter; equal
+                # ones strided over.
+                DYNAMIC=persistent and (p.banded or p.varlen), Q_SLOTS=2 if next_q else 1, CONSUMERS=cfg.consumers,
                 CONSUMER_REGS=CONSUMER_REGS[cfg.consumers],
                 # The float32 accumulator of FRESH_PV takes the registers Q would.
                 Q_IN_REGISTERS=q_in_registers(p.head_dim_pad, cfg) and not fresh_pv and not distance,
                 # A sliding window's left edge: without one (causal, none) only the right is tested.
                 LEFT_EDGE=p.window_left >= 0, SCORE=score.mod_of(p), FP8=p.fp8_mode, FRESH_PV=fresh_pv,
                 DISTANCE=distance, BOUNDED=softcap_bounds_logits(p, dtype),
-                # Only a band masks keys that lie inside the tensors (past the end TMA reads
-                # zeros), whose values could turn P V non-finite: an output that comes out so is
-                # recomputed by the masking rule (_exact_rows).  Not float8 (the recomputation
-                # reads operands without their descales): a non-finite input stays so.
-                CHECK_FINITE=p.banded and not p.fp8)
+                # Only a band, or a packed sequence's end (the next sequence's keys follow it),
+                # masks keys that lie inside the tensors (past the end TMA reads zeros), whose
+                # values could turn P V non-finite: an output that comes out so is recomputed by
+                # the masking rule (_exact_rows).  Not float8 (the recomputation reads operands
+                # without their descales): a non-finite input stays so.
+                CHECK_FINITE=(p.banded or p.varlen) and not p.fp8, VARLEN=p.varlen)
 
 
 # The widest logit range (log2 units) the softmax takes from a fixed reference point: P stays at
@@ -988,34 +1080,36 @@ def q_in_registers(head_dim_pad, cfg) -> bool:
 
 
 def forward(plan, p, q, k, v):
-    """Output and logsumexp (and an empty ``saved``) under the plan's schedule."""
+    """Output and logsumexp (and an empty ``saved``) under the plan's schedule.  Packed sequences
+    (varlen: (total, heads, head dim)) are seen by TMA as one batch entry, (1, total, heads,
+    head dim)."""
     q, k, v = (tma_host.ready(x) for x in (q, k, v))
     cfg = plan.config
     out = torch.empty(q.shape, dtype=p.out_dtype(q), device=q.device)
-    lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=q.device)
+    lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
     consts = kernel_constants(p, cfg, q.element_size(), out.element_size(), q.dtype)
     rows = consts["ROWS"]
     m_blocks = p.query_blocks(cfg.tile_m)
     batch_heads = p.batch * p.heads_q
     num_tiles = m_blocks * batch_heads
-    programs = min(num_tiles, sm_count(q.device.index)) if cfg.persistent else num_tiles
+    programs = min(num_tiles, sm_count(q.device.index)) if consts["PERSISTENT"] else num_tiles
     head_group = heads_sharing_l2(p, batch_heads, 2 * p.seqlen_k * p.head_dim_pad * q.element_size())  # K and V
     pad = p.head_dim_pad
+    q4, k4, v4, out4 = (x.unsqueeze(0) for x in (q, k, v, out)) if p.varlen else (q, k, v, out)
     if p.fp8:
-        v_desc = tma_host.keys_contiguous_descriptor(v, cfg.block_n, pad)
+        v_desc = tma_host.keys_contiguous_descriptor(v4, cfg.block_n, pad)
         descale = p.fp8_descale
     else:
-        v_desc = tma_host.descriptor(v, cfg.block_n, pad)
+        v_desc = tma_host.descriptor(v4, cfg.block_n, pad)
         descale = lse  # a placeholder, never read
     launch(
         _fwd_kernel, (programs,),
-        tma_host.descriptor(q, rows, pad), tma_host.descriptor(k, cfg.block_n, pad),
-        v_desc, tma_host.descriptor(out, rows, pad),
-        q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
-        v, v.stride(0), v.stride(1), v.stride(2),
-        out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, lse.stride(0), lse.stride(1),
+        tma_host.descriptor(q4, rows, pad), tma_host.descriptor(k4, cfg.block_n, pad),
+        v_desc, tma_host.descriptor(out4, rows, pad),
+        q, *p.seq_strides(q), k, *p.seq_strides(k), v, *p.seq_strides(v), out, *p.seq_strides(out),
+        p.head_dim, lse, *p.row_stat_strides(lse),
         batch_heads, p.heads_q, p.group, head_group, m_blocks, num_tiles,
-        p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.scale_log2,
+        p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, *p.cu_pointers(q.device), p.totals, p.scale_log2,
         tile_counter(q.device) if consts["DYNAMIC"] else no_counter(q.device), score.args_of(p),
         descale, *(descale.stride()[:3] if p.fp8 else (0, 0, 0)),
         **consts, **launch_options(cfg.consumers))
