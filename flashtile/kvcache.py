@@ -3,8 +3,10 @@
 The new keys and values (rotary applied to them and to the queries first) are written into the
 cache in place at each sequence's ``cache_seqlens``; the queries then attend to each sequence's
 valid keys, ``[cache_leftpad, cache_seqlens + seqlen_new)`` of its cache row, causal aligned to
-the end.  The attention is the split-KV kernel of kernels/decode.py, its split count from
-``dispatch.decode_plan``.  Forward only, as in flash_attn.
+the end.  ``dispatch.resolve_version`` decides what attends, as for flash_attn_func: the split-KV
+kernel of kernels/decode.py (its split count from ``dispatch.decode_plan``) wherever Triton runs,
+and the PyTorch path (dispatch's "tiled" plan, tiled.py) on CPU tensors outside the interpreter,
+each sequence's keys gathered into one varlen problem.  Forward only, as in flash_attn.
 """
 import types
 
@@ -12,6 +14,7 @@ import torch
 
 from flashtile import dispatch, options, rotary, validation
 from flashtile.kernels import decode
+from flashtile.kernels.problem import Problem
 
 
 def _same_kind(name, x, q):
@@ -40,22 +43,34 @@ def _int32_table(name, x, shape, device):
     return x.contiguous()
 
 
-def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache, block_table, pages):
+def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache, block_table, pages,
+                  rotary_rows=None, rotary_span=0):
     """The tables' values, where reading them costs no device-to-host copy: ``seqlens`` given as
     an int, and tables of CPU tensors.  Tables on a GPU are not read (as in flash_attn: a copy
     would stall every decoding step); the kernel clamps each sequence's end to the capacity and
-    every page or cache row it reads to the cache, so a wrong entry cannot read outside it."""
+    every page or cache row it reads to the cache, so a wrong entry cannot read outside it (the
+    append's positions, rows and pages and the rotary positions are clamped the same way).
+    ``rotary_rows``: the rotary tables' rows, which the queries' positions
+    cache_seqlens + [0, rotary_span) must index."""
     def out_of_capacity(got):
         return ValueError(f"cache_seqlens (+ {seqlen_new} new keys) must lie in [0, {capacity}] (the cache's "
                           f"capacity{' through block_table' if block_table is not None else ''}), got {got}")
+
+    def past_rotary(got):
+        return ValueError(f"rotary_cos/rotary_sin have {rotary_rows} rows, but the queries are rotated at positions "
+                          f"cache_seqlens + [0, {rotary_span}) as in flash_attn, up to {got}: pass longer tables")
     if isinstance(seqlens, int) and not 0 <= seqlens <= capacity - seqlen_new:
         raise out_of_capacity(seqlens)
+    if isinstance(seqlens, int) and rotary_rows is not None and seqlens + rotary_span > rotary_rows:
+        raise past_rotary(seqlens + rotary_span - 1)
     tables = {name: t for name, t in (("seqlens", seqlens), ("leftpad", leftpad), ("batch_idx", batch_idx),
                                       ("block_table", block_table)) if isinstance(t, torch.Tensor) and not t.is_cuda}
     if not tables:
         return
     if "seqlens" in tables and ((seqlens < 0) | (seqlens + seqlen_new > capacity)).any():
         raise out_of_capacity(seqlens.tolist())
+    if "seqlens" in tables and rotary_rows is not None and (seqlens + rotary_span > rotary_rows).any():
+        raise past_rotary(int(seqlens.max()) + rotary_span - 1)
     if "leftpad" in tables and ((tables["leftpad"] < 0) | (tables["leftpad"] > seqlens)).any():
         raise ValueError(f"cache_leftpad must lie in [0, cache_seqlens], got {tables['leftpad'].tolist()}")
     if "batch_idx" in tables and ((tables["batch_idx"] < 0) | (tables["batch_idx"] >= batch_cache)).any():
@@ -65,47 +80,97 @@ def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache
         raise ValueError(f"block_table entries must index the cache's {pages} pages")
 
 
-def _positions(seqlens, count, batch, device):
-    """(batch, count) positions seqlens + [0, count) of each sequence; ``seqlens`` an int or a
-    (batch,) tensor."""
+def _positions(seqlens, count, batch, device, limit):
+    """(batch, count) positions seqlens + [0, count) of each sequence; ``seqlens`` an int (its
+    value checked) or a (batch,) tensor, whose positions are clamped to [0, limit): a wrong
+    entry in a table not read on the host indexes the wrong row, never past the end."""
     steps = torch.arange(count, device=device)
     if isinstance(seqlens, int):
         return (steps + seqlens).expand(batch, count)
-    return seqlens.long()[:, None] + steps
+    return (seqlens.long()[:, None] + steps).clamp_(0, limit - 1)
 
 
 def _append(k_cache, v_cache, k, v, positions, batch_idx, block_table):
     """k, v (batch, seqlen_new, heads_k, head_dim) written into the caches in place at
-    ``positions`` (batch, seqlen_new) of each sequence's cache row (or pages)."""
+    ``positions`` (batch, seqlen_new, inside the capacity) of each sequence's cache row (or
+    pages); cache rows and pages clamped to the cache, as the kernel reads them."""
     batch, seqlen_new = k.shape[:2]
     if block_table is not None:
         page_size = k_cache.shape[1]
-        index = (block_table.long().gather(1, positions // page_size), positions % page_size)
+        pages = block_table.long().gather(1, positions // page_size).clamp_(0, k_cache.shape[0] - 1)
+        index = (pages, positions % page_size)
     else:
-        rows = torch.arange(batch, device=k.device) if batch_idx is None else batch_idx.long()
+        rows = torch.arange(batch, device=k.device) if batch_idx is None else \
+            batch_idx.long().clamp(0, k_cache.shape[0] - 1)
         index = (rows[:, None].expand(batch, seqlen_new), positions)
     k_cache.index_put_(index, k)
     v_cache.index_put_(index, v)
+
+
+def _gathered(k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity):
+    """Each sequence's keys and values, [start, end) of its cache row or pages, packed one sequence
+    after another as (total, heads_k, head_dim), and their int32 offsets (batch + 1,).  ``ends``
+    (batch,): where each sequence ends.  Clamped as the kernel clamps: the end to [0, capacity],
+    the start to [0, end], rows and pages to the cache."""
+    batch, device = ends.shape[0], k_cache.device
+    ends = ends.clamp(0, capacity)
+    starts = torch.zeros_like(ends) if leftpad is None else torch.minimum(leftpad.long().clamp(min=0), ends)
+    slots = torch.arange(capacity, device=device)
+    kept = (slots >= starts[:, None]) & (slots < ends[:, None])  # (batch, capacity), sequence by sequence
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        outer = block_table.long().clamp(0, k_cache.shape[0] - 1).repeat_interleave(page_size, dim=1)
+        inner = (slots % page_size).expand(batch, capacity)
+    else:
+        rows = torch.arange(batch, device=device) if batch_idx is None else \
+            batch_idx.long().clamp(0, k_cache.shape[0] - 1)
+        outer, inner = rows[:, None].expand(batch, capacity), slots.expand(batch, capacity)
+    outer, inner = outer[kept], inner[kept]
+    offsets = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+    offsets[1:] = kept.sum(1).cumsum(0)
+    return k_cache[outer, inner], v_cache[outer, inner], offsets
+
+
+def _tiled_forward(q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity, scale, window, softcap,
+                   alibi_slopes, opts):
+    """(out, lse) of the PyTorch path: the sequences' keys gathered (``_gathered``) into one varlen
+    problem, its queries (batch x seqlen_q rows) one sequence each, run by the dispatcher's
+    "tiled" plan (tiled.py).  Masks count from each sequence's first key and align to its last,
+    as in the kernel; no split (``num_splits`` has nothing to split there)."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    k, v, offsets_k = _gathered(k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity)
+    offsets_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+    q = q.reshape(batch * seqlen_q, heads, head_dim)
+    p = Problem.of(q, k, offsets_q, offsets_k, seqlen_q, capacity, scale, *window, softcap=softcap,
+                   alibi_slopes=alibi_slopes)
+    plan = dispatch.forward_plan(p, "tiled", dispatch.target_of(p, q, k, v), opts)
+    out, lse, _ = dispatch.run_forward(plan, p, q, k, v)
+    return out.view(batch, seqlen_q, heads, head_dim), lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            kernel_options=None):
+                            version="auto", kernel_options=None):
     """Attention of q (batch, seqlen_q, nheads, headdim) over a KV cache, flash_attn's semantics.
 
     k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or with ``block_table``
     (batch, max_blocks) int32 pages of shape (num_pages, page_size, nheads_k, headdim), any page
     size.  k, v (batch, seqlen_new, nheads_k, headdim): appended into the caches in place at
     ``cache_seqlens`` (int or (batch,) int32; None: the whole cache).  rotary_cos/sin
-    (seqlen_ro, rotary_dim / 2): applied to k at positions cache_seqlens + i, and to q at the
-    same positions when causal or windowed, else at cache_seqlens.  cache_batch_idx (batch,)
-    int32: the cache row of each sequence; cache_leftpad (batch,) int32: where each sequence's
-    keys start.  causal / window_size are aligned to the end of each sequence's keys.
-    num_splits: 0 picks the split-KV count, n > 0 uses n.  Returns out, or (out, softmax_lse)
-    with lse (batch, nheads, seqlen_q), natural log.  ``kernel_options``: developer switches
-    (options.KernelOptions: tiles.decode, tiles.decode_paged).
+    (seqlen_ro >= the cache's capacity, rotary_dim / 2): applied to k at positions
+    cache_seqlens + i, and to q at positions cache_seqlens + i when causal or windowed (a window
+    side narrower than the capacity), else all at cache_seqlens, as flash_attn does.
+    cache_batch_idx (batch,) int32: the cache row of each sequence; cache_leftpad (batch,) int32:
+    where each sequence's keys start.  causal / window_size are aligned to the end of each
+    sequence's keys.  num_splits: 0 picks the split-KV count, n > 0 uses n (the PyTorch path
+    does not split).  Returns out, or (out, softmax_lse) with lse (batch, nheads, seqlen_q),
+    natural log.  ``version`` as in flash_attn_func: "auto" runs the split-KV kernel where
+    Triton runs and the PyTorch path on CPU tensors outside the interpreter; "tiled" the PyTorch
+    path anywhere; "v1", "v2" and "v3" the split-KV kernel (one for every version), where the
+    version can run.  ``kernel_options``: developer switches (options.KernelOptions:
+    tiles.decode, tiles.decode_paged).
     """
     _same_kind("q", q, q)
     if q.dtype not in validation.SUPPORTED_DTYPES:
@@ -151,6 +216,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"k and v must be (batch={batch}, seqlen_new, nheads_k={heads_k}, headdim="
                              f"{head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
         seqlen_new = k.shape[1]
+        if seqlen_new > capacity:
+            raise ValueError(f"k has {seqlen_new} new keys but the cache holds {capacity} per sequence")
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
     if rotary_cos is not None:
@@ -161,6 +228,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if x.dim() != 2 or x.shape != rotary_cos.shape or 2 * x.shape[1] > head_dim or x.device != q.device:
                 raise ValueError(f"{name} must be (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim, on q's "
                                  f"device, got shape {tuple(x.shape)} on {x.device}")
+        if rotary_cos.shape[0] < capacity:
+            raise ValueError(f"rotary_cos/rotary_sin must have at least as many rows as the cache's capacity "
+                             f"({capacity}{' through block_table' if paged else ''}), as in flash_attn, got "
+                             f"{rotary_cos.shape[0]}")
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens = _int32_table("cache_seqlens", cache_seqlens, (batch,), q.device)
     else:
@@ -169,27 +240,41 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     batch_idx = _int32_table("cache_batch_idx", cache_batch_idx, (batch,), q.device)
     leftpad = _int32_table("cache_leftpad", cache_leftpad, (batch,), q.device)
     num_splits = validation.integer("num_splits", num_splits, minimum=0)
+    if version not in dispatch.VERSION_CHOICES:
+        raise ValueError(f"version must be one of {dispatch.VERSION_CHOICES}, got {version!r}")
     softcap = validation.real("softcap", softcap, 0.0)
     alibi_slopes = validation.alibi_slopes(alibi_slopes, batch, heads, q.device)
     scale = validation.softmax_scale(softmax_scale, head_dim)
     window = validation.band(bool(causal), window_size, seqlen_q, capacity)
-    _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, k_cache.shape[0], block_table, k_cache.shape[0])
+    # flash_attn rotates the queries at cache_seqlens + i when causal or local, a window side
+    # narrower than the capacity (wider ones it drops), else all at cache_seqlens.
+    queries_advance = bool(causal) or any(0 <= side < capacity for side in validation.window(window_size))
+    rotary_span = seqlen_q if queries_advance else min(seqlen_q, 1)
+    _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, k_cache.shape[0], block_table, k_cache.shape[0],
+                  None if rotary_cos is None else rotary_cos.shape[0], rotary_span)
+    opts = options.resolve(kernel_options)
+    version = dispatch.resolve_version(version, q.device)  # before the cache is written
 
-    new_positions = _positions(seqlens, seqlen_new, batch, q.device) if k is not None else None
+    new_positions = _positions(seqlens, seqlen_new, batch, q.device, capacity) if k is not None else None
     if rotary_cos is not None:
         k = rotary.apply(k, rotary_cos, rotary_sin, new_positions, rotary_interleaved)
-        if causal or validation.window(window_size) != (-1, -1):
-            q_positions = new_positions if seqlen_q == seqlen_new else _positions(seqlens, seqlen_q, batch, q.device)
+        if queries_advance:
+            q_positions = new_positions if seqlen_q == seqlen_new else \
+                _positions(seqlens, seqlen_q, batch, q.device, rotary_cos.shape[0])
         else:
-            q_positions = _positions(seqlens, 1, batch, q.device).expand(batch, seqlen_q)
+            q_positions = _positions(seqlens, 1, batch, q.device, rotary_cos.shape[0]).expand(batch, seqlen_q)
         q = rotary.apply(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
     if k is not None:
         _append(k_cache, v_cache, k, v, new_positions, batch_idx, block_table)
-    q = validation.last_dim_contiguous(q)
-    plan = dispatch.decode_plan(q, heads_k, capacity, num_splits, block_table is not None,
-                                options.resolve(kernel_options))
-    features = types.SimpleNamespace(softcap=softcap, alibi_slopes=alibi_slopes)
     ends, new_keys = (seqlens, seqlen_new) if isinstance(seqlens, torch.Tensor) else (None, seqlens + seqlen_new)
+    if version == "tiled":
+        ends = torch.full((batch,), new_keys, device=q.device) if ends is None else ends.long() + new_keys
+        out, lse = _tiled_forward(q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity, scale, window,
+                                  softcap, alibi_slopes, opts)
+        return (out, lse) if return_softmax_lse else out
+    q = validation.last_dim_contiguous(q)
+    plan = dispatch.decode_plan(q, heads_k, capacity, num_splits, block_table is not None, opts)
+    features = types.SimpleNamespace(softcap=softcap, alibi_slopes=alibi_slopes)
     out, lse = decode.forward(plan, q, k_cache, v_cache, ends, new_keys, leftpad, batch_idx, block_table, scale,
                               window, features)
     return (out, lse) if return_softmax_lse else out

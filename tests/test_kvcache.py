@@ -1,5 +1,9 @@
 """flash_attn_with_kvcache: decoding and chunked prefill over contiguous and paged caches, new
-keys appended (with rotary), split-KV, against the float64 oracle per sequence."""
+keys appended (with rotary), split-KV, against the float64 oracle per sequence, on the split-KV
+kernel and on the PyTorch path (CPU tensors outside the interpreter, or version="tiled")."""
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -7,11 +11,20 @@ import torch
 from attention_check import assert_within_rule, max_err
 from conftest import DEVICE, ON_GPU
 
-from flashtile import dispatch, flash_attn_with_kvcache, standard_attention
+from flashtile import dispatch, flash_attn_with_kvcache, kvcache, options, standard_attention
 from flashtile.kernels import decode
 
 DTYPE = torch.bfloat16 if ON_GPU else torch.float16
 HEAD_DIM = 64 if ON_GPU else 32
+# "auto": the split-KV kernel here (a GPU or the interpreter); "tiled": the PyTorch path.
+VERSIONS = ["auto", "tiled"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def queries_advance(causal, window_size, capacity):
+    """Whether flash_attn rotates query i at cache_seqlens + i (else all at cache_seqlens): causal,
+    or a window side narrower than the cache (wider ones it drops)."""
+    return causal or any(0 <= side < capacity for side in window_size)
 
 
 def rotate(x, cos, sin, positions, interleaved):
@@ -50,15 +63,17 @@ class Case:
         self.leftpad = None
         if leftpad:
             self.leftpad = (torch.rand(batch, generator=g) * self.lengths).int().to(DEVICE)
+        blocks = -(-capacity // page_size) if page_size else None
+        # What the call sees: pages hold whole blocks.
+        self.capacity = blocks * page_size if page_size else capacity
         self.rotary = None
-        if rotary is not None:
-            angle = torch.rand(capacity, HEAD_DIM // 4, generator=g) * 6.28
+        if rotary is not None:  # tables as long as the cache, as flash_attn requires
+            angle = torch.rand(self.capacity, HEAD_DIM // 4, generator=g) * 6.28
             self.rotary = (torch.cos(angle).to(DTYPE).to(DEVICE), torch.sin(angle).to(DTYPE).to(DEVICE), rotary)
         self.page_size = page_size
         self.block_table = None
         if page_size:
             # The dense rows cut into pages, scattered over a larger pool in a random order.
-            blocks = -(-capacity // page_size)
             pool = batch * blocks + 3
             order = torch.randperm(pool, generator=g)[:batch * blocks]
             self.block_table = order.view(batch, blocks).int().to(DEVICE)
@@ -94,8 +109,8 @@ class Case:
                     cos, sin, interleaved = self.rotary
                     positions = end + torch.arange(self.seqlen_new)[None]
                     k_new = rotate(k_new, cos, sin, positions, interleaved).to(DTYPE)
-                    q_positions = end + torch.arange(q.shape[1])[None] if causal or window_size != (-1, -1) \
-                        else torch.full((1, q.shape[1]), end)
+                    q_positions = end + torch.arange(q.shape[1])[None] \
+                        if queries_advance(causal, window_size, self.capacity) else torch.full((1, q.shape[1]), end)
                     q = rotate(q, cos, sin, q_positions, interleaved).to(DTYPE)
                 k, v = torch.cat([k, k_new], 1), torch.cat([v, self.v_new[b:b + 1]], 1)
             if k.shape[1] == 0:  # no key: output 0, logsumexp +inf
@@ -112,20 +127,22 @@ class Case:
             assert not seen.any() or max_err(ours_lse[seen], oracle_lse[seen]) <= 1e-3
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
 @pytest.mark.parametrize("causal", [False, True])
-def test_decode_contiguous(num_splits, causal):
+def test_decode_contiguous(num_splits, causal, version):
     case = Case(batch=3, seqlen_q=1)
-    out, lse = case.run(causal=causal, num_splits=num_splits)
+    out, lse = case.run(causal=causal, num_splits=num_splits, version=version)
     case.check(out, lse, causal=causal)
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("page_size", [16, 7])
-def test_chunked_prefill_paged_with_append(page_size):
+def test_chunked_prefill_paged_with_append(page_size, version):
     # Several new tokens per sequence, appended into pages of 16 (serving engines' size) and of
     # an odd size; causal aligned to the end of each sequence.
     case = Case(batch=2, seqlen_q=5, seqlen_new=5, page_size=page_size)
-    out, lse = case.run(causal=True, num_splits=2)
+    out, lse = case.run(causal=True, num_splits=2, version=version)
     case.check(out, lse, causal=True)
     # The new keys landed in the pages, where the next call reads them.
     for b in range(2):
@@ -135,19 +152,43 @@ def test_chunked_prefill_paged_with_append(page_size):
             assert torch.equal(case.k_pages[page, (end + t) % page_size], case.k_new[b, t])
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
-def test_append_with_rotary(interleaved, causal):
+def test_append_with_rotary(interleaved, causal, version):
     case = Case(batch=2, seqlen_q=3, seqlen_new=3, rotary=interleaved)
-    out, lse = case.run(causal=causal)
+    out, lse = case.run(causal=causal, version=version)
     case.check(out, lse, causal=causal)
 
 
-def test_batch_index_leftpad_window_softcap_alibi():
+@pytest.mark.parametrize("version", VERSIONS)
+def test_rotary_paged_with_more_queries_than_new_keys(version):
+    # Pages of 7 (a capacity of 91 for 90 dense keys: the tables cover it), GPT-NeoX's halves
+    # (rotary=False: not interleaved); two new keys for four queries, rotated at
+    # cache_seqlens + i as in flash_attn (the lengths leave room for their positions in the tables).
+    case = Case(batch=2, seqlen_q=4, seqlen_new=2, page_size=7, rotary=False)
+    case.lengths = case.lengths.clamp(max=case.capacity - 4)
+    out, lse = case.run(causal=True, version=version)
+    case.check(out, lse, causal=True)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("window_size", [(90, -1), (-1, 40)])
+def test_rotary_queries_under_a_wide_window(window_size, version):
+    # flash_attn drops a window side as wide as the cache (90 keys): queries all rotated at
+    # cache_seqlens; a right side of 40 (wider than the queries, narrower than the cache) keeps
+    # the window: query i at cache_seqlens + i.
+    case = Case(batch=2, seqlen_q=3, seqlen_new=3, rotary=True)
+    out, lse = case.run(window_size=window_size, version=version)
+    case.check(out, lse, window_size=window_size)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_batch_index_leftpad_window_softcap_alibi(version):
     case = Case(batch=3, seqlen_q=2, seqlen_new=2, leftpad=True, batch_idx=True)
     slopes = torch.rand(3, 4, device=DEVICE) * 0.3
     mask = dict(causal=True, window_size=(20, 0), softcap=5.0, alibi_slopes=slopes)
-    out, lse = case.run(num_splits=2, **mask)
+    out, lse = case.run(num_splits=2, version=version, **mask)
     case.check(out, lse, **mask)
 
 
@@ -179,23 +220,29 @@ def test_every_split_count_agrees():
         case.check(out, lse)
 
 
-def test_rows_that_see_no_key():
+@pytest.mark.parametrize("version", VERSIONS)
+def test_rows_that_see_no_key(version):
     # An empty cache, and causal rows before the first key: output 0, logsumexp +inf.
     case = Case(batch=2, seqlen_q=4, capacity=40)
     case.lengths[1] = 0
-    out, lse = case.run(num_splits=2)
+    out, lse = case.run(num_splits=2, version=version)
     assert (out[1] == 0).all() and (lse[1] == float("inf")).all()
     case.check(out, lse)
     case.lengths[:] = 2
-    out, lse = case.run(causal=True, num_splits=2)
+    out, lse = case.run(causal=True, num_splits=2, version=version)
     assert (out[:, :2] == 0).all() and (lse[..., :2] == float("inf")).all()
     case.check(out, lse, causal=True)
 
 
-def test_refusals():
+@pytest.mark.parametrize("version", VERSIONS)
+def test_refusals(version):
+    # The same errors on both paths, raised before the cache is written.
     case = Case(batch=2, seqlen_q=1, seqlen_new=1, capacity=20)
     q, k, v = case.q, case.k_dense, case.v_dense
+    before = k.clone()
     lengths = case.lengths.int().to(DEVICE)
+    short = torch.ones(19, 8, dtype=DTYPE, device=DEVICE)
+    pages = torch.zeros(8, 16, *k.shape[2:], dtype=DTYPE, device=DEVICE)
     bad = [
         (dict(k=case.k_new), ValueError, "k and v must be given together"),
         (dict(rotary_cos=torch.ones(20, 8, device=DEVICE), rotary_sin=torch.ones(20, 8, device=DEVICE)),
@@ -205,6 +252,12 @@ def test_refusals():
         (dict(cache_seqlens=lengths, block_table=torch.zeros(2, 2, dtype=torch.int32, device=DEVICE),
               cache_leftpad=torch.zeros(2, dtype=torch.int32, device=DEVICE)), NotImplementedError, "block_table"),
         (dict(cache_seqlens=lengths, num_splits=-1), ValueError, "num_splits"),
+        (dict(cache_seqlens=lengths, k=torch.zeros(2, 21, *k.shape[2:], dtype=DTYPE, device=DEVICE),
+              v=torch.zeros(2, 21, *k.shape[2:], dtype=DTYPE, device=DEVICE)), ValueError, "21 new keys"),
+        # Rotary tables shorter than the cache's capacity (flash_attn's seqlen_ro >= seqlen_k), by shape.
+        (dict(cache_seqlens=lengths, k=case.k_new, v=case.v_new, rotary_cos=short, rotary_sin=short),
+         ValueError, r"rotary_cos/rotary_sin must have at least .* \(20\)"),
+        (dict(cache_seqlens=lengths, version="v4"), ValueError, "version must be one of"),
     ]
     if not ON_GPU:  # the values of tables on a GPU are not read on the host
         bad += [
@@ -215,13 +268,106 @@ def test_refusals():
         ]
     for kw, error, message in bad:
         with pytest.raises(error, match=message):
-            flash_attn_with_kvcache(q, k, v, **kw)
+            flash_attn_with_kvcache(q, k, v, **{"version": version, **kw})
+    assert torch.equal(k, before)
     with pytest.raises(TypeError, match="k_cache must have q's dtype"):
-        flash_attn_with_kvcache(q, k.float(), v, cache_seqlens=lengths)
+        flash_attn_with_kvcache(q, k.float(), v, cache_seqlens=lengths, version=version)
     with pytest.raises(ValueError, match="multiple of nheads"):
-        flash_attn_with_kvcache(q[:, :, :3], k, v, cache_seqlens=lengths)
+        flash_attn_with_kvcache(q[:, :, :3], k, v, cache_seqlens=lengths, version=version)
     with pytest.raises(NotImplementedError, match="forward only"):
-        flash_attn_with_kvcache(q.clone().requires_grad_(), k, v, cache_seqlens=lengths)
+        flash_attn_with_kvcache(q.clone().requires_grad_(), k, v, cache_seqlens=lengths, version=version)
+    # Paged: the capacity is max_blocks x page_size (2 x 16), which the tables must cover.
+    table = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"rotary_cos/rotary_sin must have at least .* \(32 through block_table\)"):
+        flash_attn_with_kvcache(q, pages, pages, case.k_new, case.v_new, rotary_cos=k.new_ones(31, 8),
+                                rotary_sin=k.new_ones(31, 8), cache_seqlens=lengths, block_table=table,
+                                version=version)
+    assert not pages.any()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_queries_rotated_past_the_rotary_tables_are_refused(version):
+    # Three queries over one new key, causal: flash_attn rotates query i at cache_seqlens + i, so
+    # with 6 cached keys the third query's position (8) lies past tables of the cache's 8 rows.
+    # Where the lengths are on the host (an int, a CPU tensor) that is refused before any work.
+    d = HEAD_DIM
+    q = torch.randn(1, 3, 1, d, dtype=DTYPE, device=DEVICE)
+    k_cache = torch.zeros(1, 8, 1, d, dtype=DTYPE, device=DEVICE)
+    k = torch.randn(1, 1, 1, d, dtype=DTYPE, device=DEVICE)
+    angle = torch.rand(8, d // 2, device=DEVICE)
+    cos, sin = angle.cos().to(DTYPE), angle.sin().to(DTYPE)
+    lengths = [6] + ([] if ON_GPU else [torch.tensor([6], dtype=torch.int32)])
+    for cache_seqlens in lengths:
+        with pytest.raises(ValueError, match=r"rotary_cos/rotary_sin have 8 rows, .* up to 8"):
+            flash_attn_with_kvcache(q, k_cache, k_cache, k, k, rotary_cos=cos, rotary_sin=sin,
+                                     cache_seqlens=cache_seqlens, causal=True, version=version)
+        assert not k_cache.any()
+    # Not causal, the queries all sit at cache_seqlens (flash_attn's): 7 fits the tables.
+    out = flash_attn_with_kvcache(q, k_cache, k_cache, k, k, rotary_cos=cos, rotary_sin=sin, cache_seqlens=6,
+                                  version=version)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_unread_tables_index_inside_the_cache_and_the_rotary_tables(version, monkeypatch):
+    # Tables on a GPU are not read on the host (CPU ones are, so the check is switched off here to
+    # stand for them): whatever their values, the append, the rotary tables and the attention stay
+    # inside the cache and the tables, on both paths.
+    monkeypatch.setattr(kvcache, "_check_values", lambda *args: None)
+    for page_size in (None, 16):
+        case = Case(batch=2, seqlen_q=3, seqlen_new=1, capacity=40, page_size=page_size, batch_idx=not page_size,
+                    rotary=True)
+        caches = (case.k_pages, case.v_pages) if page_size else (case.k_dense, case.v_dense)
+        tables = dict(block_table=case.block_table.clone()) if page_size else \
+            dict(cache_batch_idx=torch.tensor([-3, 10**6], dtype=torch.int32, device=DEVICE))
+        if page_size:
+            tables["block_table"][0, 0], tables["block_table"][1, -1] = 10**6, -5
+        for lengths in ([10**6, -7], [case.capacity - 1, 0]):  # past the cache; the last slot, 3 queries
+            out, lse = flash_attn_with_kvcache(
+                case.q, *caches, case.k_new, case.v_new, rotary_cos=case.rotary[0], rotary_sin=case.rotary[1],
+                cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE), causal=True,
+                return_softmax_lse=True, version=version, **tables)
+            assert torch.isfinite(out).all() and not lse.isnan().any()
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU tensors without the interpreter")
+def test_cpu_default_is_the_pytorch_path(monkeypatch):
+    # Outside the interpreter, CPU tensors take the PyTorch path under version="auto" (no Triton
+    # kernel can launch there), with every feature; a kernel version is refused before the cache
+    # is written.
+    monkeypatch.setattr(options, "interpreting", lambda: False)
+
+    def no_kernel(*args):
+        raise RuntimeError("0 active drivers: no Triton kernel runs on CPU tensors outside the interpreter")
+    monkeypatch.setattr(decode, "forward", no_kernel)
+    case = Case(batch=2, seqlen_q=3, seqlen_new=3, page_size=7, rotary=True)
+    slopes = torch.rand(4) * 0.3
+    mask = dict(causal=True, window_size=(30, 0), softcap=5.0, alibi_slopes=slopes)
+    out, lse = case.run(num_splits=3, **mask)
+    case.check(out, lse, **mask)
+    case = Case(batch=3, seqlen_q=2, seqlen_new=2, leftpad=True, batch_idx=True)
+    out, lse = case.run()
+    case.check(out, lse)
+    before = case.k_dense.clone()
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        case.run(version="v2")
+    assert torch.equal(case.k_dense, before)
+
+
+def test_cpu_default_in_a_process_without_the_interpreter():
+    # The same outside the test session's interpreter: a fresh process, TRITON_INTERPRET=0.
+    script = (
+        "import torch\n"
+        "from flashtile import flash_attn_with_kvcache, standard_attention\n"
+        "q = torch.randn(1, 1, 2, 32, dtype=torch.float16)\n"
+        "kc = torch.randn(1, 16, 2, 32, dtype=torch.float16); vc = torch.randn_like(kc)\n"
+        "out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=8)\n"
+        "ref = standard_attention(q, kc[:, :8], vc[:, :8], upcast=True)\n"
+        "assert (out.double() - ref).abs().max() < 1e-2, (out, ref)\n")
+    path = os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
 
 
 def test_out_of_range_tables_stay_in_the_cache():
