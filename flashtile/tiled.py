@@ -113,6 +113,9 @@ def backward(plan, p, dout, dlse, q, k, v, out, lse, saved):
         slopes = _slopes(p, b)
         qg, dog, og = (_grouped(x[qs], p.heads_k) for x in (q, dout, out))
         kg, vg = k[ks].float().permute(1, 0, 2), v[ks].float().permute(1, 0, 2)
+        # dQ's product: a masked pair (dS 0) adds nothing, even from an infinite key (a key a
+        # row sees that is not finite has made that row's dS NaN already).
+        kg_dq = torch.where(torch.isfinite(kg), kg, 0.0)
         sq, sk = qg.shape[2], kg.shape[1]
         seq_lse = (lse[:, qs] if p.varlen else lse[qs]).reshape(qg.shape[:3])
         # dS = P * (dP - D) with D = rowsum(dO * O) - dlse (see kernels/v2.py _bwd_dq_kernel).
@@ -131,9 +134,9 @@ def backward(plan, p, dout, dlse, q, k, v, out, lse, saved):
                 probs = torch.exp(y - seq_lse[:, :, i0:i1, None]).masked_fill(~visible, 0.0)
                 dvg[:, j0:j1] += torch.einsum("hgqk,hgqd->hkd", probs, dog[:, :, i0:i1])
                 dp = torch.einsum("hgqd,hkd->hgqk", dog[:, :, i0:i1], vg[:, j0:j1])
-                ds = (probs * (dp - delta[:, :, i0:i1, None])).masked_fill(~visible, 0.0)
-                ds = score.reference_grad(ds, y, p.softcap, bias) * p.softmax_scale
-                dqg[:, :, i0:i1] += torch.einsum("hgqk,hkd->hgqd", ds, kg[:, j0:j1])
+                ds = score.reference_grad(probs * (dp - delta[:, :, i0:i1, None]), y, p.softcap, bias)
+                ds = ds.masked_fill(~visible, 0.0) * p.softmax_scale
+                dqg[:, :, i0:i1] += torch.einsum("hgqk,hkd->hgqd", ds, kg_dq[:, j0:j1])
                 dkg[:, j0:j1] += torch.einsum("hgqk,hgqd->hkd", ds, qg[:, :, i0:i1])
         dq[qs] = _ungrouped(dqg).to(q.dtype)
         dk[ks] = dkg.permute(1, 0, 2).to(k.dtype)

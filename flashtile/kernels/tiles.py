@@ -90,6 +90,15 @@ def values_product(p, v, dtype, UPCAST: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
+def finite_or_zero(x):
+    """``x`` with its values that are not finite replaced by 0: the keys of a block the band
+    crosses as the backward's dQ = dS K takes them.  A pair outside the band has dS exactly 0,
+    which times an infinite key would be NaN; a key that is not finite and that a row sees has
+    made that row's dS NaN already, so nothing is hidden."""
+    return tl.where((x - x) == 0, x, tl.zeros_like(x))
+
+
+@triton.jit
 def _non_finite_terms(p, v):
     """+inf, -inf or NaN where a row of ``p`` weighs (> 0) a key whose value in that column is
     +inf, -inf or NaN (both infinities: NaN), else 0."""

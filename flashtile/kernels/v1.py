@@ -25,7 +25,7 @@ from flashtile.kernels import score
 from flashtile.kernels.blocks import band_mask, program_sequence, visited_blocks
 from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import Problem, cdiv
-from flashtile.kernels.tiles import as_operand, load_tile, store_tile, values_product
+from flashtile.kernels.tiles import as_operand, finite_or_zero, load_tile, store_tile, values_product
 
 # On-chip memory of one SM that the paper's block-size rule divides up: the 227 KiB one
 # Hopper thread block may use, counted in 2-byte elements.
@@ -157,6 +157,7 @@ def _bwd_kernel(Q, K, V, O, DO, DLSE, M, L, DQACC, DK, DV, CU_Q, CU_K,
                       cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
         v = load_tile(V + batch * svb + (k_start + cols[:, None]) * svs + head_k * svh + offs_d[None, :],
                       cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+        k_dq = finite_or_zero(k)  # dQ's product: a masked pair (dS 0) adds nothing, even from an infinite key
         dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
         q_lo, _, _, q_hi = visited_blocks(n0, BLOCK_N, BLOCK_M, seqlen_q, -dhi, -dlo)
@@ -186,13 +187,13 @@ def _bwd_kernel(Q, K, V, O, DO, DLSE, M, L, DQACC, DK, DV, CU_Q, CU_K,
                 d_i = tl.sum(o * do.to(tl.float32), 1)
                 if HAS_DLSE:
                     d_i -= tl.load(DLSE + stat_base + rows, mask=in_seq, other=0.0)
-                # A masked pair adds nothing, even where dP is not finite.
-                ds = score.grad(tl.where(visible, p * (dp - d_i[:, None]), 0.0), s, rows[:, None], cols[None, :],
-                                site, SCORE)
+                # A masked pair adds nothing, even where dP or its score is not finite.
+                ds = tl.where(visible, score.grad(p * (dp - d_i[:, None]), s, rows[:, None], cols[None, :], site,
+                                                  SCORE), 0.0)
                 dq_ptrs = DQACC + batch * sqab + (q_start + rows[:, None]) * sqas + head * sqah + offs_d[None, :]
                 dq_mask = in_seq[:, None] & (offs_d[None, :] < HEAD_DIM)
                 dq = tl.load(dq_ptrs, mask=dq_mask, other=0.0)
-                tl.store(dq_ptrs, dq + tl.dot(as_operand(ds, Q.dtype.element_ty, UPCAST), k) * softmax_scale,
+                tl.store(dq_ptrs, dq + tl.dot(as_operand(ds, Q.dtype.element_ty, UPCAST), k_dq) * softmax_scale,
                          mask=dq_mask)
                 dk += tl.dot(tl.trans(as_operand(ds, Q.dtype.element_ty, UPCAST)), q)
         store_tile(DK + batch * sdkb + (k_start + cols[:, None]) * sdks + head_k * sdkh + offs_d[None, :],

@@ -24,8 +24,8 @@ from flashtile.kernels.blocks import band_mask, program_sequence, program_tile, 
 from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import Problem
 from flashtile.kernels.tiles import (FP8_P_SCALE, FP8_PER_BLOCK, FP8_PER_HEAD, LOG2E, as_operand, finalize_rows,
-                                     fp8_operand, load_tile, online_softmax_step, row_delta, store_tile,
-                                     values_product)
+                                     finite_or_zero, fp8_operand, load_tile, online_softmax_step, row_delta,
+                                     store_tile, values_product)
 
 
 
@@ -172,10 +172,9 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, 
         else:
             dv += tl.dot(as_operand(pT, q_base.dtype.element_ty, UPCAST), do)
         delta = tl.load(delta_base + cols, mask=cols < seqlen_q, other=0.0)
-        dsT = pT * (dpT - delta[None, :])
-        if MASK:  # a masked pair adds nothing, even where dP is not finite
+        dsT = score.grad(pT * (dpT - delta[None, :]), yT, cols[None, :], rows_k[:, None], site, SCORE)
+        if MASK:  # a masked pair adds nothing, even where dP or its score is not finite
             dsT = tl.where(visible, dsT, 0.0)
-        dsT = score.grad(dsT, yT, cols[None, :], rows_k[:, None], site, SCORE)
         dk += tl.dot(as_operand(dsT, q_base.dtype.element_ty, UPCAST), q)
     return dk, dv
 
@@ -256,10 +255,10 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, of
         dp = tl.dot(do, tl.trans(v))
         if DROPOUT:
             dp *= dropout.kept_scale(drop[0], drop[1], rows, n0, drop[2], BLOCK_N, False)
-        ds = p * (dp - delta[:, None])
-        if MASK:  # a masked pair adds nothing, even where dP is not finite
+        ds = score.grad(p * (dp - delta[:, None]), y, rows[:, None], cols[None, :], site, SCORE)
+        if MASK:  # a masked pair adds nothing, even where dP, its score or its key is not finite
             ds = tl.where(visible, ds, 0.0)
-        ds = score.grad(ds, y, rows[:, None], cols[None, :], site, SCORE)
+            k = finite_or_zero(k)
         dq += tl.dot(as_operand(ds, k_base.dtype.element_ty, UPCAST), k)
     return dq
 
