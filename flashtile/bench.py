@@ -1,7 +1,10 @@
 """Speed and memory of flashtile against the attention kernels people already use.
 
 Every provider gets the same (batch, seqlen, heads, headdim) tensors; PyTorch's SDPA backends
-see them as (batch, heads, seqlen, headdim) views of that storage.  Times are medians of
+see them as (batch, heads, seqlen, headdim) views of that storage.  A packed case (``varlen``)
+holds the batch's tokens as documents of random lengths, each attending within itself:
+flashtile through its varlen call, FlexAttention through a document mask, SDPA's backends
+through a nested (jagged) tensor, standard attention document by document.  Times are medians of
 CUDA-event timings with warm-up and an L2 flush between repetitions
 (``triton.testing.do_bench``), on random (never zero) inputs.  FLOPs follow the
 FlashAttention papers: forward 4*b*h*sq*sk*d, half when causal; backward 2.5x forward.
@@ -42,6 +45,12 @@ class Case:
     softcap: float = 0.0
     alibi: bool = False   # ALiBi slopes 2^(-8 i / h), as BLOOM's
     sinks: bool = False   # one learnable logit per head (gpt-oss)
+    varlen: bool = False  # b documents of random lengths (mean sq) packed along the tokens
+
+    def lengths(self) -> list:
+        """The documents' lengths of a packed case: b draws from [1, 2 sq), the same every run."""
+        generator = torch.Generator().manual_seed(1_000_003 * self.b + self.sq)
+        return (1 + torch.randint(0, 2 * self.sq - 1, (self.b,), generator=generator)).tolist()
 
     @property
     def torch_dtype(self):
@@ -54,17 +63,19 @@ class Case:
         return FLOAT8.get(self.dtype)
 
     def flops(self) -> float:
-        fwd = 4.0 * self.b * self.h * self.sq * self.sk * self.d / (2 if self.causal else 1)
+        pairs = sum(n * n for n in self.lengths()) if self.varlen else self.b * self.sq * self.sk
+        fwd = 4.0 * self.h * pairs * self.d / (2 if self.causal else 1)
         return fwd * FLOP_FACTOR[self.mode]
 
 
 def paper_grid(head_dims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384),
                causals=(False, True), modes=("fwd", "bwd"), dtype="bf16", tokens=16384, hidden=2048, softcap=0.0,
-               alibi=False, sinks=False):
+               alibi=False, sinks=False, varlen=False):
     """The FlashAttention papers' sweep: batch x seqlen = 16k tokens, hidden 2048; ``dtype`` one
-    of DTYPES or several (each cell in each)."""
+    of DTYPES or several (each cell in each); ``varlen``: the tokens packed as documents of mean
+    length seqlen (Case.lengths)."""
     dtypes = [dtype] if isinstance(dtype, str) else list(dtype)
-    return [Case(max(1, tokens // s), hidden // d, hidden // d, s, s, d, c, m, t, softcap, alibi, sinks)
+    return [Case(max(1, tokens // s), hidden // d, hidden // d, s, s, d, c, m, t, softcap, alibi, sinks, varlen)
             for t in dtypes for d in head_dims for c in causals for m in modes for s in seqlens]
 
 
@@ -105,9 +116,9 @@ def _standard(q, k, v, causal, kernel_options=None, **features):
 _FLEX_CACHE = {}
 
 
-def _flex(q, k, v, causal, kernel_options=None, **features):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    plain_only("flex", features)
+def _flex_compiled():
+    """torch.compile(flex_attention), made once."""
+    from torch.nn.attention.flex_attention import flex_attention
     if "fn" not in _FLEX_CACHE:
         # A grid compiles once per shape and grad mode: allow that many recompiles, and fail
         # rather than fall back silently to the unfused eager path when the limit is reached.
@@ -116,6 +127,13 @@ def _flex(q, k, v, causal, kernel_options=None, **features):
         # mode "bwd" runs backward repeatedly on one graph (retain_graph), which donated buffers forbid.
         torch._functorch.config.donated_buffer = False
         _FLEX_CACHE["fn"] = torch.compile(flex_attention)
+    return _FLEX_CACHE["fn"]
+
+
+def _flex(q, k, v, causal, kernel_options=None, **features):
+    from torch.nn.attention.flex_attention import create_block_mask
+    plain_only("flex", features)
+    flex = _flex_compiled()
     mask = None
     if causal:
         key = (q.shape[1], k.shape[1])
@@ -124,8 +142,8 @@ def _flex(q, k, v, causal, kernel_options=None, **features):
             _FLEX_CACHE[key] = create_block_mask(lambda b, h, i, j: j <= i + off, None, None,
                                                  q.shape[1], k.shape[1], device=q.device)
         mask = _FLEX_CACHE[key]
-    out = _FLEX_CACHE["fn"](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
-                            enable_gqa=q.shape[2] != k.shape[2])
+    out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+               enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
 
 
@@ -133,6 +151,61 @@ PROVIDERS = {
     "flashtile-v1": _flashtile("v1"), "flashtile-v2": _flashtile("v2"), "flashtile-v3": _flashtile("v3"),
     "standard": _standard, "sdpa-flash": _sdpa("FLASH_ATTENTION"), "sdpa-cudnn": _sdpa("CUDNN_ATTENTION"),
     "sdpa-efficient": _sdpa("EFFICIENT_ATTENTION"), "flex": _flex,
+}
+
+
+# ---- packed providers: (q, k, v) (total, h, d), offsets (documents + 1,) int32, the longest ----
+
+def _flashtile_packed(version):
+    def run(q, k, v, offsets, longest, causal, kernel_options=None, **features):
+        return api.flash_attn_varlen_func(q, k, v, offsets, offsets, longest, longest, causal=causal, version=version,
+                                          kernel_options=kernel_options, **features)
+    return run
+
+
+def _sdpa_packed(backend_name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = getattr(SDPBackend, backend_name)
+
+    def run(q, k, v, offsets, longest, causal, kernel_options=None, **features):
+        plain_only(backend_name, features)
+        nested = [torch.nested.nested_tensor_from_jagged(x, offsets.long(), max_seqlen=longest).transpose(1, 2)
+                  for x in (q, k, v)]
+        with sdpa_kernel(backend):
+            out = torch.nn.functional.scaled_dot_product_attention(*nested, is_causal=causal)
+        return out.transpose(1, 2).values()
+    return run
+
+
+def _standard_packed(q, k, v, offsets, longest, causal, kernel_options=None, **features):
+    bounds = offsets.tolist()
+    return torch.cat([standard_attention(q[None, a:b], k[None, a:b], v[None, a:b], causal=causal, **features)[0]
+                      for a, b in zip(bounds, bounds[1:])])
+
+
+def _flex_packed(q, k, v, offsets, longest, causal, kernel_options=None, **features):
+    from torch.nn.attention.flex_attention import create_block_mask
+    plain_only("flex", features)
+    flex = _flex_compiled()
+    key = ("documents", tuple(offsets.tolist()), causal)
+    if key not in _FLEX_CACHE:
+        total = q.shape[0]
+        document = torch.searchsorted(offsets[1:].long(), torch.arange(total, device=q.device), right=True)
+
+        def same_document(b, h, i, j):
+            inside = document[i] == document[j]
+            return inside & (j <= i) if causal else inside
+        _FLEX_CACHE[key] = create_block_mask(same_document, None, None, total, total, device=q.device)
+    out = flex(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2), block_mask=_FLEX_CACHE[key],
+               enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2)[0]
+
+
+PACKED_PROVIDERS = {
+    "flashtile-v1": _flashtile_packed("v1"), "flashtile-v2": _flashtile_packed("v2"),
+    "flashtile-v3": _flashtile_packed("v3"), "standard": _standard_packed,
+    "sdpa-flash": _sdpa_packed("FLASH_ATTENTION"), "sdpa-cudnn": _sdpa_packed("CUDNN_ATTENTION"),
+    "sdpa-efficient": _sdpa_packed("EFFICIENT_ATTENTION"), "flex": _flex_packed,
 }
 
 DEFAULT_PROVIDERS = tuple(p for p in PROVIDERS if p != "flex")
@@ -206,19 +279,36 @@ def score_features(case, device):
     return features
 
 
-def make_step(provider, case, device, kernel_options=None):
-    """One call of ``provider`` on fresh inputs of ``case``: the forward without gradients, the
-    backward alone (autograd.grad of one forward's output), or both."""
+def make_inputs(provider, case, device, kernel_options=None, features=None):
+    """(q, k, v, fn): fresh inputs of ``case`` and ``fn(q, k, v, causal)``, the provider's call
+    on them (packed cases: (total, heads, head dim) tensors, the documents' offsets bound in)."""
+    features = score_features(case, device) if features is None else features
+    if case.varlen:
+        lengths = case.lengths()
+        offsets = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
+        q = torch.randn(sum(lengths), case.h, case.d, dtype=case.torch_dtype, device=device)
+        k, v = (torch.randn(sum(lengths), case.h_k, case.d, dtype=case.torch_dtype, device=device) for _ in range(2))
+        packed_fn = PACKED_PROVIDERS[provider]
+
+        def fn(q, k, v, causal):
+            return packed_fn(q, k, v, offsets, max(lengths), causal, kernel_options=kernel_options, **features)
+        return q, k, v, fn
     provider_fn = PROVIDERS[provider]
-    features = score_features(case, device)
-    if case.float8 is not None:
-        return _float8_step(provider, case, device, kernel_options, features)
 
     def fn(q, k, v, causal):
         return provider_fn(q, k, v, causal, kernel_options=kernel_options, **features)
     q = torch.randn(case.b, case.sq, case.h, case.d, dtype=case.torch_dtype, device=device)
     k = torch.randn(case.b, case.sk, case.h_k, case.d, dtype=case.torch_dtype, device=device)
-    v = torch.randn_like(k)
+    return q, k, torch.randn_like(k), fn
+
+
+def make_step(provider, case, device, kernel_options=None):
+    """One call of ``provider`` on fresh inputs of ``case``: the forward without gradients, the
+    backward alone (autograd.grad of one forward's output), or both."""
+    features = score_features(case, device)
+    if case.float8 is not None:
+        return _float8_step(provider, case, device, kernel_options, features)
+    q, k, v, fn = make_inputs(provider, case, device, kernel_options, features)
     grad = case.mode != "fwd"
     for x in (q, k, v):
         x.requires_grad_(grad)
@@ -248,6 +338,8 @@ def _float8_step(provider, case, device, kernel_options, features):
     from flashtile import fp8
     if case.mode != "fwd":
         raise NotImplementedError(f"{case.dtype} inputs: forward only (FP8 backward is fp8_attn_func's, from bf16)")
+    if case.varlen:
+        raise NotImplementedError(f"{case.dtype} inputs: batched cases only")
     if not provider.startswith("flashtile-"):
         raise NotImplementedError(f"{provider} takes no float8 inputs")
     version = provider.split("-")[1]
@@ -394,6 +486,9 @@ def compare(variants, cases, rounds=2):
     return best
 
 
+PACKED_STORAGE = "packed (total, heads, headdim) storage of documents of random lengths (seqlen: their mean)"
+
+
 def markdown_table(records, baseline=None, failures=()):
     """One table per (head dim, causal, mode): TFLOP/s per provider and seqlen, plus ratios;
     then one line per cell that failed or ran out of memory."""
@@ -404,13 +499,15 @@ def markdown_table(records, baseline=None, failures=()):
     dtypes = list(dict.fromkeys(r["dtype"] for r in records))
     lines = [f"GPU {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, "
              f"{env['date']}; TFLOP/s (forward 4*b*h*sq*sk*d, half when causal; backward 2.5x), "
-             f"{', '.join(dtypes)}, (batch, seqlen, heads, headdim) storage"
+             f"{', '.join(dtypes)}, "
+             f"{PACKED_STORAGE if any(r.get('varlen') for r in records) else '(batch, seqlen, heads, headdim) storage'}"
              f"{'; float8 inputs with descales per (sequence, KV head), bf16 output' if set(dtypes) & set(FLOAT8) else ''}"
              f"{'; CUDA-graph replays (no launch cost, L2 warm)' if records[0].get('timing') == 'cuda-graph' else ''}.",
              ""]
-    groups = dict.fromkeys((r["dtype"], r["d"], r["causal"], r["mode"]) for r in records)
-    for dtype, d, causal, mode in groups:
-        rows = [r for r in records if (r["dtype"], r["d"], r["causal"], r["mode"]) == (dtype, d, causal, mode)]
+    groups = dict.fromkeys((r["dtype"], r["d"], r["causal"], r["mode"], r.get("varlen", False)) for r in records)
+    for dtype, d, causal, mode, varlen in groups:
+        rows = [r for r in records
+                if (r["dtype"], r["d"], r["causal"], r["mode"], r.get("varlen", False)) == (dtype, d, causal, mode, varlen)]
         providers = list(dict.fromkeys(r["provider"] for r in rows))
         seqlens = sorted({r["sq"] for r in rows})
         # float8 cells: each provider against its own bf16 cell of the run, where there is one
@@ -420,7 +517,8 @@ def markdown_table(records, baseline=None, failures=()):
                   and p.startswith("flashtile")]
         versus += [(p, "bf16") for p in providers if any(key[0] == p for key in bf16)]
         cols = providers + [f"{p}/{b}" for p, b in versus]
-        lines += [f"### d{d} {'causal' if causal else 'non-causal'} {mode}{' ' + dtype if len(dtypes) > 1 else ''}", "",
+        lines += [f"### d{d} {'causal' if causal else 'non-causal'} {mode}{' ' + dtype if len(dtypes) > 1 else ''}"
+                  f"{' packed' if varlen else ''}", "",
                   "| seqlen | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
         for s in seqlens:
             by = {r["provider"]: r for r in rows if r["sq"] == s}

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ON_GPU
+from conftest import DEVICE, ON_GPU
 
 from flashtile import bench, cli
 
@@ -60,8 +60,9 @@ def test_report_files_and_schema(tmp_path):
                for p in ("flashtile-v2", "sdpa-flash")]
     table = bench.save(records, tmp_path, "t", baseline="sdpa-flash")
     saved = json.loads((tmp_path / "t.json").read_text())
-    assert set(saved[0]) == {"provider", "dtype", "softcap", "alibi", "sinks", "b", "h", "h_k", "sq", "sk", "d",
-                             "causal", "mode", "ms", "tflops", "peak_mem_bytes", "gpu", "torch", "triton", "commit", "date"}
+    assert set(saved[0]) == {"provider", "dtype", "softcap", "alibi", "sinks", "varlen", "b", "h", "h_k", "sq", "sk",
+                             "d", "causal", "mode", "ms", "tflops", "peak_mem_bytes", "gpu", "torch", "triton", "commit",
+                             "date"}
     assert "| 1024 |" in table and "flashtile-v2/sdpa-flash" in table
     assert (tmp_path / "t_tflops.png").stat().st_size > 0 and (tmp_path / "t_memory.png").stat().st_size > 0
 
@@ -81,6 +82,50 @@ def test_bench_tiny_grid_under_the_interpreter(tmp_path):
     assert "### d32 causal bwd" in res.stdout and "flashtile-v2/standard" in res.stdout
     assert (tmp_path / "tiny.md").read_text() in res.stdout
     assert (tmp_path / "tiny_tflops.png").stat().st_size > 0
+
+
+def _packed_inputs(case):
+    """The packed inputs make_inputs draws for ``case``, and the documents' offsets."""
+    q, k, v, _ = bench.make_inputs("standard", case, DEVICE)
+    offsets = torch.tensor([0] + case.lengths(), device=DEVICE).cumsum(0).to(torch.int32)
+    return q, k, v, offsets
+
+
+def test_bench_packed_documents(tmp_path):
+    # --varlen: the tokens as documents of random lengths (mean seqlen), the same every run, their
+    # FLOPs summed document by document; flashtile's varlen call and standard attention document
+    # by document agree on the same inputs; records and tables say the cells are packed.
+    case = bench.Case(3, 2, 2, 40, 40, 32, True, "fwd", dtype="fp16", varlen=True)
+    lengths = case.lengths()
+    assert lengths == bench.Case(3, 2, 2, 40, 40, 32, False, "bwd", varlen=True).lengths()
+    assert len(lengths) == 3 and all(1 <= n < 80 for n in lengths) and len(set(lengths)) > 1
+    assert case.flops() == 4 * 2 * sum(n * n for n in lengths) * 32 / 2
+    q, k, v, offsets = _packed_inputs(case)
+    assert q.shape == (sum(lengths), 2, 32)
+    ref = bench.PACKED_PROVIDERS["standard"](q, k, v, offsets, max(lengths), True)
+    out = bench.PACKED_PROVIDERS["flashtile-v2"](q, k, v, offsets, max(lengths), True)
+    torch.testing.assert_close(out.float(), ref.float(), atol=5e-3, rtol=0)
+    res = _run_cli("bench", "--varlen", "--head-dims", "32", "--seqlens", "40", "--tokens", "120", "--hidden", "64",
+                   "--modes", "fwd,bwd", "--causal", "true", "--providers", "flashtile-v2,flashtile-v3,standard",
+                   "--baseline", "standard", "--out", str(tmp_path), "--name", "packed", "--no-plots",
+                   interpret="0" if ON_GPU else "1")
+    assert res.returncode == 0, res.stderr
+    records = json.loads((tmp_path / "packed.json").read_text())
+    assert len(records) == 2 * 3 and all(r["varlen"] and r["b"] == 3 and r["tflops"] > 0 for r in records)
+    assert "### d32 causal bwd packed" in res.stdout and "documents of random lengths" in res.stdout
+
+
+@pytest.mark.skipif(not ON_GPU, reason="SDPA's nested tensors and FlexAttention run on the GPU")
+def test_bench_packed_peers_agree_with_standard_attention():
+    # The packed peers compute what flashtile's varlen call does: SDPA's backends on a nested
+    # (jagged) tensor, FlexAttention with a document mask.
+    case = bench.Case(4, 4, 4, 300, 300, 64, True, "fwd", dtype="fp16", varlen=True)
+    q, k, v, offsets = _packed_inputs(case)
+    longest = max(case.lengths())
+    ref = bench.PACKED_PROVIDERS["standard"](q, k, v, offsets, longest, True)
+    for provider in ("flashtile-v3", "sdpa-flash", "sdpa-efficient", "flex"):
+        out = bench.PACKED_PROVIDERS[provider](q, k, v, offsets, longest, True)
+        torch.testing.assert_close(out.float(), ref.float(), atol=5e-3, rtol=0, msg=provider)
 
 
 def test_bench_float8_cells_beside_bf16_ones(tmp_path):
