@@ -409,30 +409,39 @@ def test_fully_masked_rows_have_zero_output_and_finite_grads(version):
     assert (leaves[0].grad[:, :30] == 0).all()
 
 
+def _one_key_poisoned(version, which, value, softcap=0.0):
+    """Key J's K (``which`` 1) or V (2) set to ``value`` under a sliding window (4, 0), which
+    rows J..J+4 see it through: flashtile's output and gradients, the float64 oracle's on the
+    clean inputs, the rows that see key J and the keys those rows see."""
+    seqlen, J = (1100, 700) if ON_GPU else (90, 50)
+    window = (4, 0)
+    clean = make_qkv(1, seqlen, seqlen, 2, 2, 64, DTYPES[0], DEVICE)
+    poisoned = list(clean)
+    poisoned[which] = clean[which].clone()
+    poisoned[which][0, J] = value
+    dout = torch.randn_like(clean[0])
+    leaves = [x.clone().requires_grad_() for x in poisoned]
+    out = flash_attn_func(*leaves, window_size=window, softcap=softcap, version=version)
+    grads = torch.autograd.grad(out, leaves, dout)
+    oracle = [x.double().requires_grad_() for x in clean]
+    ref = standard_attention(*oracle, window_size=window, softcap=softcap, upcast=True)
+    ref_grads = torch.autograd.grad(ref, oracle, dout.double())
+    seeing = torch.zeros(seqlen, dtype=torch.bool, device=DEVICE)
+    seeing[J:J + window[0] + 1] = True
+    reached = torch.zeros(seqlen, dtype=torch.bool, device=DEVICE)
+    reached[J - window[0]:J + window[0] + 1] = True
+    return out, grads, ref, ref_grads, seeing, reached
+
+
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("version", VERSIONS)
 def test_masked_keys_contribute_nothing_whatever_their_value(version, value):
     # The masking rule: a key outside a row's band adds nothing to it, even an infinite or NaN
-    # value (the tensor cores' P V would make 0 * inf = NaN).  A sliding window (4, 0): key J is
-    # seen by rows J..J+4 only.  Their outputs (and the gradients through them) are not finite,
-    # as in exact arithmetic; every other row, and the gradient of every key those rows do not
-    # reach, equals attention with that value replaced by 0.  Rows that see no key stay 0.
-    seqlen, J = (1100, 700) if ON_GPU else (90, 50)
-    window = (4, 0)
-    q, k, v = make_qkv(1, seqlen, seqlen, 2, 2, 64, DTYPES[0], DEVICE)
-    poisoned = v.clone()
-    poisoned[0, J] = value
-    dout = torch.randn_like(q)
-    leaves = [x.clone().requires_grad_() for x in (q, k, poisoned)]
-    out = flash_attn_func(*leaves, window_size=window, version=version)
-    dq, dk, dv = torch.autograd.grad(out, leaves, dout)
-    clean = [x.double().requires_grad_() for x in (q, k, v)]
-    ref = standard_attention(*clean, window_size=window, upcast=True)
-    ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, clean, dout.double())
-    seeing = torch.zeros(seqlen, dtype=torch.bool, device=DEVICE)
-    seeing[J:J + window[0] + 1] = True  # rows that see key J
-    reached = torch.zeros(seqlen, dtype=torch.bool, device=DEVICE)
-    reached[J - window[0]:J + window[0] + 1] = True  # keys those rows see
+    # value (the tensor cores' P V would make 0 * inf = NaN).  Key J is seen by rows J..J+4
+    # only.  Their outputs (and the gradients through them) are not finite, as in exact
+    # arithmetic; every other row, and the gradient of every key those rows do not reach,
+    # equals attention with that value replaced by 0.  Rows that see no key stay 0.
+    out, (dq, dk, dv), ref, (ref_dq, ref_dk, ref_dv), seeing, reached = _one_key_poisoned(version, 2, value)
     assert not torch.isfinite(out[0, seeing]).all(dim=-1).any()
     assert torch.isfinite(out[0, ~seeing]).all()
     assert max_err(out[0, ~seeing], ref[0, ~seeing]) < 2e-2
@@ -449,22 +458,7 @@ def test_masked_keys_send_no_gradient_whatever_their_key(version, value, softcap
     # see it; every other row's dQ (dS times K: 0 times inf would be NaN), and the dK and dV of
     # the keys those rows do not reach, are attention's with key J left out.  (v3's Gluon
     # backward does not keep this: docs/README.md, the masking rule.)
-    seqlen, J = (1100, 700) if ON_GPU else (90, 50)
-    window = (4, 0)
-    q, k, v = make_qkv(1, seqlen, seqlen, 2, 2, 64, DTYPES[0], DEVICE)
-    poisoned = k.clone()
-    poisoned[0, J] = value
-    dout = torch.randn_like(q)
-    leaves = [x.clone().requires_grad_() for x in (q, poisoned, v)]
-    out = flash_attn_func(*leaves, window_size=window, softcap=softcap, version=version)
-    dq, dk, dv = torch.autograd.grad(out, leaves, dout)
-    clean = [x.double().requires_grad_() for x in (q, k, v)]
-    ref = standard_attention(*clean, window_size=window, softcap=softcap, upcast=True)
-    ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, clean, dout.double())
-    seeing = torch.zeros(seqlen, dtype=torch.bool, device=DEVICE)
-    seeing[J:J + window[0] + 1] = True  # rows that see key J
-    reached = torch.zeros(seqlen, dtype=torch.bool, device=DEVICE)
-    reached[J - window[0]:J + window[0] + 1] = True  # keys those rows see
+    out, (dq, dk, dv), ref, (ref_dq, ref_dk, ref_dv), seeing, reached = _one_key_poisoned(version, 1, value, softcap)
     assert torch.isfinite(out[0, ~seeing]).all() and max_err(out[0, ~seeing], ref[0, ~seeing]) < 2e-2
     assert torch.isfinite(dq[0, ~seeing]).all() and max_err(dq[0, ~seeing], ref_dq[0, ~seeing]) < 5e-2
     for g, g_ref in ((dk, ref_dk), (dv, ref_dv)):
