@@ -147,9 +147,11 @@ def forward_plan(p, version: str, target: Target, opts) -> Plan:
         return _v2_forward(p, target, opts)
     kernel = opts.forward or "gluon"
     # Packed sequences take the Gluon forward (its walk skips the tiles past a sequence's end)
-    # only when the options ask for it (experimental), and not in float8 (V's keys-contiguous
-    # copy is batched).
-    gluon = target.gluon and (not p.varlen or (opts.forward == "gluon" and not p.fp8))
+    # only when the options ask for it (experimental), not in float8 (V's keys-contiguous copy
+    # is batched), and while the walk's tile numbers fit in 32 bits (it covers every sequence
+    # to the longest's length).
+    gluon = target.gluon and (not p.varlen or (opts.forward == "gluon" and not p.fp8 and (
+        p.batch * p.heads_q * p.query_blocks(configs.WARPGROUP_ROWS) < 2**31)))
     if p.fp8 and not (kernel == "gluon" and gluon):
         return _v2_forward(p, target, opts)  # the plain-Triton Hopper forward has no float8 path
     if kernel == "gluon" and gluon:

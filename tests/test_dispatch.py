@@ -299,6 +299,10 @@ def test_packed_sequences_take_the_gluon_forward_only_when_forced():
         for opts in (NONE, KernelOptions(backward="gluon"), KernelOptions(backward="gluon-reduce")):
             assert backward(p, opts=opts).kernel == "v2"
         assert forward(replace(p, fp8=True), opts=KernelOptions(forward="gluon")).kernel == "v2"
+    # Not where the walk's tile numbers would pass 32 bits: 2**17 sequences of up to 2**17 rows, 8 heads.
+    many = replace(problem(2**17), batch=2**17, cu_seqlens_q=offsets, cu_seqlens_k=offsets, total_q=2**20,
+                   total_k=2**20)
+    assert forward(many, opts=KernelOptions(forward="gluon")).kernel == "v3-triton"
 
 
 def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():

@@ -688,20 +688,57 @@ def test_v3_gluon_forward_packed_other_schedules(monkeypatch, options):
 
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
 def test_v3_gluon_forward_packed_neighbours_do_not_leak():
-    # The keys after a sequence's end are the next sequence's, read by TMA with the block: a
-    # non-finite value there must not reach this sequence's output (recomputed rows), and the
-    # rows after its end are the next sequence's, which its stores must leave alone.
-    lengths = [70, 130, 64]
+    # The keys after a sequence's end are the next sequence's, read by TMA with its last block
+    # (d128: 128 keys): an infinite value there must not reach this sequence's output (its rows
+    # are recomputed by the masking rule, from the sequence's own offsets).  Sequences at
+    # [0, 70), [70, 200), [200, 264), [264, 314): key 100 (sequence 1's) lies in sequence 0's
+    # only block, key 210 (sequence 2's) in sequence 1's second block, [198, 326).
+    lengths = [70, 130, 64, 50]
     q, k, v, cu_q, cu_k = _varlen_case(lengths, lengths, d=128)
-    v[70 + 100] = float("inf")  # inside sequence 1, in the block sequence 0's last keys share
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 130, version="v3", return_attn_probs=True,
-                                         kernel_options="forward=gluon")
-    ref = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 130, version="v3", return_attn_probs=True,
-                                 kernel_options="forward=triton")
-    assert torch.isfinite(out[:70]).all() and torch.isfinite(out[200:]).all()
-    torch.testing.assert_close(out[:70], ref[0][:70], atol=2e-3, rtol=0)
-    torch.testing.assert_close(out[200:], ref[0][200:], atol=2e-3, rtol=0)
-    torch.testing.assert_close(lse, ref[1], atol=1e-3, rtol=0)
+    for poisoned, checked in ((100, [0, 2, 3]), (210, [0, 1, 3])):
+        bad = v.clone()
+        bad[poisoned] = float("inf")
+        out, lse, _ = flash_attn_varlen_func(q, k, bad, cu_q, cu_k, 130, 130, version="v3", return_attn_probs=True,
+                                             kernel_options="forward=gluon")
+        for b, qs, ks, one in _per_sequence(cu_q, cu_k, q, k, v):
+            if b in checked:
+                oracle, oracle_lse = standard_attention(*one, upcast=True, return_lse=True)
+                pt = standard_attention(*one)
+                assert torch.isfinite(out[qs]).all(), (poisoned, b)
+                assert max_err(out[qs][None], oracle) <= 2 * max_err(pt, oracle) + 1e-5, (poisoned, b)
+                assert max_err(lse[:, qs], oracle_lse[0]) <= 1e-3, (poisoned, b)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
+def test_v3_gluon_forward_packed_writes_only_its_rows():
+    # Straight through the dispatcher (the API would clear unused rows afterwards): with FA3's
+    # seqused tables each sequence uses the first rows of its slot, and the rows between are
+    # never written (they stay the NaN the allocation was filled with), whichever store a tile
+    # takes (TMA for whole tiles, by pointer where rows run past the used ones).  A packed batch
+    # with no key at all gives out 0 and lse +inf (an empty problem, no kernel).
+    from flashtile import dispatch
+    from flashtile.options import KernelOptions
+    slots, used = [300, 200, 520], [170, 128, 509]
+    q, k, v, cu, _ = _varlen_case(slots, slots, d=128)
+    starts = cu[:-1]
+    table = torch.stack([starts, starts + torch.tensor(used, device=DEVICE, dtype=torch.int32)], 1)
+    p = Problem.of(q, k, table, table, max(used), max(used), 128 ** -0.5, -1, 0)
+    plan = dispatch.forward_plan(p, "v3", dispatch.target_of(p, q, k, v), KernelOptions(forward="gluon"))
+    assert plan.kernel == "v3-gluon"
+    out, lse, _ = dispatch.run_forward(plan, p, q, k, v)
+    for b, (start, n) in enumerate(zip(starts.tolist(), used)):
+        rows = slice(start, start + n)
+        one = [x[None, rows] for x in (q, k, v)]
+        oracle, oracle_lse = standard_attention(*one, causal=True, upcast=True, return_lse=True)
+        pt = standard_attention(*one, causal=True)
+        assert max_err(out[rows][None], oracle) <= 2 * max_err(pt, oracle) + 1e-5, b
+        assert max_err(lse[:, rows], oracle_lse[0]) <= 1e-3, b
+        gap = slice(start + n, start + slots[b])
+        assert torch.isnan(out[gap]).all() and torch.isnan(lse[:, gap]).all(), b
+    none = torch.zeros_like(cu)
+    out, lse, _ = flash_attn_varlen_func(q, k[:0], v[:0], cu, none, max(slots), 4, version="v3",
+                                         return_attn_probs=True, kernel_options="forward=gluon")
+    assert (out == 0).all() and (lse == float("inf")).all()
 
 
 def _with_grads(fn, inputs, dout):
@@ -739,8 +776,10 @@ def test_empty_problems(version):
     lengths = [3, 4]
     q, k, v, cu_q, _ = _varlen_case(lengths, lengths)
     cu_k = torch.zeros(3, dtype=torch.int32, device=DEVICE)
-    out, lse, _ = flash_attn_varlen_func(q, k[:0], v[:0], cu_q, cu_k, 4, 0, return_attn_probs=True, version=version)
-    assert (out == 0).all() and (lse == float("inf")).all()
+    for max_seqlen_k in (0, 4):  # (a longest key sequence declared longer than any there is)
+        out, lse, _ = flash_attn_varlen_func(q, k[:0], v[:0], cu_q, cu_k, 4, max_seqlen_k, return_attn_probs=True,
+                                             version=version)
+        assert (out == 0).all() and (lse == float("inf")).all()
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -132,8 +132,10 @@ class Problem:
 
     @property
     def empty(self) -> bool:
-        """No query row, or no key: nothing to compute (outputs 0, logsumexp +inf)."""
-        return self.batch == 0 or self.seqlen_q == 0 or self.seqlen_k == 0
+        """No query row, or no key: nothing to compute (outputs 0, logsumexp +inf).  Packed
+        sequences may declare longer ones than they hold: none when the packed q or k is empty."""
+        return (self.batch == 0 or self.seqlen_q == 0 or self.seqlen_k == 0
+                or (self.varlen and (self.total_q == 0 or self.total_k == 0)))
 
     @property
     def dropout(self) -> bool:
