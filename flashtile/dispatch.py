@@ -146,7 +146,7 @@ def forward_plan(p, version: str, target: Target, opts) -> Plan:
     if version == "v2" or p.v2_only:
         return _v2_forward(p, target, opts)
     kernel = opts.forward or "gluon"
-    # Packed sequences take the Gluon forward (its walk skips the tiles past a sequence's end)
+    # Packed sequences take the Gluon forward (its walk runs down a device-side tile list)
     # only when the options ask for it (experimental), not in float8 (V's keys-contiguous copy
     # is batched), and while the walk's tile numbers fit in 32 bits (it covers every sequence
     # to the longest's length).

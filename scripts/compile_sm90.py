@@ -18,7 +18,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from flashtile import dispatch, sinks
-from flashtile.kernels import configs, decode, dropout, quantize, score, tma, v1, v2, v3
+from flashtile.kernels import configs, decode, dropout, packed_tiles, quantize, score, tma, v1, v2, v3
 from flashtile.kernels.gluon import backward as gluon_bwd
 from flashtile.kernels.gluon import forward as gluon_fwd
 from flashtile.kernels.problem import Problem, padded_head_dim
@@ -27,7 +27,7 @@ from sass_loops import describe
 
 FP32_POINTERS = {"DESCALE", "LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE", "SINKS", "JOINED", "SHARE", "PART_O",
                  "PART_LSE"}
-INT_POINTERS = {"CU_Q", "CU_K", "ENDS", "LEFTPAD", "BATCH_IDX", "BLOCK_TABLE"}
+INT_POINTERS = {"CU_Q", "CU_K", "ENDS", "LEFTPAD", "BATCH_IDX", "BLOCK_TABLE", "TILES", "COUNT"}
 INT64_POINTERS = {"SEED"}
 INT8_POINTERS = {"KEPT"}
 FLOAT_SCALARS = {"scale_log2", "softmax_scale", "dropout_p", "fp8_max", "rotation_scale"}
@@ -203,7 +203,9 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
             WARP_SPECIALIZE=plan.unmasked and c3.warp_specialize), _options(c3), None
     features = dict(softcap=softcap, alibi=alibi)
     fp8_features = dict(features, fp8=fp8, fp8_mode=fp8_mode)
-    if varlen:  # the Gluon forward takes packed sequences (not float8); the Gluon backward does not
+    if varlen:  # the Gluon forward takes packed sequences (not float8), walking their tile list; the
+        # Gluon backward does not
+        yield "packed_tiles.list", packed_tiles._list_kernel, dict(TILE_M=128, SEQUENCES=1024), {}, None
         yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, varlen=True, **features))
         yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel,
                *gluon_case(head_dim, opts, causal=True, varlen=True, **features))

@@ -1,7 +1,7 @@
 """The band's element masks: band_edge_masks (the Gluon forward's, testing only the edges a block
 crosses, with and without the left one) and band_rows_mask (the Gluon backward's) against
 band_mask (every rule at once), over blocks on and off the band's edges; the walk over a band's tiles
-(grouped_tile)."""
+(grouped_tile); the list of a packed batch's tiles (packed_tiles)."""
 import itertools
 
 import pytest
@@ -9,7 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtile.kernels import packed_tiles
 from flashtile.kernels.blocks import band_edge_masks, band_mask, band_rows_mask, diagonal_band, grouped_tile
+from flashtile.kernels.problem import Problem, cdiv
 from conftest import DEVICE
 
 ROWS, COLS = 16, 16
@@ -73,3 +75,27 @@ def test_grouped_walk_takes_every_tile_once_a_group_a_step_at_a_time(batch_heads
                 for h in range(first, min(first + head_group, batch_heads))]
     assert walked == expected
     assert sorted(walked) == [(h, s) for h in range(batch_heads) for s in range(blocks)]
+
+
+@pytest.mark.parametrize("sequences_at_a_time", [4, 1024])
+@pytest.mark.parametrize("tile_m", [128, 192])
+@pytest.mark.parametrize("seqused", [False, True])
+def test_packed_tile_list_lists_every_block_with_rows_longest_first(seqused, tile_m, sequences_at_a_time,
+                                                                     monkeypatch):
+    # One entry sequence * m_blocks + block per query block that holds rows, from the last block
+    # down to the first, sequences in batch order inside a block; the count on the device.  With
+    # seqused tables a sequence's rows are its used ones; a program reading 4 sequences at a
+    # time gives the same list.
+    monkeypatch.setattr(packed_tiles, "SEQUENCES", sequences_at_a_time)
+    slots = [300, 0, 1, 1000, 129, 64, 2100, 255, 256, 7]
+    used = [170, 0, 1, 1000, 0, 64, 1999, 255, 129, 7] if seqused else slots
+    cu = torch.tensor([0] + slots, device=DEVICE).cumsum(0).to(torch.int32)
+    offsets = torch.stack([cu[:-1], cu[:-1] + torch.tensor(used, device=DEVICE, dtype=torch.int32)], 1) \
+        if seqused else cu
+    q = torch.empty(sum(slots), 2, 64, device=DEVICE)
+    p = Problem.of(q, q, offsets, offsets, max(used), max(used), 0.1, -1, 0)
+    tiles, count = packed_tiles.tile_list(p, tile_m, DEVICE)
+    m_blocks = cdiv(max(used), tile_m)
+    expected = [b * m_blocks + block for block in reversed(range(m_blocks)) for b, n in enumerate(used)
+                if cdiv(n, tile_m) > block]
+    assert count.item() == len(expected) and tiles[:len(expected)].tolist() == expected

@@ -648,10 +648,10 @@ def _check_packed(out, lse, q, k, v, cu_q, cu_k, dout=None, grads=None, **mask):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0), (40, 30)])
 def test_v3_gluon_forward_packed_sequences(head_dim, window):
-    # The Gluon forward on packed sequences (kernel option forward=gluon): its walk skips the
-    # tiles past each sequence's end, a sequence's last partial tile is stored by pointer (the
-    # next sequence's rows stay untouched: poisoned NaN would show), the next sequence's keys
-    # are masked.  GQA, 4 query heads over 2.
+    # The Gluon forward on packed sequences (kernel option forward=gluon): its walk runs down the
+    # device-side list of the tiles that hold rows, a sequence's last partial tile is stored by
+    # pointer (the next sequence's rows stay untouched), the next sequence's keys are masked.
+    # GQA, 4 query heads over 2.
     q, k, v, cu_q, cu_k = _varlen_case(GLUON_PACKED_Q, GLUON_PACKED_K, d=head_dim)
     out, lse, _ = _packed_gluon_forward(q, k, v, cu_q, cu_k, window_size=window)
     _check_packed(out, lse, q, k, v, cu_q, cu_k, window_size=window)

@@ -49,7 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from flashtile.kernels import score
+from flashtile.kernels import packed_tiles, score
 from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile, sequence_bounds
 from flashtile.kernels.configs import WARPGROUP_ROWS
@@ -205,7 +205,9 @@ Value = (gl.tensor, gl.constexpr)
 class TileWalk:
     """The persistent walk over (batch x head, query block) tiles: its sizes and the band.
     VARLEN: the batch's sequences are packed (``CU_Q``/``CU_K``, blocks.sequence_bounds), each
-    tile's lengths are its sequence's, and ``m_blocks`` counts the longest one's blocks."""
+    tile's lengths are its sequence's, and the walk runs down the list of (sequence, query
+    block) entries ``TILES`` (packed_tiles.py; ``m_blocks`` counts the longest sequence's
+    blocks), the query heads of an entry on consecutive tiles."""
     num_tiles: Value
     batch_heads: Value
     heads_q: Value
@@ -219,11 +221,12 @@ class TileWalk:
     CU_Q: gl.tensor
     CU_K: gl.tensor
     totals: gl.tuple
+    TILES: gl.tensor
     VARLEN: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, num_tiles, batch_heads, heads_q, group, head_group, m_blocks, seqlen_q, seqlen_k,
-                 window_left, window_right, CU_Q, CU_K, totals, VARLEN):
+                 window_left, window_right, CU_Q, CU_K, totals, TILES, VARLEN):
         self.num_tiles = _value(num_tiles)
         self.batch_heads = _value(batch_heads)
         self.heads_q = _value(heads_q)
@@ -237,6 +240,7 @@ class TileWalk:
         self.CU_Q = CU_Q
         self.CU_K = CU_K
         self.totals = totals
+        self.TILES = TILES
         self.VARLEN = gl.constexpr(VARLEN)
 
     @gluon.jit
@@ -260,35 +264,21 @@ class TileWalk:
         CTAs running at one time re-read K/V from L2 rather than HBM.  Inside a group, query
         blocks run from the last to the first (causal tiles come longest first), the group's
         heads adjacent.  (Which blocks need a mask the consumers decide for their own rows.)"""
-        bh, step = grouped_tile(t, self.batch_heads, self.head_group, self.m_blocks)
-        m0 = (self.m_blocks - 1 - step) * TILE_M
         if self.VARLEN:
-            batch = bh // self.heads_q
+            entry = gl.load(self.TILES + t // self.heads_q)
+            batch = entry // self.m_blocks
+            m0 = entry % self.m_blocks * TILE_M
             seq = self.sequence(batch)
             dlo, dhi, lo, _, _, n_blocks = band_blocks(m0, TILE_M, BLOCK_N, seq[3], seq[4], self.window_left,
                                                        self.window_right, False)
-            return batch, bh % self.heads_q, m0, dlo, dhi, lo, n_blocks, seq
+            return batch, t % self.heads_q, m0, dlo, dhi, lo, n_blocks, seq
         else:
+            bh, step = grouped_tile(t, self.batch_heads, self.head_group, self.m_blocks)
+            m0 = (self.m_blocks - 1 - step) * TILE_M
             dlo, dhi, lo, _, _, n_blocks = band_blocks(m0, TILE_M, BLOCK_N, self.seqlen_q, self.seqlen_k,
                                                        self.window_left, self.window_right, False)
             batch = bh // self.heads_q
             return batch, bh % self.heads_q, m0, dlo, dhi, lo, n_blocks, self.sequence(batch)
-
-    @gluon.jit
-    def past_sequence(self, t, TILE_M: gl.constexpr):
-        """Whether tile ``t`` (< num_tiles) starts past its sequence's query rows: a packed batch's
-        tiles cover its longest sequence, so the shorter ones leave tiles with no row to compute."""
-        bh, step = grouped_tile(gl.minimum(t, self.num_tiles - 1), self.batch_heads, self.head_group, self.m_blocks)
-        seq = self.sequence(bh // self.heads_q)
-        return (t < self.num_tiles) & ((self.m_blocks - 1 - step) * TILE_M >= seq[3])
-
-    @gluon.jit
-    def live(self, t, counter, S: gl.constexpr):
-        """Tile ``t``, or (VARLEN) the first the walk reaches from it with query rows to compute."""
-        if self.VARLEN:
-            while self.past_sequence(t, S.CONSUMERS * S.ROWS):
-                t = next_tile(t, self.num_tiles, counter, S.PERSISTENT, S.DYNAMIC)
-        return t
 
 
 @aggregate
@@ -441,7 +431,6 @@ def _producer(q_desc, k_desc, v_desc, buf, walk, counter, S: gl.constexpr):
     tile_i = 0
     t = gl.program_id(0)
     start_tiles(counter, S.DYNAMIC)
-    t = walk.live(t, counter, S)
     while t < walk.num_tiles:
         batch, head, m0, dlo, dhi, lo, n_blocks, seq = walk.tile(t, S.CONSUMERS * S.ROWS, S.BLOCK_N)
         at, q_start, k_start, _, _ = seq
@@ -474,8 +463,6 @@ def _producer(q_desc, k_desc, v_desc, buf, walk, counter, S: gl.constexpr):
                                                 buf.v.index(slot))
             it += 1
         tile_i += 1
-        # Past tiles with no rows once this tile's loads are out: the search delays only the next.
-        t = walk.live(t, counter, S)
     end_tiles(buf.tile_ids, tile_i, buf.q_ready, buf.q_empty, walk.num_tiles, S.PERSISTENT)
 
 
@@ -954,7 +941,8 @@ def _flagged(flags):
 def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, skh, V, svb, svs, svh,
                 O, sob, sos, soh, head_dim, LSE, slb, slh,
                 batch_heads, heads_q, group, head_group, m_blocks, num_tiles,
-                seqlen_q, seqlen_k, window_left, window_right, CU_Q, CU_K, totals, scale_log2, counter, score_args,
+                seqlen_q, seqlen_k, window_left, window_right, CU_Q, CU_K, totals, TILES, COUNT, scale_log2,
+                counter, score_args,
                 DESCALE, sdt, sdb, sdh,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
@@ -966,8 +954,10 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
                                PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8,
                                FRESH_PV, CHECK_FINITE, VARLEN)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
+    if VARLEN:  # the packed list's length, written on the device (packed_tiles.py)
+        num_tiles = gl.load(COUNT) * heads_q
     walk = TileWalk(num_tiles, batch_heads, heads_q, group, head_group, m_blocks, seqlen_q, seqlen_k, window_left,
-                    window_right, CU_Q, CU_K, totals, VARLEN)
+                    window_right, CU_Q, CU_K, totals, TILES, VARLEN)
     stash = _stash_tensors(Q, sqb, sqs, sqh, K, skb, sks, skh, V, svb, svs, svh, O, sob, sos, soh, head_dim)
     outputs = Outputs(o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh)
     descales = Descales(DESCALE, sdt, sdb, sdh)
@@ -1096,6 +1086,9 @@ def forward(plan, p, q, k, v):
     head_group = heads_sharing_l2(p, batch_heads, 2 * p.seqlen_k * p.head_dim_pad * q.element_size())  # K and V
     pad = p.head_dim_pad
     q4, k4, v4, out4 = (x.unsqueeze(0) for x in (q, k, v, out)) if p.varlen else (q, k, v, out)
+    cu_q, cu_k = p.cu_pointers(q.device)
+    # A packed batch's tiles, listed on the device (num_tiles bounds their count); else placeholders.
+    tiles, count = packed_tiles.tile_list(p, cfg.tile_m, q.device) if p.varlen else (cu_q, cu_q)
     if p.fp8:
         v_desc = tma_host.keys_contiguous_descriptor(v4, cfg.block_n, pad)
         descale = p.fp8_descale
@@ -1109,7 +1102,7 @@ def forward(plan, p, q, k, v):
         q, *p.seq_strides(q), k, *p.seq_strides(k), v, *p.seq_strides(v), out, *p.seq_strides(out),
         p.head_dim, lse, *p.row_stat_strides(lse),
         batch_heads, p.heads_q, p.group, head_group, m_blocks, num_tiles,
-        p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, *p.cu_pointers(q.device), p.totals, p.scale_log2,
+        p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, cu_q, cu_k, p.totals, tiles, count, p.scale_log2,
         tile_counter(q.device) if consts["DYNAMIC"] else no_counter(q.device), score.args_of(p),
         descale, *(descale.stride()[:3] if p.fp8 else (0, 0, 0)),
         **consts, **launch_options(cfg.consumers))
