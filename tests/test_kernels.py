@@ -686,6 +686,31 @@ def test_v3_gluon_forward_packed_other_schedules(monkeypatch, options):
         _check_packed(out, lse, q, k, v, cu_q, cu_k, causal=causal)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_v3_gluon_forward_packed_replays_in_a_cuda_graph():
+    # The packed tile list and its count are written inside the graph, from the offsets as they
+    # are at each replay: new lengths in the same offsets tensor (same total, within the declared
+    # longest) give the eager result for those lengths, bit for bit.
+    lengths, other = [300, 1, 1000, 129, 570], [1000, 570, 300, 1, 129]
+    q, k, v, cu, _ = _varlen_case(lengths, lengths, d=128)
+    new_cu = torch.tensor([0] + other, device=DEVICE).cumsum(0).to(torch.int32)
+
+    def call(offsets):
+        return flash_attn_varlen_func(q, k, v, offsets, offsets, 1000, 1000, causal=True, version="v3",
+                                      kernel_options="forward=gluon")
+    eager, eager_new = call(cu), call(new_cu)
+    offsets = cu.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call(offsets)
+    for source, expected in ((cu, eager), (new_cu, eager_new), (cu, eager)):
+        offsets.copy_(source)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
 def test_v3_gluon_forward_packed_neighbours_do_not_leak():
     # The keys after a sequence's end are the next sequence's, read by TMA with its last block

@@ -914,7 +914,10 @@ def _store_unstaged(out, acc, buf, WHICH: gl.constexpr, outputs, batch, head, ro
             + head * outputs.soh + cols[None, :])
     gl.store(ptrs, out, mask=(rows[:, None] < seqlen_q) & (cols[None, :] < outputs.head_dim))
     if S.CHECK_FINITE:
-        _flag_rows(acc, buf.not_finite.index(WHICH))
+        if S.VARLEN:  # rows past a packed sequence are the next one's: theirs is not this tile's to check
+            _flag_rows(gl.where((rows < seqlen_q)[:, None], acc, 0.0), buf.not_finite.index(WHICH))
+        else:
+            _flag_rows(acc, buf.not_finite.index(WHICH))
         not_finite = _flagged(buf.not_finite.index(WHICH))
     return not_finite
 
