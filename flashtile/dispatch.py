@@ -148,8 +148,8 @@ def forward_plan(p, version: str, target: Target, opts) -> Plan:
     kernel = opts.forward or "gluon"
     # Packed sequences take the Gluon forward (its walk runs down a device-side tile list)
     # only when the options ask for it (experimental), not in float8 (V's keys-contiguous copy
-    # is batched), and while the walk's tile numbers fit in 32 bits (it covers every sequence
-    # to the longest's length).
+    # is batched), and while the walk's tile numbers fit in 32 bits (at most batch x heads x
+    # the longest sequence's blocks).
     gluon = target.gluon and (not p.varlen or (opts.forward == "gluon" and not p.fp8 and (
         p.batch * p.heads_q * p.query_blocks(configs.WARPGROUP_ROWS) < 2**31)))
     if p.fp8 and not (kernel == "gluon" and gluon):

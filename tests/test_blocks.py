@@ -82,20 +82,41 @@ def test_grouped_walk_takes_every_tile_once_a_group_a_step_at_a_time(batch_heads
 @pytest.mark.parametrize("seqused", [False, True])
 def test_packed_tile_list_lists_every_block_with_rows_longest_first(seqused, tile_m, sequences_at_a_time,
                                                                      monkeypatch):
-    # One entry sequence * m_blocks + block per query block that holds rows, from the last block
-    # down to the first, sequences in batch order inside a block; the count on the device.  With
-    # seqused tables a sequence's rows are its used ones; a program reading 4 sequences at a
-    # time gives the same list.
+    # One entry sequence * m_blocks + block per query block that holds rows, sequence by
+    # sequence, each one's blocks from the last down; the count on the device.  With seqused
+    # tables a sequence's rows are its used ones; programs of 4 sequences give the same list.
     monkeypatch.setattr(packed_tiles, "SEQUENCES", sequences_at_a_time)
     slots = [300, 0, 1, 1000, 129, 64, 2100, 255, 256, 7]
     used = [170, 0, 1, 1000, 0, 64, 1999, 255, 129, 7] if seqused else slots
+    assert _packed_list(slots, used, max(used), tile_m) == _expected_list(used, max(used), tile_m)
+
+
+def _packed_list(slots, used, longest, tile_m):
+    """packed_tiles.tile_list's entries and count for sequences in ``slots`` rows using ``used``."""
     cu = torch.tensor([0] + slots, device=DEVICE).cumsum(0).to(torch.int32)
     offsets = torch.stack([cu[:-1], cu[:-1] + torch.tensor(used, device=DEVICE, dtype=torch.int32)], 1) \
-        if seqused else cu
+        if used != slots else cu
     q = torch.empty(sum(slots), 2, 64, device=DEVICE)
-    p = Problem.of(q, q, offsets, offsets, max(used), max(used), 0.1, -1, 0)
+    p = Problem.of(q, q, offsets, offsets, longest, longest, 0.1, -1, 0)
     tiles, count = packed_tiles.tile_list(p, tile_m, DEVICE)
-    m_blocks = cdiv(max(used), tile_m)
-    expected = [b * m_blocks + block for block in reversed(range(m_blocks)) for b, n in enumerate(used)
-                if cdiv(n, tile_m) > block]
-    assert count.item() == len(expected) and tiles[:len(expected)].tolist() == expected
+    return tiles[:count.item()].tolist(), count.item()
+
+
+def _expected_list(used, longest, tile_m):
+    m_blocks = cdiv(longest, tile_m)
+    entries = [b * m_blocks + block for b, n in enumerate(used) for block in reversed(range(min(cdiv(n, tile_m),
+                                                                                                 m_blocks)))]
+    return entries, len(entries)
+
+
+def test_packed_tile_list_edges(monkeypatch):
+    # A declared longest sequence above every one and below some (their blocks past it left out,
+    # as every kernel clamps them); no row at all (an empty list); more sequences than a program
+    # reads, not a power of two.
+    monkeypatch.setattr(packed_tiles, "SEQUENCES", 8)
+    lengths = [300, 0, 1, 1000, 129]
+    for longest in (1500, 1000, 500):
+        assert _packed_list(lengths, lengths, longest, 128) == _expected_list(lengths, longest, 128)
+    assert _packed_list([5, 7], [0, 0], 10, 128) == ([], 0)
+    many = [(7 * i) % 300 for i in range(37)]
+    assert _packed_list(many, many, max(many), 128) == _expected_list(many, max(many), 128)

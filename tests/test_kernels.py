@@ -674,13 +674,15 @@ def test_v3_gluon_forward_packed_gradients_and_score_mods():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
-@pytest.mark.parametrize("options", ["forward=gluon;tiles.v3_gluon=128,3,3", "forward=gluon;ablate=persistent"])
-def test_v3_gluon_forward_packed_other_schedules(monkeypatch, options):
-    # d64's three consumer warpgroups (192-row tiles) and the ablation of the persistent walk
-    # (packed sequences keep it: a CTA may find no tile of its own).
+@pytest.mark.parametrize("options, head_dim", [("forward=gluon;tiles.v3_gluon=128,3,3", 64),
+                                               ("forward=gluon;ablate=persistent", 64),
+                                               ("forward=gluon;ablate=persistent", 128)])
+def test_v3_gluon_forward_packed_other_schedules(monkeypatch, options, head_dim):
+    # d64's three consumer warpgroups (192-row tiles), and the ablation of the persistent walk
+    # with three and two consumers (packed sequences keep the walk: a CTA may find no tile).
     monkeypatch.setitem(configs.THREE_CONSUMERS_FROM, True, 0)
     monkeypatch.setitem(configs.THREE_CONSUMERS_FROM, False, 0)
-    q, k, v, cu_q, cu_k = _varlen_case(GLUON_PACKED_Q, GLUON_PACKED_K, d=64)
+    q, k, v, cu_q, cu_k = _varlen_case(GLUON_PACKED_Q, GLUON_PACKED_K, d=head_dim)
     for causal in (False, True):
         out, lse, _ = _packed_gluon_forward(q, k, v, cu_q, cu_k, options, causal=causal)
         _check_packed(out, lse, q, k, v, cu_q, cu_k, causal=causal)
@@ -690,8 +692,8 @@ def test_v3_gluon_forward_packed_other_schedules(monkeypatch, options):
 def test_v3_gluon_forward_packed_replays_in_a_cuda_graph():
     # The packed tile list and its count are written inside the graph, from the offsets as they
     # are at each replay: new lengths in the same offsets tensor (same total, within the declared
-    # longest) give the eager result for those lengths, bit for bit.
-    lengths, other = [300, 1, 1000, 129, 570], [1000, 570, 300, 1, 129]
+    # longest, another count of tiles) give the eager result for those lengths, bit for bit.
+    lengths, other = [300, 1, 1000, 129, 570], [1000, 999, 1, 0, 0]
     q, k, v, cu, _ = _varlen_case(lengths, lengths, d=128)
     new_cu = torch.tensor([0] + other, device=DEVICE).cumsum(0).to(torch.int32)
 

@@ -6,14 +6,15 @@ blocks would meet a tile past its sequence's end for every block a shorter seque
 Gluon forward walks a list instead: one entry per (sequence, query block) that holds rows,
 ``sequence * m_blocks + block``, the query heads of an entry taking consecutive tiles.
 
-The list runs step by step from the last query block down to the first (causal tiles longest
-first), and inside a step the sequences that reach that block in batch order.  One program per
-step writes its entries: where its step starts is the number of entries of the steps before it
-(a sequence of n blocks has entries at the last n steps), and each sequence's place inside the
-step the count of the sequences before it that reach the block.  Program 0 writes the entry
-count, which the walk reads as its length.  Tables on the device stay unread on the host; their
-offsets are clamped as every kernel clamps them (blocks.sequence_bounds), and a malformed table
-(overlapping sequences) lists no more entries than the list has room for.
+The list runs sequence by sequence, in batch order, each sequence's blocks from its last down to
+its first (causal tiles longest first), so that the CTAs running at one time work on one
+sequence's heads and blocks and re-read its K/V from L2 (a list block by block across the batch
+would have them read every sequence's K/V at once).  A program per SEQUENCES sequences writes
+their entries: each sequence's first entry is the blocks of the sequences before it; the last
+program writes the entry count, which the walk reads as its length.  Tables on the device stay
+unread on the host; their offsets are clamped as every kernel clamps them
+(blocks.sequence_bounds), and a malformed table (overlapping sequences) lists no more entries
+than the list has room for.
 """
 import torch
 import triton
@@ -37,24 +38,17 @@ def _blocks_of(CU_Q, first, batch, totals, m_blocks, TILE_M: tl.constexpr, SEQUE
 @triton.jit
 def _list_kernel(CU_Q, TILES, COUNT, batch, m_blocks, capacity, totals, TILE_M: tl.constexpr,
                  SEQUENCES: tl.constexpr):
-    step = tl.program_id(0)
-    block = m_blocks - 1 - step
-    # A sequence of n blocks has entries at steps m_blocks - n to m_blocks - 1.
-    start = 0
-    count = 0
-    for first in range(0, batch, SEQUENCES):
-        _, n = _blocks_of(CU_Q, first, batch, totals, m_blocks, TILE_M, SEQUENCES)
-        start += tl.sum(tl.maximum(step - (m_blocks - n), 0))
-        count += tl.sum(n)
-    if step == 0:
-        tl.store(COUNT, tl.minimum(count, capacity))
-    placed = 0
-    for first in range(0, batch, SEQUENCES):
-        b, n = _blocks_of(CU_Q, first, batch, totals, m_blocks, TILE_M, SEQUENCES)
-        reach = n > block
-        rank = placed + tl.cumsum(reach.to(tl.int32), 0) - 1
-        tl.store(TILES + start + rank, b * m_blocks + block, mask=reach & (start + rank < capacity))
-        placed += tl.sum(reach.to(tl.int32))
+    first = tl.program_id(0) * SEQUENCES
+    start = 0  # the entries of the sequences before this program's
+    for before in range(0, first, SEQUENCES):
+        _, n = _blocks_of(CU_Q, before, batch, totals, m_blocks, TILE_M, SEQUENCES)
+        start += tl.sum(n)
+    b, n = _blocks_of(CU_Q, first, batch, totals, m_blocks, TILE_M, SEQUENCES)
+    at = start + tl.cumsum(n, 0) - n  # each sequence's first entry
+    for j in range(0, tl.max(n, 0)):  # each sequence's j-th entry: its block n - 1 - j
+        tl.store(TILES + at + j, b * m_blocks + n - 1 - j, mask=(j < n) & (at + j < capacity))
+    if first + SEQUENCES >= batch:
+        tl.store(COUNT, tl.minimum(start + tl.sum(n), capacity))
 
 
 def tile_list(p, tile_m, device):
@@ -65,6 +59,7 @@ def tile_list(p, tile_m, device):
     entries = min(p.batch * m_blocks, cdiv(p.total_q, tile_m) + p.batch)
     tiles = torch.empty(max(1, entries), dtype=torch.int32, device=device)
     count = torch.empty(1, dtype=torch.int32, device=device)
-    launch(_list_kernel, (m_blocks,), p.cu_seqlens_q, tiles, count, p.batch, m_blocks, tiles.numel(), p.totals,
-           TILE_M=tile_m, SEQUENCES=min(SEQUENCES, next_power_of_2(p.batch)))
+    sequences = min(SEQUENCES, next_power_of_2(p.batch))
+    launch(_list_kernel, (cdiv(p.batch, sequences),), p.cu_seqlens_q, tiles, count, p.batch, m_blocks, tiles.numel(),
+           p.totals, TILE_M=tile_m, SEQUENCES=sequences)
     return tiles, count
