@@ -154,10 +154,12 @@ PROVIDERS = {
 }
 
 
-# ---- packed providers: (q, k, v) (total, h, d), offsets (documents + 1,) int32, the longest ----
+# ---- packed providers: (q, k, v) (total, h, d), offsets (documents + 1,) int32 on q's device, and the
+# same lengths as a tuple (read on the host without a device-to-host copy in the timed calls) ----
 
 def _flashtile_packed(version):
-    def run(q, k, v, offsets, longest, causal, kernel_options=None, **features):
+    def run(q, k, v, offsets, lengths, causal, kernel_options=None, **features):
+        longest = max(lengths)
         return api.flash_attn_varlen_func(q, k, v, offsets, offsets, longest, longest, causal=causal, version=version,
                                           kernel_options=kernel_options, **features)
     return run
@@ -167,9 +169,9 @@ def _sdpa_packed(backend_name):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backend = getattr(SDPBackend, backend_name)
 
-    def run(q, k, v, offsets, longest, causal, kernel_options=None, **features):
+    def run(q, k, v, offsets, lengths, causal, kernel_options=None, **features):
         plain_only(backend_name, features)
-        nested = [torch.nested.nested_tensor_from_jagged(x, offsets.long(), max_seqlen=longest).transpose(1, 2)
+        nested = [torch.nested.nested_tensor_from_jagged(x, offsets.long(), max_seqlen=max(lengths)).transpose(1, 2)
                   for x in (q, k, v)]
         with sdpa_kernel(backend):
             out = torch.nn.functional.scaled_dot_product_attention(*nested, is_causal=causal)
@@ -177,17 +179,16 @@ def _sdpa_packed(backend_name):
     return run
 
 
-def _standard_packed(q, k, v, offsets, longest, causal, kernel_options=None, **features):
-    bounds = offsets.tolist()
-    return torch.cat([standard_attention(q[None, a:b], k[None, a:b], v[None, a:b], causal=causal, **features)[0]
-                      for a, b in zip(bounds, bounds[1:])])
+def _standard_packed(q, k, v, offsets, lengths, causal, kernel_options=None, **features):
+    return torch.cat([standard_attention(*(x[None] for x in one), causal=causal, **features)[0]
+                      for one in zip(*(x.split(lengths) for x in (q, k, v)))])
 
 
-def _flex_packed(q, k, v, offsets, longest, causal, kernel_options=None, **features):
+def _flex_packed(q, k, v, offsets, lengths, causal, kernel_options=None, **features):
     from torch.nn.attention.flex_attention import create_block_mask
     plain_only("flex", features)
     flex = _flex_compiled()
-    key = ("documents", tuple(offsets.tolist()), causal)
+    key = ("documents", tuple(lengths), causal)
     if key not in _FLEX_CACHE:
         total = q.shape[0]
         document = torch.searchsorted(offsets[1:].long(), torch.arange(total, device=q.device), right=True)
@@ -291,7 +292,7 @@ def make_inputs(provider, case, device, kernel_options=None, features=None):
         packed_fn = PACKED_PROVIDERS[provider]
 
         def fn(q, k, v, causal):
-            return packed_fn(q, k, v, offsets, max(lengths), causal, kernel_options=kernel_options, **features)
+            return packed_fn(q, k, v, offsets, lengths, causal, kernel_options=kernel_options, **features)
         return q, k, v, fn
     provider_fn = PROVIDERS[provider]
 

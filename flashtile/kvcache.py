@@ -90,19 +90,23 @@ def _positions(seqlens, count, batch, device, limit):
     return (seqlens.long()[:, None] + steps).clamp_(0, limit - 1)
 
 
+def _cache_slots(k_cache, positions, batch_idx, block_table):
+    """Where ``positions`` (batch, n) of each sequence lie in the cache: (cache row or page, row in
+    it), rows and pages clamped to the cache, as the kernel reads them."""
+    last = k_cache.shape[0] - 1
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        return block_table.long().gather(1, positions // page_size).clamp_(0, last), positions % page_size
+    rows = torch.arange(positions.shape[0], device=positions.device) if batch_idx is None else \
+        batch_idx.long().clamp(0, last)
+    return rows[:, None].expand_as(positions), positions
+
+
 def _append(k_cache, v_cache, k, v, positions, batch_idx, block_table):
     """k, v (batch, seqlen_new, heads_k, head_dim) written into the caches in place at
     ``positions`` (batch, seqlen_new, inside the capacity) of each sequence's cache row (or
-    pages); cache rows and pages clamped to the cache, as the kernel reads them."""
-    batch, seqlen_new = k.shape[:2]
-    if block_table is not None:
-        page_size = k_cache.shape[1]
-        pages = block_table.long().gather(1, positions // page_size).clamp_(0, k_cache.shape[0] - 1)
-        index = (pages, positions % page_size)
-    else:
-        rows = torch.arange(batch, device=k.device) if batch_idx is None else \
-            batch_idx.long().clamp(0, k_cache.shape[0] - 1)
-        index = (rows[:, None].expand(batch, seqlen_new), positions)
+    pages)."""
+    index = _cache_slots(k_cache, positions, batch_idx, block_table)
     k_cache.index_put_(index, k)
     v_cache.index_put_(index, v)
 
@@ -115,17 +119,9 @@ def _gathered(k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity)
     batch, device = ends.shape[0], k_cache.device
     ends = ends.clamp(0, capacity)
     starts = torch.zeros_like(ends) if leftpad is None else torch.minimum(leftpad.long().clamp(min=0), ends)
-    slots = torch.arange(capacity, device=device)
+    slots = torch.arange(capacity, device=device).expand(batch, capacity)
     kept = (slots >= starts[:, None]) & (slots < ends[:, None])  # (batch, capacity), sequence by sequence
-    if block_table is not None:
-        page_size = k_cache.shape[1]
-        outer = block_table.long().clamp(0, k_cache.shape[0] - 1).repeat_interleave(page_size, dim=1)
-        inner = (slots % page_size).expand(batch, capacity)
-    else:
-        rows = torch.arange(batch, device=device) if batch_idx is None else \
-            batch_idx.long().clamp(0, k_cache.shape[0] - 1)
-        outer, inner = rows[:, None].expand(batch, capacity), slots.expand(batch, capacity)
-    outer, inner = outer[kept], inner[kept]
+    outer, inner = (x[kept] for x in _cache_slots(k_cache, slots, batch_idx, block_table))
     offsets = torch.zeros(batch + 1, dtype=torch.int32, device=device)
     offsets[1:] = kept.sum(1).cumsum(0)
     return k_cache[outer, inner], v_cache[outer, inner], offsets

@@ -102,8 +102,8 @@ def test_bench_packed_documents(tmp_path):
     assert case.flops() == 4 * 2 * sum(n * n for n in lengths) * 32 / 2
     q, k, v, offsets = _packed_inputs(case)
     assert q.shape == (sum(lengths), 2, 32)
-    ref = bench.PACKED_PROVIDERS["standard"](q, k, v, offsets, max(lengths), True)
-    out = bench.PACKED_PROVIDERS["flashtile-v2"](q, k, v, offsets, max(lengths), True)
+    ref = bench.PACKED_PROVIDERS["standard"](q, k, v, offsets, lengths, True)
+    out = bench.PACKED_PROVIDERS["flashtile-v2"](q, k, v, offsets, lengths, True)
     torch.testing.assert_close(out.float(), ref.float(), atol=5e-3, rtol=0)
     res = _run_cli("bench", "--varlen", "--head-dims", "32", "--seqlens", "40", "--tokens", "120", "--hidden", "64",
                    "--modes", "fwd,bwd", "--causal", "true", "--providers", "flashtile-v2,flashtile-v3,standard",
@@ -121,10 +121,10 @@ def test_bench_packed_peers_agree_with_standard_attention():
     # (jagged) tensor, FlexAttention with a document mask.
     case = bench.Case(4, 4, 4, 300, 300, 64, True, "fwd", dtype="fp16", varlen=True)
     q, k, v, offsets = _packed_inputs(case)
-    longest = max(case.lengths())
-    ref = bench.PACKED_PROVIDERS["standard"](q, k, v, offsets, longest, True)
+    lengths = tuple(case.lengths())
+    ref = bench.PACKED_PROVIDERS["standard"](q, k, v, offsets, lengths, True)
     for provider in ("flashtile-v3", "sdpa-flash", "sdpa-efficient", "flex"):
-        out = bench.PACKED_PROVIDERS[provider](q, k, v, offsets, longest, True)
+        out = bench.PACKED_PROVIDERS[provider](q, k, v, offsets, lengths, True)
         torch.testing.assert_close(out.float(), ref.float(), atol=5e-3, rtol=0, msg=provider)
 
 

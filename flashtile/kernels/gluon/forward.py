@@ -866,7 +866,7 @@ def _store_rows(out, lse, acc, buf, use, WHICH: gl.constexpr, outputs, batch, he
             mbarrier.wait(buf.o_free.index(0), (use & 1) ^ 1)
         else:
             tma.store_wait(0)  # this consumer's previous store has left its buffer
-        if S.VARLEN:
+        if S.VARLEN:  # (batched launches compile the staged store alone, no branch around it)
             if row0 + ROWS > seqlen_q:
                 not_finite = _store_unstaged(out, acc, buf, WHICH, outputs, batch, head, rows, seq, o_layout, S)
             else:
