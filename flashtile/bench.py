@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 import triton
 
-from flashtile import api, dispatch, options
+from flashtile import api, dispatch, fp8, options
 from flashtile.reference import standard_attention
 
 MODES = ("fwd", "bwd", "fwdbwd")
@@ -335,10 +335,10 @@ def make_step(provider, case, device, kernel_options=None):
 def _float8_step(provider, case, device, kernel_options, features):
     """One forward of ``provider`` on float8 inputs quantized from random bf16 ones, descales per
     (sequence, KV head): flashtile's versions with an FP8 path take them as FlashAttention-3's
-    interface does; the other providers take no float8 inputs."""
-    from flashtile import fp8
+    interface does; the other providers take no float8 inputs.  Backward modes: flashtile-v3's
+    FP8 backward (_float8_backward_step)."""
     if case.mode != "fwd":
-        raise NotImplementedError(f"{case.dtype} inputs: forward only (FP8 backward is fp8_attn_func's, from bf16)")
+        return _float8_backward_step(provider, case, device, features)
     if case.varlen:
         raise NotImplementedError(f"{case.dtype} inputs: batched cases only")
     if not provider.startswith("flashtile-"):
@@ -353,6 +353,33 @@ def _float8_step(provider, case, device, kernel_options, features):
             api._attention(q8, k8, v8, None, None, None, None, 0.0, None, case.causal, (-1, -1),
                            features.get("softcap", 0.0), features.get("alibi_slopes"), False, False,
                            features.get("sinks"), version, kernel_options, fp8_descales=(qd, kd, vd))
+    return step
+
+
+def _float8_backward_step(provider, case, device, features):
+    """The backward (mode "bwd") or forward and backward ("fwdbwd") of fp8_attn_func with its
+    FP8 backward, from bf16 inputs, descales per (sequence, KV head) and no rotation as the float8
+    forward cells: every matmul in float8 (one set of kernels, measured as flashtile-v3)."""
+    if provider != "flashtile-v3":
+        raise NotImplementedError(f"{case.dtype} backward: fp8_attn_func(fp8_backward=True), measured as flashtile-v3")
+    if case.varlen or set(features) - {"softcap"}:
+        raise NotImplementedError(f"{case.dtype} backward: batched cases, softcap the one score feature")
+    q = torch.randn(case.b, case.sq, case.h, case.d, dtype=case.torch_dtype, device=device, requires_grad=True)
+    k, v = (torch.randn(case.b, case.sk, case.h_k, case.d, dtype=case.torch_dtype, device=device, requires_grad=True)
+            for _ in range(2))
+    dout = torch.randn_like(q)
+
+    def forward():
+        return fp8.fp8_attn_func(q, k, v, causal=case.causal, softcap=features.get("softcap", 0.0),
+                                                dtype=case.float8, incoherent=False, scaling="head", fp8_backward=True)
+    if case.mode == "bwd":
+        out = forward()
+
+        def step():
+            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    else:
+        def step():
+            torch.autograd.grad(forward(), (q, k, v), dout)
     return step
 
 
@@ -503,6 +530,7 @@ def markdown_table(records, baseline=None, failures=()):
              f"{', '.join(dtypes)}, "
              f"{PACKED_STORAGE if any(r.get('varlen') for r in records) else '(batch, seqlen, heads, headdim) storage'}"
              f"{'; float8 inputs with descales per (sequence, KV head), bf16 output' if set(dtypes) & set(FLOAT8) else ''}"
+             f"{'; float8 backward: fp8_attn_func(fp8_backward=True) on bf16 inputs' if any(r['dtype'] in FLOAT8 and r['mode'] != 'fwd' for r in records) else ''}"
              f"{'; CUDA-graph replays (no launch cost, L2 warm)' if records[0].get('timing') == 'cuda-graph' else ''}.",
              ""]
     groups = dict.fromkeys((r["dtype"], r["d"], r["causal"], r["mode"], r.get("varlen", False)) for r in records)

@@ -13,8 +13,8 @@ Forward kernels:
                  not take (broadcast layouts, the interpreter) and, unless kernel options force
                  the Gluon one, varlen
 With dropout (their Triton draws the mask: kernels/dropout.py) or a V head dim of its own, v3
-runs v2's kernels both ways.  FP8 inputs (forward only) run the Gluon forward where it takes the
-problem, else v2's.
+runs v2's kernels both ways.  FP8 inputs run the Gluon forward where it takes the problem, else
+v2's; their backward (fp8_attn_func's FP8 backward) is v2's in its FP8 mode.
 Backward kernels:
   "tiled", "v1", "v2"   as above
   "v3-gluon"     two warp-specialized Gluon passes, dQ then dK/dV, bitwise reproducible
@@ -208,11 +208,18 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
     if version == "v1":
         return _v1_plan(p, target, opts, "bwd")
     gluon = target.gluon and not p.varlen  # the Gluon backward takes batched problems only
-    kernel = "v2" if version == "v2" or p.v2_only or not gluon else _v3_backward_kernel(p, opts)
+    # Float8 inputs (fp8_attn_func's FP8 backward) run v2's kernels in their FP8 mode.
+    kernel = "v2" if version == "v2" or p.v2_only or p.fp8 or not gluon else _v3_backward_kernel(p, opts)
     if kernel == "v2":
         kv = configs.by_head_dim(configs.v2_bwd_kv_table(p.banded), p.widest_head_dim_pad)
         dq = configs.by_head_dim(configs.V2_BWD_Q, p.widest_head_dim_pad)
-        return Plan("v2", (_tiles(opts, target, "v2_bwd_kv", kv), _tiles(opts, target, "v2_bwd_q", dq)))
+        kv, dq = _tiles(opts, target, "v2_bwd_kv", kv), _tiles(opts, target, "v2_bwd_q", dq)
+        if p.fp8:
+            # One descale per block a matmul reduces over: the dK/dV pass's query blocks within
+            # Q's descale blocks, the dQ pass's key blocks within K's and V's (powers of two).
+            q_rows, kv_rows = p.fp8_rows
+            kv, dq = replace(kv, block_m=min(kv.block_m, q_rows)), replace(dq, block_n=min(dq.block_n, kv_rows))
+        return Plan("v2", (kv, dq))
     reduce = kernel == "v3-gluon-reduce"
     table = "v3_gluon_bwd_reduce" if reduce else "v3_gluon_bwd"
     override = opts.tile(table)

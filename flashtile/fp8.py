@@ -7,9 +7,12 @@ multiplied by the same random orthogonal matrix M = D H / sqrt(d) along the head
 random ±1 diagonal, H the Sylvester Hadamard matrix), which leaves Q Kᵀ unchanged but spreads
 an outlier's magnitude over the whole head dim before it sets the scale (per block, one kernel
 rotates and quantizes: kernels/quantize.py).  The forward runs the
-FP8 kernel (both matmuls in float8); the backward runs the bf16/fp16 kernels on the original
-Q, K, V with the FP8 forward's output and logsumexp (every backward matmul in the input
-precision: a straight-through gradient of the quantization).
+FP8 kernel (both matmuls in float8).  The gradient goes straight through the quantization: by
+default the backward runs the bf16/fp16 kernels on the original Q, K, V with the FP8 forward's
+output and logsumexp (every backward matmul in the input precision); with ``fp8_backward`` the
+backward kernels take the forward's own float8 Q, K, V (the scores recomputed as the forward
+formed them), dO quantized per block and dS per tile, and all five matmuls run in float8; the
+gradients of the rotated Q and K are rotated back.
 """
 import functools
 
@@ -19,7 +22,7 @@ import torch.nn.functional as F
 from flashtile import dispatch, ops, options, validation
 from flashtile.kernels.configs import WARPGROUP_ROWS
 from flashtile.kernels.quantize import blocks as fused_quantize_blocks
-from flashtile.kernels.problem import Problem, cdiv
+from flashtile.kernels.problem import Problem, cdiv, next_power_of_2
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -80,6 +83,16 @@ def _kernel_tiles(q, k, v, scale, left, right, softcap, version, kernel_options)
     return plan.config.block_m, plan.config.block_n
 
 
+def _head_descales_as_blocks(descale, heads_q, seqlen_q, seqlen_k):
+    """Per-(sequence, KV head) descales (3, batch, heads_k) as per-block ones (3, batch, heads_q,
+    1) whose one block spans every row, and those rows (a power of two: every tile divides them)."""
+    rows = max(128, next_power_of_2(max(seqlen_q, seqlen_k)))
+    blocks = descale.new_zeros(3, descale.shape[1], heads_q, 1)
+    blocks[0, ..., 0] = descale[0].repeat_interleave(heads_q // descale.shape[2], dim=1)  # Q: per query head
+    blocks[1:, :, :descale.shape[2], 0] = descale[1:]  # K, V: per KV head, as in _quantized
+    return blocks, (rows, rows)
+
+
 def _quantized(q, k, v, dtype, per_block, tiles, incoherent):
     """q, k, v in float8 and the descales the FP8 kernel reads for them (q and k rotated first
     with ``incoherent``: per block, inside the quantizing kernel)."""
@@ -103,7 +116,8 @@ def _quantized(q, k, v, dtype, per_block, tiles, incoherent):
 class _FP8Attention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, left, right, softcap, dtype, incoherent, per_block, kernel_options):
+    def forward(ctx, q, k, v, scale, left, right, softcap, dtype, incoherent, per_block, fp8_backward,
+                kernel_options):
         version = dispatch.resolve_version("auto", q.device)
         tiles = _kernel_tiles(q, k, v, scale, left, right, softcap, version, kernel_options) if per_block else None
         q8, k8, v8, descale = _quantized(q, k, v, dtype, per_block, tiles, incoherent)
@@ -111,31 +125,61 @@ class _FP8Attention(torch.autograd.Function):
                                    q.shape[1], k.shape[1], scale, left, right, softcap, 0.0, version, False,
                                    kernel_options)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if fp8_backward:
+            if not per_block:
+                descale, tiles = _head_descales_as_blocks(descale, q.shape[2], q.shape[1], k.shape[1])
+            ctx.save_for_backward(q8, k8, v8, descale, out, lse)
+            ctx.fp8 = (tuple(tiles), incoherent, q.dtype)
+        else:
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.fp8 = None
         ctx.args = (q.shape[1], k.shape[1], scale, left, right, softcap, 0.0, kernel_options)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
         seqlen_q, seqlen_k, scale, left, right, softcap, dropout_p, kernel_options = ctx.args
+        out, lse = ctx.saved_tensors[-2:]
         if dout is None:
             dout = torch.zeros_like(out)
-        version = dispatch.resolve_version("auto", q.device)
-        grads = ops._backward_kernels(dout.contiguous(), None if dlse is None else dlse.contiguous(), q, k, v, out,
-                                      lse, lse.new_empty(0), None, None, None, None, seqlen_q, seqlen_k, scale,
-                                      left, right, softcap, dropout_p, version, False, kernel_options)
-        return (*grads, None, None, None, None, None, None, None, None)
+        dout, dlse = dout.contiguous(), None if dlse is None else dlse.contiguous()
+        version = dispatch.resolve_version("auto", out.device)
+        if ctx.fp8 is not None:
+            grads = _fp8_gradients(ctx.saved_tensors[:4], ctx.fp8, dout, dlse, out, lse, ctx.args, version)
+        else:
+            q, k, v = ctx.saved_tensors[:3]
+            grads = ops._backward_kernels(dout, dlse, q, k, v, out, lse, lse.new_empty(0), None, None, None, None,
+                                          seqlen_q, seqlen_k, scale, left, right, softcap, dropout_p, version,
+                                          False, kernel_options)
+        return (*grads, None, None, None, None, None, None, None, None, None)
+
+
+def _fp8_gradients(quantized, fp8_state, dout, dlse, out, lse, args, version):
+    """dq, dk, dv of the FP8 backward (all matmuls in float8): the kernels' gradients with
+    respect to the float8 operands' values, the rotation of incoherent processing undone."""
+    q8, k8, v8, descale = quantized
+    rows, incoherent, dtype = fp8_state
+    seqlen_q, seqlen_k, scale, left, right, softcap, _, kernel_options = args
+    p = Problem.of(q8, k8, None, None, seqlen_q, seqlen_k, scale, left, right, softcap, fp8_descale=descale,
+                   fp8_rows=rows)
+    plan = dispatch.backward_plan(p, version, dispatch.target_of(p, q8, k8, v8, dout), ops._options(kernel_options))
+    dq, dk, dv = dispatch.run_backward(plan, p, dout, dlse, q8, k8, v8, out, lse, lse.new_empty(0))
+    if incoherent:  # Q M and K M were quantized: dQ = d(Q M) M^T, likewise dK
+        m = rotation(q8.shape[-1], q8.device)
+        dq, dk = dq @ m.T, dk @ m.T
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 def fp8_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                  dtype=torch.float8_e4m3fn, incoherent=True, scaling="block", return_softmax_lse=False):
+                  dtype=torch.float8_e4m3fn, incoherent=True, scaling="block", return_softmax_lse=False,
+                  fp8_backward=False):
     """Attention of bf16/fp16 q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k,
     nheads_k, headdim) computed in float8 ``dtype`` (e4m3 or e5m2), with incoherent processing
     of Q and K unless ``incoherent=False`` (head dims a power of two, 16 to 256), and scales per
     block of the kernel's tiles (``scaling="block"``) or per (sequence, KV head) ("head").
-    Returns out in q's dtype (and the logsumexp), differentiable with respect to q, k and v."""
+    Returns out in q's dtype (and the logsumexp), differentiable with respect to q, k and v:
+    the backward's matmuls in q's dtype, or with ``fp8_backward=True`` in ``dtype`` as well."""
     validation.check_qkv(q, k, v, False)
     if dtype not in FP8_MAX:
         raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
@@ -153,7 +197,7 @@ def fp8_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     text = options.text(options.resolve(None))
     with ops.on_device_of(q):
         out, lse = _FP8Attention.apply(q, k, v, scale, left, right, softcap, dtype, bool(incoherent),
-                                       scaling == "block", text)
+                                       scaling == "block", bool(fp8_backward), text)
     return (out, lse) if return_softmax_lse else out
 
 

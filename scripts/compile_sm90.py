@@ -25,7 +25,7 @@ from flashtile.kernels.problem import Problem, padded_head_dim
 from flashtile.options import KernelOptions
 from sass_loops import describe
 
-FP32_POINTERS = {"DESCALE", "LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE", "SINKS", "JOINED", "SHARE", "PART_O",
+FP32_POINTERS = {"DESCALE", "DO_DESCALE", "LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE", "SINKS", "JOINED", "SHARE", "PART_O",
                  "PART_LSE"}
 INT_POINTERS = {"CU_Q", "CU_K", "ENDS", "LEFTPAD", "BATCH_IDX", "BLOCK_TABLE", "TILES", "COUNT"}
 INT64_POINTERS = {"SEED"}
@@ -36,13 +36,16 @@ TUPLES = {"totals": ("i32", "i32", "i32", "i32"), "score_args": ("fp32",), "coun
 ALIBI_TUPLES = dict(TUPLES, score_args=("fp32", "*fp32", "i32"))  # softcap, slopes, their batch stride
 
 
-def signature(fn, dtype, constexprs, descriptors=None, tuples=TUPLES):
+def signature(fn, dtype, constexprs, descriptors=None, tuples=TUPLES, pointers=None):
     """Triton signature strings; ``descriptors`` maps tensor-descriptor arguments to (block, layout)
-    or (block, layout, element type); ``tuples`` the types inside tuple arguments."""
+    or (block, layout, element type); ``tuples`` the types inside tuple arguments; ``pointers``
+    pointer types by name where they differ from the rules below."""
     sig = {}
     for param in fn.params:
         name = param.name
-        if name in constexprs:
+        if pointers and name in pointers:
+            sig[name] = pointers[name]
+        elif name in constexprs:
             sig[name] = "constexpr"
         elif name in tuples:
             sig[name] = tuples[name]
@@ -67,9 +70,9 @@ def aligned(fn, sig):
                                                            and param.name[1:].isalpha() and param.name.islower())}
 
 
-def compile_one(fn, dtype, constexprs, options, descriptors=None, tuples=TUPLES, hints=False):
+def compile_one(fn, dtype, constexprs, options, descriptors=None, tuples=TUPLES, hints=False, pointers=None):
     source = GluonASTSource if fn.is_gluon() else ASTSource
-    sig = signature(fn, dtype, constexprs, descriptors, tuples)
+    sig = signature(fn, dtype, constexprs, descriptors, tuples, pointers)
     src = source(fn, sig, constexprs, aligned(fn, sig) if hints else None)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -154,8 +157,8 @@ def _options(cfg):
 def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=False, with_dropout=False, fp8=None,
           fp8_mode=1):
     """(name, kernel, constexprs, compile options, descriptor blocks) of every kernel as launched
-    (``with_dropout``: the v2 kernels as dropout launches them; ``fp8``: the forwards that take
-    float8 inputs, v2's and the Gluon one, as they launch for them)."""
+    (``with_dropout``: the v2 kernels as dropout launches them; ``fp8``: the kernels that take
+    float8 inputs, v2's forward and backward and the Gluon forward, as they launch for them)."""
     p = problem(head_dim, softcap=softcap, alibi=alibi)
     base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=varlen, UPCAST=False,
                 SCORE=score.mod_of(p))
@@ -182,12 +185,18 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     yield "v2.fwd", v2._fwd_kernel, dict(v2_base, BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages,
                                          FP8=False, svd=1), \
         _options(f), None
-    kv, qc = dispatch.backward_plan(p, "v2", dispatch.HOPPER, opts).config
+    # The FP8 backward (fp8_attn_func's): float8 operands with descales per block of the Gluon
+    # forward's tiles (a consumer's 64 rows, BLOCK_N keys).
+    rows = (configs.WARPGROUP_ROWS, configs.by_head_dim(configs.V3_GLUON_FP8, p.head_dim_pad).block_n)
+    pb = replace(p, fp8=True, fp8_per_block=True, fp8_rows=rows) if fp8 else p
+    kv, qc = dispatch.backward_plan(pb, "v2", dispatch.HOPPER, opts).config
+    fp8_rows = dict(FP8=True, Q_ROWS=rows[0], KV_ROWS=rows[1]) if fp8 else dict(FP8=False, Q_ROWS=1, KV_ROWS=1)
     yield "v2.bwd_dkdv", v2._bwd_dkdv_kernel, dict(v2_base, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n,
-                                                   NUM_STAGES=kv.num_stages), _options(kv), None
+                                                   NUM_STAGES=kv.num_stages, DO_ROWS=kv.block_m, **fp8_rows), \
+        _options(kv), None
     yield "v2.bwd_dq", v2._bwd_dq_kernel, dict(v2_base, BLOCK_M=qc.block_m, BLOCK_N=qc.block_n,
-                                               NUM_STAGES=qc.num_stages,
-                                               HAS_DLSE=False), _options(qc), None
+                                               NUM_STAGES=qc.num_stages, HAS_DLSE=False, DO_ROWS=kv.block_m,
+                                               **fp8_rows), _options(qc), None
     c1 = dispatch.forward_plan(p, "v1", dispatch.HOPPER, opts).config
     yield "v1.fwd", v1._fwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), _options(c1), None
     c1 = dispatch.backward_plan(p, "v1", dispatch.HOPPER, opts).config
@@ -248,7 +257,8 @@ def main():
     ap.add_argument("--softcap", type=float, default=0.0, help="compile the kernels with this softcap")
     ap.add_argument("--alibi", action="store_true", help="compile the kernels that take ALiBi with it")
     ap.add_argument("--dropout", action="store_true", help="compile v2's kernels with dropout")
-    ap.add_argument("--fp8", choices=("fp8e4nv", "fp8e5"), help="compile the forwards that take float8 inputs (v2's, Gluon's) for them")
+    ap.add_argument("--fp8", choices=("fp8e4nv", "fp8e5"),
+                    help="compile the kernels that take float8 inputs (v2's, the Gluon forward) for them")
     ap.add_argument("--aligned", action="store_true",
                     help="pointers and strides divisible by 16, as a launch on contiguous tensors hints")
     ap.add_argument("--fp8-mode", type=int, choices=(1, 2), default=1,
@@ -262,10 +272,14 @@ def main():
             if args.only and name != args.only:
                 continue
             try:
-                fp8 = args.fp8 and (name == "v2.fwd" or name.startswith("v3.fwd_gluon"))
+                fp8 = args.fp8 and (name.startswith("v2.") or name.startswith("v3.fwd_gluon"))
                 if fp8 and name == "v2.fwd":  # V keys-contiguous (tma.keys_contiguous)
                     constexprs = {**{k: v for k, v in constexprs.items() if k != "svd"}, "FP8": args.fp8_mode, "svs": 1}
-                k = compile_one(fn, args.fp8 if fp8 else "bf16", constexprs, options, descriptors, tuples, args.aligned)
+                # The FP8 backward's gradients are float32; its dQ pass reads the bf16 dO for D.
+                pointers = (dict(DQ="*fp32", DK="*fp32", DV="*fp32", **({"DO": "*bf16"} if name == "v2.bwd_dq" else {}))
+                            if fp8 and name.startswith("v2.bwd") else None)
+                k = compile_one(fn, args.fp8 if fp8 else "bf16", constexprs, options, descriptors, tuples, args.aligned,
+                                pointers)
             except Exception as e:  # report and go on: one broken kernel should not hide the rest
                 print(f"d{d:<4} {name:18} FAILED: {str(e).splitlines()[0][:200]}")
                 continue

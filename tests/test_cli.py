@@ -130,20 +130,22 @@ def test_bench_packed_peers_agree_with_standard_attention():
 
 def test_bench_float8_cells_beside_bf16_ones(tmp_path):
     # --dtype bf16,e4m3: float8 cells on the providers with an FP8 path, in the same JSON schema
-    # (dtype "e4m3"), divided by the same provider's bf16 cell in the table; providers without
-    # float8 inputs and FP8 backwards are reported as not measured, not silently skipped.
+    # (dtype "e4m3"), divided by the same provider's bf16 cell in the table (the backward:
+    # fp8_attn_func's FP8 backward, as flashtile-v3); providers without float8 inputs are reported
+    # as not measured, not silently skipped.
     res = _run_cli("bench", "--head-dims", "32", "--seqlens", "80", "--tokens", "80", "--hidden", "64",
                    "--modes", "fwd,bwd", "--causal", "true", "--dtype", "bf16,e4m3",
-                   "--providers", "flashtile-v2,standard", "--baseline", "standard", "--out", str(tmp_path),
+                   "--providers", "flashtile-v3,standard", "--baseline", "standard", "--out", str(tmp_path),
                    "--name", "fp8", "--no-plots", interpret="0" if ON_GPU else "1")
     assert res.returncode == 0, res.stderr
     records = json.loads((tmp_path / "fp8.json").read_text())
     float8 = [r for r in records if r["dtype"] == "e4m3"]
-    assert [(r["provider"], r["mode"]) for r in float8] == [("flashtile-v2", "fwd")]
-    assert float8[0]["tflops"] > 0 and set(float8[0]) == set(records[0])
+    assert [(r["provider"], r["mode"]) for r in float8] == [("flashtile-v3", "fwd"), ("flashtile-v3", "bwd")]
+    assert all(r["tflops"] > 0 and set(r) == set(records[0]) for r in float8)
     assert len(records) - len(float8) == 2 * 2  # bf16: mode x provider
-    assert "### d32 causal fwd e4m3" in res.stdout and "flashtile-v2/bf16" in res.stdout
-    assert "standard takes no float8 inputs" in res.stdout and "forward only" in res.stdout
+    assert "### d32 causal fwd e4m3" in res.stdout and "### d32 causal bwd e4m3" in res.stdout
+    assert "flashtile-v3/bf16" in res.stdout and "fp8_backward=True" in res.stdout
+    assert "standard takes no float8 inputs" in res.stdout and "measured as flashtile-v3" in res.stdout
 
 
 def test_bench_without_gpu_or_interpreter_is_a_usage_error():

@@ -307,7 +307,7 @@ def test_packed_sequences_take_the_gluon_forward_only_when_forced():
 
 def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     # Only v2's kernels draw the dropout mask and take a V head dim of its own: v3 hands such
-    # problems to them where the Gluon kernels would otherwise run.  FP8 inputs (forward only)
+    # problems to them where the Gluon kernels would otherwise run.  FP8 inputs
     # run the Gluon forward, with its own tiles, at every head dim, band or not, else v2's
     # (never the plain-Triton Hopper forward, which has no float8 path).
     seed = torch.zeros(1, dtype=torch.int64)
@@ -331,6 +331,15 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     assert all(consumers[n, -1, fp8] == (3 if n >= 2048 else 2) for n in (1024, 2048, 4096, 8192)
                for fp8 in (False, True))
     assert forward(problem()).kernel == "v3-gluon" and backward(problem()).kernel.startswith("v3-gluon")
+    # The FP8 backward (fp8_attn_func's) is v2's, its tiles within the descales' blocks: the dK/dV
+    # pass's query blocks divide Q's, the dQ pass's key blocks K's and V's.
+    for head_dim in (64, 128, 256):
+        for rows in ((64, 128), (64, 64), (32, 32), (128, 64)):
+            plan = backward(problem(head_dim=head_dim, fp8=True, fp8_per_block=True, fp8_rows=rows))
+            kv, dq = plan.config
+            assert plan.kernel == "v2" and rows[0] % kv.block_m == 0 and rows[1] % dq.block_n == 0
+            plain_kv, plain_dq = backward(problem(head_dim=head_dim), version="v2").config
+            assert (kv.block_n, dq.block_m) == (plain_kv.block_n, plain_dq.block_m)
     # The seed and the descales are no part of a plan's key.
     assert problem(dropout_p=0.1, dropout_seed=seed) == problem(dropout_p=0.1, dropout_seed=seed.clone())
     assert problem(dropout_p=0.1, dropout_seed=seed).holds_tensors

@@ -4,7 +4,7 @@ same-precision reference emulates the kernel's roundings in PyTorch (float32 sco
 probabilities scaled by 2**8 and rounded to the float8 type, a bf16 output)."""
 import pytest
 import torch
-from attention_check import OUT_RULE, assert_within_rule
+from attention_check import GRAD_RULE, OUT_RULE, assert_within_rule
 from conftest import DEVICE, ON_GPU
 
 import flashtile
@@ -192,6 +192,96 @@ def test_fp8_attn_func_with_incoherent_processing(dtype):
         assert rmse(leaf.grad, ref.grad) < grad_bound * ref.grad.square().mean().sqrt()
 
 
+def dequantize_blocks(x8, descale, rows):
+    """float64 values of x8 (batch, seqlen, heads, d) with one descale per ``rows`` rows of a
+    head (descale (batch, heads or more, blocks))."""
+    per_row = descale[:, :x8.shape[2]].repeat_interleave(rows, dim=2)[:, :, :x8.shape[1]]  # (batch, heads, seqlen)
+    return x8.double() * per_row.transpose(1, 2)[..., None].double()
+
+
+def round_tiles(x, rows, cols, dtype):
+    """x (..., n, m) rounded to float8 ``dtype`` with one scale per (rows x cols) tile, its amax
+    mapped to the type's largest value (tiles.fp8_tile), back in float64."""
+    n, m = x.shape[-2:]
+    padded = torch.nn.functional.pad(x, (0, -m % cols, 0, -n % rows))
+    tiles = padded.unflatten(-1, (-1, cols)).unflatten(-3, (-1, rows))  # (..., n / rows, rows, m / cols, cols)
+    descale = tiles.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX[dtype]
+    rounded = (tiles / descale).float().to(dtype).double() * descale
+    return rounded.flatten(-2).flatten(-3, -2)[..., :n, :m]
+
+
+def emulated_fp8_backward(qx, kx, vx, dout, out, lse, causal, dtype, do_rows, dq_tile, kv_tile, softcap=0.0):
+    """The FP8 backward's arithmetic in float64 on the dequantized float8 operands qx, kx, vx:
+    the scores as the forward formed them, P from the forward's lse, dO rounded per ``do_rows``
+    rows of a head, P x 2**8 rounded for dV, dS rounded per tile of the dQ pass (``dq_tile``:
+    query rows, keys) and of the dK/dV pass (``kv_tile``: query rows, keys); D from the bf16 dO
+    and the forward's output.  Returns dq, dk, dv with respect to qx, kx, vx."""
+    batch, seqlen_q, heads, head_dim = qx.shape
+    group = heads // kx.shape[2]
+    k, v = kx.repeat_interleave(group, 2), vx.repeat_interleave(group, 2)
+    scale = head_dim ** -0.5
+    logits = score.reference(torch.einsum("bqhd,bkhd->bhqk", qx, k) * scale, softcap)
+    if causal:
+        left, right = band(True, (-1, -1), seqlen_q, k.shape[1])
+        logits = logits.masked_fill(~band_mask(seqlen_q, k.shape[1], left, right, device=qx.device), float("-inf"))
+    p = torch.exp(logits - lse.double()[..., None])
+    do = dequantize_blocks(*fp8.quantize_blocks(dout, do_rows, dtype), do_rows)
+    delta = (dout.double() * out.double()).sum(-1).transpose(1, 2)
+    ds = score.reference_grad(p * (torch.einsum("bqhd,bkhd->bhqk", do, v) - delta[..., None]), logits, softcap)
+    dv = torch.einsum("bhqk,bqhd->bkhd", (p.float() * 256).to(dtype).double() / 256, do)
+    dq = torch.einsum("bhqk,bkhd->bqhd", round_tiles(ds, *dq_tile, dtype), k) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", round_tiles(ds, *kv_tile, dtype), qx) * scale
+    return dq, *(x.unflatten(2, (-1, group)).sum(3) for x in (dk, dv))
+
+
+@pytest.mark.parametrize("causal, heads_k, incoherent, scaling, softcap", [
+    (False, 2, False, "block", 0.0), (True, 2, False, "block", 0.0), (True, 4, True, "block", 0.0),
+    (True, 2, False, "head", 0.0), (False, 2, False, "block", 1.5)])
+def test_fp8_backward_against_emulation(causal, heads_k, incoherent, scaling, softcap):
+    # fp8_attn_func(fp8_backward=True): the five backward matmuls in float8.  The gradients with
+    # respect to the forward's own dequantized (and rotated) operands against float64, by the FA
+    # rule for gradients with the emulated roundings as the same-precision reference.
+    torch.manual_seed(5)
+    dtype = torch.float8_e4m3fn
+    seqlen_q, seqlen_k = (300, 420) if ON_GPU else (70, 90)
+    q, k, v = (torch.randn(2, n, h, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16) * s
+               for n, h, s in ((seqlen_q, 4, 1), (seqlen_k, heads_k, 2), (seqlen_k, heads_k, 0.5)))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = flashtile.fp8_attn_func(*leaves, causal=causal, incoherent=incoherent, scaling=scaling,
+                                       softcap=softcap, return_softmax_lse=True, fp8_backward=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    # The operands the kernels saw: the forward's float8 blocks (quantizing is deterministic).
+    scale = HEAD_DIM ** -0.5
+    left, right = band(causal, (-1, -1), seqlen_q, seqlen_k)
+    version = dispatch.resolve_version("auto", q.device)
+    tiles = fp8._kernel_tiles(q, k, v, scale, left, right, softcap, version, "")
+    q8, k8, v8, descale = fp8._quantized(q, k, v, dtype, scaling == "block", tiles, incoherent)
+    if scaling == "head":
+        descale, tiles = fp8._head_descales_as_blocks(descale, 4, seqlen_q, seqlen_k)
+    qx, kx, vx = (dequantize_blocks(x8, d, rows) for x8, d, rows in zip((q8, k8, v8), descale, (*tiles, tiles[1])))
+    p = fp8.Problem.of(q8, k8, None, None, seqlen_q, seqlen_k, scale, left, right, softcap, fp8_descale=descale,
+                       fp8_rows=tuple(tiles))
+    plan = dispatch.backward_plan(p, version, dispatch.target_of(p, q8, k8, v8), fp8.ops._options(""))
+    assert plan.kernel == "v2"
+    kv_cfg, q_cfg = plan.config
+    assert tiles[0] % kv_cfg.block_m == 0 and tiles[1] % q_cfg.block_n == 0
+    emulation = emulated_fp8_backward(qx, kx, vx, dout, out, lse, causal, dtype, kv_cfg.block_m,
+                                      (q_cfg.block_m, q_cfg.block_n), (kv_cfg.block_m, kv_cfg.block_n), softcap)
+    doubles = [x.clone().requires_grad_() for x in (qx, kx, vx)]
+    standard_attention(*doubles, causal=causal, upcast=True, softcap=softcap).backward(dout.double())
+    oracle = [x.grad for x in doubles]
+    if incoherent:  # gradients of Q M and K M: back to Q's and K's
+        m = fp8.rotation(HEAD_DIM, q.device).double()
+        emulation = (emulation[0] @ m.T, emulation[1] @ m.T, emulation[2])
+        oracle = (oracle[0] @ m.T, oracle[1] @ m.T, oracle[2])
+    for name, leaf, ref, emulated_grad in zip("qkv", leaves, oracle, emulation):
+        assert leaf.grad.dtype == torch.bfloat16
+        assert_within_rule(f"d{name}", leaf.grad, emulated_grad, ref, GRAD_RULE)
+        # and near the emulation itself: a descale lost or applied twice is far off
+        assert rmse(leaf.grad, emulated_grad) < 0.25 * rmse(emulated_grad, ref) + 1e-3
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_fp8_block_scales_against_dequantized_oracle(causal, head_dim):
@@ -211,11 +301,7 @@ def check_block_scales(causal, head_dim, seqlen_q, seqlen_k):
     tiles = fp8._kernel_tiles(q, k, v, scale, left, right, 0.0, fp8.dispatch.resolve_version("auto", q.device), "")
     out = flashtile.fp8_attn_func(q, k, v, causal=causal, incoherent=False)
     parts = [fp8.quantize_blocks(x, rows, dtype) for x, rows in zip((q, k, v), (*tiles, tiles[1]))]
-
-    def dequantize(x8, descale, rows):
-        per_row = descale.repeat_interleave(rows, dim=2)[:, :, :x8.shape[1]]  # (batch, heads, seqlen)
-        return x8.double() * per_row.transpose(1, 2)[..., None].double()
-    qx, kx, vx = (dequantize(x8, d, rows) for (x8, d), rows in zip(parts, (*tiles, tiles[1])))
+    qx, kx, vx = (dequantize_blocks(x8, d, rows) for (x8, d), rows in zip(parts, (*tiles, tiles[1])))
     oracle = standard_attention(qx, kx, vx, causal=causal, upcast=True)
     assert_within_rule("out", out, emulated(qx, kx, vx, causal, dtype), oracle, OUT_RULE)
     assert tiles[0] < seqlen_q and tiles[1] < seqlen_k  # several blocks per sequence, so scales do differ

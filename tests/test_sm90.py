@@ -263,6 +263,18 @@ def test_fp8_forward_runs_both_matmuls_in_fp8(tmp_path, fp8, mma, mode):
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n128k32.{mma}") >= 2
 
 
+@pytest.mark.parametrize("fp8", ["fp8e4nv", "fp8e5"])
+def test_fp8_backward_runs_every_matmul_in_fp8(tmp_path, fp8):
+    # fp8_attn_func(fp8_backward=True): the dQ pass's three products (S, dP, dQ) and the dK/dV
+    # pass's four (S, dP, dV, dK) as float8 warpgroup MMAs, none in bf16.
+    kind = "e4m3.e4m3" if fp8 == "fp8e4nv" else "e5m2.e5m2"
+    for kernel, products in (("v2.bwd_dq", 3), ("v2.bwd_dkdv", 4)):
+        compile_for_sm90(tmp_path, kernel, 128, fp8=fp8)
+        ptx = (tmp_path / f"{kernel}_d128.ptx").read_text()
+        shapes = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k32)\.f32\.{kind}", ptx)
+        assert len(shapes) >= products and "bf16" not in " ".join(re.findall(r"wgmma\.mma_async\S*", ptx)), kernel
+
+
 @pytest.mark.parametrize("fp8, mode, head_dim", [("fp8e4nv", 1, 128), ("fp8e5", 2, 128), ("fp8e4nv", 2, 256)])
 def test_gluon_fp8_forward_runs_float8_warpgroup_mmas(tmp_path, monkeypatch, fp8, mode, head_dim):
     # The Gluon forward on float8 inputs: both products float8 warpgroup MMAs (k32), V read

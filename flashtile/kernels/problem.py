@@ -80,11 +80,14 @@ class Problem:
     # float32 q's, k's and v's descales: (3, batch, heads_k) per (sequence, KV head), or
     # (3, batch, heads_q, blocks) per block (kernels/v2.py's FP8 modes).
     fp8_descale: Optional[torch.Tensor] = field(default=None, compare=False, hash=False)
+    # Per block, for a backward: (q rows, k/v rows) each descale covers (the forward's tiles);
+    # the backward's tiles divide them.  () where only a forward reads the descales.
+    fp8_rows: tuple = ()
 
     @classmethod
     def of(cls, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
            softmax_scale, window_left, window_right, softcap=0.0, deterministic=False, alibi_slopes=None,
-           dropout_p=0.0, dropout_seed=None, head_dim_v=None, fp8_descale=None):
+           dropout_p=0.0, dropout_seed=None, head_dim_v=None, fp8_descale=None, fp8_rows=()):
         varlen = cu_seqlens_q is not None
         return cls(
             batch=(cu_seqlens_q.shape[0] if cu_seqlens_q.dim() == 2 else cu_seqlens_q.numel() - 1) if varlen
@@ -100,7 +103,7 @@ class Problem:
             dropout_seed=dropout_seed,
             own_head_dim_v=None if head_dim_v in (None, q.shape[-1]) else head_dim_v,
             fp8=fp8_descale is not None, fp8_per_block=fp8_descale is not None and fp8_descale.dim() == 4,
-            fp8_descale=fp8_descale)
+            fp8_descale=fp8_descale, fp8_rows=fp8_rows)
 
     @property
     def varlen(self) -> bool:
@@ -119,9 +122,11 @@ class Problem:
         return self.dropout or self.own_head_dim_v is not None
 
     def gradients(self, q, k, v):
-        """dq, dk, dv to be written by a backward: zeros where rows go unwritten (seqused)."""
+        """dq, dk, dv to be written by a backward: zeros where rows go unwritten (seqused);
+        float32 for float8 inputs (gradients with respect to their dequantized values)."""
         alloc = torch.zeros_like if self.seqused else torch.empty_like
-        return alloc(q), alloc(k), alloc(v)
+        dtype = torch.float32 if self.fp8 else None
+        return alloc(q, dtype=dtype), alloc(k, dtype=dtype), alloc(v, dtype=dtype)
 
     @property
     def holds_tensors(self) -> bool:

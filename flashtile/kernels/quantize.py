@@ -15,9 +15,7 @@ import triton.language as tl
 from flashtile import options
 from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import cdiv, padded_head_dim
-from flashtile.kernels.tiles import fp8_operand
-
-TINY = tl.constexpr(1.1754943508222875e-38)  # float32's smallest normal: an all-zero block's amax
+from flashtile.kernels.tiles import TINY, fp8_signed_operand
 
 
 @triton.jit
@@ -44,12 +42,10 @@ def _blocks_kernel(X, ROT, OUT, DESCALE, seqlen, heads, sxb, sxs, sxh, sob, sos,
         x = x.to(tl.float32)
     descale = tl.maximum(tl.max(tl.abs(x)), TINY) / fp8_max
     y = x / descale
-    dtype = OUT.dtype.element_ty
-    if UPCAST:  # the interpreter's cast to float8 drops rounding carries: round on the grid first
-        magnitude = fp8_operand(tl.abs(y), dtype, True)
-        y = tl.where(y < 0, -magnitude, magnitude)
-    tl.store(OUT + batch * sob + head * soh + rows[:, None].to(tl.int64) * sos + cols[None, :], y.to(dtype),
-             mask=inside)
+    # (the interpreter's cast to float8 drops rounding carries: fp8_signed_operand rounds on the grid first)
+    y = fp8_signed_operand(y, OUT.dtype.element_ty, UPCAST)
+    tl.store(OUT + batch * sob + head * soh + rows[:, None].to(tl.int64) * sos + cols[None, :],
+             y.to(OUT.dtype.element_ty), mask=inside)
     tl.store(DESCALE + batch * sdb + head * sdh + block, descale)
 
 

@@ -71,6 +71,30 @@ def fp8_operand(x, dtype, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def fp8_signed_operand(x, dtype, UPCAST: tl.constexpr):
+    """fp8_operand for values of either sign."""
+    if UPCAST:
+        magnitude = fp8_operand(tl.abs(x), dtype, True)
+        return tl.where(x < 0, -magnitude, magnitude)
+    return x.to(dtype)
+
+
+TINY = tl.constexpr(1.1754943508222875e-38)  # float32's smallest normal: an all-zero block's amax
+
+
+@triton.jit
+def fp8_tile(x, dtype, UPCAST: tl.constexpr):
+    """A 2-D tile as the float8 ``dtype`` operand of one matmul and its descale: x is about
+    operand * descale, the tile's amax mapped to the type's largest value (the FP8 backward's
+    dS, whose range varies from tile to tile)."""
+    top = 448.0 if dtype == tl.float8e4nv else 57344.0
+    # At least float32's smallest normal: an all-zero tile (masked, or a padded token's dO) divides
+    # by a number no denormal flush turns into 0.
+    descale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0) / top, TINY)
+    return fp8_signed_operand(x / descale, dtype, UPCAST), descale
+
+
+@triton.jit
 def values_product(p, v, dtype, UPCAST: tl.constexpr, MASKED: tl.constexpr):
     """p @ v for one K/V block, with the masking rule: a key of weight exactly 0 (masked, or
     past the sequence) contributes nothing, whatever its value.  A matrix product would make 0
