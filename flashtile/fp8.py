@@ -56,7 +56,7 @@ def quantize(x, heads_k: int, dtype):
     the amax of each (sequence, KV head group) mapped to the type's largest value."""
     batch, seqlen, heads, d = x.shape
     grouped = x.float().view(batch, seqlen, heads_k, heads // heads_k, d)
-    descale = grouped.abs().amax(dim=(1, 3, 4)).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX[dtype]
+    descale = (grouped.abs().amax(dim=(1, 3, 4)) / FP8_MAX[dtype]).clamp(min=torch.finfo(torch.float32).tiny)
     return (grouped / descale[:, None, :, None, None]).view_as(x).to(dtype), descale
 
 
@@ -67,7 +67,7 @@ def quantize_blocks(x, rows: int, dtype):
     batch, seqlen, heads, d = x.shape
     blocks = cdiv(seqlen, rows)
     padded = F.pad(x.float(), (0, 0, 0, 0, 0, blocks * rows - seqlen)).view(batch, blocks, rows, heads, d)
-    descale = padded.abs().amax(dim=(2, 4)).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX[dtype]
+    descale = (padded.abs().amax(dim=(2, 4)) / FP8_MAX[dtype]).clamp(min=torch.finfo(torch.float32).tiny)
     quantized = (padded / descale[:, :, None, :, None]).view(batch, blocks * rows, heads, d)[:, :seqlen]
     return quantized.to(dtype), descale.transpose(1, 2)
 

@@ -4,7 +4,7 @@ Each version (v1, v2, v3) on shapes that hit every code path once: sequence leng
 block multiples (masked tails), a block-multiple length (v3's unmasked TMA path), causal with
 seqlen_q != seqlen_k, a sliding window, GQA, varlen (with offsets given as a strided view),
 softcap, ALiBi, sinks, and head dims that need padding; with v3, float8 inputs (FlashAttention-3's
-interface, and fp8_attn_func per block with its backward).  Prints one line per case; memcheck
+interface, and fp8_attn_func per block with both backwards).  Prints one line per case; memcheck
 reports any out-of-bounds or misaligned access.
 
     compute-sanitizer --tool memcheck python scripts/sanitize_cases.py --kernel-options "backward=gluon"
@@ -72,8 +72,9 @@ def run_fp8(case, device):
     v = torch.randn(b, sk, hk, d, device=device, dtype=torch.bfloat16, requires_grad=True)
     (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x.detach(), hk, torch.float8_e4m3fn) for x in (q, k, v))
     fa3.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
-    out = fp8.fp8_attn_func(q, k, v, causal=causal)
-    out.backward(torch.randn_like(out))
+    for fp8_backward in (False, True):
+        out = fp8.fp8_attn_func(q, k, v, causal=causal, fp8_backward=fp8_backward)
+        out.backward(torch.randn_like(out))
     if device == "cuda":
         torch.cuda.synchronize()
 

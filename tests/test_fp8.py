@@ -205,7 +205,7 @@ def round_tiles(x, rows, cols, dtype):
     n, m = x.shape[-2:]
     padded = torch.nn.functional.pad(x, (0, -m % cols, 0, -n % rows))
     tiles = padded.unflatten(-1, (-1, cols)).unflatten(-3, (-1, rows))  # (..., n / rows, rows, m / cols, cols)
-    descale = tiles.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX[dtype]
+    descale = (tiles.abs().amax(dim=(-3, -1), keepdim=True) / FP8_MAX[dtype]).clamp(min=torch.finfo(torch.float32).tiny)
     rounded = (tiles / descale).float().to(dtype).double() * descale
     return rounded.flatten(-2).flatten(-3, -2)[..., :n, :m]
 
@@ -234,22 +234,25 @@ def emulated_fp8_backward(qx, kx, vx, dout, out, lse, causal, dtype, do_rows, dq
     return dq, *(x.unflatten(2, (-1, group)).sum(3) for x in (dk, dv))
 
 
-@pytest.mark.parametrize("causal, heads_k, incoherent, scaling, softcap", [
-    (False, 2, False, "block", 0.0), (True, 2, False, "block", 0.0), (True, 4, True, "block", 0.0),
-    (True, 2, False, "head", 0.0), (False, 2, False, "block", 1.5)])
-def test_fp8_backward_against_emulation(causal, heads_k, incoherent, scaling, softcap):
+@pytest.mark.parametrize("causal, heads_k, incoherent, scaling, softcap, zeros", [
+    (False, 2, False, "block", 0.0, False), (True, 2, False, "block", 0.0, False), (True, 4, True, "block", 0.0, False),
+    (True, 2, False, "head", 0.0, False), (False, 2, False, "block", 1.5, False), (True, 2, False, "block", 0.0, True)])
+def test_fp8_backward_against_emulation(causal, heads_k, incoherent, scaling, softcap, zeros):
     # fp8_attn_func(fp8_backward=True): the five backward matmuls in float8.  The gradients with
     # respect to the forward's own dequantized (and rotated) operands against float64, by the FA
-    # rule for gradients with the emulated roundings as the same-precision reference.
+    # rule for gradients with the emulated roundings as the same-precision reference.  ``zeros``:
+    # whole blocks of Q, K and dO zero (padded tokens), whose descales must stay usable.
     torch.manual_seed(5)
     dtype = torch.float8_e4m3fn
     seqlen_q, seqlen_k = (300, 420) if ON_GPU else (70, 90)
     q, k, v = (torch.randn(2, n, h, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16) * s
                for n, h, s in ((seqlen_q, 4, 1), (seqlen_k, heads_k, 2), (seqlen_k, heads_k, 0.5)))
+    dout = torch.randn(2, seqlen_q, 4, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    if zeros:
+        q[:, :seqlen_q // 2], k[:, -seqlen_k // 2:], dout[:, :seqlen_q // 2] = 0, 0, 0
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out, lse = flashtile.fp8_attn_func(*leaves, causal=causal, incoherent=incoherent, scaling=scaling,
                                        softcap=softcap, return_softmax_lse=True, fp8_backward=True)
-    dout = torch.randn_like(out)
     out.backward(dout)
     # The operands the kernels saw: the forward's float8 blocks (quantizing is deterministic).
     scale = HEAD_DIM ** -0.5

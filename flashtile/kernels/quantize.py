@@ -40,7 +40,7 @@ def _blocks_kernel(X, ROT, OUT, DESCALE, seqlen, heads, sxb, sxs, sxh, sob, sos,
             x = tl.dot(x, signs) * rotation_scale
     else:
         x = x.to(tl.float32)
-    descale = tl.maximum(tl.max(tl.abs(x)), TINY) / fp8_max
+    descale = tl.maximum(tl.max(tl.abs(x)) / fp8_max, TINY)  # a normal number, also for an all-zero block
     y = x / descale
     # (the interpreter's cast to float8 drops rounding carries: fp8_signed_operand rounds on the grid first)
     y = fp8_signed_operand(y, OUT.dtype.element_ty, UPCAST)
