@@ -525,12 +525,13 @@ def markdown_table(records, baseline=None, failures=()):
         return "\n".join(["(no results)"] + failed) + "\n"
     env = {k: records[0][k] for k in ("gpu", "torch", "triton", "commit", "date")}
     dtypes = list(dict.fromkeys(r["dtype"] for r in records))
+    float8_backward = any(r["dtype"] in FLOAT8 and r["mode"] != "fwd" for r in records)
     lines = [f"GPU {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, "
              f"{env['date']}; TFLOP/s (forward 4*b*h*sq*sk*d, half when causal; backward 2.5x), "
              f"{', '.join(dtypes)}, "
              f"{PACKED_STORAGE if any(r.get('varlen') for r in records) else '(batch, seqlen, heads, headdim) storage'}"
              f"{'; float8 inputs with descales per (sequence, KV head), bf16 output' if set(dtypes) & set(FLOAT8) else ''}"
-             f"{'; float8 backward: fp8_attn_func(fp8_backward=True) on bf16 inputs' if any(r['dtype'] in FLOAT8 and r['mode'] != 'fwd' for r in records) else ''}"
+             f"{'; float8 backward: fp8_attn_func(fp8_backward=True) on bf16 inputs' if float8_backward else ''}"
              f"{'; CUDA-graph replays (no launch cost, L2 warm)' if records[0].get('timing') == 'cuda-graph' else ''}.",
              ""]
     groups = dict.fromkeys((r["dtype"], r["d"], r["causal"], r["mode"], r.get("varlen", False)) for r in records)

@@ -201,7 +201,8 @@ def dequantize_blocks(x8, descale, rows):
 
 def round_tiles(x, rows, cols, dtype):
     """x (..., n, m) rounded to float8 ``dtype`` with one scale per (rows x cols) tile, its amax
-    mapped to the type's largest value (tiles.fp8_tile), back in float64."""
+    mapped to the type's largest value, back in float64 (rows = 1: tiles.fp8_row_scaled on a
+    transposed tile, cols = 1: on a tile)."""
     n, m = x.shape[-2:]
     padded = torch.nn.functional.pad(x, (0, -m % cols, 0, -n % rows))
     tiles = padded.unflatten(-1, (-1, cols)).unflatten(-3, (-1, rows))  # (..., n / rows, rows, m / cols, cols)
@@ -210,12 +211,13 @@ def round_tiles(x, rows, cols, dtype):
     return rounded.flatten(-2).flatten(-3, -2)[..., :n, :m]
 
 
-def emulated_fp8_backward(qx, kx, vx, dout, out, lse, causal, dtype, do_rows, dq_tile, kv_tile, softcap=0.0):
+def emulated_fp8_backward(qx, kx, vx, dout, out, lse, causal, dtype, do_rows, dq_keys, kv_rows, softcap=0.0):
     """The FP8 backward's arithmetic in float64 on the dequantized float8 operands qx, kx, vx:
     the scores as the forward formed them, P from the forward's lse, dO rounded per ``do_rows``
-    rows of a head, P x 2**8 rounded for dV, dS rounded per tile of the dQ pass (``dq_tile``:
-    query rows, keys) and of the dK/dV pass (``kv_tile``: query rows, keys); D from the bf16 dO
-    and the forward's output.  Returns dq, dk, dv with respect to qx, kx, vx."""
+    rows of a head, P x 2**8 rounded for dV, dS rounded with one scale per row of each product's
+    output: for dQ per query row over each of the dQ pass's key blocks (``dq_keys``), for dK per
+    key over each of the dK/dV pass's query blocks (``kv_rows``); D from the bf16 dO and the
+    forward's output.  Returns dq, dk, dv with respect to qx, kx, vx."""
     batch, seqlen_q, heads, head_dim = qx.shape
     group = heads // kx.shape[2]
     k, v = kx.repeat_interleave(group, 2), vx.repeat_interleave(group, 2)
@@ -229,8 +231,8 @@ def emulated_fp8_backward(qx, kx, vx, dout, out, lse, causal, dtype, do_rows, dq
     delta = (dout.double() * out.double()).sum(-1).transpose(1, 2)
     ds = score.reference_grad(p * (torch.einsum("bqhd,bkhd->bhqk", do, v) - delta[..., None]), logits, softcap)
     dv = torch.einsum("bhqk,bqhd->bkhd", (p.float() * 256).to(dtype).double() / 256, do)
-    dq = torch.einsum("bhqk,bkhd->bqhd", round_tiles(ds, *dq_tile, dtype), k) * scale
-    dk = torch.einsum("bhqk,bqhd->bkhd", round_tiles(ds, *kv_tile, dtype), qx) * scale
+    dq = torch.einsum("bhqk,bkhd->bqhd", round_tiles(ds, 1, dq_keys, dtype), k) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", round_tiles(ds, kv_rows, 1, dtype), qx) * scale
     return dq, *(x.unflatten(2, (-1, group)).sum(3) for x in (dk, dv))
 
 
@@ -270,7 +272,7 @@ def test_fp8_backward_against_emulation(causal, heads_k, incoherent, scaling, so
     kv_cfg, q_cfg = plan.config
     assert tiles[0] % kv_cfg.block_m == 0 and tiles[1] % q_cfg.block_n == 0
     emulation = emulated_fp8_backward(qx, kx, vx, dout, out, lse, causal, dtype, kv_cfg.block_m,
-                                      (q_cfg.block_m, q_cfg.block_n), (kv_cfg.block_m, kv_cfg.block_n), softcap)
+                                      q_cfg.block_n, kv_cfg.block_m, softcap)
     doubles = [x.clone().requires_grad_() for x in (qx, kx, vx)]
     standard_attention(*doubles, causal=causal, upcast=True, softcap=softcap).backward(dout.double())
     oracle = [x.grad for x in doubles]

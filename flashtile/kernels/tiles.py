@@ -83,14 +83,16 @@ TINY = tl.constexpr(1.1754943508222875e-38)  # float32's smallest normal: an all
 
 
 @triton.jit
-def fp8_tile(x, dtype, UPCAST: tl.constexpr):
-    """A 2-D tile as the float8 ``dtype`` operand of one matmul and its descale: x is about
-    operand * descale, the tile's amax mapped to the type's largest value (the FP8 backward's
-    dS, whose range varies from tile to tile)."""
+def fp8_row_scaled(x, dtype, UPCAST: tl.constexpr):
+    """A 2-D tile as the float8 ``dtype`` first operand of one matmul, with one descale per row
+    ((rows, 1)): x is about operand * descale, each row's amax mapped to the type's largest
+    value.  Rows are the product's output rows, so the descale multiplies the product's rows
+    (the FP8 backward's dS, whose range varies from row to row; a row reduction stays within
+    a few threads, where a tile's would cross warps)."""
     top = 448.0 if dtype == tl.float8e4nv else 57344.0
-    # At least float32's smallest normal: an all-zero tile (masked, or a padded token's dO) divides
+    # At least float32's smallest normal: an all-zero row (masked, or a padded token's dO) divides
     # by a number no denormal flush turns into 0.
-    descale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0) / top, TINY)
+    descale = tl.maximum(tl.max(tl.abs(x), 1) / top, TINY)[:, None]
     return fp8_signed_operand(x / descale, dtype, UPCAST), descale
 
 

@@ -25,7 +25,7 @@ from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import Problem
 from flashtile.kernels import quantize
 from flashtile.kernels.tiles import (FP8_P_SCALE, FP8_PER_BLOCK, FP8_PER_HEAD, LOG2E, as_operand, finalize_rows,
-                                     finite_or_zero, fp8_operand, fp8_tile, load_tile, online_softmax_step,
+                                     finite_or_zero, fp8_operand, fp8_row_scaled, load_tile, online_softmax_step,
                                      row_delta, store_tile, values_product)
 
 
@@ -187,7 +187,7 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, 
         if MASK:  # a masked pair adds nothing, even where dP or its score is not finite
             dsT = tl.where(visible, dsT, 0.0)
         if FP8:
-            ds_operand, ds_descale = fp8_tile(dsT, dtype, UPCAST)
+            ds_operand, ds_descale = fp8_row_scaled(dsT, dtype, UPCAST)
             dk += tl.dot(ds_operand, q) * (ds_descale * q_descale)
         else:
             dk += tl.dot(as_operand(dsT, dtype, UPCAST), q)
@@ -209,7 +209,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SEED, DESCALE,
     blocks; strides sft, sfb, sfh), one per Q_ROWS rows of a query head or KV_ROWS rows of a KV
     head; do's DO_DESCALE (batch, heads_q, blocks; sgb, sgh), one per DO_ROWS rows.  dK and dV
     are with respect to the dequantized values; every matmul takes float8 operands, dS scaled
-    per tile (tiles.fp8_tile)."""
+    per row of each product's output (tiles.fp8_row_scaled)."""
     bh, block, _ = program_tile(seqlen_k, BLOCK_N)
     n0 = block * BLOCK_N
     batch, head_k, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
@@ -242,7 +242,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SEED, DESCALE,
         delta_base = DELTA + batch * slb + head * slh + q_start
         fp8_scales = (DESCALE, DO_DESCALE)  # not read
         if FP8:
-            fp8_scales = (k_descale, v_descale, DESCALE + batch * sfb + head * sfh, DO_DESCALE + batch * sgb + head * sgh)
+            fp8_scales = (k_descale, v_descale, DESCALE + batch * sfb + head * sfh,
+                          DO_DESCALE + batch * sgb + head * sgh)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, n0, rows_k,
                               offs_m, offs_d, full_lo, full_hi, seqlen_q, dlo, dhi, scale_log2, site, drop,
                               fp8_scales, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
@@ -298,7 +299,7 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, sks, svs, rows, offs_n, of
             if not FP8:  # (float8 keys come from finite values)
                 k = finite_or_zero(k)
         if FP8:
-            ds_operand, ds_descale = fp8_tile(ds, dtype, UPCAST)
+            ds_operand, ds_descale = fp8_row_scaled(ds, dtype, UPCAST)
             dq += tl.dot(ds_operand, k) * (ds_descale * k_descale)
         else:
             dq += tl.dot(as_operand(ds, dtype, UPCAST), k)
