@@ -7,12 +7,13 @@ multiplied by the same random orthogonal matrix M = D H / sqrt(d) along the head
 random ±1 diagonal, H the Sylvester Hadamard matrix), which leaves Q Kᵀ unchanged but spreads
 an outlier's magnitude over the whole head dim before it sets the scale (per block, one kernel
 rotates and quantizes: kernels/quantize.py).  The forward runs the
-FP8 kernel (both matmuls in float8).  The gradient goes straight through the quantization: by
-default the backward runs the bf16/fp16 kernels on the original Q, K, V with the FP8 forward's
-output and logsumexp (every backward matmul in the input precision); with ``fp8_backward`` the
-backward kernels take the forward's own float8 Q, K, V (the scores recomputed as the forward
-formed them), dO quantized per block and dS per tile, and all five matmuls run in float8; the
-gradients of the rotated Q and K are rotated back.
+FP8 kernel (both matmuls in float8).  The gradient goes straight through the quantization, taken
+at the forward's own operands (the float8 Q, K, V, Q and K rotated): by default the bf16/fp16
+kernels run on their dequantized copies with the FP8 forward's output and logsumexp (every
+backward matmul in the input precision); with ``fp8_backward`` the backward kernels take the
+float8 operands themselves, dO quantized per block and dS per row, and all five matmuls run in
+float8.  Either way the scores are recomputed as the forward formed them, and the gradients of
+the rotated Q and K are rotated back.
 """
 import functools
 
@@ -113,7 +114,18 @@ def _quantized(q, k, v, dtype, per_block, tiles, incoherent):
     return q8, k8, v8, descale
 
 
+def dequantize(x8, descale, rows: int, dtype):
+    """x8 (batch, seqlen, heads, d) in float8 times its descales (batch, heads or more, blocks),
+    one per ``rows`` rows of a head, in ``dtype``."""
+    per_row = descale[:, :x8.shape[2]].repeat_interleave(rows, dim=2)[:, :, :x8.shape[1]]  # (batch, heads, seqlen)
+    return (x8.float() * per_row.transpose(1, 2)[..., None]).to(dtype)
+
+
 class _FP8Attention(torch.autograd.Function):
+    """The FP8 forward; its backward differentiates at the forward's own operands (the float8
+    values, Q and K rotated), straight through the quantization, in float8 (``fp8_backward``)
+    or in the input type on their dequantized copies.  Either way P is recomputed from the
+    scores the forward formed, which its logsumexp normalizes."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, left, right, softcap, dtype, incoherent, per_block, fp8_backward,
@@ -125,50 +137,38 @@ class _FP8Attention(torch.autograd.Function):
                                    q.shape[1], k.shape[1], scale, left, right, softcap, 0.0, version, False,
                                    kernel_options)
         out = out.to(q.dtype)
-        if fp8_backward:
-            if not per_block:
-                descale, tiles = _head_descales_as_blocks(descale, q.shape[2], q.shape[1], k.shape[1])
-            ctx.save_for_backward(q8, k8, v8, descale, out, lse)
-            ctx.fp8 = (tuple(tiles), incoherent, q.dtype)
-        else:
-            ctx.save_for_backward(q, k, v, out, lse)
-            ctx.fp8 = None
+        if not per_block:
+            descale, tiles = _head_descales_as_blocks(descale, q.shape[2], q.shape[1], k.shape[1])
+        ctx.save_for_backward(q8, k8, v8, descale, out, lse)
+        ctx.state = (tuple(tiles), incoherent, q.dtype, fp8_backward)
         ctx.args = (q.shape[1], k.shape[1], scale, left, right, softcap, 0.0, kernel_options)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        q8, k8, v8, descale, out, lse = ctx.saved_tensors
+        rows, incoherent, dtype, fp8_backward = ctx.state
         seqlen_q, seqlen_k, scale, left, right, softcap, dropout_p, kernel_options = ctx.args
-        out, lse = ctx.saved_tensors[-2:]
         if dout is None:
             dout = torch.zeros_like(out)
         dout, dlse = dout.contiguous(), None if dlse is None else dlse.contiguous()
         version = dispatch.resolve_version("auto", out.device)
-        if ctx.fp8 is not None:
-            grads = _fp8_gradients(ctx.saved_tensors[:4], ctx.fp8, dout, dlse, out, lse, ctx.args, version)
+        if fp8_backward:
+            p = Problem.of(q8, k8, None, None, seqlen_q, seqlen_k, scale, left, right, softcap, fp8_descale=descale,
+                           fp8_rows=rows)
+            plan = dispatch.backward_plan(p, version, dispatch.target_of(p, q8, k8, v8, dout),
+                                          ops._options(kernel_options))
+            dq, dk, dv = dispatch.run_backward(plan, p, dout, dlse, q8, k8, v8, out, lse, lse.new_empty(0))
         else:
-            q, k, v = ctx.saved_tensors[:3]
-            grads = ops._backward_kernels(dout, dlse, q, k, v, out, lse, lse.new_empty(0), None, None, None, None,
-                                          seqlen_q, seqlen_k, scale, left, right, softcap, dropout_p, version,
-                                          False, kernel_options)
-        return (*grads, None, None, None, None, None, None, None, None, None)
-
-
-def _fp8_gradients(quantized, fp8_state, dout, dlse, out, lse, args, version):
-    """dq, dk, dv of the FP8 backward (all matmuls in float8): the kernels' gradients with
-    respect to the float8 operands' values, the rotation of incoherent processing undone."""
-    q8, k8, v8, descale = quantized
-    rows, incoherent, dtype = fp8_state
-    seqlen_q, seqlen_k, scale, left, right, softcap, _, kernel_options = args
-    p = Problem.of(q8, k8, None, None, seqlen_q, seqlen_k, scale, left, right, softcap, fp8_descale=descale,
-                   fp8_rows=rows)
-    plan = dispatch.backward_plan(p, version, dispatch.target_of(p, q8, k8, v8, dout), ops._options(kernel_options))
-    dq, dk, dv = dispatch.run_backward(plan, p, dout, dlse, q8, k8, v8, out, lse, lse.new_empty(0))
-    if incoherent:  # Q M and K M were quantized: dQ = d(Q M) M^T, likewise dK
-        m = rotation(q8.shape[-1], q8.device)
-        dq, dk = dq @ m.T, dk @ m.T
-    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+            q, k, v = (dequantize(x8, d, n, dtype) for x8, d, n in zip((q8, k8, v8), descale, (*rows, rows[1])))
+            dq, dk, dv = ops._backward_kernels(dout, dlse, q, k, v, out, lse, lse.new_empty(0), None, None, None,
+                                               None, seqlen_q, seqlen_k, scale, left, right, softcap, dropout_p,
+                                               version, False, kernel_options)
+        if incoherent:  # Q M and K M were quantized: dQ = d(Q M) M^T, likewise dK
+            m = rotation(q8.shape[-1], q8.device)
+            dq, dk = dq.float() @ m.T, dk.float() @ m.T
+        return (dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None, None, None)
 
 
 def fp8_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
