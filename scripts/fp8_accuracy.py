@@ -4,13 +4,15 @@ Q, K, V are N(0, 1) + N(0, 100) * Bernoulli(0.001) in bf16; each float8 type (e4
 measured with one scale per tensor (FlashAttention-3's interface, descales per (sequence, KV
 head) all equal), per (sequence, KV head) and per block of the kernel's tiles (fp8_attn_func),
 each without and with incoherent processing; beside them bf16 v3 and PyTorch's bf16 attention.
-Gradients: fp8_attn_func's default (per block + incoherent) against bf16 v3's.  Writes the JSON
+Gradients: fp8_attn_func's (per block + incoherent) default backward and its FP8 backward against
+bf16 v3's.  Writes the JSON
 and prints the Markdown table docs/README.md shows.
 
     python scripts/fp8_accuracy.py --out fp8_accuracy.json          (GPU: b1, 4k, h16, d128)
     TRITON_INTERPRET=1 python scripts/fp8_accuracy.py --seqlen 64 --heads 2 --head-dim 32
 """
 import argparse
+import functools
 import json
 
 import torch
@@ -64,12 +66,13 @@ def outputs(q, k, v, causal):
 
 
 def gradients(q, k, v, generator):
-    """dQ, dK, dV RMSE against float64 (non-causal) of bf16 v3 and of fp8_attn_func's default."""
+    """dQ, dK, dV RMSE against float64 (non-causal) of bf16 v3 and of fp8_attn_func's two backwards."""
     doubles = [x.double().requires_grad_() for x in (q, k, v)]
     dout = torch.randn(q.shape, generator=generator, dtype=torch.float64).to(q.device)
     ref = torch.autograd.grad(standard_attention(*doubles), doubles, dout)
     errors = {}
-    for name, fn in (("bf16_v3", api.flash_attn_func), ("e4m3_block_incoherent", fp8.fp8_attn_func)):
+    for name, fn in (("bf16_v3", api.flash_attn_func), ("e4m3_block_incoherent", fp8.fp8_attn_func),
+                     ("e4m3_block_incoherent_fp8_backward", functools.partial(fp8.fp8_attn_func, fp8_backward=True))):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         grads = torch.autograd.grad(fn(*leaves), leaves, dout.to(q.dtype))
         errors[name] = [rmse(g, r) for g, r in zip(grads, ref)]
