@@ -17,8 +17,9 @@
 #   features v3 with each score feature (softcap 30, ALiBi, sinks) against v3 without, d128 8k,
 #           forward and backward: a run per feature (features_*.json), joined by
 #           scripts/features_table.py (features.json, features.md); FEATURES: a ','-separated subset
-#   fp8     FP8 forwards beside bf16 in one run: flashtile-v3 (and v2) on bf16, e4m3 and e5m2 inputs,
-#           d64/d128/d256, causal and not, 4k-16k, 2 passes (fp8.*); FlashAttention-3's accuracy
+#   fp8     FP8 forwards and backwards beside bf16 in one run: flashtile-v3 (and v2's forward) on bf16,
+#           e4m3 and e5m2 inputs (the backward: fp8_attn_func's FP8 backward), d64/d128/d256, causal
+#           and not, 4k-16k, 2 passes (fp8.*); FlashAttention-3's accuracy
 #           protocol, RMSE against float64 (fp8_accuracy.json, .md: scripts/fp8_accuracy.py)
 #   train   scripts/train_llama.py: "sdpa", "flashtile" and (TRAIN_ARGS, e.g. --fp8) more, loss curves,
 #           throughput, generation (training.*)
@@ -96,7 +97,7 @@ for stage in $stages; do
       done > "$OUT/features.log" || status=1
       python scripts/features_table.py "$OUT"/features_*.json --out "$OUT/features.json" || status=1 ;;
     fp8)
-      python -m flashtile bench --head-dims 64,128,256 --seqlens 4096,8192,16384 --modes fwd --dtype bf16,e4m3,e5m2 \
+      python -m flashtile bench --head-dims 64,128,256 --seqlens 4096,8192,16384 --modes fwd,bwd --dtype bf16,e4m3,e5m2 \
         --providers flashtile-v3,flashtile-v2 --baseline flashtile-v2 --repeats 2 --out "$OUT" --name fp8 2>&1 \
         | grep -v "bench:" | tee "$OUT/fp8.log" || status=1
       python scripts/fp8_accuracy.py --out "$OUT/fp8_accuracy.json" | tee "$OUT/fp8_accuracy.md" || status=1 ;;
