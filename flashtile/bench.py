@@ -338,7 +338,7 @@ def _float8_step(provider, case, device, kernel_options, features):
     interface does; the other providers take no float8 inputs.  Backward modes: flashtile-v3's
     FP8 backward (_float8_backward_step)."""
     if case.mode != "fwd":
-        return _float8_backward_step(provider, case, device, features)
+        return _float8_backward_step(provider, case, device, kernel_options, features)
     if case.varlen:
         raise NotImplementedError(f"{case.dtype} inputs: batched cases only")
     if not provider.startswith("flashtile-"):
@@ -356,7 +356,7 @@ def _float8_step(provider, case, device, kernel_options, features):
     return step
 
 
-def _float8_backward_step(provider, case, device, features):
+def _float8_backward_step(provider, case, device, kernel_options, features):
     """The backward (mode "bwd") or forward and backward ("fwdbwd") of fp8_attn_func with its
     FP8 backward, from bf16 inputs, descales per (sequence, KV head) and no rotation as the float8
     forward cells: every matmul in float8 (one set of kernels, measured as flashtile-v3)."""
@@ -371,7 +371,8 @@ def _float8_backward_step(provider, case, device, features):
 
     def forward():
         return fp8.fp8_attn_func(q, k, v, causal=case.causal, softcap=features.get("softcap", 0.0),
-                                                dtype=case.float8, incoherent=False, scaling="head", fp8_backward=True)
+                                                dtype=case.float8, incoherent=False, scaling="head", fp8_backward=True,
+                                kernel_options=kernel_options)
     if case.mode == "bwd":
         out = forward()
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from flashtile import dispatch, ops, options, validation
 from flashtile.kernels.configs import WARPGROUP_ROWS
 from flashtile.kernels.quantize import blocks as fused_quantize_blocks
-from flashtile.kernels.problem import Problem, cdiv, next_power_of_2
+from flashtile.kernels.problem import Problem, cdiv
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -84,14 +84,18 @@ def _kernel_tiles(q, k, v, scale, left, right, softcap, version, kernel_options)
     return plan.config.block_m, plan.config.block_n
 
 
-def _head_descales_as_blocks(descale, heads_q, seqlen_q, seqlen_k):
+# The rows of a block that spans any sequence: per-(sequence, KV head) descales as one block each
+# (a power of two, which every tile divides; one value, so the backward kernels compile once).
+WHOLE_SEQUENCE_ROWS = 1 << 30
+
+
+def _head_descales_as_blocks(descale, heads_q):
     """Per-(sequence, KV head) descales (3, batch, heads_k) as per-block ones (3, batch, heads_q,
-    1) whose one block spans every row, and those rows (a power of two: every tile divides them)."""
-    rows = max(128, next_power_of_2(max(seqlen_q, seqlen_k)))
+    1) whose one block spans every row, and those rows."""
     blocks = descale.new_zeros(3, descale.shape[1], heads_q, 1)
     blocks[0, ..., 0] = descale[0].repeat_interleave(heads_q // descale.shape[2], dim=1)  # Q: per query head
     blocks[1:, :, :descale.shape[2], 0] = descale[1:]  # K, V: per KV head, as in _quantized
-    return blocks, (rows, rows)
+    return blocks, (WHOLE_SEQUENCE_ROWS, WHOLE_SEQUENCE_ROWS)
 
 
 def _quantized(q, k, v, dtype, per_block, tiles, incoherent):
@@ -117,15 +121,17 @@ def _quantized(q, k, v, dtype, per_block, tiles, incoherent):
 def dequantize(x8, descale, rows: int, dtype):
     """x8 (batch, seqlen, heads, d) in float8 times its descales (batch, heads or more, blocks),
     one per ``rows`` rows of a head, in ``dtype``."""
-    per_row = descale[:, :x8.shape[2]].repeat_interleave(rows, dim=2)[:, :, :x8.shape[1]]  # (batch, heads, seqlen)
-    return (x8.float() * per_row.transpose(1, 2)[..., None]).to(dtype)
+    block = torch.arange(x8.shape[1], device=x8.device) // rows
+    per_row = descale[:, :x8.shape[2]].transpose(1, 2)[:, block]  # (batch, seqlen, heads)
+    return (x8.float() * per_row[..., None]).to(dtype)
 
 
 class _FP8Attention(torch.autograd.Function):
     """The FP8 forward; its backward differentiates at the forward's own operands (the float8
     values, Q and K rotated), straight through the quantization, in float8 (``fp8_backward``)
     or in the input type on their dequantized copies.  Either way P is recomputed from the
-    scores the forward formed, which its logsumexp normalizes."""
+    scores the forward formed (up to the copies' rounding to the input type), which its
+    logsumexp normalizes."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, left, right, softcap, dtype, incoherent, per_block, fp8_backward,
@@ -138,7 +144,7 @@ class _FP8Attention(torch.autograd.Function):
                                    kernel_options)
         out = out.to(q.dtype)
         if not per_block:
-            descale, tiles = _head_descales_as_blocks(descale, q.shape[2], q.shape[1], k.shape[1])
+            descale, tiles = _head_descales_as_blocks(descale, q.shape[2])
         ctx.save_for_backward(q8, k8, v8, descale, out, lse)
         ctx.state = (tuple(tiles), incoherent, q.dtype, fp8_backward)
         ctx.args = (q.shape[1], k.shape[1], scale, left, right, softcap, 0.0, kernel_options)
@@ -173,13 +179,14 @@ class _FP8Attention(torch.autograd.Function):
 
 def fp8_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                   dtype=torch.float8_e4m3fn, incoherent=True, scaling="block", return_softmax_lse=False,
-                  fp8_backward=False):
+                  fp8_backward=False, *, kernel_options=None):
     """Attention of bf16/fp16 q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k,
     nheads_k, headdim) computed in float8 ``dtype`` (e4m3 or e5m2), with incoherent processing
     of Q and K unless ``incoherent=False`` (head dims a power of two, 16 to 256), and scales per
     block of the kernel's tiles (``scaling="block"``) or per (sequence, KV head) ("head").
     Returns out in q's dtype (and the logsumexp), differentiable with respect to q, k and v:
-    the backward's matmuls in q's dtype, or with ``fp8_backward=True`` in ``dtype`` as well."""
+    the backward's matmuls in q's dtype, or with ``fp8_backward=True`` in ``dtype`` as well.
+    ``kernel_options``: developer switches (options.KernelOptions)."""
     validation.check_qkv(q, k, v, False)
     if dtype not in FP8_MAX:
         raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
@@ -194,7 +201,7 @@ def fp8_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     left, right = validation.band(bool(causal), window_size, q.shape[1], k.shape[1])
     if scaling not in ("block", "head"):
         raise ValueError(f"scaling must be 'block' or 'head', got {scaling!r}")
-    text = options.text(options.resolve(None))
+    text = options.text(options.resolve(kernel_options))
     with ops.on_device_of(q):
         out, lse = _FP8Attention.apply(q, k, v, scale, left, right, softcap, dtype, bool(incoherent),
                                        scaling == "block", bool(fp8_backward), text)

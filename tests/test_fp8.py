@@ -199,6 +199,11 @@ def dequantize_blocks(x8, descale, rows):
     return x8.double() * per_row.transpose(1, 2)[..., None].double()
 
 
+# Tiles that separate the descale blocks from the backward's tiles under the interpreter (where
+# every default tile is 32): the forward's 64-row blocks, the backward's 16- and 32-row tiles.
+SMALL_BACKWARD_TILES = "tiles.v2_bwd_kv=16,32,4,1;tiles.v2_bwd_q=32,16,4,1;tiles.v2_fwd=64,64,4,1"
+
+
 def round_tiles(x, rows, cols, dtype):
     """x (..., n, m) rounded to float8 ``dtype`` with one scale per (rows x cols) tile, its amax
     mapped to the type's largest value, back in float64 (rows = 1: tiles.fp8_row_scaled on a
@@ -246,46 +251,60 @@ def emulated_backward(qx, kx, vx, dout, out, lse, causal, softcap, dtype=None, d
     return dq, *(x.unflatten(2, (-1, group)).sum(3) for x in (dk, dv))
 
 
-@pytest.mark.parametrize("fp8_backward, causal, heads_k, incoherent, scaling, softcap, zeros", [
-    (True, False, 2, False, "block", 0.0, False), (True, True, 2, False, "block", 0.0, False),
-    (True, True, 4, True, "block", 0.0, False), (True, True, 2, False, "head", 0.0, False),
-    (True, False, 2, False, "block", 1.5, False), (True, True, 2, False, "block", 0.0, True),
-    (False, False, 2, False, "block", 0.0, False), (False, True, 4, True, "block", 0.0, False),
-    (False, True, 2, False, "head", 1.5, True)])
-def test_fp8_backward_against_emulation(fp8_backward, causal, heads_k, incoherent, scaling, softcap, zeros):
+@pytest.mark.parametrize("fp8_backward, causal, heads_k, incoherent, scaling, softcap, zeros, tiles", [
+    (True, False, 2, False, "block", 0.0, False, ""), (True, True, 2, False, "block", 0.0, False, ""),
+    (True, True, 4, True, "block", 0.0, False, ""), (True, True, 2, False, "head", 0.0, False, ""),
+    (True, False, 2, False, "block", 1.5, False, ""), (True, True, 2, False, "block", 0.0, True, ""),
+    (True, True, 2, False, "block", 0.0, False, SMALL_BACKWARD_TILES),
+    (True, False, 1, True, "head", 0.0, False, SMALL_BACKWARD_TILES),
+    (False, False, 2, False, "block", 0.0, False, ""), (False, True, 4, True, "block", 0.0, False, ""),
+    (False, True, 2, False, "head", 1.5, True, "")])
+def test_fp8_backward_against_emulation(fp8_backward, causal, heads_k, incoherent, scaling, softcap, zeros, tiles):
     # fp8_attn_func's backward: by default the input type's kernels on the forward's dequantized
     # operands, with fp8_backward=True the five matmuls in float8.  The gradients with respect to
     # those operands (rotated back) against float64, by the FA rule for gradients with the
-    # emulated roundings as the same-precision reference.  ``zeros``: whole blocks of Q, K and
-    # dO zero (padded tokens), whose descales must stay usable.
+    # emulated roundings as the same-precision reference.  Heads and rows of different
+    # magnitudes, so that a descale read for the wrong head or block is far off; ``zeros``: whole
+    # blocks of Q, K and dO zero (padded tokens), whose descales must stay usable; ``tiles``:
+    # descale blocks larger than the backward's tiles.
     torch.manual_seed(5)
     dtype = torch.float8_e4m3fn
     seqlen_q, seqlen_k = (300, 420) if ON_GPU else (70, 90)
-    q, k, v = (torch.randn(2, n, h, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16) * s
-               for n, h, s in ((seqlen_q, 4, 1), (seqlen_k, heads_k, 2), (seqlen_k, heads_k, 0.5)))
+
+    def drawn(n, h, s):
+        magnitudes = torch.linspace(0.5, 2.0, n, device=DEVICE)[:, None] * torch.arange(1, h + 1, device=DEVICE)
+        return (torch.randn(2, n, h, HEAD_DIM, device=DEVICE) * s * magnitudes[..., None] ** 0.5).bfloat16()
+    q, k, v = (drawn(n, h, s) for n, h, s in ((seqlen_q, 4, 1), (seqlen_k, heads_k, 2), (seqlen_k, heads_k, 0.5)))
     dout = torch.randn(2, seqlen_q, 4, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
     if zeros:
         q[:, :seqlen_q // 2], k[:, -seqlen_k // 2:], dout[:, :seqlen_q // 2] = 0, 0, 0
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out, lse = flashtile.fp8_attn_func(*leaves, causal=causal, incoherent=incoherent, scaling=scaling,
-                                       softcap=softcap, return_softmax_lse=True, fp8_backward=fp8_backward)
+                                       softcap=softcap, return_softmax_lse=True, fp8_backward=fp8_backward,
+                                       kernel_options=tiles)
     out.backward(dout)
-    # The operands the kernels saw: the forward's float8 blocks (quantizing is deterministic).
+    # The operands the kernels saw: per block, the forward's float8 blocks (quantizing is
+    # deterministic; tested against PyTorch's below); per head, this file's own quantize.
     scale = HEAD_DIM ** -0.5
     left, right = band(causal, (-1, -1), seqlen_q, seqlen_k)
     version = dispatch.resolve_version("auto", q.device)
-    tiles = fp8._kernel_tiles(q, k, v, scale, left, right, softcap, version, "")
-    q8, k8, v8, descale = fp8._quantized(q, k, v, dtype, scaling == "block", tiles, incoherent)
+    rows = fp8._kernel_tiles(q, k, v, scale, left, right, softcap, version, tiles)
+    q8, k8, v8, descale = fp8._quantized(q, k, v, dtype, True, rows, incoherent)
     if scaling == "head":
-        descale, tiles = fp8._head_descales_as_blocks(descale, 4, seqlen_q, seqlen_k)
-    qx, kx, vx = (dequantize_blocks(x8, d, rows) for x8, d, rows in zip((q8, k8, v8), descale, (*tiles, tiles[1])))
-    p = fp8.Problem.of(q8, k8, None, None, seqlen_q, seqlen_k, scale, left, right, softcap, fp8_descale=descale,
-                       fp8_rows=tuple(tiles))
+        m = fp8.rotation(HEAD_DIM, q.device) if incoherent else None
+        qx, kx, vx = (dequantized(*quantize(x.float() @ m if rotate else x, heads_k, dtype))
+                      for x, rotate in ((q, incoherent), (k, incoherent), (v, False)))
+    else:
+        qx, kx, vx = (dequantize_blocks(x8, d, n) for x8, d, n in zip((q8, k8, v8), descale, (*rows, rows[1])))
     if fp8_backward:
-        plan = dispatch.backward_plan(p, version, dispatch.target_of(p, q8, k8, v8), fp8.ops._options(""))
+        p = fp8.Problem.of(q8, k8, None, None, seqlen_q, seqlen_k, scale, left, right, softcap, fp8_descale=descale,
+                           fp8_rows=tuple(rows))
+        plan = dispatch.backward_plan(p, version, dispatch.target_of(p, q8, k8, v8), fp8.ops._options(tiles))
         assert plan.kernel == "v2"
         kv_cfg, q_cfg = plan.config
-        assert tiles[0] % kv_cfg.block_m == 0 and tiles[1] % q_cfg.block_n == 0
+        assert rows[0] % kv_cfg.block_m == 0 and rows[1] % q_cfg.block_n == 0
+        if tiles and not ON_GPU:
+            assert rows[0] > kv_cfg.block_m and rows[1] > q_cfg.block_n
         emulation = emulated_backward(qx, kx, vx, dout, out, lse, causal, softcap, dtype, kv_cfg.block_m,
                                       q_cfg.block_n, kv_cfg.block_m)
     else:  # the kernels' gradients are bf16 before the rotation back

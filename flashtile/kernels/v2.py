@@ -210,6 +210,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SEED, DESCALE,
     head; do's DO_DESCALE (batch, heads_q, blocks; sgb, sgh), one per DO_ROWS rows.  dK and dV
     are with respect to the dequantized values; every matmul takes float8 operands, dS scaled
     per row of each product's output (tiles.fp8_row_scaled)."""
+    tl.static_assert(not (FP8 and DROPOUT), "the FP8 backward takes no dropout")
     bh, block, _ = program_tile(seqlen_k, BLOCK_N)
     n0 = block * BLOCK_N
     batch, head_k, q_start, seqlen_q, k_start, seqlen_k, dlo, dhi = program_sequence(
