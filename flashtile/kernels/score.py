@@ -207,6 +207,18 @@ def inner_logits(s, scale_log2, q_idx, kv_idx, site, MOD: tl.constexpr):
 
 
 @triton.jit
+def biased_inner_logits(s, scale_log2, unit, bias, q_idx, kv_idx, site, MOD: tl.constexpr):
+    """(inner_logits * unit + bias, in log2 units, and the inner logits t for inner_grad): for a
+    bias with no inner modification s * scale_log2 + bias, one multiply-add a score (t, unused
+    there, is s)."""
+    if MOD.inner is None:
+        return s * scale_log2 + bias, s
+    else:
+        t = inner_logits(s, scale_log2, q_idx, kv_idx, site, MOD)
+        return t * unit + bias, t
+
+
+@triton.jit
 def inner_grad(ds, t, q_idx, kv_idx, site, MOD: tl.constexpr):
     """A distance bias's ``grad`` (f' = inner'), ``t`` what inner_logits returned."""
     if MOD.inner is None:

@@ -352,10 +352,10 @@ def _probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, scale_log2, site, SCORE: g
             side += crossing.to(gl.float32)  # the left side's split, and crossing_part
         if (side != 0.0) | SPLIT_CROSSING:
             slope = score.distance_slope(site, SCORE) * unit  # log2 units
-            tT = score.inner_logits(sT, scale_log2, cols[None, :], rows_k[:, None], site, SCORE)
             key_part = (slope * side) * (rows_k - k0).to(gl.float32)
             lse_part = lse - (slope * side) * (k0 - site[2] - cols).to(gl.float32)
-            xT = tT * unit + key_part[:, None]
+            xT, tT = score.biased_inner_logits(sT, scale_log2, unit, key_part[:, None], cols[None, :],
+                                               rows_k[:, None], site, SCORE)
             if SPLIT_CROSSING:
                 if crossing:
                     xT += score.crossing_part(cols[None, :], rows_k[:, None], site[2], slope)
@@ -794,10 +794,10 @@ def _probs(s, lse, rows, q0, n0, band, seqlen_k, scale_log2, site, BLOCK_N: gl.c
         crossing = side == 0.0
         side += crossing.to(gl.float32)  # the left side's split, and crossing_part
         slope = score.distance_slope(site, SCORE) * unit  # log2 units
-        t = score.inner_logits(s, scale_log2, rows[:, None], cols[None, :], site, SCORE)
         key_part = (slope * side) * (cols - n0).to(gl.float32)
         lse_part = lse - (slope * side) * (n0 - site[2] - rows).to(gl.float32)
-        x = t * unit + key_part[None, :]
+        x, t = score.biased_inner_logits(s, scale_log2, unit, key_part[None, :], rows[:, None], cols[None, :], site,
+                                         SCORE)
         if crossing:
             x += score.crossing_part(rows[:, None], cols[None, :], site[2], slope)
         p = _in_band(gl.exp2(x - lse_part[:, None]), rows, n0, band, seqlen_k, BLOCK_N, col_layout)
