@@ -18,7 +18,7 @@ v2's; their backward (fp8_attn_func's FP8 backward) is v2's in its FP8 mode.
 Backward kernels:
   "tiled", "v1", "v2"   as above
   "v3-gluon"     two warp-specialized Gluon passes, dQ then dK/dV, bitwise reproducible
-                 (kernels/gluon/backward.py)
+                 (kernels/gluon/backward.py); packed sequences only when kernel options force it
   "v3-gluon-reduce"  one K/V-stationary Gluon pass adding dQ by TMA reduce-add (FlashAttention-3's)
 
 ``decode_plan`` does the same for queries against a KV cache (the split-KV kernel of
@@ -207,7 +207,7 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
         return Plan("tiled")
     if version == "v1":
         return _v1_plan(p, target, opts, "bwd")
-    gluon = target.gluon and not p.varlen  # the Gluon backward takes batched problems only
+    gluon = _gluon_backward_takes(p, target, opts)
     # Float8 inputs (fp8_attn_func's FP8 backward) run v2's kernels in their FP8 mode.
     kernel = "v2" if version == "v2" or p.v2_only or p.fp8 or not gluon else _v3_backward_kernel(p, opts)
     if kernel == "v2":
@@ -226,6 +226,19 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
     cfg = (configs.GluonBackward(*override) if override is not None else
            configs.by_head_dim(configs.V3_GLUON_BWD_REDUCE if reduce else configs.V3_GLUON_BWD, p.head_dim_pad))
     return Plan(kernel, replace(cfg, persistent="persistent" not in opts.ablate))
+
+
+def _gluon_backward_takes(p, target, opts) -> bool:
+    """Whether the Gluon backward runs problem ``p`` (else v2's): batched problems, and packed
+    sequences (its two passes down device-side tile lists) only when the options ask for it
+    (experimental), up to d128, while the walks' tile numbers fit in 32 bits."""
+    if not target.gluon:
+        return False
+    if not p.varlen:
+        return True
+    rows = configs.gluon_bwd_stationary_rows(p.head_dim_pad)
+    return (opts.backward == "gluon" and not configs.split_head_dim(p.head_dim_pad)
+            and p.batch * p.heads_q * max(p.query_blocks(rows), p.key_blocks(rows)) < 2**31)
 
 
 def _v3_backward_kernel(p, opts) -> str:

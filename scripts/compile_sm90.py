@@ -27,7 +27,7 @@ from sass_loops import describe
 
 FP32_POINTERS = {"DESCALE", "DO_DESCALE", "LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE", "SINKS", "JOINED", "SHARE", "PART_O",
                  "PART_LSE"}
-INT_POINTERS = {"CU_Q", "CU_K", "ENDS", "LEFTPAD", "BATCH_IDX", "BLOCK_TABLE", "TILES", "COUNT"}
+INT_POINTERS = {"CU", "CU_Q", "CU_K", "ENDS", "LEFTPAD", "BATCH_IDX", "BLOCK_TABLE", "TILES", "COUNT"}
 INT64_POINTERS = {"SEED"}
 INT8_POINTERS = {"KEPT"}
 FLOAT_SCALARS = {"scale_log2", "softmax_scale", "dropout_p", "fp8_max", "rotation_scale"}
@@ -115,13 +115,17 @@ def walk_constants(p):
 
 
 def gluon_bwd_case(head_dim_pad, opts, dq_pass, dq_reduce=False, persistent=True, causal=False, softcap=0.0,
-                   alibi=False):
+                   alibi=False, varlen=False):
     """One of v3's Gluon backward kernels with the constants and launch options gluon/backward.py
     would use; ``dq_reduce``: the dK/dV kernel adding dQ by TMA (the single pass);
     ``persistent``: as launched persistent where the pass can be (two stationary slots, tiles
-    strided over or, ``causal``, taken from the tile counter), else a CTA per tile."""
+    strided over or, ``causal`` or ``varlen``, taken from the tile counter), else a CTA per tile;
+    ``varlen``: on packed sequences (the two passes)."""
     b = gluon_bwd
     p = problem(head_dim_pad, causal, softcap=softcap, alibi=alibi)
+    if varlen:
+        offsets = torch.zeros(2, dtype=torch.int32)
+        p = replace(p, cu_seqlens_q=offsets, cu_seqlens_k=offsets, total_q=4096, total_k=4096)
     table = configs.V3_GLUON_BWD_REDUCE if dq_reduce else configs.V3_GLUON_BWD
     override = opts.tile("v3_gluon_bwd_reduce" if dq_reduce else "v3_gluon_bwd")
     cfg = configs.GluonBackward(*override) if override else configs.by_head_dim(table, head_dim_pad)
@@ -136,7 +140,8 @@ def gluon_bwd_case(head_dim_pad, opts, dq_pass, dq_reduce=False, persistent=True
         with mock.patch.object(b, "sm_count", lambda index: 132):
             schedule = b.pass_schedule(p, cfg, 1024, torch.device("cuda", 0), dq_reduce)
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PAD=head_dim_pad, STAGES=cfg.num_stages,
-                  SPLIT_D=configs.split_head_dim(head_dim_pad), SCORE=score.mod_of(p), **schedule.constants())
+                  SPLIT_D=configs.split_head_dim(head_dim_pad), SCORE=score.mod_of(p), VARLEN=varlen,
+                  **schedule.constants())
     out_block = tma.block_layout(b.partition_rows(head_dim_pad, dq_reduce), head_dim_pad, torch.bfloat16)
     if dq_pass:
         consts["HAS_DLSE"] = False
@@ -212,14 +217,23 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
             WARP_SPECIALIZE=plan.unmasked and c3.warp_specialize), _options(c3), None
     features = dict(softcap=softcap, alibi=alibi)
     fp8_features = dict(features, fp8=fp8, fp8_mode=fp8_mode)
-    if varlen:  # the Gluon forward takes packed sequences (not float8), walking their tile list; the
-        # Gluon backward does not
+    if varlen:  # the Gluon forward and the two-pass backward take packed sequences (not float8), walking
+        # their tile lists
         yield "packed_tiles.list", packed_tiles._list_kernel, dict(TILE_M=128, SEQUENCES=1024), {}, None
         yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, varlen=True, **features))
         yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel,
                *gluon_case(head_dim, opts, causal=True, varlen=True, **features))
         yield ("v3.fwd_gluon_window", gluon_fwd._fwd_kernel,
                *gluon_case(head_dim, opts, causal=True, window_left=512, varlen=True, **features))
+        if not configs.split_head_dim(p.head_dim_pad):  # the two passes up to d128
+            yield ("v3.bwd_dq_gluon", gluon_bwd._dq_kernel,
+                   *gluon_bwd_case(p.head_dim_pad, opts, True, varlen=True, **features))
+            yield ("v3.bwd_dkdv_gluon", gluon_bwd._dkdv_kernel,
+                   *gluon_bwd_case(p.head_dim_pad, opts, False, varlen=True, **features))
+            yield ("v3.bwd_dq_gluon_causal", gluon_bwd._dq_kernel,
+                   *gluon_bwd_case(p.head_dim_pad, opts, True, causal=True, varlen=True, **features))
+            yield ("v3.bwd_dkdv_gluon_causal", gluon_bwd._dkdv_kernel,
+                   *gluon_bwd_case(p.head_dim_pad, opts, False, causal=True, varlen=True, **features))
     else:
         yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, **fp8_features))
         yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, causal=True, **fp8_features))

@@ -283,10 +283,10 @@ def test_decode_combine_is_a_programmatic_dependent_on_hopper_only(monkeypatch):
     assert not dispatch._decode_plan(8, 1, 32, 128, torch.bfloat16, None, 8, 4096, 1, False, False).pdl
 
 
-def test_packed_sequences_take_the_gluon_forward_only_when_forced():
+def test_packed_sequences_take_the_gluon_kernels_only_when_forced():
     # Packed sequences run the plain-Triton forward (v2's on short bands) unless the options
-    # force the Gluon one; their backward is v2's whatever the options (the Gluon backward takes
-    # batched problems only); float8 ones run v2's forward.
+    # force the Gluon one, and v2's backward unless they force the Gluon one (its two passes, the
+    # batched tiles, up to d128; never the single pass); float8 ones run v2's forward.
     offsets = torch.zeros(3, dtype=torch.int32)
     for seqlen, window_right, default in ((4096, -1, "v3-triton"), (4096, 0, "v3-triton"), (512, 0, "v2")):
         p = replace(problem(seqlen, window_right), cu_seqlens_q=offsets, cu_seqlens_k=offsets, total_q=2 * seqlen,
@@ -296,13 +296,22 @@ def test_packed_sequences_take_the_gluon_forward_only_when_forced():
         assert forced.kernel == "v3-gluon" and forced.config == forward(replace(p, cu_seqlens_q=None,
                                                                                 cu_seqlens_k=None)).config
         assert forward(p, opts=KernelOptions(forward="gluon"), target=NO_GLUON).kernel != "v3-gluon"
-        for opts in (NONE, KernelOptions(backward="gluon"), KernelOptions(backward="gluon-reduce")):
+        for opts in (NONE, KernelOptions(backward="gluon-reduce"), KernelOptions(backward="v2")):
             assert backward(p, opts=opts).kernel == "v2"
+        gluon = KernelOptions(backward="gluon")
+        packed = backward(p, opts=gluon)
+        assert packed.kernel == "v3-gluon" and packed.config == backward(replace(
+            p, cu_seqlens_q=None, cu_seqlens_k=None), opts=gluon).config
+        assert backward(p, opts=gluon, target=NO_GLUON).kernel == "v2"
+        assert backward(replace(p, head_dim=256), opts=gluon).kernel == "v2"  # (the head dim split: batched only)
         assert forward(replace(p, fp8=True), opts=KernelOptions(forward="gluon")).kernel == "v2"
     # Not where the walk's tile numbers would pass 32 bits: 2**17 sequences of up to 2**17 rows, 8 heads.
     many = replace(problem(2**17), batch=2**17, cu_seqlens_q=offsets, cu_seqlens_k=offsets, total_q=2**20,
                    total_k=2**20)
     assert forward(many, opts=KernelOptions(forward="gluon")).kernel == "v3-triton"
+    # (the backward's walks have 128-row tiles: twice the sequences)
+    assert backward(many, opts=KernelOptions(backward="gluon")).kernel == "v3-gluon"
+    assert backward(replace(many, batch=2**18), opts=KernelOptions(backward="gluon")).kernel == "v2"
 
 
 def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():

@@ -673,6 +673,35 @@ def test_v3_gluon_forward_packed_gradients_and_score_mods():
         _check_packed(out, lse, q, k, v, cu_q, cu_k, causal=True, **mods)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon backward runs on the GPU only")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0), (40, 30)])
+@pytest.mark.parametrize("options", ["forward=gluon;backward=gluon", "forward=gluon;backward=gluon;ablate=persistent"])
+def test_v3_gluon_backward_packed_sequences(head_dim, window, options):
+    # The Gluon backward's two passes on packed sequences (kernel option backward=gluon): each
+    # pass walks its device-side list of (sequence, block) tiles, a sequence's last partial tile
+    # stores its dQ (dK, dV) rows by pointer, the next sequence's rows and keys are masked.
+    # GQA, 4 query heads over 2; persistent (tiles from the counter) and a CTA per tile.
+    q, k, v, cu_q, cu_k = _varlen_case(GLUON_PACKED_Q, GLUON_PACKED_K, d=head_dim)
+    dout = torch.randn_like(q)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse, _ = _packed_gluon_forward(*leaves, cu_q, cu_k, options, window_size=window)
+    grads = torch.autograd.grad(out, leaves, dout)
+    _check_packed(out.detach(), lse, q, k, v, cu_q, cu_k, dout, grads, window_size=window)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon backward runs on the GPU only")
+def test_v3_gluon_backward_packed_score_mods():
+    q, k, v, cu_q, cu_k = _varlen_case(GLUON_PACKED_Q, GLUON_PACKED_K, d=128)
+    dout = torch.randn_like(q)
+    slopes = alibi_slopes(len(GLUON_PACKED_Q), q.shape[1])
+    for mods in (dict(softcap=30.0), dict(alibi_slopes=slopes)):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out, lse, _ = _packed_gluon_forward(*leaves, cu_q, cu_k, "forward=gluon;backward=gluon", causal=True, **mods)
+        grads = torch.autograd.grad(out, leaves, dout)
+        _check_packed(out.detach(), lse, q, k, v, cu_q, cu_k, dout, grads, causal=True, **mods)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
 @pytest.mark.parametrize("options, head_dim", [("forward=gluon;tiles.v3_gluon=128,3,3", 64),
                                                ("forward=gluon;ablate=persistent", 64),

@@ -1,10 +1,11 @@
-"""The tiles of a packed batch, listed on the device for the Gluon forward's walk.
+"""The tiles of a packed batch, listed on the device for the Gluon kernels' walks.
 
 A packed (varlen) batch's sequences have lengths only the device knows (reading the offsets on
 the host would stall the stream).  A walk over batch x heads x the longest sequence's query
 blocks would meet a tile past its sequence's end for every block a shorter sequence lacks; the
-Gluon forward walks a list instead: one entry per (sequence, query block) that holds rows,
-``sequence * m_blocks + block``, the query heads of an entry taking consecutive tiles.
+Gluon kernels walk a list instead: one entry per (sequence, block) that holds rows,
+``sequence * m_blocks + block``, the heads of an entry taking consecutive tiles.  Blocks of query
+rows (the forward, the backward's dQ pass) or of keys (its dK/dV pass: ``keys``).
 
 The list runs sequence by sequence, in batch order, each sequence's blocks from its last down to
 its first (causal tiles longest first), so that the CTAs running at one time work on one
@@ -28,22 +29,23 @@ SEQUENCES = 1024  # sequences a program reads at a time
 
 
 @triton.jit
-def _blocks_of(CU_Q, first, batch, totals, m_blocks, TILE_M: tl.constexpr, SEQUENCES: tl.constexpr):
-    """(sequence indices, their query blocks: at most m_blocks, 0 past the batch) from ``first``."""
+def _blocks_of(CU, first, batch, total, stride, m_blocks, TILE_M: tl.constexpr, SEQUENCES: tl.constexpr):
+    """(sequence indices, their blocks: at most m_blocks, 0 past the batch) from ``first``; the
+    sequences' (start, end) in CU (entry stride ``stride``), clamped to ``total`` rows."""
     b = first + tl.arange(0, SEQUENCES)
-    _, length = sequence_bounds(tl.minimum(b, batch - 1), CU_Q, 0, totals[0], totals[2], True)
+    _, length = sequence_bounds(tl.minimum(b, batch - 1), CU, 0, total, stride, True)
     return b, tl.where(b < batch, tl.minimum(tl.cdiv(length, TILE_M), m_blocks), 0)
 
 
 @triton.jit
-def _list_kernel(CU_Q, TILES, COUNT, batch, m_blocks, capacity, totals, TILE_M: tl.constexpr,
+def _list_kernel(CU, TILES, COUNT, batch, m_blocks, capacity, total, stride, TILE_M: tl.constexpr,
                  SEQUENCES: tl.constexpr):
     first = tl.program_id(0) * SEQUENCES
     start = 0  # the entries of the sequences before this program's
     for before in range(0, first, SEQUENCES):
-        _, n = _blocks_of(CU_Q, before, batch, totals, m_blocks, TILE_M, SEQUENCES)
+        _, n = _blocks_of(CU, before, batch, total, stride, m_blocks, TILE_M, SEQUENCES)
         start += tl.sum(n)
-    b, n = _blocks_of(CU_Q, first, batch, totals, m_blocks, TILE_M, SEQUENCES)
+    b, n = _blocks_of(CU, first, batch, total, stride, m_blocks, TILE_M, SEQUENCES)
     at = start + tl.cumsum(n, 0) - n  # each sequence's first entry
     for j in range(0, tl.max(n, 0)):  # each sequence's j-th entry: its block n - 1 - j
         tl.store(TILES + at + j, b * m_blocks + n - 1 - j, mask=(j < n) & (at + j < capacity))
@@ -51,15 +53,18 @@ def _list_kernel(CU_Q, TILES, COUNT, batch, m_blocks, capacity, totals, TILE_M: 
         tl.store(COUNT, tl.minimum(start + tl.sum(n), capacity))
 
 
-def tile_list(p, tile_m, device):
-    """(entries, count): problem ``p``'s packed tiles of ``tile_m`` query rows as the Gluon
-    forward walks them, and the number of entries (one int32, on the device)."""
-    m_blocks = p.query_blocks(tile_m)
-    # Entries: at most a block per tile_m rows of the packed q, plus one partial block a sequence.
-    entries = min(p.batch * m_blocks, cdiv(p.total_q, tile_m) + p.batch)
+def tile_list(p, tile_m, device, keys=False):
+    """(entries, count): problem ``p``'s packed tiles of ``tile_m`` query rows (``keys``: key
+    rows) as the Gluon kernels walk them, and the number of entries (one int32, on the device)."""
+    if keys:
+        m_blocks, cu, total, stride = p.key_blocks(tile_m), p.cu_seqlens_k, p.total_k, p.totals[3]
+    else:
+        m_blocks, cu, total, stride = p.query_blocks(tile_m), p.cu_seqlens_q, p.total_q, p.totals[2]
+    # Entries: at most a block per tile_m rows of the packed tensor, plus one partial block a sequence.
+    entries = min(p.batch * m_blocks, cdiv(total, tile_m) + p.batch)
     tiles = torch.empty(max(1, entries), dtype=torch.int32, device=device)
     count = torch.empty(1, dtype=torch.int32, device=device)
     sequences = min(SEQUENCES, next_power_of_2(p.batch))
-    launch(_list_kernel, (cdiv(p.batch, sequences),), p.cu_seqlens_q, tiles, count, p.batch, m_blocks, tiles.numel(),
-           p.totals, TILE_M=tile_m, SEQUENCES=sequences)
+    launch(_list_kernel, (cdiv(p.batch, sequences),), cu, tiles, count, p.batch, m_blocks, tiles.numel(), total,
+           stride, TILE_M=tile_m, SEQUENCES=sequences)
     return tiles, count

@@ -33,6 +33,12 @@ this one's gradients leave.  Tiles of equal length are strided over; a band's ar
 the scheduler's atomic tile counter as CTAs free up.  d256 and the single pass run a CTA per
 tile (one slot: no shared memory for a second), which the GPU starts in the walk's order.
 
+Packed sequences (varlen; the two passes up to d128, when kernel options ask for the Gluon
+backward) are walked as the forward walks them: down device-side lists of (sequence, block)
+tiles (packed_tiles.py), one per pass, each tile's band and masks from its sequence's lengths;
+TMA sees the packed tensors as (1, total, heads, head dim), and a tile whose stationary rows run
+past its sequence stores those gradients by pointer (the next sequence's rows follow them).
+
 Head dims up to 128 keep the accumulators of 128 rows in registers; at d256 the two passes
 split the head dim (SPLIT_D): 64 stationary rows shared by both warpgroups, each holding half
 the head dim of the gradients, S / dP split by streamed rows, P and dS through shared memory.
@@ -49,14 +55,14 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from flashtile.kernels import configs, score
+from flashtile.kernels import configs, packed_tiles, score
 from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks, band_mask, band_rows_mask
 from flashtile.kernels.configs import gluon_bwd_stationary_rows, split_head_dim
 from flashtile.kernels.gluon.pipeline import buffer_of, release, tma_reduce_add
-from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter, publish_tile,
-                                               read_next_tile, read_tile, sm_count, start_tiles, stationary_tile,
-                                               tile_counter)
+from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter, packed_sequence,
+                                               packed_tile, publish_tile, read_next_tile, read_tile, sm_count,
+                                               start_tiles, stationary_tile, tile_counter)
 from flashtile.kernels.launch import launch
 from flashtile.kernels.tiles import LOG2E, load_tile, row_delta
 
@@ -136,7 +142,10 @@ class PassBuffers:
 @aggregate
 class PassWalk:
     """A pass's tiles (stationary row blocks of one head each), walked in groups of
-    ``head_group`` heads (scheduler.stationary_tile), and the band."""
+    ``head_group`` heads (scheduler.stationary_tile), and the band.  VARLEN: the batch's
+    sequences are packed (``CU_Q``/``CU_K``), each tile's lengths are its sequence's, and the
+    walk runs down the list ``TILES`` of (sequence, block) entries (packed_tiles.py; ``m_blocks``
+    counts the longest sequence's blocks), the heads of an entry on consecutive tiles."""
     num_tiles: Value
     heads: Value
     group: Value
@@ -145,9 +154,16 @@ class PassWalk:
     seqlen_k: Value
     window_left: Value
     window_right: Value
+    CU_Q: gl.tensor
+    CU_K: gl.tensor
+    totals: gl.tuple
+    TILES: gl.tensor
+    m_blocks: Value
+    VARLEN: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, num_tiles, heads, group, head_group, seqlen_q, seqlen_k, window_left, window_right):
+    def __init__(self, num_tiles, heads, group, head_group, seqlen_q, seqlen_k, window_left, window_right, CU_Q,
+                 CU_K, totals, TILES, m_blocks, VARLEN):
         self.num_tiles = _value(num_tiles)
         self.heads = _value(heads)
         self.group = _value(group)
@@ -156,16 +172,31 @@ class PassWalk:
         self.seqlen_k = _value(seqlen_k)
         self.window_left = _value(window_left)
         self.window_right = _value(window_right)
+        self.CU_Q = CU_Q
+        self.CU_K = CU_K
+        self.totals = totals
+        self.TILES = TILES
+        self.m_blocks = _value(m_blocks)
+        self.VARLEN = gl.constexpr(VARLEN)
 
     @gluon.jit
     def tile(self, t, ROWS: gl.constexpr, KEY_ROWS: gl.constexpr):
-        """(batch, head, first row) of tile ``t``: ROWS key rows of a K/V head (KEY_ROWS, the
-        dK/dV pass; a band's longest first from the first row), else ROWS query rows of one
-        query head (longest first from the last)."""
-        if KEY_ROWS:
-            return stationary_tile(t, self.num_tiles, self.heads, self.seqlen_k, self.head_group, ROWS, False)
+        """(batch, head, first row, sequence) of tile ``t``: ROWS key rows of a K/V head
+        (KEY_ROWS, the dK/dV pass; a band's longest first from the first row), else ROWS query
+        rows of one query head (longest first from the last).  The sequence: (its TMA batch
+        coordinate, first query row, first key row, query rows, keys); batched, the batch entry
+        from row 0."""
+        if self.VARLEN:
+            batch, head, r0 = packed_tile(t, self.TILES, self.heads, self.m_blocks, ROWS)
+            return batch, head, r0, packed_sequence(batch, self.CU_Q, self.CU_K, self.totals)
         else:
-            return stationary_tile(t, self.num_tiles, self.heads, self.seqlen_q, self.head_group, ROWS, True)
+            if KEY_ROWS:
+                batch, head, r0 = stationary_tile(t, self.num_tiles, self.heads, self.seqlen_k, self.head_group,
+                                                  ROWS, False)
+            else:
+                batch, head, r0 = stationary_tile(t, self.num_tiles, self.heads, self.seqlen_q, self.head_group,
+                                                  ROWS, True)
+            return batch, head, r0, (batch, 0, 0, self.seqlen_q, self.seqlen_k)
 
 
 @aggregate
@@ -229,35 +260,40 @@ def _producer(a_desc, b_desc, c_desc, d_desc, buf, walk, stats, counter, ROWS: g
     t = gl.program_id(0)
     start_tiles(counter, DYNAMIC)
     while t < num_tiles:
-        batch, head, r0 = walk.tile(t, ROWS, KEY_ROWS)
+        batch, head, r0, seq = walk.tile(t, ROWS, KEY_ROWS)
+        coord_b, q_start, k_start, seqlen_q, seqlen_k = seq
         if KEY_ROWS:
             first_head = head * group
             streamed_heads = group
+            row0, streamed_row0 = k_start + r0, q_start
         else:
             first_head = head // group
             streamed_heads = 1
+            row0, streamed_row0 = q_start + r0, k_start
         s, s_phase = buffer_of(tile_i, SLOTS)
         stationary = buf.stationary_ready.index(s)
         mbarrier.wait(buf.stationary_empty.index(s), s_phase ^ 1)
         publish_tile(buf.tile_ids, tile_i, t)
         following = next_tile(t, num_tiles, counter, PERSISTENT, DYNAMIC)
         mbarrier.expect(stationary, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(a_desc, [batch, r0, head, 0], stationary, buf.a.index(s))
-        tma.async_copy_global_to_shared(b_desc, [batch, r0, head, 0], stationary, buf.b.index(s))
-        dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(r0, ROWS, BLOCK, walk.seqlen_q, walk.seqlen_k,
+        tma.async_copy_global_to_shared(a_desc, [coord_b, row0, head, 0], stationary, buf.a.index(s))
+        tma.async_copy_global_to_shared(b_desc, [coord_b, row0, head, 0], stationary, buf.b.index(s))
+        dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(r0, ROWS, BLOCK, seqlen_q, seqlen_k,
                                                                walk.window_left, walk.window_right, KEY_ROWS)
-        it = _stream(c_desc, d_desc, buf, batch, first_head, streamed_heads, lo, n_blocks, it, walk.seqlen_q, stats,
-                     offs, BLOCK, STAGES, STATS_IN_RING)
+        it = _stream(c_desc, d_desc, buf, batch, coord_b, streamed_row0, q_start, first_head, streamed_heads, lo,
+                     n_blocks, it, seqlen_q, stats, offs, BLOCK, STAGES, STATS_IN_RING)
         t = following
         tile_i += 1
     end_tiles(buf.tile_ids, tile_i, buf.stationary_ready, buf.stationary_empty, num_tiles, PERSISTENT)
 
 
 @gluon.jit
-def _stream(c_desc, d_desc, buf, batch, first_head, heads, lo, n_blocks, it, seqlen_q, stats, offs,
-            BLOCK: gl.constexpr, STAGES: gl.constexpr, STATS_IN_RING: gl.constexpr):
-    """One tile's streamed pairs: n_blocks blocks from row lo of each of ``heads`` heads from
-    ``first_head``, the first into the ring's slot of block ``it``; returns the next block's count."""
+def _stream(c_desc, d_desc, buf, batch, coord_b, row0, q_start, first_head, heads, lo, n_blocks, it, seqlen_q, stats,
+            offs, BLOCK: gl.constexpr, STAGES: gl.constexpr, STATS_IN_RING: gl.constexpr):
+    """One tile's streamed pairs: n_blocks blocks from row lo (of the sequence that starts at
+    row ``row0`` of TMA batch entry ``coord_b``) of each of ``heads`` heads from ``first_head``,
+    the first into the ring's slot of block ``it``; returns the next block's count.  Their
+    query rows' statistics from row ``q_start`` of sequence ``batch``'s."""
     for g in range(heads):
         for i in range(n_blocks):
             slot, phase = buffer_of(it, STAGES)
@@ -265,16 +301,17 @@ def _stream(c_desc, d_desc, buf, batch, first_head, heads, lo, n_blocks, it, seq
             if STATS_IN_RING:
                 # lse and D of the block's query rows beside it, by cp.async: the slot's barrier
                 # also waits for them (each lane's arrive counts once its copies land).  Rows past
-                # the sequence read 0: their Q and dO rows are zero and the band mask drops them.
+                # the sequence read 0: their Q and dO rows are zero (packed: the next sequence's)
+                # and the band mask drops them.
                 rows = lo + i * BLOCK + offs
-                at = batch.to(gl.int64) * stats.slb + (first_head + g) * stats.slh + rows
+                at = batch.to(gl.int64) * stats.slb + (first_head + g) * stats.slh + q_start + rows
                 async_copy.async_copy_global_to_shared(stats.lse_smem.index(slot), stats.LSE + at,
                                                        mask=rows < seqlen_q)
                 async_copy.async_copy_global_to_shared(stats.delta_smem.index(slot), stats.DELTA + at,
                                                        mask=rows < seqlen_q)
                 async_copy.mbarrier_arrive(buf.ring_ready.index(slot))
             mbarrier.expect(buf.ring_ready.index(slot), c_desc.block_type.nbytes + d_desc.block_type.nbytes)
-            coord = [batch, lo + i * BLOCK, first_head + g, 0]
+            coord = [coord_b, row0 + lo + i * BLOCK, first_head + g, 0]
             tma.async_copy_global_to_shared(c_desc, coord, buf.ring_ready.index(slot), buf.c.index(slot))
             tma.async_copy_global_to_shared(d_desc, coord, buf.ring_ready.index(slot), buf.d.index(slot))
             it += 1
@@ -390,6 +427,18 @@ def _store_dkdv(dk, dv, k_tile, v_tile, k_smem, v_smem, dk_desc, dv_desc, batch,
 
 
 @gluon.jit
+def _store_rows(x, PTR, row0, rows_left, head, sgs, sgh, head_dim):
+    """``x`` (rows x head dim) from registers into rows row0... of ``head`` of a packed gradient,
+    its first ``rows_left`` rows (those after them are the next sequence's) and ``head_dim``
+    columns; ``sgs``, ``sgh``: the gradient's row and head strides."""
+    layout: gl.constexpr = x.type.layout
+    rows = gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, layout))
+    ptrs = PTR + (row0 + rows)[:, None].to(gl.int64) * sgs + head * sgh + cols[None, :]
+    gl.store(ptrs, x.to(PTR.dtype.element_ty), mask=(rows[:, None] < rows_left) & (cols[None, :] < head_dim))
+
+
+@gluon.jit
 def _scores(a, b, c_smem, d_smem, ready, count, s_zero, ROWS: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
             STAGES: gl.constexpr):
     """The streamed pair (c, d) of block ``count`` in its ring slot, once landed, and the
@@ -429,20 +478,20 @@ def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, k
 @gluon.jit
 def _kv_tile(t, tile_i, walk, k_smem, v_smem, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Tile ``t`` of the dK/dV pass (BLOCK_N key rows), the CTA's ``tile_i``-th: (batch, K/V
-    head, first key row), its stationary slot and the K and V blocks there, and the band of
+    head, first key row), its stationary slot and the K and V blocks there, the band of
     BLOCK_M-row Q blocks its rows see (blocks.band_blocks: dlo, dhi, lo, full_lo, full_hi,
-    n_blocks)."""
-    batch, head_k, n0 = walk.tile(t, BLOCK_N, True)
+    n_blocks), and its sequence (PassWalk.tile)."""
+    batch, head_k, n0, seq = walk.tile(t, BLOCK_N, True)
     kv_slot = buffer_of(tile_i, k_smem.shape[0])[0]
-    band = band_blocks(n0, BLOCK_N, BLOCK_M, walk.seqlen_q, walk.seqlen_k, walk.window_left, walk.window_right, True)
-    return batch, head_k, n0, kv_slot, k_smem.index(kv_slot), v_smem.index(kv_slot), band
+    band = band_blocks(n0, BLOCK_N, BLOCK_M, seq[3], seq[4], walk.window_left, walk.window_right, True)
+    return batch, head_k, n0, kv_slot, k_smem.index(kv_slot), v_smem.index(kv_slot), band, seq
 
 
 @gluon.jit
 def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats, dk_desc, dv_desc, ds_smem, dq_smem,
-                 dq_desc, softmax_scale, scale_log2, score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr, PERSISTENT: gl.constexpr,
-                 SCORE: gl.constexpr):
+                 dq_desc, packed_grads, softmax_scale, scale_log2, score_args, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr,
+                 PERSISTENT: gl.constexpr, SCORE: gl.constexpr):
     """dK and dV of a consumer partition's K/V rows: of WARPGROUPS warpgroups (64 rows each),
     partition WHICH of the CTA's.
 
@@ -451,10 +500,12 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats
     (DQ_REDUCE) runs one partition of both (WARPGROUPS 2): each Q block's dQ share, dS K, needs
     both warpgroups' dS^T, which meet in shared memory, and the two add the block's fp32 dQ by
     one TMA reduce-add.  (A partition per warpgroup measured up to 17% slower there at d128:
-    it spilled more.)"""
+    it spilled more.)  Packed sequences (the two passes): a tile whose rows run past its
+    sequence stores them by pointer (``packed_grads``: dK, dV, their row and head strides, the
+    head dim), the rows after them being the next sequence's."""
     k_smem, v_smem, q_smem, do_smem, tile_ids = buf.a, buf.b, buf.c, buf.d, buf.tile_ids
     kv_ready, kv_empty, q_ready, q_empty = buf.stationary_ready, buf.stationary_empty, buf.ring_ready, buf.ring_empty
-    num_tiles, group, seqlen_q = walk.num_tiles, walk.group, walk.seqlen_q
+    num_tiles, group = walk.num_tiles, walk.group  # (the sequence's lengths: each tile's)
     lse_smem, delta_smem = stats.lse_smem, stats.delta_smem
     SLOTS: gl.constexpr = k_smem.shape[0]
     ROWS: gl.constexpr = WARPGROUP_ROWS * WARPGROUPS
@@ -466,8 +517,9 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats
     tile_i = 0
     t = read_tile(tile_ids, tile_i, kv_ready, SLOTS)  # the tile's K and V landed
     while t < num_tiles:
-        batch, head_k, n0, kv_slot, k_block, v_block, band = _kv_tile(t, tile_i, walk, k_smem, v_smem, BLOCK_M,
-                                                                       BLOCK_N)
+        batch, head_k, n0, kv_slot, k_block, v_block, band, seq = _kv_tile(t, tile_i, walk, k_smem, v_smem, BLOCK_M,
+                                                                            BLOCK_N)
+        coord_b, q_start, k_start, seqlen_q, seqlen_k = seq
         # The band of the whole CTA's rows: every partition steps through the same blocks.
         dlo, dhi, lo, full_lo, full_hi, n_blocks = band
         r0 = n0 + WHICH * ROWS
@@ -476,7 +528,7 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats
         dv = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
         for g in range(group):
             head = head_k * group + g
-            site = (batch, head, walk.seqlen_k - seqlen_q, score_args)
+            site = (batch, head, seqlen_k - seqlen_q, score_args)
             for i in range(n_blocks):
                 dk, dv = _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_smem, delta_smem,
                                    ds_smem, dq_smem, dq_desc, dk, dv, s_zero, rows_k, r0, it, lo + i * BLOCK_M,
@@ -487,8 +539,18 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats
         # The partition's rows of K and V stage its dK and dV (as 2-D tiles, and as TMA sees them).
         k_rows = k_block.reshape([BLOCK_N, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
         v_rows = v_block.reshape([BLOCK_N, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
-        _store_dkdv(dk, dv, k_rows, v_rows, k_block.slice(WHICH * ROWS, ROWS, dim=1),
-                    v_block.slice(WHICH * ROWS, ROWS, dim=1), dk_desc, dv_desc, batch, r0, head_k, softmax_scale)
+        if walk.VARLEN:  # (batched launches compile the staged stores alone)
+            if r0 + ROWS > seqlen_k:
+                DK, DV, sgs, sgh, head_dim = packed_grads
+                _store_rows(dk * softmax_scale, DK, k_start + r0, seqlen_k - r0, head_k, sgs, sgh, head_dim)
+                _store_rows(dv, DV, k_start + r0, seqlen_k - r0, head_k, sgs, sgh, head_dim)
+            else:
+                _store_dkdv(dk, dv, k_rows, v_rows, k_block.slice(WHICH * ROWS, ROWS, dim=1),
+                            v_block.slice(WHICH * ROWS, ROWS, dim=1), dk_desc, dv_desc, coord_b, k_start + r0, head_k,
+                            softmax_scale)
+        else:
+            _store_dkdv(dk, dv, k_rows, v_rows, k_block.slice(WHICH * ROWS, ROWS, dim=1),
+                        v_block.slice(WHICH * ROWS, ROWS, dim=1), dk_desc, dv_desc, batch, r0, head_k, softmax_scale)
         release(kv_empty, kv_slot)
         tile_i += 1
         t = read_next_tile(tile_ids, tile_i, kv_ready, num_tiles, SLOTS, PERSISTENT)
@@ -568,8 +630,8 @@ def _kv_consumers_split_d(bufs, walk, row_stats, dk_desc, dv_desc, ds_smem, p_sm
     tile_i = 0
     t = read_tile(tile_ids, tile_i, kv_ready, SLOTS)  # the tile's K and V landed
     while t < num_tiles:
-        batch, head_k, n0, kv_slot, k_block, v_block, band = _kv_tile(t, tile_i, walk, k_smem, v_smem, BLOCK_M,
-                                                                       BLOCK_N)
+        batch, head_k, n0, kv_slot, k_block, v_block, band, _ = _kv_tile(t, tile_i, walk, k_smem, v_smem, BLOCK_M,
+                                                                          BLOCK_N)
         dlo, dhi, lo, full_lo, full_hi, n_blocks = band
         k_tile = k_block.reshape([BLOCK_N, HEAD_DIM_PAD])
         v_tile = v_block.reshape([BLOCK_N, HEAD_DIM_PAD])
@@ -640,8 +702,8 @@ def _kv_consumers_shared_scores(buf, walk, stats, dk_desc, dv_desc, p_smem, ds_s
     tile_i = 0
     t = read_tile(tile_ids, tile_i, kv_ready, SLOTS)  # the tile's K and V landed
     while t < num_tiles:
-        batch, head_k, n0, kv_slot, k_block, v_block, band = _kv_tile(t, tile_i, walk, k_smem, v_smem, BLOCK_M,
-                                                                       BLOCK_N)
+        batch, head_k, n0, kv_slot, k_block, v_block, band, _ = _kv_tile(t, tile_i, walk, k_smem, v_smem, BLOCK_M,
+                                                                          BLOCK_N)
         dlo, dhi, lo, full_lo, full_hi, n_blocks = band
         rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, acc_layout)
@@ -688,14 +750,24 @@ def _kv_consumers_shared_scores(buf, walk, stats, dk_desc, dv_desc, p_smem, ds_s
 @gluon.jit
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, slb, slh, num_tiles,
                  heads_k, group, head_group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
-                 counter, score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                 counter, score_args, CU_Q, CU_K, totals, TILES, COUNT, m_blocks, DK, DV, sgs, sgh, head_dim,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                  STAGES: gl.constexpr, SLOTS: gl.constexpr, DQ_REDUCE: gl.constexpr, SPLIT_D: gl.constexpr,
-                 SHARED_SCORES: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SCORE: gl.constexpr):
+                 SHARED_SCORES: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SCORE: gl.constexpr,
+                 VARLEN: gl.constexpr):
+    """VARLEN (the two passes up to d128): packed sequences, their tiles listed in TILES (COUNT
+    entries, packed_tiles.py), the tensors seen by TMA as (1, total, heads, head dim); dK and dV
+    of a tile running past its sequence leave by pointer (DK, DV: row and head strides sgs, sgh)."""
     # The two passes: a partition per consumer warpgroup; SPLIT_D and DQ_REDUCE: one of both.
     ONE_PARTITION: gl.constexpr = SPLIT_D or DQ_REDUCE
+    gl.static_assert(not (VARLEN and ONE_PARTITION), "packed sequences: the two passes up to d128")
     # The stationary pair is K and V, the streamed one Q and dO.
     buf = PassBuffers.allocate(k_desc, v_desc, q_desc, do_desc, STAGES, 1 if ONE_PARTITION else 2, SLOTS)
-    walk = PassWalk(num_tiles, heads_k, group, head_group, seqlen_q, seqlen_k, window_left, window_right)
+    if VARLEN:  # the packed list's length, written on the device
+        num_tiles = gl.load(COUNT) * heads_k
+    walk = PassWalk(num_tiles, heads_k, group, head_group, seqlen_q, seqlen_k, window_left, window_right, CU_Q, CU_K,
+                    totals, TILES, m_blocks, VARLEN)
+    packed_grads = (DK, DV, sgs, sgh, head_dim)
     if SPLIT_D:
         # dS^T and P^T of both warpgroups, two buffers each.
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
@@ -729,38 +801,39 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
             ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
             dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [2] + dq_desc.block_type.shape, dq_desc.layout)
             gl.warp_specialize([
-                (_kv_consumer, (0, 2, buf, walk, stats, dk_desc, dv_desc, ds_smem, dq_smem, dq_desc, softmax_scale,
-                                scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, True, PERSISTENT,
-                                SCORE)),
+                (_kv_consumer, (0, 2, buf, walk, stats, dk_desc, dv_desc, ds_smem, dq_smem, dq_desc, packed_grads,
+                                softmax_scale, scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, True,
+                                PERSISTENT, SCORE)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M, STAGES,
                              True, True, PERSISTENT, DYNAMIC)),
             ], [1], [PRODUCER_REGS])
         else:  # (buf.a stands for the buffers only DQ_REDUCE reads)
             gl.warp_specialize([
-                (_kv_consumer, (0, 1, buf, walk, stats, dk_desc, dv_desc, buf.a, buf.a, dq_desc, softmax_scale,
-                                scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, False, PERSISTENT,
-                                SCORE)),
-                (_kv_consumer, (1, 1, buf, walk, stats, dk_desc, dv_desc, buf.a, buf.a, dq_desc, softmax_scale,
-                                scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, False, PERSISTENT,
-                                SCORE)),
+                (_kv_consumer, (0, 1, buf, walk, stats, dk_desc, dv_desc, buf.a, buf.a, dq_desc, packed_grads,
+                                softmax_scale, scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, False,
+                                PERSISTENT, SCORE)),
+                (_kv_consumer, (1, 1, buf, walk, stats, dk_desc, dv_desc, buf.a, buf.a, dq_desc, packed_grads,
+                                softmax_scale, scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, False,
+                                PERSISTENT, SCORE)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M, STAGES,
                              True, True, PERSISTENT, DYNAMIC)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
-def _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, m0, seqlen_q, do,
+def _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, m0, seqlen_q, start, do,
                   rows_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                   HAS_DLSE: gl.constexpr, WARPS: gl.constexpr):
-    """BLOCK_M query rows of the dQ pass from m0, their lse (log2 units) and D = rowsum(dO * O) -
-    dlse, also written for the dK/dV pass, by a partition of WARPS warps (``do``: the rows' dO,
-    landed)."""
+    """BLOCK_M query rows of the dQ pass from m0 (of the sequence from row ``start``), their lse
+    (log2 units) and D = rowsum(dO * O) - dlse, also written for the dK/dV pass, by a partition of
+    WARPS warps (``do``: the rows' dO, landed)."""
     tile_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     tile_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, tile_layout))
     offs_d = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, tile_layout))
-    o_ptrs = O + batch.to(gl.int64) * sob + tile_rows[:, None].to(gl.int64) * sos + head * soh + offs_d[None, :]
+    o_ptrs = (O + batch.to(gl.int64) * sob + (start + tile_rows)[:, None].to(gl.int64) * sos + head * soh
+              + offs_d[None, :])
     o = gl.load(o_ptrs, mask=(tile_rows[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
-    stats = batch.to(gl.int64) * slb + head * slh
+    stats = batch.to(gl.int64) * slb + head * slh + start
     delta = row_delta(o, do.load(tile_layout), DLSE, stats + tile_rows, tile_rows, seqlen_q, HAS_DLSE)
     gl.store(DELTA + stats + tile_rows, delta, mask=tile_rows < seqlen_q)
     rows = m0 + gl.arange(0, BLOCK_M, layout=rows_layout)
@@ -830,17 +903,19 @@ def _store_dq(dq, q, q_smem, dq_desc, batch, m0, head, softmax_scale):
 
 
 @gluon.jit
-def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem, dq_desc, softmax_scale, scale_log2,
-                  score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem, dq_desc, packed_grads, softmax_scale,
+                  scale_log2, score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                   STAGES: gl.constexpr, HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr, PERSISTENT: gl.constexpr,
                   SCORE: gl.constexpr):
     """Consumer warpgroup WHICH, a partition of its own: dQ of query rows [64 * WHICH, 64 * WHICH +
     64) of each of the CTA's tiles, and their D.  With SPLIT_D (d256) both warpgroups are one
     partition (WHICH 0) and own the tile's 64 rows, half the head dim of dQ each; S and dP are
-    split by K/V rows and dS meets in shared memory (two buffers, one barrier per block)."""
+    split by K/V rows and dS meets in shared memory (two buffers, one barrier per block).  Packed
+    sequences: rows running past the tile's sequence leave by pointer (``packed_grads``: dQ,
+    its row and head strides)."""
     q_smem, do_smem, k_smem, v_smem, tile_ids = bufs.a, bufs.b, bufs.c, bufs.d, bufs.tile_ids
     q_ready, q_empty, kv_ready, kv_empty = bufs.stationary_ready, bufs.stationary_empty, bufs.ring_ready, bufs.ring_empty
-    num_tiles, heads_q, seqlen_q, seqlen_k = walk.num_tiles, walk.heads, walk.seqlen_q, walk.seqlen_k
+    num_tiles, heads_q = walk.num_tiles, walk.heads  # (the sequence's lengths: each tile's)
     window_left, window_right = walk.window_left, walk.window_right
     LSE, DELTA, slb, slh = row_stats.LSE, row_stats.DELTA, row_stats.slb, row_stats.slh
     O, sob, sos, soh, head_dim, DLSE = delta_in.O, delta_in.sob, delta_in.sos, delta_in.soh, delta_in.head_dim, delta_in.DLSE
@@ -855,15 +930,16 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
     tile_i = 0
     t = read_tile(tile_ids, tile_i, q_ready, SLOTS)  # the tile's Q and dO landed
     while t < num_tiles:
-        batch, head, m0 = walk.tile(t, BLOCK_M, False)
+        batch, head, m0, seq = walk.tile(t, BLOCK_M, False)
+        coord_b, q_start, k_start, seqlen_q, seqlen_k = seq
         q_slot = buffer_of(tile_i, SLOTS)[0]
         q_block = q_smem.index(q_slot)
         r0 = m0 + WHICH * ROWS
         q = q_block.reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
         do = do_smem.index(q_slot).reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
         rows, lse, delta = _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, r0,
-                                         seqlen_q, do, gl.SliceLayout(1, s_layout), ROWS, HEAD_DIM_PAD, HAS_DLSE,
-                                         8 if SPLIT_D else 4)
+                                         seqlen_q, q_start, do, gl.SliceLayout(1, s_layout), ROWS, HEAD_DIM_PAD,
+                                         HAS_DLSE, 8 if SPLIT_D else 4)
         dq = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
         site = (batch, head, seqlen_k - seqlen_q, score_args)
         # The band of the whole tile's rows: both warpgroups step through the same blocks.
@@ -890,7 +966,15 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
                 dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
             mbarrier.arrive(kv_empty.index(slot))
             j += 1
-        _store_dq(dq, q, q_block.slice(WHICH * ROWS, ROWS, dim=1), dq_desc, batch, r0, head, softmax_scale)
+        if walk.VARLEN:  # (batched launches compile the staged store alone)
+            if r0 + ROWS > seqlen_q:
+                DQ, sgs, sgh = packed_grads
+                _store_rows(dq * softmax_scale, DQ, q_start + r0, seqlen_q - r0, head, sgs, sgh, head_dim)
+            else:
+                _store_dq(dq, q, q_block.slice(WHICH * ROWS, ROWS, dim=1), dq_desc, coord_b, q_start + r0, head,
+                          softmax_scale)
+        else:
+            _store_dq(dq, q, q_block.slice(WHICH * ROWS, ROWS, dim=1), dq_desc, batch, r0, head, softmax_scale)
         release(q_empty, q_slot)
         tile_i += 1
         t = read_next_tile(tile_ids, tile_i, q_ready, num_tiles, SLOTS, PERSISTENT)
@@ -899,29 +983,40 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
 @gluon.jit
 def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh,
                num_tiles, heads_q, group, head_group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale,
-               scale_log2, counter, score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               scale_log2, counter, score_args, CU_Q, CU_K, totals, TILES, COUNT, m_blocks, DQ, sgs, sgh,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr, HAS_DLSE: gl.constexpr,
-               SPLIT_D: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SCORE: gl.constexpr):
+               SPLIT_D: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SCORE: gl.constexpr,
+               VARLEN: gl.constexpr):
+    """VARLEN: as _dkdv_kernel's, dQ of a tile running past its sequence by pointer (DQ)."""
+    gl.static_assert(not (VARLEN and SPLIT_D), "packed sequences: the two passes up to d128")
     # With SPLIT_D both consumer warpgroups are one partition; else each is its own.  The
     # stationary pair is Q and dO, the streamed one K and V.
     buf = PassBuffers.allocate(q_desc, do_desc, k_desc, v_desc, STAGES, 1 if SPLIT_D else 2, SLOTS)
-    walk = PassWalk(num_tiles, heads_q, group, head_group, seqlen_q, seqlen_k, window_left, window_right)
+    if VARLEN:  # the packed list's length, written on the device
+        num_tiles = gl.load(COUNT) * heads_q
+    walk = PassWalk(num_tiles, heads_q, group, head_group, seqlen_q, seqlen_k, window_left, window_right, CU_Q, CU_K,
+                    totals, TILES, m_blocks, VARLEN)
+    packed_grads = (DQ, sgs, sgh)
     stats = RowStats(LSE, DELTA, buf.a, buf.a, slb, slh)  # (the dQ pass reads no statistics from the ring)
     delta_in = DeltaInputs(O, sob, sos, soh, head_dim, DLSE)
     if SPLIT_D:
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], _SCORES_LAYOUT)  # both halves
         gl.warp_specialize([
-            (_dq_consumers, (0, buf, walk, stats, delta_in, ds_smem, dq_desc, softmax_scale, scale_log2, score_args,
-                             BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D, PERSISTENT, SCORE)),
+            (_dq_consumers, (0, buf, walk, stats, delta_in, ds_smem, dq_desc, packed_grads, softmax_scale,
+                             scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D,
+                             PERSISTENT, SCORE)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, buf, walk, stats, counter, BLOCK_M, BLOCK_N, STAGES, False,
                          False, PERSISTENT, DYNAMIC)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_dq_consumers, (0, buf, walk, stats, delta_in, buf.a, dq_desc, softmax_scale, scale_log2, score_args,
-                             BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D, PERSISTENT, SCORE)),
-            (_dq_consumers, (1, buf, walk, stats, delta_in, buf.a, dq_desc, softmax_scale, scale_log2, score_args,
-                             BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D, PERSISTENT, SCORE)),
+            (_dq_consumers, (0, buf, walk, stats, delta_in, buf.a, dq_desc, packed_grads, softmax_scale, scale_log2,
+                             score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D, PERSISTENT,
+                             SCORE)),
+            (_dq_consumers, (1, buf, walk, stats, delta_in, buf.a, dq_desc, packed_grads, softmax_scale, scale_log2,
+                             score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D, PERSISTENT,
+                             SCORE)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, buf, walk, stats, counter, BLOCK_M, BLOCK_N, STAGES, False,
                          False, PERSISTENT, DYNAMIC)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -936,25 +1031,56 @@ def backward(plan, p, dout, dlse, q, k, v, out, lse, saved):
     return _two_passes(plan.config, p, dout, dlse, q, k, v, out, lse)
 
 
+class PassTiles(NamedTuple):
+    """A pass's tiles as its kernel takes them: how many (packed: at most that many, the
+    list's entries times the heads), and for packed sequences their list, its length on the
+    device, and the blocks a sequence may have (placeholders batched, never read)."""
+    count: int
+    tiles: torch.Tensor
+    listed: torch.Tensor
+    m_blocks: int
+
+
+def pass_tiles(p, rows, heads, keys, device) -> PassTiles:
+    """The tiles of ``rows`` stationary query rows (``keys``: key rows) of ``heads`` heads each."""
+    if p.varlen:
+        tiles, listed = packed_tiles.tile_list(p, rows, device, keys)
+        return PassTiles(tiles.numel() * heads, tiles, listed, p.key_blocks(rows) if keys else p.query_blocks(rows))
+    blocks = p.key_blocks(rows) if keys else p.query_blocks(rows)
+    placeholder = p.cu_pointers(device)[0]
+    return PassTiles(p.batch * heads * blocks, placeholder, placeholder, 1)
+
+
+def _packed_views(p, *tensors):
+    """Packed tensors (total, heads, head dim) as TMA sees them, (1, total, heads, head dim)."""
+    return tuple(x.unsqueeze(0) for x in tensors) if p.varlen else tensors
+
+
 def _two_passes(cfg, p, dout, dlse, q, k, v, out, lse):
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # Packed: fresh (contiguous) gradients, whose partial tiles the kernels store by pointer.
+    dq, dk, dv = ((torch.empty(x.shape, dtype=x.dtype, device=x.device) if p.varlen else torch.empty_like(x))
+                  for x in (q, k, v))
     delta = torch.empty_like(lse)
     pad = p.head_dim_pad
     rows = gluon_bwd_stationary_rows(pad)
-    tiles = p.batch * p.heads_q * p.query_blocks(rows)
-    schedule = pass_schedule(p, cfg, tiles, q.device)
+    walked = pass_tiles(p, rows, p.heads_q, False, q.device)
+    schedule = pass_schedule(p, cfg, walked.count, q.device)
+    q4, k4, v4, dout4, dq4 = _packed_views(p, q, k, v, dout, dq)
+    cu_q, cu_k = p.cu_pointers(q.device)
     launch(
         _dq_kernel, (schedule.ctas,),
-        tma_host.descriptor(q, rows, pad), tma_host.descriptor(dout, rows, pad),
-        tma_host.descriptor(k, cfg.dq_block_n, pad), tma_host.descriptor(v, cfg.dq_block_n, pad),
-        tma_host.descriptor(dq, partition_rows(pad), pad),
-        out, out.stride(0), out.stride(1), out.stride(2), p.head_dim, lse, delta if dlse is None else dlse, delta,
-        lse.stride(0), lse.stride(1), tiles, p.heads_q, p.group,
-        walk_head_group(p, tiles, p.batch * p.heads_q, 2 * p.seqlen_k * pad * q.element_size(), q.device),  # K, V
+        tma_host.descriptor(q4, rows, pad), tma_host.descriptor(dout4, rows, pad),
+        tma_host.descriptor(k4, cfg.dq_block_n, pad), tma_host.descriptor(v4, cfg.dq_block_n, pad),
+        tma_host.descriptor(dq4, partition_rows(pad), pad),
+        out, *p.seq_strides(out), p.head_dim, lse, delta if dlse is None else dlse, delta,
+        *p.row_stat_strides(lse), walked.count, p.heads_q, p.group,
+        walk_head_group(p, walked.count, p.batch * p.heads_q, 2 * p.seqlen_k * pad * q.element_size(), q.device),
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
-        schedule.counter(lse.device), score.args_of(p),
+        schedule.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles, walked.listed,
+        walked.m_blocks, dq, dq.stride(-3), dq.stride(-2),
         BLOCK_M=rows, BLOCK_N=cfg.dq_block_n, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, HAS_DLSE=dlse is not None,
-        SPLIT_D=split_head_dim(pad), SCORE=score.mod_of(p), **schedule.constants(), **launch_options(pad))
+        SPLIT_D=split_head_dim(pad), SCORE=score.mod_of(p), VARLEN=p.varlen, **schedule.constants(),
+        **launch_options(pad))
     # D, written by the dQ pass, is read here: launched after it on the same stream.
     _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, None)
     return dq, dk, dv
@@ -1014,22 +1140,27 @@ def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
     pad = p.head_dim_pad
     rows = gluon_bwd_stationary_rows(pad)
     out_rows = partition_rows(pad, dq_acc is not None)
-    dk_desc = tma_host.descriptor(dk, out_rows, pad)
+    q4, k4, v4, dout4, dk4, dv4 = _packed_views(p, q, k, v, dout, dk, dv)
+    dk_desc = tma_host.descriptor(dk4, out_rows, pad)
     dq_reduce = dq_acc is not None
-    tiles = p.batch * p.heads_k * p.key_blocks(rows)
-    schedule = pass_schedule(p, cfg, tiles, q.device, dq_reduce)
+    walked = pass_tiles(p, rows, p.heads_k, True, q.device)
+    schedule = pass_schedule(p, cfg, walked.count, q.device, dq_reduce)
+    cu_q, cu_k = p.cu_pointers(q.device)
     launch(
         _dkdv_kernel, (schedule.ctas,),
-        tma_host.descriptor(q, cfg.kv_block_m, pad), tma_host.descriptor(k, rows, pad), tma_host.descriptor(v, rows, pad),
-        tma_host.descriptor(dout, cfg.kv_block_m, pad), dk_desc, tma_host.descriptor(dv, out_rows, pad),
+        tma_host.descriptor(q4, cfg.kv_block_m, pad), tma_host.descriptor(k4, rows, pad),
+        tma_host.descriptor(v4, rows, pad), tma_host.descriptor(dout4, cfg.kv_block_m, pad), dk_desc,
+        tma_host.descriptor(dv4, out_rows, pad),
         dk_desc if dq_acc is None else tma_host.descriptor(dq_acc, cfg.kv_block_m, pad),  # not read without dq_acc
-        lse, delta, lse.stride(0), lse.stride(1), tiles, p.heads_k, p.group,
-        walk_head_group(p, tiles, p.batch * p.heads_k, 2 * p.group * p.seqlen_q * pad * q.element_size(), q.device),
+        lse, delta, *p.row_stat_strides(lse), walked.count, p.heads_k, p.group,
+        walk_head_group(p, walked.count, p.batch * p.heads_k, 2 * p.group * p.seqlen_q * pad * q.element_size(),
+                        q.device),
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
-        schedule.counter(lse.device), score.args_of(p),
+        schedule.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles, walked.listed,
+        walked.m_blocks, dk, dv, dk.stride(-3), dk.stride(-2), p.head_dim,
         BLOCK_M=cfg.kv_block_m, BLOCK_N=rows, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, DQ_REDUCE=dq_reduce,
         SPLIT_D=split_head_dim(pad), SHARED_SCORES=shared_scores(cfg, pad, dq_reduce), SCORE=score.mod_of(p),
-        **schedule.constants(), **launch_options(pad, dq_reduce))
+        VARLEN=p.varlen, **schedule.constants(), **launch_options(pad, dq_reduce))
 
 
 class Schedule(NamedTuple):
@@ -1059,7 +1190,8 @@ def pass_schedule(p, cfg, tiles, device, dq_reduce=False) -> Schedule:
     memory for a second slot."""
     sms = sm_count(device.index)
     if cfg.persistent and not one_consumer_partition(p.head_dim_pad, dq_reduce) and tiles > sms:
-        return Schedule(sms, 2, True, p.banded)
+        # (packed sequences: ``tiles`` bounds the listed ones, of their sequences' lengths)
+        return Schedule(sms, 2, True, p.banded or p.varlen)
     return Schedule(tiles, 1, False, False)
 
 
@@ -1074,8 +1206,8 @@ def walk_head_group(p, tiles, batch_heads, streamed_bytes_per_head, device) -> i
     to the end of the walk (GQA at batch 2, 4k keys: 1.3-1.5x the time).  With more, one head at
     a time: the walk ends about as balanced, and fewer heads stream through L2 at once (their
     grouped walk measured 1-2% slower, d64 1k-16k)."""
-    if tiles > BALANCE_TILES_PER_SM * sm_count(device.index):
-        return 1
+    if p.varlen or tiles > BALANCE_TILES_PER_SM * sm_count(device.index):
+        return 1  # (packed sequences: the list's order)
     return heads_sharing_l2(p, batch_heads, streamed_bytes_per_head)
 
 

@@ -51,10 +51,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from flashtile.kernels import packed_tiles, score
 from flashtile.kernels import tma as tma_host
-from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile, sequence_bounds
+from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile
 from flashtile.kernels.configs import WARPGROUP_ROWS
-from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter, publish_tile,
-                                               read_next_tile, read_tile, sm_count, start_tiles, tile_counter)
+from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter, packed_sequence,
+                                               packed_tile, publish_tile, read_next_tile, read_tile, sm_count,
+                                               start_tiles, tile_counter)
 from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import remembered
 from flashtile.kernels.tiles import FP8_P_SCALE, FP8_PER_BLOCK, LOG2E, finalize_rows, scaled_softmax_step
@@ -249,9 +250,7 @@ class TileWalk:
         rows, keys).  Packed (VARLEN): coordinate 0 of a (1, total, heads, head dim) view, the
         sequence from its offsets; else the batch entry, from row 0."""
         if self.VARLEN:
-            q_start, seqlen_q = sequence_bounds(batch, self.CU_Q, 0, self.totals[0], self.totals[2], True)
-            k_start, seqlen_k = sequence_bounds(batch, self.CU_K, 0, self.totals[1], self.totals[3], True)
-            return 0, q_start.to(gl.int32), k_start.to(gl.int32), seqlen_q, seqlen_k
+            return packed_sequence(batch, self.CU_Q, self.CU_K, self.totals)
         else:
             return batch, 0, 0, self.seqlen_q, self.seqlen_k
 
@@ -265,13 +264,11 @@ class TileWalk:
         blocks run from the last to the first (causal tiles come longest first), the group's
         heads adjacent.  (Which blocks need a mask the consumers decide for their own rows.)"""
         if self.VARLEN:
-            entry = gl.load(self.TILES + t // self.heads_q)
-            batch = entry // self.m_blocks
-            m0 = entry % self.m_blocks * TILE_M
+            batch, head, m0 = packed_tile(t, self.TILES, self.heads_q, self.m_blocks, TILE_M)
             seq = self.sequence(batch)
             dlo, dhi, lo, _, _, n_blocks = band_blocks(m0, TILE_M, BLOCK_N, seq[3], seq[4], self.window_left,
                                                        self.window_right, False)
-            return batch, t % self.heads_q, m0, dlo, dhi, lo, n_blocks, seq
+            return batch, head, m0, dlo, dhi, lo, n_blocks, seq
         else:
             bh, step = grouped_tile(t, self.batch_heads, self.head_group, self.m_blocks)
             m0 = (self.m_blocks - 1 - step) * TILE_M

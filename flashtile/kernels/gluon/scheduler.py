@@ -20,7 +20,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from flashtile.kernels.blocks import grouped_tile
+from flashtile.kernels.blocks import grouped_tile, sequence_bounds
 from flashtile.kernels.problem import cdiv
 
 
@@ -90,6 +90,25 @@ def read_next_tile(tile_ids, tile_i, ready, num_tiles, SLOTS: gl.constexpr, PERS
     if PERSISTENT:
         t = read_tile(tile_ids, tile_i, ready, SLOTS)
     return t
+
+
+@gluon.jit
+def packed_tile(t, TILES, heads, m_blocks, ROWS: gl.constexpr):
+    """(sequence, head, first row) of tile ``t`` of a packed batch's walk: entry t // heads of the
+    list TILES (packed_tiles.py: sequence * m_blocks + block), the heads of an entry on
+    consecutive tiles."""
+    entry = gl.load(TILES + t // heads)
+    return entry // m_blocks, t % heads, entry % m_blocks * ROWS
+
+
+@gluon.jit
+def packed_sequence(batch, CU_Q, CU_K, totals):
+    """Sequence ``batch`` of a packed batch: (its TMA batch coordinate, 0 in the (1, total, heads,
+    head dim) views, its first query row, first key row, query rows, keys), from its offsets
+    (blocks.sequence_bounds; ``totals``: Problem.totals)."""
+    q_start, seqlen_q = sequence_bounds(batch, CU_Q, 0, totals[0], totals[2], True)
+    k_start, seqlen_k = sequence_bounds(batch, CU_K, 0, totals[1], totals[3], True)
+    return 0, q_start.to(gl.int32), k_start.to(gl.int32), seqlen_q, seqlen_k
 
 
 @gluon.jit
