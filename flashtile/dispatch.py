@@ -231,13 +231,15 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
 def _gluon_backward_takes(p, target, opts) -> bool:
     """Whether the Gluon backward runs problem ``p`` (else v2's): batched problems, and packed
     sequences (its two passes down device-side tile lists) only when the options ask for it
-    (experimental), up to d128, while the walks' tile numbers fit in 32 bits."""
+    (experimental), up to d128, while the walks' tile numbers fit in 32 bits, and without
+    seqused tables (its MMAs read the rows after a sequence, which there may hold anything:
+    masked to 0, a value that is not finite would still make 0 x inf)."""
     if not target.gluon:
         return False
     if not p.varlen:
         return True
     rows = configs.gluon_bwd_stationary_rows(p.head_dim_pad)
-    return (opts.backward == "gluon" and not configs.split_head_dim(p.head_dim_pad)
+    return (opts.backward == "gluon" and not configs.split_head_dim(p.head_dim_pad) and not p.seqused
             and p.batch * p.heads_q * max(p.query_blocks(rows), p.key_blocks(rows)) < 2**31)
 
 

@@ -219,7 +219,8 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     fp8_features = dict(features, fp8=fp8, fp8_mode=fp8_mode)
     if varlen:  # the Gluon forward and the two-pass backward take packed sequences (not float8), walking
         # their tile lists
-        yield "packed_tiles.list", packed_tiles._list_kernel, dict(TILE_M=128, SEQUENCES=1024), {}, None
+        yield "packed_tiles.list", packed_tiles._list_kernel, dict(TILE_M=128, SEQUENCES=1024, LAST_FIRST=True), {}, \
+            None
         yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, varlen=True, **features))
         yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel,
                *gluon_case(head_dim, opts, causal=True, varlen=True, **features))

@@ -111,14 +111,17 @@ def _expected_list(used, longest, tile_m):
 
 def test_packed_tile_list_of_key_blocks():
     # keys=True: the key blocks of each sequence, from its key offsets (the Gluon backward's dK/dV
-    # pass), whatever the queries' packing; the longest key sequence bounds the blocks.
+    # pass), whatever the queries' packing, from its first up (causal key blocks longest first);
+    # the longest key sequence bounds the blocks.
     q_lengths, k_lengths = [300, 5, 0, 1000], [40, 700, 129, 0]
     cu_q, cu_k = (torch.tensor([0] + n, device=DEVICE).cumsum(0).to(torch.int32) for n in (q_lengths, k_lengths))
     q = torch.empty(sum(q_lengths), 2, 64, device=DEVICE)
     k = torch.empty(sum(k_lengths), 2, 64, device=DEVICE)
     p = Problem.of(q, k, cu_q, cu_k, max(q_lengths), max(k_lengths), 0.1, -1, 0)
     tiles, count = packed_tiles.tile_list(p, 128, DEVICE, keys=True)
-    assert (tiles[:count.item()].tolist(), count.item()) == _expected_list(k_lengths, max(k_lengths), 128)
+    m_blocks = cdiv(max(k_lengths), 128)
+    expected = [b * m_blocks + block for b, n in enumerate(k_lengths) for block in range(cdiv(n, 128))]
+    assert (tiles[:count.item()].tolist(), count.item()) == (expected, len(expected))
 
 
 def test_packed_tile_list_edges(monkeypatch):

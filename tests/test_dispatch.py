@@ -304,6 +304,9 @@ def test_packed_sequences_take_the_gluon_kernels_only_when_forced():
             p, cu_seqlens_q=None, cu_seqlens_k=None), opts=gluon).config
         assert backward(p, opts=gluon, target=NO_GLUON).kernel == "v2"
         assert backward(replace(p, head_dim=256), opts=gluon).kernel == "v2"  # (the head dim split: batched only)
+        # seqused tables: the rows between sequences may hold anything, which the Gluon MMAs read
+        table = torch.zeros(2, 2, dtype=torch.int32)
+        assert backward(replace(p, cu_seqlens_q=table, cu_seqlens_k=table), opts=gluon).kernel == "v2"
         assert forward(replace(p, fp8=True), opts=KernelOptions(forward="gluon")).kernel == "v2"
     # Not where the walk's tile numbers would pass 32 bits: 2**17 sequences of up to 2**17 rows, 8 heads.
     many = replace(problem(2**17), batch=2**17, cu_seqlens_q=offsets, cu_seqlens_k=offsets, total_q=2**20,

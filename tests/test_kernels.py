@@ -681,7 +681,8 @@ def test_v3_gluon_backward_packed_sequences(head_dim, window, options):
     # The Gluon backward's two passes on packed sequences (kernel option backward=gluon): each
     # pass walks its device-side list of (sequence, block) tiles, a sequence's last partial tile
     # stores its dQ (dK, dV) rows by pointer, the next sequence's rows and keys are masked.
-    # GQA, 4 query heads over 2; persistent (tiles from the counter) and a CTA per tile.
+    # GQA, 4 query heads over 2; the persistence ablation too, which packed sequences ignore
+    # (their walk takes tiles from the counter: a CTA per tile would find none to end on).
     q, k, v, cu_q, cu_k = _varlen_case(GLUON_PACKED_Q, GLUON_PACKED_K, d=head_dim)
     dout = torch.randn_like(q)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]

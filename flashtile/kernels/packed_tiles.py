@@ -7,10 +7,10 @@ Gluon kernels walk a list instead: one entry per (sequence, block) that holds ro
 ``sequence * m_blocks + block``, the heads of an entry taking consecutive tiles.  Blocks of query
 rows (the forward, the backward's dQ pass) or of keys (its dK/dV pass: ``keys``).
 
-The list runs sequence by sequence, in batch order, each sequence's blocks from its last down to
-its first (causal tiles longest first), so that the CTAs running at one time work on one
-sequence's heads and blocks and re-read its K/V from L2 (a list block by block across the batch
-would have them read every sequence's K/V at once).  A program per SEQUENCES sequences writes
+The list runs sequence by sequence, in batch order, each sequence's causal tiles longest first
+(query blocks from its last down to its first, key blocks from its first up), so that the CTAs
+running at one time work on one sequence's heads and blocks and re-read its K/V from L2 (a list
+block by block across the batch would have them read every sequence's K/V at once).  A program per SEQUENCES sequences writes
 their entries: each sequence's first entry is the blocks of the sequences before it; the last
 program writes the entry count, which the walk reads as its length.  Tables on the device stay
 unread on the host; their offsets are clamped as every kernel clamps them
@@ -39,7 +39,7 @@ def _blocks_of(CU, first, batch, total, stride, m_blocks, TILE_M: tl.constexpr, 
 
 @triton.jit
 def _list_kernel(CU, TILES, COUNT, batch, m_blocks, capacity, total, stride, TILE_M: tl.constexpr,
-                 SEQUENCES: tl.constexpr):
+                 SEQUENCES: tl.constexpr, LAST_FIRST: tl.constexpr):
     first = tl.program_id(0) * SEQUENCES
     start = 0  # the entries of the sequences before this program's
     for before in range(0, first, SEQUENCES):
@@ -47,8 +47,9 @@ def _list_kernel(CU, TILES, COUNT, batch, m_blocks, capacity, total, stride, TIL
         start += tl.sum(n)
     b, n = _blocks_of(CU, first, batch, total, stride, m_blocks, TILE_M, SEQUENCES)
     at = start + tl.cumsum(n, 0) - n  # each sequence's first entry
-    for j in range(0, tl.max(n, 0)):  # each sequence's j-th entry: its block n - 1 - j
-        tl.store(TILES + at + j, b * m_blocks + n - 1 - j, mask=(j < n) & (at + j < capacity))
+    for j in range(0, tl.max(n, 0)):  # each sequence's j-th entry: its block n - 1 - j (LAST_FIRST), or j
+        block = n - 1 - j if LAST_FIRST else j
+        tl.store(TILES + at + j, b * m_blocks + block, mask=(j < n) & (at + j < capacity))
     if first + SEQUENCES >= batch:
         tl.store(COUNT, tl.minimum(start + tl.sum(n), capacity))
 
@@ -66,5 +67,5 @@ def tile_list(p, tile_m, device, keys=False):
     count = torch.empty(1, dtype=torch.int32, device=device)
     sequences = min(SEQUENCES, next_power_of_2(p.batch))
     launch(_list_kernel, (cdiv(p.batch, sequences),), cu, tiles, count, p.batch, m_blocks, tiles.numel(), total,
-           stride, TILE_M=tile_m, SEQUENCES=sequences)
+           stride, TILE_M=tile_m, SEQUENCES=sequences, LAST_FIRST=not keys)
     return tiles, count

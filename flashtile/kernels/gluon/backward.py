@@ -1057,9 +1057,7 @@ def _packed_views(p, *tensors):
 
 
 def _two_passes(cfg, p, dout, dlse, q, k, v, out, lse):
-    # Packed: fresh (contiguous) gradients, whose partial tiles the kernels store by pointer.
-    dq, dk, dv = ((torch.empty(x.shape, dtype=x.dtype, device=x.device) if p.varlen else torch.empty_like(x))
-                  for x in (q, k, v))
+    dq, dk, dv = p.gradients(q, k, v)
     delta = torch.empty_like(lse)
     pad = p.head_dim_pad
     rows = gluon_bwd_stationary_rows(pad)
@@ -1189,9 +1187,13 @@ def pass_schedule(p, cfg, tiles, device, dq_reduce=False) -> Schedule:
     ``cfg.persistent``) a CTA per tile, one slot: d256 and the single pass have no shared
     memory for a second slot."""
     sms = sm_count(device.index)
+    if p.varlen:
+        # Packed sequences: ``tiles`` bounds the listed ones, whose number only the device
+        # knows; CTAs take them from the counter (as the forward's walk, whatever the options:
+        # a CTA per tile would leave one past the count with no tile to end on).
+        return Schedule(min(tiles, sms), 2, True, True)
     if cfg.persistent and not one_consumer_partition(p.head_dim_pad, dq_reduce) and tiles > sms:
-        # (packed sequences: ``tiles`` bounds the listed ones, of their sequences' lengths)
-        return Schedule(sms, 2, True, p.banded or p.varlen)
+        return Schedule(sms, 2, True, p.banded)
     return Schedule(tiles, 1, False, False)
 
 
