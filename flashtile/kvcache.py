@@ -105,7 +105,7 @@ def _cache_slots(k_cache, positions, batch_idx, block_table):
 def _append(k_cache, v_cache, k, v, positions, batch_idx, block_table):
     """k, v (batch, seqlen_new, heads_k, head_dim) written into the caches in place at
     ``positions`` (batch, seqlen_new, inside the capacity) of each sequence's cache row (or
-    pages)."""
+    pages): the PyTorch path's append, and the reference of the kernels' (decode.append)."""
     index = _cache_slots(k_cache, positions, batch_idx, block_table)
     k_cache.index_put_(index, k)
     v_cache.index_put_(index, v)
@@ -251,7 +251,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     opts = options.resolve(kernel_options)
     version = dispatch.resolve_version(version, q.device)  # before the cache is written
 
-    new_positions = _positions(seqlens, seqlen_new, batch, q.device, capacity) if k is not None else None
+    tiled = version == "tiled"
+    # (the kernel path's append computes the new keys' positions itself: decode.append)
+    new_positions = _positions(seqlens, seqlen_new, batch, q.device, capacity) \
+        if k is not None and (tiled or rotary_cos is not None) else None
     if rotary_cos is not None:
         k = rotary.apply(k, rotary_cos, rotary_sin, new_positions, rotary_interleaved)
         if queries_advance:
@@ -260,10 +263,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         else:
             q_positions = _positions(seqlens, 1, batch, q.device, rotary_cos.shape[0]).expand(batch, seqlen_q)
         q = rotary.apply(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
-    if k is not None:
+    if k is not None and tiled:
         _append(k_cache, v_cache, k, v, new_positions, batch_idx, block_table)
+    elif k is not None:
+        decode.append(k_cache, v_cache, validation.last_dim_contiguous(k), validation.last_dim_contiguous(v), seqlens,
+                      batch_idx, block_table)
     ends, new_keys = (seqlens, seqlen_new) if isinstance(seqlens, torch.Tensor) else (None, seqlens + seqlen_new)
-    if version == "tiled":
+    if tiled:
         ends = torch.full((batch,), new_keys, device=q.device) if ends is None else ends.long() + new_keys
         out, lse = _tiled_forward(q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity, scale, window,
                                   softcap, alibi_slopes, opts)

@@ -392,3 +392,42 @@ def test_out_of_range_tables_stay_in_the_cache():
                            torch.tensor(pad, dtype=torch.int32, device=DEVICE), None, None, case.q.shape[-1] ** -0.5,
                            (-1, -1), features) for pad in ([-16, -1], [0, 0])]
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "batch_idx", "paged16", "paged7"])
+def test_append_kernel_matches_the_pytorch_append(layout):
+    # decode.append (one launch) writes what kvcache._append (PyTorch operations, the reference)
+    # writes, byte for byte: positions from an int or a device table, clamped to the capacity;
+    # rows and pages from out-of-range tables clamped to the cache; a strided new k.
+    torch.manual_seed(9)
+    batch, heads_k, new = 3, 2, 37
+    page = {"paged16": 16, "paged7": 7}.get(layout)
+    capacity = 112
+    if page:
+        pages = batch * capacity // page + 2
+        cache = torch.randn(pages, page, heads_k, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+        block_table = torch.randperm(pages, device=DEVICE)[:batch * (capacity // page)].view(batch, -1).int()
+        block_table[0, 0], block_table[2, -1] = 10**6, -4  # clamped to the cache
+        capacity = block_table.shape[1] * page
+    else:
+        cache = torch.randn(batch + 1, capacity, heads_k, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+        block_table = None
+    batch_idx = torch.tensor([10**6, -2, 1], dtype=torch.int32, device=DEVICE) if layout == "batch_idx" else None
+    k = torch.randn(batch, new, 2 * heads_k, HEAD_DIM, dtype=DTYPE, device=DEVICE)[:, :, ::2]  # strided heads
+    v = torch.randn(batch, new, heads_k, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    for seqlens in (5, torch.tensor([0, capacity - new, capacity - 3], dtype=torch.int32, device=DEVICE),
+                    torch.tensor([-9, 10**6, 40], dtype=torch.int32, device=DEVICE)):
+        got_k, got_v, ref_k, ref_v = (cache.clone() for _ in range(4))
+        decode.append(got_k, got_v, k, v, seqlens, batch_idx, block_table)
+        positions = kvcache._positions(seqlens, new, batch, DEVICE, capacity)
+        kvcache._append(ref_k, ref_v, k, v, positions, batch_idx, block_table)
+        # Positions clamped to the first or last slot, and rows or pages clamped to the cache, put
+        # several keys in one slot, which either writes in its own order: every other slot agrees.
+        outer, inner = kvcache._cache_slots(ref_k, positions, batch_idx, block_table)
+        slots, counts = torch.unique(outer * cache.shape[1] + inner, return_counts=True)
+        keep = torch.ones(cache.shape[:2], dtype=torch.bool, device=DEVICE)
+        shared = slots[counts > 1]
+        keep[shared // cache.shape[1], shared % cache.shape[1]] = False
+        assert torch.equal(got_k[keep], ref_k[keep]) and torch.equal(got_v[keep], ref_v[keep])
+        assert shared.numel() < slots.numel() // 2  # (out-of-range tables and positions share a few)
+        assert not torch.equal(got_k, cache)  # something was written

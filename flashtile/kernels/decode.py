@@ -12,6 +12,10 @@ The cache is contiguous, (batch_cache, seqlen_cache, heads_k, head_dim) read at 
 b in page ``block_table[b, j // page_size]``.  Sequence b's keys are [leftpad_b, end_b) of its
 cache row; positions (masks, ALiBi) count from leftpad_b, and causal is aligned bottom-right to
 end_b.  Scores go through the score hook (score.py), with each row's own query head.
+
+New keys and values go into the cache first, by ``append``: one launch that computes each new
+key's position, row or page and writes it, where the same in PyTorch operations (the reference,
+kvcache._append) takes several small launches, each paid on the host at every decoding step.
 """
 import torch
 import triton
@@ -187,6 +191,61 @@ def _combine_kernel(PART_O, PART_LSE, O, LSE, heads, splits,
 
 
 COMBINE_WARPS = 4
+
+
+@triton.jit
+def _append_kernel(K_NEW, V_NEW, K, V, ENDS, BATCH_IDX, BLOCK_TABLE, snb, sns, snh, swb, sws, swh, skb, sks, skh,
+                   svb, svs, svh, sbt, seqlen_new, start, capacity, page_size, outer_count,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr, PAGED: tl.constexpr,
+                   HAS_ENDS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr):
+    """ROWS new keys and values of one (sequence, KV head), K_NEW and V_NEW (batch, seqlen_new,
+    heads_k, head_dim), written into the caches at positions start + i of the sequence (start:
+    ENDS[batch], or the ``start`` given), clamped to [0, capacity) as kvcache._positions clamps
+    them; its cache row or pages through _cache_index (clamped to the cache)."""
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    batch = tl.program_id(1)
+    head = tl.program_id(2)
+    if HAS_ENDS:
+        start = tl.load(ENDS + batch)
+    keys = tl.minimum(tl.maximum(start + i, 0), capacity - 1)
+    batch_row = batch.to(tl.int64)
+    if HAS_BATCH_IDX:
+        batch_row = tl.load(BATCH_IDX + batch).to(tl.int64)
+    in_seq = i < seqlen_new
+    outer, inner = _cache_index(batch_row, keys, in_seq, page_size, BLOCK_TABLE, sbt, batch, outer_count, PAGED,
+                                True)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = in_seq[:, None] & (offs_d[None, :] < HEAD_DIM)
+    new = batch.to(tl.int64) * snb + i[:, None].to(tl.int64) * sns + head * snh + offs_d[None, :]
+    k = tl.load(K_NEW + new, mask=mask)
+    tl.store(K + outer[:, None] * skb + inner[:, None] * sks + head * skh + offs_d[None, :], k, mask=mask)
+    new = batch.to(tl.int64) * swb + i[:, None].to(tl.int64) * sws + head * swh + offs_d[None, :]
+    v = tl.load(V_NEW + new, mask=mask)
+    tl.store(V + outer[:, None] * svb + inner[:, None] * svs + head * svh + offs_d[None, :], v, mask=mask)
+
+
+def append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table):
+    """k, v (batch, seqlen_new, heads_k, head_dim), unit stride along head_dim, written into the
+    caches in place at positions seqlens + [0, seqlen_new) of each sequence's cache row
+    (``batch_idx``) or pages (``block_table``), in one launch.  ``seqlens``: an int (checked by
+    the caller), or (batch,) int32 on the device, whose positions are clamped to the capacity."""
+    batch, seqlen_new, heads_k, head_dim = k.shape
+    if k.numel() == 0:
+        return
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    rows = max(16, min(64, next_power_of_2(seqlen_new)))
+    tables = isinstance(seqlens, torch.Tensor)
+    dummy = k  # a pointer for the absent tables (never read)
+    launch(
+        _append_kernel, (cdiv(seqlen_new, rows), batch, heads_k),
+        k, v, k_cache, v_cache, seqlens if tables else dummy, dummy if batch_idx is None else batch_idx,
+        dummy if block_table is None else block_table, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+        v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+        v_cache.stride(1), v_cache.stride(2), block_table.stride(0) if paged else 0, seqlen_new,
+        0 if tables else seqlens, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0],
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, PAGED=paged, HAS_ENDS=tables,
+        HAS_BATCH_IDX=batch_idx is not None, num_warps=4)
 
 
 def forward(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, block_table, scale, window, features):
