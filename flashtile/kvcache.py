@@ -252,22 +252,29 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     version = dispatch.resolve_version(version, q.device)  # before the cache is written
 
     tiled = version == "tiled"
-    # (the kernel path's append computes the new keys' positions itself: decode.append)
-    new_positions = _positions(seqlens, seqlen_new, batch, q.device, capacity) \
-        if k is not None and (tiled or rotary_cos is not None) else None
-    if rotary_cos is not None:
-        k = rotary.apply(k, rotary_cos, rotary_sin, new_positions, rotary_interleaved)
-        if queries_advance:
-            q_positions = new_positions if seqlen_q == seqlen_new else \
-                _positions(seqlens, seqlen_q, batch, q.device, rotary_cos.shape[0])
-        else:
-            q_positions = _positions(seqlens, 1, batch, q.device, rotary_cos.shape[0]).expand(batch, seqlen_q)
-        q = rotary.apply(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
-    if k is not None and tiled:
-        _append(k_cache, v_cache, k, v, new_positions, batch_idx, block_table)
-    elif k is not None:
-        decode.append(k_cache, v_cache, validation.last_dim_contiguous(k), validation.last_dim_contiguous(v), seqlens,
-                      batch_idx, block_table)
+    rotary_tables = None
+    if tiled:  # PyTorch operations
+        new_positions = _positions(seqlens, seqlen_new, batch, q.device, capacity) if k is not None else None
+        if rotary_cos is not None:
+            k = rotary.apply(k, rotary_cos, rotary_sin, new_positions, rotary_interleaved)
+            if queries_advance:
+                q_positions = new_positions if seqlen_q == seqlen_new else \
+                    _positions(seqlens, seqlen_q, batch, q.device, rotary_cos.shape[0])
+            else:
+                q_positions = _positions(seqlens, 1, batch, q.device, rotary_cos.shape[0]).expand(batch, seqlen_q)
+            q = rotary.apply(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
+        if k is not None:
+            _append(k_cache, v_cache, k, v, new_positions, batch_idx, block_table)
+    else:  # kernels: the queries rotated in one launch, the new keys rotated and appended in another
+        if rotary_cos is not None:
+            rotary_tables = (validation.last_dim_contiguous(rotary_cos), validation.last_dim_contiguous(rotary_sin),
+                             rotary_interleaved)
+            # (the positions the PyTorch path clamps to the capacity where the queries are the new keys)
+            limit = capacity if queries_advance and seqlen_q == seqlen_new else rotary_cos.shape[0]
+            q = decode.rotate(validation.last_dim_contiguous(q), *rotary_tables, seqlens, queries_advance, limit)
+        if k is not None:
+            decode.append(k_cache, v_cache, validation.last_dim_contiguous(k), validation.last_dim_contiguous(v),
+                          seqlens, batch_idx, block_table, rotary_tables)
     ends, new_keys = (seqlens, seqlen_new) if isinstance(seqlens, torch.Tensor) else (None, seqlens + seqlen_new)
     if tiled:
         ends = torch.full((batch,), new_keys, device=q.device) if ends is None else ends.long() + new_keys

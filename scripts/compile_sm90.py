@@ -184,7 +184,10 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
         SCORE=score.mod_of(p), PDL=True), dict(num_warps=plan.num_warps, num_stages=plan.num_stages), None
     yield "decode.append", decode._append_kernel, dict(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=16, PAGED=True, HAS_ENDS=True,
-        HAS_BATCH_IDX=False), dict(num_warps=4), None
+        HAS_BATCH_IDX=False, ROTARY=True, INTERLEAVED=False), dict(num_warps=4), None
+    yield "decode.rotate", decode._rotate_kernel, dict(
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=16, HAS_ENDS=True, ADVANCE=True,
+        INTERLEAVED=True), dict(num_warps=4), None
     combine = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), SPLITS_PAD=16, PDL=True)
     yield "decode.combine", decode._combine_kernel, combine, dict(num_warps=decode.COMBINE_WARPS, launch_pdl=True), None
     f = dispatch.forward_plan(p, "v2", dispatch.HOPPER, opts).config

@@ -431,3 +431,25 @@ def test_append_kernel_matches_the_pytorch_append(layout):
         assert torch.equal(got_k[keep], ref_k[keep]) and torch.equal(got_v[keep], ref_v[keep])
         assert shared.numel() < slots.numel() // 2  # (out-of-range tables and positions share a few)
         assert not torch.equal(got_k, cache)  # something was written
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("advance", [True, False])
+def test_rotate_kernel_matches_rotary_apply(interleaved, advance):
+    # decode.rotate (one launch) against rotary.apply at kvcache._positions' positions: the
+    # channels past rotary_dim untouched, the rotated ones within a float32 rounding of it (the
+    # kernel may fuse a multiply-add) before the cast; positions from a table clamped to the limit.
+    from flashtile import rotary
+    torch.manual_seed(11)
+    batch, seqlen, heads, limit = 3, 21, 4, 50
+    x = torch.randn(batch, seqlen, heads, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    angle = torch.rand(limit, HEAD_DIM // 4, device=DEVICE) * 6
+    cos, sin = torch.cos(angle).to(DTYPE), torch.sin(angle).to(DTYPE)  # rotary_dim: half the head dim
+    for seqlens in (7, torch.tensor([0, 45, -3], dtype=torch.int32, device=DEVICE)):
+        got = decode.rotate(x, cos, sin, interleaved, seqlens, advance, limit)
+        positions = kvcache._positions(seqlens, seqlen if advance else 1, batch, DEVICE, limit)
+        ref = rotary.apply(x, cos, sin, positions.expand(batch, seqlen), interleaved)
+        half = HEAD_DIM // 2
+        assert torch.equal(got[..., half:], x[..., half:])
+        assert (got[..., :half].float() - ref[..., :half].float()).abs().max() <= 2 * ref.abs().max() * 2.0 ** -10
+        assert not torch.equal(got[..., :half], x[..., :half])

@@ -14,8 +14,9 @@ cache row; positions (masks, ALiBi) count from leftpad_b, and causal is aligned 
 end_b.  Scores go through the score hook (score.py), with each row's own query head.
 
 New keys and values go into the cache first, by ``append``: one launch that computes each new
-key's position, row or page and writes it, where the same in PyTorch operations (the reference,
-kvcache._append) takes several small launches, each paid on the host at every decoding step.
+key's position, row or page, rotates it (rotary embedding) and writes it, where the same in
+PyTorch operations (the reference: kvcache._append, rotary.apply) takes many small launches,
+each paid on the host at every decoding step; ``rotate`` rotates the queries in one more.
 """
 import torch
 import triton
@@ -194,14 +195,43 @@ COMBINE_WARPS = 4
 
 
 @triton.jit
-def _append_kernel(K_NEW, V_NEW, K, V, ENDS, BATCH_IDX, BLOCK_TABLE, snb, sns, snh, swb, sws, swh, skb, sks, skh,
-                   svb, svs, svh, sbt, seqlen_new, start, capacity, page_size, outer_count,
+def _load_rotated(rows_ptr, offs_d, in_rows, positions, COS, SIN, scs, half, HEAD_DIM: tl.constexpr,
+                  ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The rows at ``rows_ptr`` ((rows, 1) pointers to each row's first element; ``in_rows`` those
+    that exist), with ROTARY their first 2 * half channels rotated at ``positions`` of the
+    (seqlen_ro, half) tables COS and SIN (row stride ``scs``), in pairs (2j, 2j + 1) when
+    INTERLEAVED, else (j, j + half); in float32, returned in the rows' type (rotary.apply's)."""
+    mask = in_rows[:, None] & (offs_d[None, :] < HEAD_DIM)
+    x = tl.load(rows_ptr + offs_d[None, :], mask=mask, other=0.0)
+    if ROTARY:
+        rotating = offs_d < 2 * half
+        if INTERLEAVED:
+            partner, j, sign = offs_d ^ 1, offs_d // 2, tl.where(offs_d % 2 == 0, -1.0, 1.0)
+        else:
+            first = offs_d < half
+            partner = tl.where(first, offs_d + half, offs_d - half)
+            j, sign = tl.where(first, offs_d, offs_d - half), tl.where(first, -1.0, 1.0)
+        table = in_rows[:, None] & rotating[None, :]
+        other = tl.load(rows_ptr + partner[None, :], mask=table, other=0.0).to(tl.float32)
+        at = positions[:, None].to(tl.int64) * scs + j[None, :]
+        cos = tl.load(COS + at, mask=table, other=1.0).to(tl.float32)
+        sin = tl.load(SIN + at, mask=table, other=0.0).to(tl.float32)
+        rotated = x.to(tl.float32) * cos + sign[None, :] * (other * sin)
+        x = tl.where(rotating[None, :], rotated, x.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _append_kernel(K_NEW, V_NEW, K, V, ENDS, BATCH_IDX, BLOCK_TABLE, COS, SIN, snb, sns, snh, swb, sws, swh, skb,
+                   sks, skh, svb, svs, svh, sbt, scs, seqlen_new, start, capacity, page_size, outer_count, half,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr, PAGED: tl.constexpr,
-                   HAS_ENDS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr):
+                   HAS_ENDS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, ROTARY: tl.constexpr,
+                   INTERLEAVED: tl.constexpr):
     """ROWS new keys and values of one (sequence, KV head), K_NEW and V_NEW (batch, seqlen_new,
     heads_k, head_dim), written into the caches at positions start + i of the sequence (start:
     ENDS[batch], or the ``start`` given), clamped to [0, capacity) as kvcache._positions clamps
-    them; its cache row or pages through _cache_index (clamped to the cache)."""
+    them; its cache row or pages through _cache_index (clamped to the cache).  ROTARY: the keys
+    rotated at those positions first (_load_rotated)."""
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     batch = tl.program_id(1)
     head = tl.program_id(2)
@@ -216,19 +246,20 @@ def _append_kernel(K_NEW, V_NEW, K, V, ENDS, BATCH_IDX, BLOCK_TABLE, snb, sns, s
                                 True)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask = in_seq[:, None] & (offs_d[None, :] < HEAD_DIM)
-    new = batch.to(tl.int64) * snb + i[:, None].to(tl.int64) * sns + head * snh + offs_d[None, :]
-    k = tl.load(K_NEW + new, mask=mask)
+    k = _load_rotated(K_NEW + batch.to(tl.int64) * snb + i[:, None].to(tl.int64) * sns + head * snh, offs_d, in_seq,
+                      keys, COS, SIN, scs, half, HEAD_DIM, ROTARY, INTERLEAVED)
     tl.store(K + outer[:, None] * skb + inner[:, None] * sks + head * skh + offs_d[None, :], k, mask=mask)
     new = batch.to(tl.int64) * swb + i[:, None].to(tl.int64) * sws + head * swh + offs_d[None, :]
     v = tl.load(V_NEW + new, mask=mask)
     tl.store(V + outer[:, None] * svb + inner[:, None] * svs + head * svh + offs_d[None, :], v, mask=mask)
 
 
-def append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table):
+def append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table, rotary=None):
     """k, v (batch, seqlen_new, heads_k, head_dim), unit stride along head_dim, written into the
     caches in place at positions seqlens + [0, seqlen_new) of each sequence's cache row
     (``batch_idx``) or pages (``block_table``), in one launch.  ``seqlens``: an int (checked by
-    the caller), or (batch,) int32 on the device, whose positions are clamped to the capacity."""
+    the caller), or (batch,) int32 on the device, whose positions are clamped to the capacity.
+    ``rotary``: None, or (cos, sin, interleaved) to rotate k at those positions first."""
     batch, seqlen_new, heads_k, head_dim = k.shape
     if k.numel() == 0:
         return
@@ -237,15 +268,59 @@ def append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table):
     rows = max(16, min(64, next_power_of_2(seqlen_new)))
     tables = isinstance(seqlens, torch.Tensor)
     dummy = k  # a pointer for the absent tables (never read)
+    cos, sin, interleaved = rotary or (dummy, dummy, False)
     launch(
         _append_kernel, (cdiv(seqlen_new, rows), batch, heads_k),
         k, v, k_cache, v_cache, seqlens if tables else dummy, dummy if batch_idx is None else batch_idx,
-        dummy if block_table is None else block_table, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+        dummy if block_table is None else block_table, cos, sin, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
         v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-        v_cache.stride(1), v_cache.stride(2), block_table.stride(0) if paged else 0, seqlen_new,
-        0 if tables else seqlens, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0],
+        v_cache.stride(1), v_cache.stride(2), block_table.stride(0) if paged else 0, cos.stride(0) if rotary else 0,
+        seqlen_new, 0 if tables else seqlens, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0],
+        cos.shape[1] if rotary else 0,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, PAGED=paged, HAS_ENDS=tables,
-        HAS_BATCH_IDX=batch_idx is not None, num_warps=4)
+        HAS_BATCH_IDX=batch_idx is not None, ROTARY=rotary is not None, INTERLEAVED=bool(interleaved), num_warps=4)
+
+
+@triton.jit
+def _rotate_kernel(X, ROTATED, ENDS, COS, SIN, sxb, sxs, sxh, sob, sos, soh, scs, seqlen, start, limit, half,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr, HAS_ENDS: tl.constexpr,
+                   ADVANCE: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """ROWS rows of one (sequence, head) of X (batch, seqlen, heads, head_dim) rotated into ROTATED
+    at positions start + i (ADVANCE) or start, clamped to [0, limit) (start: ENDS[batch], or the
+    ``start`` given)."""
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    batch = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2)
+    if HAS_ENDS:
+        start = tl.load(ENDS + batch)
+    positions = start + i if ADVANCE else start + i * 0
+    positions = tl.minimum(tl.maximum(positions, 0), limit - 1)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    in_rows = i < seqlen
+    x = _load_rotated(X + batch * sxb + i[:, None].to(tl.int64) * sxs + head * sxh, offs_d, in_rows, positions, COS,
+                      SIN, scs, half, HEAD_DIM, True, INTERLEAVED)
+    tl.store(ROTATED + batch * sob + i[:, None].to(tl.int64) * sos + head * soh + offs_d[None, :], x,
+             mask=in_rows[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+def rotate(x, cos, sin, interleaved, seqlens, advance: bool, limit: int):
+    """x (batch, seqlen, heads, head_dim), unit stride along head_dim, rotated (a new tensor) at
+    positions seqlens + [0, seqlen) (``advance``) or seqlens, clamped to [0, limit), in one
+    launch: what rotary.apply gives at kvcache._positions' positions.  ``seqlens``: an int or a
+    (batch,) int32 table on the device."""
+    batch, seqlen, heads, head_dim = x.shape
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.numel() == 0:
+        return out
+    rows = max(16, min(64, next_power_of_2(seqlen)))
+    tables = isinstance(seqlens, torch.Tensor)
+    launch(
+        _rotate_kernel, (cdiv(seqlen, rows), batch, heads),
+        x, out, seqlens if tables else x, cos, sin, x.stride(0), x.stride(1), x.stride(2), out.stride(0),
+        out.stride(1), out.stride(2), cos.stride(0), seqlen, 0 if tables else seqlens, limit, cos.shape[1],
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, HAS_ENDS=tables, ADVANCE=advance,
+        INTERLEAVED=bool(interleaved), num_warps=4)
+    return out
 
 
 def forward(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, block_table, scale, window, features):
