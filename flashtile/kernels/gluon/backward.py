@@ -251,7 +251,7 @@ def _producer(a_desc, b_desc, c_desc, d_desc, buf, walk, stats, counter, ROWS: g
     stationary rows, through the STAGES-slot ring.  KEY_ROWS (the dK/dV pass): the stationary
     rows are key rows of a K/V head, and every query head of its group streams by; else one
     query head's rows, against its K/V head's blocks."""
-    num_tiles, heads, group = walk.num_tiles, walk.heads, walk.group
+    num_tiles, group = walk.num_tiles, walk.group
     SLOTS: gl.constexpr = buf.a.shape[0]
     stats_layout: gl.constexpr = gl.BlockedLayout([BLOCK // 32], [32], [1], [0])
     offs = gl.arange(0, BLOCK, layout=stats_layout)
@@ -915,7 +915,7 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
     its row and head strides)."""
     q_smem, do_smem, k_smem, v_smem, tile_ids = bufs.a, bufs.b, bufs.c, bufs.d, bufs.tile_ids
     q_ready, q_empty, kv_ready, kv_empty = bufs.stationary_ready, bufs.stationary_empty, bufs.ring_ready, bufs.ring_empty
-    num_tiles, heads_q = walk.num_tiles, walk.heads  # (the sequence's lengths: each tile's)
+    num_tiles = walk.num_tiles  # (the sequence's lengths: each tile's)
     window_left, window_right = walk.window_left, walk.window_right
     LSE, DELTA, slb, slh = row_stats.LSE, row_stats.DELTA, row_stats.slb, row_stats.slh
     O, sob, sos, soh, head_dim, DLSE = delta_in.O, delta_in.sob, delta_in.sos, delta_in.soh, delta_in.head_dim, delta_in.DLSE
