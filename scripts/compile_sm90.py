@@ -72,6 +72,15 @@ def aligned(fn, sig):
 
 def compile_one(fn, dtype, constexprs, options, descriptors=None, tuples=TUPLES, hints=False, pointers=None):
     source = GluonASTSource if fn.is_gluon() else ASTSource
+    # Tuple elements specialized to constants: keyed (argument index, element index) for triton.
+    elements = {key: value for key, value in constexprs.items() if isinstance(key, tuple)}
+    constexprs = {key: value for key, value in constexprs.items() if not isinstance(key, tuple)}
+    tuples = dict(tuples)
+    for (name, i), value in elements.items():
+        types = list(tuples[name])
+        types[i] = "constexpr"
+        tuples[name] = tuple(types)
+        constexprs[(fn.arg_names.index(name), i)] = value
     sig = signature(fn, dtype, constexprs, descriptors, tuples, pointers)
     src = source(fn, sig, constexprs, aligned(fn, sig) if hints else None)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
@@ -105,13 +114,16 @@ def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0, alibi=
     o_block = (*tma.block_layout(consts["ROWS"], p.head_dim_pad, torch.bfloat16), "bf16")
     v_block = tma._keys_block_spec(p.head_dim_pad, cfg.block_n, dtype)[:2] if fp8 else kv_block
     descriptors = {"q_desc": q_block, "o_desc": o_block, "k_desc": kv_block, "v_desc": v_block}
-    return dict(consts, **walk_constants(p)), gluon_fwd.launch_options(cfg.consumers), descriptors
+    return {**consts, **walk_constants(p)}, gluon_fwd.launch_options(cfg.consumers), descriptors
 
 
 def walk_constants(p):
-    """Without a band a launch passes head_group 1 (one head's tiles adjacent), which triton
-    specializes into a constant."""
-    return {} if p.banded else dict(head_group=1)
+    """What triton specializes into constants at launch (arguments equal to 1, tuple elements
+    too, keyed (name, index)): without a band head_group 1 (one head's tiles adjacent); the
+    cu_seqlens strides in ``totals`` (Problem.totals)."""
+    consts = {} if p.banded else dict(head_group=1)
+    consts.update({("totals", i): 1 for i, x in enumerate(p.totals) if x == 1})
+    return consts
 
 
 def gluon_bwd_case(head_dim_pad, opts, dq_pass, dq_reduce=False, persistent=True, causal=False, softcap=0.0,
@@ -152,7 +164,7 @@ def gluon_bwd_case(head_dim_pad, opts, dq_pass, dq_reduce=False, persistent=True
         descriptors.update(dk_desc=out_block, dv_desc=out_block)
         descriptors["dq_desc"] = (*tma.block_layout(block_m, head_dim_pad, torch.float32), "fp32") \
             if dq_reduce else out_block
-    return dict(consts, **walk_constants(p)), dict(b.launch_options(head_dim_pad, dq_reduce)), descriptors
+    return {**consts, **walk_constants(p)}, dict(b.launch_options(head_dim_pad, dq_reduce)), descriptors
 
 
 def _options(cfg):

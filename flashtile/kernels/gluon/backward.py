@@ -62,7 +62,7 @@ from flashtile.kernels.configs import gluon_bwd_stationary_rows, split_head_dim
 from flashtile.kernels.gluon.pipeline import buffer_of, release, tma_reduce_add
 from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter, packed_sequence,
                                                packed_tile, publish_tile, read_next_tile, read_tile, sm_count,
-                                               start_tiles, stationary_tile, tile_counter)
+                                               start_tiles, stationary_tile, tile_counter, Value, value, values)
 from flashtile.kernels.launch import launch
 from flashtile.kernels.tiles import LOG2E, load_tile, row_delta
 
@@ -81,13 +81,6 @@ _SCORES_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, eleme
 _STATS_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
 
-@gluon.constexpr_function
-def _value(x):
-    """A run-time integer, or one triton specialised to a constant (an argument equal to 1)."""
-    return x if isinstance(x, gl.tensor) else gl.constexpr(x)
-
-
-Value = (gl.tensor, gl.constexpr)
 
 
 @aggregate
@@ -164,19 +157,19 @@ class PassWalk:
     @gluon.constexpr_function
     def __init__(self, num_tiles, heads, group, head_group, seqlen_q, seqlen_k, window_left, window_right, CU_Q,
                  CU_K, totals, TILES, m_blocks, VARLEN):
-        self.num_tiles = _value(num_tiles)
-        self.heads = _value(heads)
-        self.group = _value(group)
-        self.head_group = _value(head_group)
-        self.seqlen_q = _value(seqlen_q)
-        self.seqlen_k = _value(seqlen_k)
-        self.window_left = _value(window_left)
-        self.window_right = _value(window_right)
+        self.num_tiles = value(num_tiles)
+        self.heads = value(heads)
+        self.group = value(group)
+        self.head_group = value(head_group)
+        self.seqlen_q = value(seqlen_q)
+        self.seqlen_k = value(seqlen_k)
+        self.window_left = value(window_left)
+        self.window_right = value(window_right)
         self.CU_Q = CU_Q
         self.CU_K = CU_K
-        self.totals = totals
+        self.totals = values(totals)
         self.TILES = TILES
-        self.m_blocks = _value(m_blocks)
+        self.m_blocks = value(m_blocks)
         self.VARLEN = gl.constexpr(VARLEN)
 
     @gluon.jit
@@ -216,8 +209,8 @@ class RowStats:
         self.DELTA = DELTA
         self.lse_smem = lse_smem
         self.delta_smem = delta_smem
-        self.slb = _value(slb)
-        self.slh = _value(slh)
+        self.slb = value(slb)
+        self.slh = value(slh)
 
 
 @aggregate
@@ -233,10 +226,10 @@ class DeltaInputs:
     @gluon.constexpr_function
     def __init__(self, O, sob, sos, soh, head_dim, DLSE):
         self.O = O
-        self.sob = _value(sob)
-        self.sos = _value(sos)
-        self.soh = _value(soh)
-        self.head_dim = _value(head_dim)
+        self.sob = value(sob)
+        self.sos = value(sos)
+        self.soh = value(soh)
+        self.head_dim = value(head_dim)
         self.DLSE = DLSE
 
 
@@ -765,6 +758,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
     buf = PassBuffers.allocate(k_desc, v_desc, q_desc, do_desc, STAGES, 1 if ONE_PARTITION else 2, SLOTS)
     if VARLEN:  # the packed list's length, written on the device
         num_tiles = gl.load(COUNT) * heads_k
+    score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
     walk = PassWalk(num_tiles, heads_k, group, head_group, seqlen_q, seqlen_k, window_left, window_right, CU_Q, CU_K,
                     totals, TILES, m_blocks, VARLEN)
     packed_grads = (DK, DV, sgs, sgh, head_dim)
@@ -995,6 +989,7 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
     buf = PassBuffers.allocate(q_desc, do_desc, k_desc, v_desc, STAGES, 1 if SPLIT_D else 2, SLOTS)
     if VARLEN:  # the packed list's length, written on the device
         num_tiles = gl.load(COUNT) * heads_q
+    score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
     walk = PassWalk(num_tiles, heads_q, group, head_group, seqlen_q, seqlen_k, window_left, window_right, CU_Q, CU_K,
                     totals, TILES, m_blocks, VARLEN)
     packed_grads = (DQ, sgs, sgh)

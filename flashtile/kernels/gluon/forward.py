@@ -55,7 +55,7 @@ from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile
 from flashtile.kernels.configs import WARPGROUP_ROWS
 from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter, packed_sequence,
                                                packed_tile, publish_tile, read_next_tile, read_tile, sm_count,
-                                               start_tiles, tile_counter)
+                                               start_tiles, tile_counter, Value, value, values)
 from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import remembered
 from flashtile.kernels.tiles import FP8_P_SCALE, FP8_PER_BLOCK, LOG2E, finalize_rows, scaled_softmax_step
@@ -193,13 +193,6 @@ class Buffers:
                        not_finite)
 
 
-@gluon.constexpr_function
-def _value(x):
-    """A run-time integer, or one triton specialised to a constant (an argument equal to 1)."""
-    return x if isinstance(x, gl.tensor) else gl.constexpr(x)
-
-
-Value = (gl.tensor, gl.constexpr)
 
 
 @aggregate
@@ -228,19 +221,19 @@ class TileWalk:
     @gluon.constexpr_function
     def __init__(self, num_tiles, batch_heads, heads_q, group, head_group, m_blocks, seqlen_q, seqlen_k,
                  window_left, window_right, CU_Q, CU_K, totals, TILES, VARLEN):
-        self.num_tiles = _value(num_tiles)
-        self.batch_heads = _value(batch_heads)
-        self.heads_q = _value(heads_q)
-        self.group = _value(group)
-        self.head_group = _value(head_group)
-        self.m_blocks = _value(m_blocks)
-        self.seqlen_q = _value(seqlen_q)
-        self.seqlen_k = _value(seqlen_k)
-        self.window_left = _value(window_left)
-        self.window_right = _value(window_right)
+        self.num_tiles = value(num_tiles)
+        self.batch_heads = value(batch_heads)
+        self.heads_q = value(heads_q)
+        self.group = value(group)
+        self.head_group = value(head_group)
+        self.m_blocks = value(m_blocks)
+        self.seqlen_q = value(seqlen_q)
+        self.seqlen_k = value(seqlen_k)
+        self.window_left = value(window_left)
+        self.window_right = value(window_right)
         self.CU_Q = CU_Q
         self.CU_K = CU_K
-        self.totals = totals
+        self.totals = values(totals)
         self.TILES = TILES
         self.VARLEN = gl.constexpr(VARLEN)
 
@@ -296,13 +289,13 @@ class Outputs:
     def __init__(self, o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh):
         self.o_desc = o_desc
         self.O = O
-        self.sob = _value(sob)
-        self.sos = _value(sos)
-        self.soh = _value(soh)
-        self.head_dim = _value(head_dim)
+        self.sob = value(sob)
+        self.sos = value(sos)
+        self.soh = value(soh)
+        self.head_dim = value(head_dim)
         self.LSE = LSE
-        self.slb = _value(slb)
-        self.slh = _value(slh)
+        self.slb = value(slb)
+        self.slh = value(slh)
 
 
 @aggregate
@@ -320,9 +313,9 @@ class Descales:
     @gluon.constexpr_function
     def __init__(self, at, sdt, sdb, sdh):
         self.at = at
-        self.sdt = _value(sdt)
-        self.sdb = _value(sdb)
-        self.sdh = _value(sdh)
+        self.sdt = value(sdt)
+        self.sdb = value(sdb)
+        self.sdh = value(sdh)
 
     @gluon.jit
     def rows_scale(self, batch, head, head_k, row0, S: gl.constexpr):
@@ -954,6 +947,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
                                PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8,
                                FRESH_PV, CHECK_FINITE, VARLEN)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
+    score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
     if VARLEN:  # the packed list's length, written on the device (packed_tiles.py)
         num_tiles = gl.load(COUNT) * heads_q
     walk = TileWalk(num_tiles, batch_heads, heads_q, group, head_group, m_blocks, seqlen_q, seqlen_k, window_left,

@@ -24,6 +24,22 @@ from flashtile.kernels.blocks import grouped_tile, sequence_bounds
 from flashtile.kernels.problem import cdiv
 
 
+@gluon.constexpr_function
+def value(x):
+    """A run-time integer, or one triton specialised to a constant (an argument equal to 1)."""
+    return x if isinstance(x, gl.tensor) else gl.constexpr(x)
+
+
+@gluon.constexpr_function
+def values(xs):
+    """``value`` of each element of a tuple argument: triton specialises elements equal to 1 too."""
+    return gl.tuple([value(x) for x in xs])
+
+
+# An aggregate's field holding ``value``'s result.
+Value = (gl.tensor, gl.constexpr)
+
+
 # Bytes of the streamed blocks of the heads a band's walk keeps together (the H200 has 50 MB of L2).
 L2_BUDGET = 32 * 2**20
 
