@@ -12,8 +12,8 @@ Forward kernels:
   "v3-triton"    the Hopper forward in plain Triton (kernels/v3.py): what the Gluon kernel does
                  not take (broadcast layouts, the interpreter) and, unless kernel options force
                  the Gluon one, varlen
-With dropout (their Triton draws the mask: kernels/dropout.py) or a V head dim of its own, v3
-runs v2's kernels both ways.  FP8 inputs run the Gluon forward where it takes the problem, else
+With a V head dim of its own v3 runs v2's kernels both ways; with dropout (kernels/dropout.py)
+the Gluon forward where it runs (else v2's) and v2's backward.  FP8 inputs run the Gluon forward where it takes the problem, else
 v2's; their backward (fp8_attn_func's FP8 backward) is v2's in its FP8 mode.
 Backward kernels:
   "tiled", "v1", "v2"   as above
@@ -152,8 +152,8 @@ def forward_plan(p, version: str, target: Target, opts) -> Plan:
     # the longest sequence's blocks).
     gluon = target.gluon and (not p.varlen or (opts.forward == "gluon" and not p.fp8 and (
         p.batch * p.heads_q * p.query_blocks(configs.WARPGROUP_ROWS) < 2**31)))
-    if p.fp8 and not (kernel == "gluon" and gluon):
-        return _v2_forward(p, target, opts)  # the plain-Triton Hopper forward has no float8 path
+    if (p.fp8 or p.dropout) and not (kernel == "gluon" and gluon):
+        return _v2_forward(p, target, opts)  # the plain-Triton Hopper forward has no float8 or dropout path
     if kernel == "gluon" and gluon:
         return Plan("v3-gluon", gluon_schedule(p, opts))
     if kernel == "v2" or (kernel == "gluon" and p.banded and p.seqlen_k <= configs.SHORT_KEYS):
@@ -192,6 +192,8 @@ def gluon_schedule(p, opts) -> configs.GluonSchedule:
         block_n, stages, consumers = override
         if consumers not in (2, 3) or (consumers == 3 and p.head_dim_pad > 64):
             raise ValueError(f"kernel option tiles.v3_gluon={override}: 2 consumers, or 3 up to head dim 64")
+        if p.dropout and block_n % 32:
+            raise ValueError(f"kernel option tiles.v3_gluon={override}: dropout takes keys in blocks of 32")
         cfg = configs.GluonSchedule(block_n, stages, consumers=consumers)
     else:
         table = configs.V3_GLUON_FP8 if p.fp8 else configs.V3_GLUON
@@ -209,7 +211,8 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
         return _v1_plan(p, target, opts, "bwd")
     gluon = _gluon_backward_takes(p, target, opts)
     # Float8 inputs (fp8_attn_func's FP8 backward) run v2's kernels in their FP8 mode.
-    kernel = "v2" if version == "v2" or p.v2_only or p.fp8 or not gluon else _v3_backward_kernel(p, opts)
+    v2 = version == "v2" or p.v2_only or p.dropout or p.fp8 or not gluon
+    kernel = "v2" if v2 else _v3_backward_kernel(p, opts)
     if kernel == "v2":
         kv = configs.by_head_dim(configs.v2_bwd_kv_table(p.banded), p.widest_head_dim_pad)
         dq = configs.by_head_dim(configs.V2_BWD_Q, p.widest_head_dim_pad)

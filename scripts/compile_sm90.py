@@ -95,12 +95,14 @@ FP8_DTYPES = {"fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
 
 
 def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0, alibi=False, fp8=None, fp8_mode=1,
-               varlen=False):
+               varlen=False, dropout=False):
     """v3's Gluon forward with the constants and launch options gluon/forward.py would use;
     ``window_left`` >= 0: a sliding window's left edge, tested in the kernel only then; ``fp8``
     (a triton float8 type name): float8 inputs with descales per head (``fp8_mode`` 1) or block (2);
-    ``varlen``: packed sequences (cu_seqlens)."""
+    ``varlen``: packed sequences (cu_seqlens); ``dropout``: with dropout."""
     p = problem(head_dim, causal, window_left, softcap, alibi=alibi)
+    if dropout:
+        p = replace(p, dropout_p=0.1)
     if varlen:
         offsets = torch.zeros(2, dtype=torch.int32)
         p = replace(p, cu_seqlens_q=offsets, cu_seqlens_k=offsets, total_q=p.seqlen_q, total_k=p.seqlen_k)
@@ -179,7 +181,7 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     p = problem(head_dim, softcap=softcap, alibi=alibi)
     base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=varlen, UPCAST=False,
                 SCORE=score.mod_of(p))
-    yield "dropout.kept", dropout._kept_kernel, dict(BLOCK=16), {}, None
+    yield "dropout.kept", dropout._kept_kernel, dict(BLOCK=dropout.KEYS_PER_GROUP), {}, None
     yield "quantize.blocks", quantize._blocks_kernel, dict(ROWS=128, HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad,
                                                            ROTATE=True, UPCAST=False), dict(num_warps=8), None
     block_s, block_d = sinks.tiles(head_dim)
@@ -234,16 +236,17 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
             base, BLOCK_M=c3.block_m, BLOCK_N=c3.block_n, NUM_STAGES=c3.num_stages, UNMASKED=plan.unmasked,
             WARP_SPECIALIZE=plan.unmasked and c3.warp_specialize), _options(c3), None
     features = dict(softcap=softcap, alibi=alibi)
-    fp8_features = dict(features, fp8=fp8, fp8_mode=fp8_mode)
+    fwd_features = dict(features, dropout=with_dropout)  # the Gluon forward takes dropout, the backward not yet
+    fp8_features = dict(fwd_features, fp8=fp8, fp8_mode=fp8_mode)
     if varlen:  # the Gluon forward and the two-pass backward take packed sequences (not float8), walking
         # their tile lists
         yield "packed_tiles.list", packed_tiles._list_kernel, dict(TILE_M=128, SEQUENCES=1024, LAST_FIRST=True), {}, \
             None
-        yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, varlen=True, **features))
+        yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, varlen=True, **fwd_features))
         yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel,
-               *gluon_case(head_dim, opts, causal=True, varlen=True, **features))
+               *gluon_case(head_dim, opts, causal=True, varlen=True, **fwd_features))
         yield ("v3.fwd_gluon_window", gluon_fwd._fwd_kernel,
-               *gluon_case(head_dim, opts, causal=True, window_left=512, varlen=True, **features))
+               *gluon_case(head_dim, opts, causal=True, window_left=512, varlen=True, **fwd_features))
         if not configs.split_head_dim(p.head_dim_pad):  # the two passes up to d128
             yield ("v3.bwd_dq_gluon", gluon_bwd._dq_kernel,
                    *gluon_bwd_case(p.head_dim_pad, opts, True, varlen=True, **features))
@@ -257,7 +260,7 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
         yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, **fp8_features))
         yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, causal=True, **fp8_features))
         yield ("v3.fwd_gluon_window", gluon_fwd._fwd_kernel,
-               *gluon_case(head_dim, opts, causal=True, window_left=512, **features))
+               *gluon_case(head_dim, opts, causal=True, window_left=512, **fwd_features))
         yield ("v3.bwd_dq_gluon", gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, opts, True, **features))
         yield ("v3.bwd_dkdv_gluon", gluon_bwd._dkdv_kernel,
                *gluon_bwd_case(p.head_dim_pad, opts, False, **features))
@@ -289,7 +292,7 @@ def main():
     ap.add_argument("--options", default="", help="kernel options, as FLASHTILE_KERNEL_OPTIONS takes them")
     ap.add_argument("--softcap", type=float, default=0.0, help="compile the kernels with this softcap")
     ap.add_argument("--alibi", action="store_true", help="compile the kernels that take ALiBi with it")
-    ap.add_argument("--dropout", action="store_true", help="compile v2's kernels with dropout")
+    ap.add_argument("--dropout", action="store_true", help="compile the kernels that take dropout with it")
     ap.add_argument("--fp8", choices=("fp8e4nv", "fp8e5"),
                     help="compile the kernels that take float8 inputs (v2's, the Gluon forward) for them")
     ap.add_argument("--aligned", action="store_true",

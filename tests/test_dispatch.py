@@ -318,14 +318,22 @@ def test_packed_sequences_take_the_gluon_kernels_only_when_forced():
 
 
 def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
-    # Only v2's kernels draw the dropout mask and take a V head dim of its own: v3 hands such
-    # problems to them where the Gluon kernels would otherwise run.  FP8 inputs
+    # Only v2's kernels take a V head dim of its own: v3 hands such problems to them where the
+    # Gluon kernels would otherwise run.  Dropout runs the Gluon forward (v2's where that does not
+    # run: never the plain-Triton one, which draws no mask) and v2's backward.  FP8 inputs
     # run the Gluon forward, with its own tiles, at every head dim, band or not, else v2's
     # (never the plain-Triton Hopper forward, which has no float8 path).
     seed = torch.zeros(1, dtype=torch.int64)
-    for p in (problem(dropout_p=0.1, dropout_seed=seed), problem(own_head_dim_v=64)):
-        assert forward(p).kernel == "v2" and backward(p).kernel == "v2"
-        assert forward(replace(p, window_right=0)).kernel == "v2"
+    own_v = problem(own_head_dim_v=64)
+    assert forward(own_v).kernel == "v2" and backward(own_v).kernel == "v2"
+    assert forward(replace(own_v, window_right=0)).kernel == "v2"
+    dropped = problem(dropout_p=0.1, dropout_seed=seed)
+    for p in (dropped, replace(dropped, window_right=0), replace(dropped, seqlen_k=256, window_right=0)):
+        assert forward(p).kernel == "v3-gluon" and backward(p).kernel == "v2"
+    assert forward(dropped, opts=KernelOptions(forward="triton")).kernel == "v2"
+    assert forward(dropped, target=dispatch.Target(gluon=False, interpreter=False)).kernel == "v2"
+    with pytest.raises(ValueError, match="dropout takes keys in blocks of 32"):
+        forward(dropped, opts=KernelOptions.parse("tiles.v3_gluon=16,2,2"))
     fp8_plan = forward(problem(fp8=True))
     assert fp8_plan.kernel == "v3-gluon" and fp8_plan.config == configs.by_head_dim(configs.V3_GLUON_FP8, 128)
     assert forward(problem(fp8=True, own_head_dim_v=64)).kernel == "v2"

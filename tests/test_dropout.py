@@ -9,6 +9,7 @@ from conftest import DEVICE, ON_GPU
 
 from flashtile import flash_attn_func, flash_attn_varlen_func, standard_attention
 from flashtile.kernels import dropout
+from flashtile.options import KernelOptions
 
 DTYPE = torch.bfloat16 if ON_GPU else torch.float16
 
@@ -50,6 +51,47 @@ def test_dropout_matches_reference_with_its_mask(version, causal):
     mask = mask_of(5, 2, 4, 70, 90, p)
     call = seeded(5, lambda a, b, c: flash_attn_func(a, b, c, dropout_p=p, causal=causal, version=version))
     check_with_mask(call, q, k, v, mask, p, causal=causal)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on Hopper")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_v3_gluon_forward_draws_the_same_mask(head_dim, causal):
+    # Each thread of the Gluon forward draws the numbers of the keys it holds (dropout.kept_mma):
+    # the mask must be dropout.kept's, at every head dim, past block edges, under GQA.
+    torch.manual_seed(6)
+    q, k, v = make_qkv(2, 300, 433, 4, 2, head_dim, DTYPE, DEVICE)
+    p = 0.1
+    assert forward_kernel(q, k, p, causal) == "v3-gluon"
+    mask = mask_of(7, 2, 4, 300, 433, p)
+    call = seeded(7, lambda a, b, c: flash_attn_func(a, b, c, dropout_p=p, causal=causal, version="v3"))
+    check_with_mask(call, q, k, v, mask, p, causal=causal)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on Hopper")
+def test_v3_gluon_forward_dropout_on_packed_sequences_and_windows():
+    torch.manual_seed(8)
+    q, k, v = make_qkv(1, 200, 200, 2, 2, 128, DTYPE, DEVICE)
+    p = 0.2
+    mask = mask_of(3, 1, 2, 200, 200, p)
+    features = dict(window_size=(70, 5), softcap=20.0)
+    call = seeded(3, lambda a, b, c: flash_attn_func(a, b, c, dropout_p=p, version="v3", **features))
+    check_with_mask(call, q, k, v, mask, p, **features)
+    # One packed sequence walks the Gluon forward's tile list: the same numbers as batched.
+    cu = torch.tensor([0, 200], dtype=torch.int32, device=DEVICE)
+    packed = seeded(3, lambda a, b, c: flash_attn_varlen_func(a[0], b[0], c[0], cu, cu, 200, 200, dropout_p=p,
+                                                              version="v3", kernel_options="forward=gluon",
+                                                              **features)[None])
+    check_with_mask(packed, q, k, v, mask, p, **features)
+
+
+def forward_kernel(q, k, p, causal):
+    """The forward kernel flash_attn_func runs for these inputs with dropout ``p``."""
+    from flashtile import dispatch
+    from flashtile.kernels.problem import Problem
+    prob = Problem.of(q, k, None, None, 0, 0, q.shape[-1] ** -0.5, -1, 0 if causal else -1, dropout_p=p,
+                      dropout_seed=dropout.new_seed(q.device))
+    return dispatch.forward_plan(prob, "v3", dispatch.target_of(prob, q, k, k), KernelOptions()).kernel
 
 
 def test_dropout_with_window_softcap_and_alibi():

@@ -254,6 +254,20 @@ def test_dropout_compiles_into_v2_kernels(tmp_path):
     assert "mul.hi.u32" not in (tmp_path / "plain" / "v2.fwd_d128.ptx").read_text()
 
 
+def test_gluon_forward_draws_dropout_numbers_in_its_own_threads(tmp_path, monkeypatch):
+    # dropout.kept_mma forms each thread's Philox calls in the accumulator's layout: no value
+    # crosses threads for the mask (the shuffles and shared-memory stores of the kernel without
+    # dropout, no more), and the consumers' loops keep their MMAs and spill nothing.
+    plain = compile_for_sm90(tmp_path / "plain", "v3.fwd_gluon", 128)
+    ttgir = compile_for_sm90(tmp_path / "drop", "v3.fwd_gluon", 128, dropout=True)
+    ptx, plain_ptx = ((tmp_path / x / "v3.fwd_gluon_d128.ptx").read_text() for x in ("drop", "plain"))
+    assert "mul.hi.u32" in ptx and "mul.hi.u32" not in plain_ptx
+    for op in ("shfl.sync", "st.shared"):
+        assert ptx.count(op) == plain_ptx.count(op), op
+    assert ttgir.count("ttg.local_alloc") == plain.count("ttg.local_alloc")
+    assert_consumer_loops(tmp_path / "drop" / "v3.fwd_gluon_d128.cubin", 128, 2, monkeypatch)
+
+
 @pytest.mark.parametrize("fp8, mma, mode", [("fp8e4nv", "f32.e4m3.e4m3", 1), ("fp8e5", "f32.e5m2.e5m2", 1),
                                            ("fp8e4nv", "f32.e4m3.e4m3", 2)])
 def test_fp8_forward_runs_both_matmuls_in_fp8(tmp_path, fp8, mma, mode):

@@ -1,49 +1,115 @@
 """Attention dropout: which probabilities are kept, from a counter-based RNG (Philox).
 
-One Philox-4x32-10 call gives 128 bits, eight 16-bit numbers: the numbers of keys 8g .. 8g + 7
-of one query row, key 8g + i taking half i % 2 of word i // 2.  The call for key group g of row
-r of query head h in sequence b has the counter (g, r, b * heads_q + h, 0) and the seed as its
-key, so every score has its own number, whatever the tiles or the sequences' lengths.  A score
-is kept when its number is at least round(dropout_p * 2**16) (dropout_p rounded to a multiple of
-2**-16) and then scaled by 1 / (1 - dropout_p).  Nothing is stored: the backward draws the same
-numbers from the same seed.  The seed is a one-element int64 tensor on the device, drawn from
-torch's generator (``new_seed``): ``torch.manual_seed`` reproduces a run, a CUDA graph replays
-the draw, and no value crosses to the host.
+One Philox-4x32-7 call (seven rounds, as FlashAttention-2 draws its dropout: Philox-4x32-7
+passes BigCrush, and the rounds are most of dropout's cost in the kernels) gives 128 bits, eight 16-bit numbers, for eight keys of one query row:
+call 4g + q of a row covers keys 32g + 8w + 2q + h, taking half h of word w (w < 4, h < 2).
+That is the keys one thread of a Hopper warpgroup MMA's accumulator holds (2q + h in each group
+of eight, four groups apart), so the Gluon kernels draw their own numbers with no exchange
+between threads.  The call for row r of query head h in sequence b has the counter
+(call, r, b * heads_q + h, 0) and the seed as its key: every score has its own number, whatever
+the tiles or the sequences' lengths.  A score is kept when its number is at least
+round(dropout_p * 2**16) (dropout_p rounded to a multiple of 2**-16) and then scaled by
+1 / (1 - dropout_p).  Nothing is stored: the backward draws the same numbers from the same seed.
+The seed is a one-element int64 tensor on the device, drawn from torch's generator
+(``new_seed``): ``torch.manual_seed`` reproduces a run, a CUDA graph replays the draw, and no
+value crosses to the host.
 """
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import cdiv
 
 KEYS_PER_CALL = tl.constexpr(8)
+PHILOX_ROUNDS = tl.constexpr(7)
+# Keys whose numbers a group of four calls draws: tiles of keys are multiples of it.
+KEYS_PER_GROUP = tl.constexpr(32)
 
 
 @triton.jit
-def _halves_kept(word, threshold):
-    """(low half >= threshold, high half >= threshold) of ``word``, joined along a new last axis."""
-    return tl.join(((word & 0xFFFF) >= threshold).to(tl.int8), ((word >> 16) >= threshold).to(tl.int8))
+def stream_of(SEED, batch, head, heads_q, dropout_p, DROPOUT: tl.constexpr):
+    """What kept_scale reads for one (sequence, query head): (seed, its stream, dropout_p);
+    without dropout nothing reads them."""
+    stream = batch * heads_q + head
+    seed = (stream * 0).to(tl.int64)
+    if DROPOUT:
+        seed = tl.load(SEED)
+    return seed, stream, dropout_p
+
+
+def seed_argument(p, placeholder):
+    """The dropout's seed tensor, or a placeholder pointer without dropout (never read)."""
+    return p.dropout_seed if p.dropout else placeholder
+
+
+@triton.jit
+def _numbers(seed, calls, rows, stream):
+    """The 16-bit numbers of the keys of ``calls`` (..., groups, 4): call 4g + q of each row, as
+    (..., 32 * groups) keys in order (the module doc's layout of a call's numbers)."""
+    zero = calls * 0
+    w0, w1, w2, w3 = tl.philox(seed, calls.to(tl.uint32), (zero + rows).to(tl.uint32),
+                               (zero + stream).to(tl.uint32), zero.to(tl.uint32), PHILOX_ROUNDS)
+    words = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # (..., q, x, y): word x + 2y
+    numbers = tl.join(words & 0xFFFF, words >> 16)  # (..., q, x, y, h)
+    numbers = tl.permute(numbers, (0, 1, 4, 3, 2, 5))  # (rows, g, y, x, q, h): key 32g + 8(x + 2y) + 2q + h
+    return tl.reshape(numbers, (numbers.shape[0], numbers.shape[1] * KEYS_PER_GROUP))
+
+
+@triton.jit
+def threshold(dropout_p):
+    """Numbers below it are dropped."""
+    return tl.cast(dropout_p * 65536.0 + 0.5, tl.uint32)
 
 
 @triton.jit
 def kept_scale(seed, stream, rows, col0, dropout_p, BLOCK_COLS: tl.constexpr, TRANSPOSED: tl.constexpr):
     """1 / (1 - dropout_p) where score (row, col) of ``stream`` (sequence * heads_q + query head)
     is kept, else 0: a (len(rows), BLOCK_COLS) tile for the keys col0 .. col0 + BLOCK_COLS - 1
-    (col0 a multiple of 8), or its transpose."""
-    groups = col0 // KEYS_PER_CALL + tl.arange(0, BLOCK_COLS // KEYS_PER_CALL)
-    zero = (rows[:, None] * 0 + groups[None, :] * 0).to(tl.uint32)
-    w0, w1, w2, w3 = tl.philox(seed, zero + groups[None, :].to(tl.uint32), zero + rows[:, None].to(tl.uint32),
-                               zero + stream.to(tl.uint32), zero)
-    threshold = tl.cast(dropout_p * 65536.0 + 0.5, tl.uint32)
-    kept = tl.join(tl.join(_halves_kept(w0, threshold), _halves_kept(w1, threshold)),
-                   tl.join(_halves_kept(w2, threshold), _halves_kept(w3, threshold)))
-    # (rows, groups, word // 2, word % 2, half): key 8g + i is word i // 2, half i % 2.
-    kept = tl.reshape(kept, (rows.shape[0], BLOCK_COLS))
-    scale = tl.where(kept != 0, 1.0 / (1.0 - dropout_p), 0.0)
+    (col0 and BLOCK_COLS multiples of 32), or its transpose."""
+    tl.static_assert(BLOCK_COLS % 32 == 0, "dropout takes tiles of keys in multiples of 32")
+    calls = col0 // KEYS_PER_CALL + tl.arange(0, BLOCK_COLS // KEYS_PER_CALL)
+    calls = tl.reshape(rows[:, None] * 0 + calls[None, :], (rows.shape[0], BLOCK_COLS // KEYS_PER_GROUP, 4))
+    numbers = _numbers(seed, calls, rows[:, None, None], stream)
+    scale = tl.where(numbers >= threshold(dropout_p), 1.0 / (1.0 - dropout_p), 0.0)
     if TRANSPOSED:
         scale = tl.trans(scale)
     return scale
+
+
+@triton.jit
+def key_scale(drop, rows, key):
+    """kept_scale of one key ``key`` for ``rows`` (any layout): (seed, stream, dropout_p) = ``drop``."""
+    seed, stream, dropout_p = drop
+    zero = (rows * 0).to(tl.uint32)
+    call = (key // KEYS_PER_GROUP) * 4 + (key % KEYS_PER_CALL) // 2
+    w0, w1, w2, w3 = tl.philox(seed, zero + call.to(tl.uint32), rows.to(tl.uint32), zero + stream.to(tl.uint32), zero,
+                               PHILOX_ROUNDS)
+    w = (key // KEYS_PER_CALL) % 4
+    word = tl.where(w == 0, w0, tl.where(w == 1, w1, tl.where(w == 2, w2, w3)))
+    number = (word >> (16 * (key % 2))) & 0xFFFF
+    return tl.where(number >= threshold(dropout_p), 1.0 / (1.0 - dropout_p), 0.0)
+
+
+@gluon.jit
+def kept_mma(seed, stream, rows, col0, dropout_p, BLOCK_COLS: gl.constexpr, layout: gl.constexpr):
+    """Which scores kept_scale keeps, for a Gluon kernel: the (len(rows), BLOCK_COLS) tile in
+    ``layout``, a Hopper MMA accumulator's (``rows`` in its row slice).  Each thread draws the numbers of its own
+    keys: the call indices are formed in the accumulator's layout and reduced over the axes each
+    thread holds alone, so the tile comes back in ``layout`` without an exchange."""
+    gl.static_assert(BLOCK_COLS % 32 == 0, "dropout takes tiles of keys in multiples of 32")
+    ROWS: gl.constexpr = rows.shape[0]
+    GROUPS: gl.constexpr = BLOCK_COLS // KEYS_PER_GROUP
+    cols = gl.arange(0, BLOCK_COLS, layout=gl.SliceLayout(0, layout))
+    # key 32g + 8(x + 2y) + 2q + h as (rows, g, y, x, q, h); its call col0 / 8 + 4g + q
+    calls = (col0 // KEYS_PER_CALL + (cols // KEYS_PER_GROUP) * 4 + (cols % KEYS_PER_CALL) // 2)[None, :]
+    calls = gl.reshape(rows[:, None] * 0 + calls, [ROWS, GROUPS, 2, 2, 4, 2])
+    calls = gl.max(gl.max(gl.max(calls, 5), 3), 2)  # (rows, g, q): constant along y, x, h
+    row_ids = gl.reshape(rows[:, None] + cols[None, :] * 0, [ROWS, GROUPS, 2, 2, 4, 2])
+    row_ids = gl.max(gl.max(gl.max(row_ids, 5), 3), 2)
+    return gl.convert_layout(_numbers(seed, calls, row_ids, stream), layout) >= threshold(dropout_p)
 
 
 @triton.jit
@@ -69,7 +135,7 @@ def new_seed(device) -> torch.Tensor:
 def kept(seed, batch, heads_q, seqlen_q, seqlen_k, dropout_p) -> torch.Tensor:
     """Bool (batch, heads_q, seqlen_q, seqlen_k): the probabilities the kernels keep under ``seed``."""
     out = torch.empty(batch, heads_q, seqlen_q, seqlen_k, dtype=torch.int8, device=seed.device)
-    block = 16
+    block = KEYS_PER_GROUP
     if out.numel():
         launch(_kept_kernel, (cdiv(seqlen_q, block), batch * heads_q), seed, out, heads_q, seqlen_q, seqlen_k,
                dropout_p, BLOCK=block)

@@ -117,9 +117,9 @@ class Problem:
 
     @property
     def v2_only(self) -> bool:
-        """Features only v2's kernels (of the GPU versions above v1) implement: dropout, a V head
-        dim of its own (with FP8 inputs too); v3 hands such problems to them."""
-        return self.dropout or self.own_head_dim_v is not None
+        """Features only v2's kernels (of the GPU versions above v1) implement: a V head dim of
+        its own (with FP8 inputs too); v3 hands such problems to them."""
+        return self.own_head_dim_v is not None
 
     def gradients(self, q, k, v):
         """dq, dk, dv to be written by a backward: zeros where rows go unwritten (seqused);

@@ -67,17 +67,6 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, sks, svs, svd, rows, offs_n, o
 
 
 @triton.jit
-def _dropout_stream(SEED, batch, head, heads_q, dropout_p, DROPOUT: tl.constexpr):
-    """What kernels/dropout.kept_scale reads for one (sequence, query head): (seed, its stream,
-    dropout_p); without dropout nothing reads them."""
-    stream = batch * heads_q + head
-    seed = (stream * 0).to(tl.int64)
-    if DROPOUT:
-        seed = tl.load(SEED)
-    return seed, stream, dropout_p
-
-
-@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED, DESCALE,
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, svd, sob, sos, soh, slb, slh, sdt, sdb, sdh,
                 seqlen_q, seqlen_k, totals, heads_q, group, scale_log2, window_left, window_right, score_args,
@@ -108,7 +97,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SEED, DESCALE,
     q = load_tile(q_base + rows[:, None] * sqs + offs_d[None, :], rows, seqlen_q, offs_d,
                   HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
     site = (batch, head, seqlen_k - seqlen_q, score_args)
-    drop = _dropout_stream(SEED, batch, head, heads_q, dropout_p, DROPOUT)
+    drop = dropout.stream_of(SEED, batch, head, heads_q, dropout_p, DROPOUT)
     descale = DESCALE + batch * sdb + (head // group) * sdh  # this KV head's (per block: its blocks')
     if FP8 == FP8_PER_HEAD:
         scale_log2 = scale_log2 * tl.load(descale) * tl.load(descale + sdt)
@@ -236,7 +225,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SEED, DESCALE,
     for g in range(group):
         head = head_k * group + g
         site = (batch, head, seqlen_k - seqlen_q, score_args)
-        drop = _dropout_stream(SEED, batch, head, heads_k * group, dropout_p, DROPOUT)
+        drop = dropout.stream_of(SEED, batch, head, heads_k * group, dropout_p, DROPOUT)
         q_base = Q + batch * sqb + q_start * sqs + head * sqh
         do_base = DO + batch * sdb + q_start * sds + head * sdh
         lse_base = LSE + batch * slb + head * slh + q_start
@@ -333,7 +322,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K, SEED, DESCA
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    drop = _dropout_stream(SEED, batch, head, heads_q, dropout_p, DROPOUT)
+    drop = dropout.stream_of(SEED, batch, head, heads_q, dropout_p, DROPOUT)
     q = load_tile(Q + batch * sqb + (q_start + rows[:, None]) * sqs + head * sqh + offs_d[None, :],
                   rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
@@ -379,11 +368,6 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_Q, CU_K, SEED, DESCA
                dq * softmax_scale, rows, seqlen_q, offs_d, HEAD_DIM)
 
 
-def _seed(p: Problem, placeholder):
-    """The dropout's seed tensor, or a placeholder pointer without dropout (never read)."""
-    return p.dropout_seed if p.dropout else placeholder
-
-
 def forward(plan, p: Problem, q, k, v):
     """Returns (out, lse, saved); lse is (b, h, sq) or, for varlen, (h, total_q), natural log.
 
@@ -398,7 +382,7 @@ def forward(plan, p: Problem, q, k, v):
         v = tma.keys_contiguous(v).movedim(-1, -3)
     launch(
         _fwd_kernel, grid,
-        q, k, v, out, lse, cu_q, cu_k, _seed(p, cu_q), descale,
+        q, k, v, out, lse, cu_q, cu_k, dropout.seed_argument(p, cu_q), descale,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), v.stride(-1), *p.seq_strides(out),
         *p.row_stat_strides(lse), *p.fp8_descale_strides(),
         p.seqlen_q, p.seqlen_k, p.totals, p.heads_q, p.group, p.scale_log2, p.window_left, p.window_right,
@@ -439,7 +423,7 @@ def backward(plan, p: Problem, dout, dlse, q, k, v, out, lse, saved):
     # The dQ pass writes D, which the dK/dV pass reads: launched first, on the same stream.
     launch(
         _bwd_dq_kernel, (p.batch * p.heads_q * p.query_blocks(q_cfg.block_m),),
-        q, k, v, out, dout, lse, delta if dlse is None else dlse, delta, dq, cu_q, cu_k, _seed(p, cu_q),
+        q, k, v, out, dout, lse, delta if dlse is None else dlse, delta, dq, cu_q, cu_k, dropout.seed_argument(p, cu_q),
         descale, do8, do_descale,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(out),
         *p.seq_strides(dout), *p.seq_strides(dq), *p.row_stat_strides(lse), *fp8_strides,
@@ -449,7 +433,7 @@ def backward(plan, p: Problem, dout, dlse, q, k, v, out, lse, saved):
         num_stages=q_cfg.num_stages, **common)
     launch(
         _bwd_dkdv_kernel, (p.batch * p.heads_k * p.key_blocks(kv_cfg.block_n),),
-        q, k, v, do8, lse, delta, dk, dv, cu_q, cu_k, _seed(p, cu_q), descale, do_descale,
+        q, k, v, do8, lse, delta, dk, dv, cu_q, cu_k, dropout.seed_argument(p, cu_q), descale, do_descale,
         *p.seq_strides(q), *p.seq_strides(k), *p.seq_strides(v), *p.seq_strides(dout),
         *p.seq_strides(dk), *p.seq_strides(dv), *p.row_stat_strides(lse), *fp8_strides,
         p.seqlen_q, p.seqlen_k, p.totals, p.heads_k, p.group, p.softmax_scale, p.scale_log2,

@@ -49,7 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from flashtile.kernels import packed_tiles, score
+from flashtile.kernels import dropout, packed_tiles, score
 from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile
 from flashtile.kernels.configs import WARPGROUP_ROWS
@@ -87,11 +87,12 @@ class Schedule:
     FRESH_PV: gl.constexpr
     CHECK_FINITE: gl.constexpr
     VARLEN: gl.constexpr
+    DROPOUT: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
                  PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8, FRESH_PV,
-                 CHECK_FINITE, VARLEN):
+                 CHECK_FINITE, VARLEN, DROPOUT):
         self.ROWS = gl.constexpr(ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM_PAD = gl.constexpr(HEAD_DIM_PAD)
@@ -112,6 +113,7 @@ class Schedule:
         self.FRESH_PV = gl.constexpr(FRESH_PV)
         self.CHECK_FINITE = gl.constexpr(CHECK_FINITE)
         self.VARLEN = gl.constexpr(VARLEN)
+        self.DROPOUT = gl.constexpr(DROPOUT)
 
 
 @aggregate
@@ -501,6 +503,16 @@ def _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2,
 
 
 @gluon.jit
+def _dropped(p, drop, rows, n0, layout: gl.constexpr, S: gl.constexpr):
+    """P with dropout applied (kernels/dropout.py) to block n0's keys, for O += P V: the dropped
+    ones 0, the kept ones scaled by 1 / (1 - dropout_p) once at the end (_store_rows' caller);
+    the denominator has taken P before it."""
+    if S.DROPOUT:
+        p = gl.where(dropout.kept_mma(drop[0], drop[1], rows, n0, drop[2], S.BLOCK_N, layout), p, 0.0)
+    return p
+
+
+@gluon.jit
 def _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH: gl.constexpr, PINGPONG: gl.constexpr):
     """Start S = Q K^T on K/V ring slot ``slot`` once it is this consumer's turn and K has landed.
     Turns go round the consumers in order; consumer 0 takes the first without waiting."""
@@ -618,7 +630,8 @@ def _pass_turn(turn, WHICH: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_log2, score_args, S: gl.constexpr):
+def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_log2, score_args, dropped,
+              S: gl.constexpr):
     """Consumer warpgroup WHICH: rows [64 * WHICH, 64 * WHICH + 64) of every tile handed over.
 
     Per K/V block j: (wait for its turn) issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, (pass the
@@ -666,6 +679,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
             rows_scale = scale_log2 * descales.rows_scale(batch, head, head_k, row0, S)
             out_scale = descales.output_scale(batch, head_k, S)
         site = (batch, head, seqlen_k - seqlen_q, score_args)
+        drop = dropout.stream_of(dropped[0], batch, head, walk.heads_q, dropped[1], S.DROPOUT)
         distance = None
         if S.DISTANCE:
             distance = _distance_bias(site, s_cols, S)
@@ -690,6 +704,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
             p, alpha, m_i = _block_softmax(s, m_i, site, rows, row0, lo, seqlen_k, dlo, dhi, block_scale,
                                            log2_factor, distance, s_cols, S)
             l_i = gl.sum(p, 1) * inverse
+            p = _dropped(p, drop, rows, lo, s_layout, S)
             p_op = _p_operand(p, dtype, p_layout, S.FP8)
             alpha_prev = gl.convert_layout(alpha, o_rows)[:, None]
             prev_slot = slot
@@ -726,6 +741,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
                 acc, alpha_prev, v_unit = _add_values(acc, pv, gl.convert_layout(alpha, o_rows)[:, None], alpha_prev,
                                                       v_unit, descales.value_scale(batch, head_k, n0 - BLOCK_N, S),
                                                       descales.value_scale(batch, head_k, n0, S), S.FRESH_PV)
+                p = _dropped(p, drop, rows, n0, s_layout, S)
                 p_op = _p_operand(p, dtype, p_layout, S.FP8)
                 prev_slot = slot
                 prev_phase = phase
@@ -746,13 +762,15 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
             mbarrier.arrive(buf.q_empty.index(q_slot))  # a tile with no K/V block
         if S.FP8:
             acc = acc * (v_unit * out_scale)
+        if S.DROPOUT:
+            acc = acc * (1.0 / (1.0 - drop[2]))
         out, lse = finalize_rows(acc, gl.convert_layout(m_i, o_rows), gl.convert_layout(l_i, o_rows))
         use = tile_i * S.CONSUMERS + WHICH
         out_dtype: gl.constexpr = outputs.o_desc.dtype
         not_finite = _store_rows(out.to(out_dtype), lse, acc, buf, use, WHICH, outputs, batch, head, row0, seq,
                                  o_layout, S)
         if S.CHECK_FINITE and not_finite > 0:  # a constexpr test first: no check, no recomputation compiled
-            _exact_rows(batch, head, row0, seq, WHICH, buf, stash, outputs, walk, scale_log2, score_args, S)
+            _exact_rows(batch, head, row0, seq, WHICH, buf, stash, outputs, walk, scale_log2, score_args, drop, S)
         tile_i += 1
         t = read_next_tile(buf.tile_ids, tile_i, buf.q_ready, walk.num_tiles, S.Q_SLOTS, S.PERSISTENT)
     tma.store_wait(0)
@@ -760,7 +778,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
 
 @gluon.jit
 def _exact_rows(batch, head, row0, seq, WHICH: gl.constexpr, buf, stash, outputs, walk, scale_log2, score_args,
-                S: gl.constexpr):
+                drop, S: gl.constexpr):
     """The consumer's rows computed again by the masking rule, with the logsumexp of the main
     loop (natural log): a key outside a row's band contributes nothing, whatever its value.  The
     tensor cores' P V turns a masked key's probability of 0 times an infinite value into NaN; a
@@ -785,8 +803,8 @@ def _exact_rows(batch, head, row0, seq, WHICH: gl.constexpr, buf, stash, outputs
     o_base, sos = _rows_of(stash, O_AT, batch, q_start, head, dtype)
     _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_rows, _stashed(stash, HEAD_DIM_AT),
                      row0, dlo, dhi, lo, gl.minimum(lo + n_blocks * S.BLOCK_N, seqlen_k), seqlen_q,
-                     seqlen_k - seqlen_q, batch, head, scale_log2, score_args, S.ROWS, S.HEAD_DIM_PAD,
-                     S.SCORE)
+                     seqlen_k - seqlen_q, batch, head, scale_log2, score_args, drop[0], drop[1], drop[2], S.ROWS,
+                     S.HEAD_DIM_PAD, S.SCORE, S.DROPOUT)
 
 
 @gluon.jit
@@ -800,8 +818,8 @@ def _bulk_stores_done(anchor):
 
 @gluon.jit(noinline=True)
 def _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_rows, head_dim, row0, dlo, dhi, lo, hi,
-                     seqlen_q, offset, batch, head, scale_log2, score_args, ROWS: gl.constexpr,
-                     HEAD_DIM_PAD: gl.constexpr, SCORE: gl.constexpr):
+                     seqlen_q, offset, batch, head, scale_log2, score_args, seed, stream, dropout_p,
+                     ROWS: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, SCORE: gl.constexpr, DROPOUT: gl.constexpr):
     """_exact_rows' work, key by key, 64 columns of the output at a time (few registers)."""
     CHUNK: gl.constexpr = 64
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
@@ -828,6 +846,8 @@ def _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_row
             y = score.logits(s, scale_log2, rows, key, site, SCORE)
             visible = (key - rows >= dlo) & (key - rows <= dhi) & in_seq
             p = gl.where(visible, gl.exp2(y * score.exp_scale(scale_log2, site, SCORE) - lse2), 0.0)
+            if DROPOUT:
+                p *= dropout.key_scale((seed, stream, dropout_p), rows, key)
             v = gl.load(v_base + key.to(gl.int64) * svs + cols, mask=cols < head_dim, other=0.0)
             acc += gl.where(visible[:, None], p[:, None] * v.to(gl.float32)[None, :], 0.0)
         gl.store(o_rows + cols[None, :], acc.to(o_base.dtype.element_ty), mask=in_seq[:, None] & (cols[None, :] < head_dim))
@@ -936,16 +956,16 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
                 batch_heads, heads_q, group, head_group, m_blocks, num_tiles,
                 seqlen_q, seqlen_k, window_left, window_right, CU_Q, CU_K, totals, TILES, COUNT, scale_log2,
                 counter, score_args,
-                DESCALE, sdt, sdb, sdh,
+                DESCALE, sdt, sdb, sdh, SEED, dropout_p,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
                 DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr, DISTANCE: gl.constexpr,
                 BOUNDED: gl.constexpr, FP8: gl.constexpr, FRESH_PV: gl.constexpr, CHECK_FINITE: gl.constexpr,
-                VARLEN: gl.constexpr):
+                VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
     S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
                                PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8,
-                               FRESH_PV, CHECK_FINITE, VARLEN)
+                               FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
     if VARLEN:  # the packed list's length, written on the device (packed_tiles.py)
@@ -955,18 +975,19 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
     stash = _stash_tensors(Q, sqb, sqs, sqh, K, skb, sks, skh, V, svb, svs, svh, O, sob, sos, soh, head_dim)
     outputs = Outputs(o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh)
     descales = Descales(DESCALE, sdt, sdb, sdh)
+    dropped = (SEED, dropout_p)
     # The partitions are listed as written (Gluon builds no list at run time): one list per count.
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer, (0, buf, walk, stash, outputs, descales, scale_log2, score_args, S)),
-            (_consumer, (1, buf, walk, stash, outputs, descales, scale_log2, score_args, S)),
-            (_consumer, (2, buf, walk, stash, outputs, descales, scale_log2, score_args, S)),
+            (_consumer, (0, buf, walk, stash, outputs, descales, scale_log2, score_args, dropped, S)),
+            (_consumer, (1, buf, walk, stash, outputs, descales, scale_log2, score_args, dropped, S)),
+            (_consumer, (2, buf, walk, stash, outputs, descales, scale_log2, score_args, dropped, S)),
             (_producer, (q_desc, k_desc, v_desc, buf, walk, counter, S)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (0, buf, walk, stash, outputs, descales, scale_log2, score_args, S)),
-            (_consumer, (1, buf, walk, stash, outputs, descales, scale_log2, score_args, S)),
+            (_consumer, (0, buf, walk, stash, outputs, descales, scale_log2, score_args, dropped, S)),
+            (_consumer, (1, buf, walk, stash, outputs, descales, scale_log2, score_args, dropped, S)),
             (_producer, (q_desc, k_desc, v_desc, buf, walk, counter, S)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -1025,7 +1046,7 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
                 # values could turn P V non-finite: an output that comes out so is recomputed by
                 # the masking rule (_exact_rows).  Not float8 (the recomputation reads operands
                 # without their descales): a non-finite input stays so.
-                CHECK_FINITE=(p.banded or p.varlen) and not p.fp8, VARLEN=p.varlen)
+                CHECK_FINITE=(p.banded or p.varlen) and not p.fp8, VARLEN=p.varlen, DROPOUT=p.dropout)
 
 
 # The widest logit range (log2 units) the softmax takes from a fixed reference point: P stays at
@@ -1098,6 +1119,6 @@ def forward(plan, p, q, k, v):
         batch_heads, p.heads_q, p.group, head_group, m_blocks, num_tiles,
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, cu_q, cu_k, p.totals, tiles, count, p.scale_log2,
         tile_counter(q.device) if consts["DYNAMIC"] else no_counter(q.device), score.args_of(p),
-        descale, *(descale.stride()[:3] if p.fp8 else (0, 0, 0)),
+        descale, *(descale.stride()[:3] if p.fp8 else (0, 0, 0)), dropout.seed_argument(p, cu_q), p.dropout_p,
         **consts, **launch_options(cfg.consumers))
     return out, lse, lse.new_empty(0)
