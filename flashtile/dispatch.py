@@ -222,6 +222,10 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
             # Q's descale blocks, the dQ pass's key blocks within K's and V's (powers of two).
             q_rows, kv_rows = p.fp8_rows
             kv, dq = replace(kv, block_m=min(kv.block_m, q_rows)), replace(dq, block_n=min(dq.block_n, kv_rows))
+            if min(kv.block_m, dq.block_n) < 32:  # Hopper's float8 MMA reduces over 32 at least
+                raise ValueError(f"the FP8 backward's matmuls reduce over 32 rows or more: dK/dV pass {kv.block_m} "
+                                 f"queries, dQ pass {dq.block_n} keys (kernel options tiles.v2_bwd_kv, "
+                                 f"tiles.v2_bwd_q; the forward's descale blocks {p.fp8_rows})")
         return Plan("v2", (kv, dq))
     reduce = kernel == "v3-gluon-reduce"
     table = "v3_gluon_bwd_reduce" if reduce else "v3_gluon_bwd"

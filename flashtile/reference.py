@@ -100,7 +100,8 @@ def standard_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scal
             probs = probs.nan_to_num(0.0)
         return torch.einsum("bhqk,bkhd->bqhd", _dropped(probs, dropout_mask, dropout_p), v)
     s = scores.to(torch.float64 if upcast else torch.float32)
-    m = s.amax(dim=-1, keepdim=True).detach()
+    # No key at all (seqlen_k 0): no max to take, every row's output 0 and logsumexp +inf.
+    m = s.amax(dim=-1, keepdim=True).detach() if s.shape[-1] else s.new_full((*s.shape[:-1], 1), float("-inf"))
     if sink is not None:
         m = torch.maximum(m, sink.to(s.dtype).detach())
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)

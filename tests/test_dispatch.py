@@ -360,6 +360,12 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
             assert plan.kernel == "v2" and rows[0] % kv.block_m == 0 and rows[1] % dq.block_n == 0
             plain_kv, plain_dq = backward(problem(head_dim=head_dim), version="v2").config
             assert (kv.block_n, dq.block_m) == (plain_kv.block_n, plain_dq.block_m)
+    # Hopper's float8 MMA reduces over 32 at least: smaller tiles are refused before any launch.
+    with pytest.raises(ValueError, match="dK/dV pass 16 queries"):
+        backward(problem(fp8=True, fp8_per_block=True, fp8_rows=(16, 64)))
+    with pytest.raises(ValueError, match="dQ pass 16 keys"):
+        backward(problem(fp8=True, fp8_per_block=True, fp8_rows=(64, 128)),
+                 opts=KernelOptions.parse("tiles.v2_bwd_q=64,16,4,1"))
     # The seed and the descales are no part of a plan's key.
     assert problem(dropout_p=0.1, dropout_seed=seed) == problem(dropout_p=0.1, dropout_seed=seed.clone())
     assert problem(dropout_p=0.1, dropout_seed=seed).holds_tensors

@@ -839,6 +839,15 @@ def test_empty_problems(version):
         assert (out == 0).all() and (lse == float("inf")).all()
 
 
+def test_reference_without_keys():
+    # The oracle follows the same conventions (a packed batch's sequence may hold no key).
+    q, k, v = make_qkv(1, 5, 0, 2, 1, 16, torch.float32, "cpu")
+    for upcast in (False, True):
+        out, lse = standard_attention(q, k, v, upcast=upcast, return_lse=True)
+        assert out.shape == q.shape and (out == 0).all() and (lse == float("inf")).all()
+    assert (standard_attention(q, k, v) == 0).all()
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_window_sides_as_wide_as_the_sequences_are_unbounded(version):
     # Sides at or beyond the sequence lengths (2**31 - 1, 2**63, 2**70) are the unbounded band:
