@@ -46,6 +46,7 @@ class Case:
     alibi: bool = False   # ALiBi slopes 2^(-8 i / h), as BLOOM's
     sinks: bool = False   # one learnable logit per head (gpt-oss)
     varlen: bool = False  # b documents of random lengths (mean sq) packed along the tokens
+    dropout: float = 0.0  # dropout_p of the timed calls
 
     def lengths(self) -> list:
         """The documents' lengths of a packed case: b draws from [1, 2 sq), the same every run."""
@@ -70,17 +71,19 @@ class Case:
 
 def paper_grid(head_dims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384),
                causals=(False, True), modes=("fwd", "bwd"), dtype="bf16", tokens=16384, hidden=2048, softcap=0.0,
-               alibi=False, sinks=False, varlen=False):
+               alibi=False, sinks=False, varlen=False, dropout=0.0):
     """The FlashAttention papers' sweep: batch x seqlen = 16k tokens, hidden 2048; ``dtype`` one
     of DTYPES or several (each cell in each); ``varlen``: the tokens packed as documents of mean
     length seqlen (Case.lengths)."""
     dtypes = [dtype] if isinstance(dtype, str) else list(dtype)
-    return [Case(max(1, tokens // s), hidden // d, hidden // d, s, s, d, c, m, t, softcap, alibi, sinks, varlen)
+    return [Case(max(1, tokens // s), hidden // d, hidden // d, s, s, d, c, m, t, softcap, alibi, sinks, varlen,
+                 dropout)
             for t in dtypes for d in head_dims for c in causals for m in modes for s in seqlens]
 
 
 # ---- providers: each maps (q, k, v, causal, score features) in (b, s, h, d) to the output ----
-# Score features are keywords of flash_attn_func (softcap, alibi_slopes, sinks), passed only when set.
+# Score features are keywords of flash_attn_func (softcap, alibi_slopes, sinks, dropout_p), passed only
+# when set; SDPA's providers take dropout_p too.
 
 def _flashtile(version):
     def run(q, k, v, causal, kernel_options=None, **features):
@@ -90,7 +93,7 @@ def _flashtile(version):
 
 
 def plain_only(provider, features):
-    """Refuse score features (softcap, ALiBi, sinks) that ``provider`` does not take."""
+    """Refuse score features (softcap, ALiBi, sinks, dropout) that ``provider`` does not take."""
     if features:
         raise NotImplementedError(f"{provider} takes no {', '.join(sorted(features))}")
 
@@ -99,17 +102,18 @@ def _sdpa(backend_name):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backend = getattr(SDPBackend, backend_name)
 
-    def run(q, k, v, causal, kernel_options=None, **features):
+    def run(q, k, v, causal, kernel_options=None, dropout_p=0.0, **features):
         plain_only(backend_name, features)
         with sdpa_kernel(backend):
             out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout_p, is_causal=causal,
                 enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)
     return run
 
 
 def _standard(q, k, v, causal, kernel_options=None, **features):
+    plain_only("standard", {f: x for f, x in features.items() if f == "dropout_p"})  # (it takes a mask)
     return standard_attention(q, k, v, causal=causal, **features)
 
 
@@ -169,12 +173,12 @@ def _sdpa_packed(backend_name):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backend = getattr(SDPBackend, backend_name)
 
-    def run(q, k, v, offsets, lengths, causal, kernel_options=None, **features):
+    def run(q, k, v, offsets, lengths, causal, kernel_options=None, dropout_p=0.0, **features):
         plain_only(backend_name, features)
         nested = [torch.nested.nested_tensor_from_jagged(x, offsets.long(), max_seqlen=max(lengths)).transpose(1, 2)
                   for x in (q, k, v)]
         with sdpa_kernel(backend):
-            out = torch.nn.functional.scaled_dot_product_attention(*nested, is_causal=causal)
+            out = torch.nn.functional.scaled_dot_product_attention(*nested, dropout_p=dropout_p, is_causal=causal)
         return out.transpose(1, 2).values()
     return run
 
@@ -277,6 +281,8 @@ def score_features(case, device):
         features["alibi_slopes"] = torch.exp2(-8.0 * torch.arange(1, case.h + 1, device=device) / case.h)
     if case.sinks:
         features["sinks"] = torch.randn(case.h, device=device)
+    if case.dropout:
+        features["dropout_p"] = case.dropout
     return features
 
 
@@ -341,6 +347,8 @@ def _float8_step(provider, case, device, kernel_options, features):
         return _float8_backward_step(provider, case, device, kernel_options, features)
     if case.varlen:
         raise NotImplementedError(f"{case.dtype} inputs: batched cases only")
+    if case.dropout:
+        raise NotImplementedError(f"{case.dtype} inputs take no dropout")
     if not provider.startswith("flashtile-"):
         raise NotImplementedError(f"{provider} takes no float8 inputs")
     version = provider.split("-")[1]

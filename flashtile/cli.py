@@ -60,6 +60,7 @@ def parser():
     b.add_argument("--softcap", type=float, default=0.0, help="scores capped at softcap * tanh(x / softcap)")
     b.add_argument("--alibi", action="store_true", help="ALiBi bias with slopes 2^(-8i/h)")
     b.add_argument("--sinks", action="store_true", help="one learnable sink logit per head")
+    b.add_argument("--dropout", type=float, default=0.0, help="dropout_p of the timed calls (SDPA's providers too)")
     b.add_argument("--varlen", action="store_true",
                    help="the tokens packed as documents of random lengths (mean: each seqlen), through the varlen call")
     b.add_argument("--kernel-options", default="",
@@ -123,7 +124,7 @@ def cmd_bench(args):
         return 2
     cases = bench.paper_grid(args.head_dims, args.seqlens, [c == "true" for c in args.causal], args.modes,
                              args.dtype, args.tokens, args.hidden, softcap=args.softcap,
-                             alibi=args.alibi, sinks=args.sinks, varlen=args.varlen)
+                             alibi=args.alibi, sinks=args.sinks, varlen=args.varlen, dropout=args.dropout)
     failures = []
 
     def failed(msg):

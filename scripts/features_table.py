@@ -13,7 +13,7 @@ MODES = ("fwd", "bwd")
 
 
 def feature_of(record) -> str:
-    """The score feature a bench record was timed with: softcap N, alibi, sinks, or none."""
+    """The score feature a bench record was timed with: softcap N, alibi, sinks, dropout P, or none."""
     names = []
     if record.get("softcap"):
         names.append(f"softcap {record['softcap']:g}")
@@ -21,6 +21,8 @@ def feature_of(record) -> str:
         names.append("alibi")
     if record.get("sinks"):
         names.append("sinks")
+    if record.get("dropout"):
+        names.append(f"dropout {record['dropout']:g}")
     return " + ".join(names) or "none"
 
 

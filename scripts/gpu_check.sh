@@ -14,7 +14,7 @@
 #   ablation  v3's techniques switched off one at a time, d128 8k (ablation_v3.*)
 #   ab      the working tree's v3 against a revision's (AB_REV, extracted into .ab by
 #           scripts/ab_revision.py: carry .ab) over the bars grid, with a null pair and cuDNN (ab.*)
-#   features v3 with each score feature (softcap 30, ALiBi, sinks) against v3 without, d128 8k,
+#   features v3 with each score feature (softcap 30, ALiBi, sinks, dropout 0.1) against v3 without, d128 8k,
 #           forward and backward: a run per feature (features_*.json), joined by
 #           scripts/features_table.py (features.json, features.md); FEATURES: a ','-separated subset
 #   fp8     FP8 forwards and backwards beside bf16 in one run: flashtile-v3 (and v2's forward) on bf16,
@@ -88,7 +88,7 @@ for stage in $stages; do
       python scripts/ab_revision.py run "$AB_REV" --bars 64,128,256 \
         --rounds "${AB_ROUNDS:-2}" --out "$OUT/ab.json" 2>&1 | tee "$OUT/ab.md" || status=1 ;;
     features)
-      IFS=',' read -ra features <<< "${FEATURES:-none,softcap 30,alibi,sinks}"
+      IFS=',' read -ra features <<< "${FEATURES:-none,softcap 30,alibi,sinks,dropout 0.1}"
       for feature in "${features[@]}"; do
         set -- $feature
         python -m flashtile bench --head-dims 128 --seqlens 8192 --causal false,true \

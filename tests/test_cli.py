@@ -60,7 +60,8 @@ def test_report_files_and_schema(tmp_path):
                for p in ("flashtile-v2", "sdpa-flash")]
     table = bench.save(records, tmp_path, "t", baseline="sdpa-flash")
     saved = json.loads((tmp_path / "t.json").read_text())
-    assert set(saved[0]) == {"provider", "dtype", "softcap", "alibi", "sinks", "varlen", "b", "h", "h_k", "sq", "sk",
+    assert set(saved[0]) == {"provider", "dtype", "softcap", "alibi", "sinks", "varlen", "dropout", "b", "h", "h_k",
+                             "sq", "sk",
                              "d", "causal", "mode", "ms", "tflops", "peak_mem_bytes", "gpu", "torch", "triton", "commit",
                              "date"}
     assert "| 1024 |" in table and "flashtile-v2/sdpa-flash" in table
@@ -82,6 +83,26 @@ def test_bench_tiny_grid_under_the_interpreter(tmp_path):
     assert "### d32 causal bwd" in res.stdout and "flashtile-v2/standard" in res.stdout
     assert (tmp_path / "tiny.md").read_text() in res.stdout
     assert (tmp_path / "tiny_tflops.png").stat().st_size > 0
+
+
+def test_bench_dropout_cells(tmp_path, monkeypatch):
+    # --dropout P times flashtile's calls with dropout_p=P (SDPA's too); standard attention takes a
+    # mask rather than a rate, so it is refused rather than timed without dropout.
+    case = bench.Case(1, 2, 2, 64, 64, 32, False, "fwd", dtype="fp16", dropout=0.25)
+    assert bench.score_features(case, DEVICE) == {"dropout_p": 0.25}
+    q, k, v, fn = bench.make_inputs("standard", case, DEVICE)
+    with pytest.raises(NotImplementedError, match="standard takes no dropout_p"):
+        fn(q, k, v, False)
+    res = _run_cli("bench", "--dropout", "0.25", "--head-dims", "32", "--seqlens", "64", "--tokens", "64",
+                   "--hidden", "64", "--modes", "fwd", "--causal", "false", "--providers", "flashtile-v2,standard",
+                   "--baseline", "flashtile-v2", "--out", str(tmp_path), "--name", "drop", "--no-plots",
+                   interpret="0" if ON_GPU else "1")
+    records = json.loads((tmp_path / "drop.json").read_text())
+    assert [(r["provider"], r["dropout"]) for r in records] == [("flashtile-v2", 0.25)], res.stderr
+    assert "standard takes no dropout_p" in res.stdout + res.stderr
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    from features_table import feature_of
+    assert feature_of(records[0]) == "dropout 0.25" and feature_of(dict(records[0], dropout=0.0)) == "none"
 
 
 def _packed_inputs(case):
