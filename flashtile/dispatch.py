@@ -13,7 +13,8 @@ Forward kernels:
                  not take (broadcast layouts, the interpreter) and, unless kernel options force
                  the Gluon one, varlen
 With a V head dim of its own v3 runs v2's kernels both ways; with dropout (kernels/dropout.py)
-the Gluon forward where it runs (else v2's) and v2's backward.  FP8 inputs run the Gluon
+the Gluon forward where it runs (else v2's) and v2's backward (the Gluon two passes when the
+options ask for them).  FP8 inputs run the Gluon
 forward where it takes the problem, else v2's; their backward (fp8_attn_func's FP8 backward) is
 v2's in its FP8 mode.
 Backward kernels:
@@ -212,7 +213,7 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
         return _v1_plan(p, target, opts, "bwd")
     gluon = _gluon_backward_takes(p, target, opts)
     # Float8 inputs (fp8_attn_func's FP8 backward) run v2's kernels in their FP8 mode.
-    v2 = version == "v2" or p.v2_only or p.dropout or p.fp8 or not gluon
+    v2 = version == "v2" or p.v2_only or p.fp8 or not gluon
     kernel = "v2" if v2 else _v3_backward_kernel(p, opts)
     if kernel == "v2":
         kv = configs.by_head_dim(configs.v2_bwd_kv_table(p.banded), p.widest_head_dim_pad)
@@ -241,8 +242,11 @@ def _gluon_backward_takes(p, target, opts) -> bool:
     sequences (its two passes down device-side tile lists) only when the options ask for it
     (experimental), up to d128, while the walks' tile numbers fit in 32 bits, and without
     seqused tables (its MMAs read the rows after a sequence, which there may hold anything:
-    masked to 0, a value that is not finite would still make 0 x inf)."""
+    masked to 0, a value that is not finite would still make 0 x inf).  Dropout likewise only
+    when the options ask for it (not yet measured against v2's), in the two passes up to d128."""
     if not target.gluon:
+        return False
+    if p.dropout and (opts.backward != "gluon" or configs.split_head_dim(p.head_dim_pad)):
         return False
     if not p.varlen:
         return True
@@ -263,7 +267,7 @@ def _v3_backward_kernel(p, opts) -> str:
                             and (mod is None or mod.single_pass))
     if opts.backward == "gluon-reduce":
         return "v3-gluon-reduce" if single_pass_possible else "v3-gluon"
-    if opts.backward == "gluon":
+    if opts.backward == "gluon" or p.dropout:  # (dropout: the two passes draw it)
         return "v3-gluon"
     if single_pass_possible and configs.gluon_reduce_by_default(p.head_dim_pad, p.seqlen_k):
         return "v3-gluon-reduce"

@@ -129,12 +129,12 @@ def walk_constants(p):
 
 
 def gluon_bwd_case(head_dim_pad, opts, dq_pass, dq_reduce=False, persistent=True, causal=False, softcap=0.0,
-                   alibi=False, varlen=False):
+                   alibi=False, varlen=False, dropout=False):
     """One of v3's Gluon backward kernels with the constants and launch options gluon/backward.py
     would use; ``dq_reduce``: the dK/dV kernel adding dQ by TMA (the single pass);
     ``persistent``: as launched persistent where the pass can be (two stationary slots, tiles
     strided over or, ``causal`` or ``varlen``, taken from the tile counter), else a CTA per tile;
-    ``varlen``: on packed sequences (the two passes)."""
+    ``varlen``: on packed sequences (the two passes); ``dropout``: with dropout (the two passes)."""
     b = gluon_bwd
     p = problem(head_dim_pad, causal, softcap=softcap, alibi=alibi)
     if varlen:
@@ -155,7 +155,7 @@ def gluon_bwd_case(head_dim_pad, opts, dq_pass, dq_reduce=False, persistent=True
             schedule = b.pass_schedule(p, cfg, 1024, torch.device("cuda", 0), dq_reduce)
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PAD=head_dim_pad, STAGES=cfg.num_stages,
                   SPLIT_D=configs.split_head_dim(head_dim_pad), SCORE=score.mod_of(p), VARLEN=varlen,
-                  **schedule.constants())
+                  DROPOUT=dropout, **schedule.constants())
     out_block = tma.block_layout(b.partition_rows(head_dim_pad, dq_reduce), head_dim_pad, torch.bfloat16)
     if dq_pass:
         consts["HAS_DLSE"] = False
@@ -236,7 +236,7 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
             base, BLOCK_M=c3.block_m, BLOCK_N=c3.block_n, NUM_STAGES=c3.num_stages, UNMASKED=plan.unmasked,
             WARP_SPECIALIZE=plan.unmasked and c3.warp_specialize), _options(c3), None
     features = dict(softcap=softcap, alibi=alibi)
-    fwd_features = dict(features, dropout=with_dropout)  # the Gluon forward takes dropout, the backward not yet
+    fwd_features = dict(features, dropout=with_dropout)  # (the backward's two passes too, up to d128)
     fp8_features = dict(fwd_features, fp8=fp8, fp8_mode=fp8_mode)
     if varlen:  # the Gluon forward and the two-pass backward take packed sequences (not float8), walking
         # their tile lists
@@ -249,9 +249,9 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
                *gluon_case(head_dim, opts, causal=True, window_left=512, varlen=True, **fwd_features))
         if not configs.split_head_dim(p.head_dim_pad):  # the two passes up to d128
             yield ("v3.bwd_dq_gluon", gluon_bwd._dq_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, True, varlen=True, **features))
+                   *gluon_bwd_case(p.head_dim_pad, opts, True, varlen=True, **fwd_features))
             yield ("v3.bwd_dkdv_gluon", gluon_bwd._dkdv_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, False, varlen=True, **features))
+                   *gluon_bwd_case(p.head_dim_pad, opts, False, varlen=True, **fwd_features))
             yield ("v3.bwd_dq_gluon_causal", gluon_bwd._dq_kernel,
                    *gluon_bwd_case(p.head_dim_pad, opts, True, causal=True, varlen=True, **features))
             yield ("v3.bwd_dkdv_gluon_causal", gluon_bwd._dkdv_kernel,
@@ -261,16 +261,17 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
         yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, causal=True, **fp8_features))
         yield ("v3.fwd_gluon_window", gluon_fwd._fwd_kernel,
                *gluon_case(head_dim, opts, causal=True, window_left=512, **fwd_features))
-        yield ("v3.bwd_dq_gluon", gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, opts, True, **features))
+        passes = fwd_features if not configs.split_head_dim(p.head_dim_pad) else features  # (dropout up to d128)
+        yield ("v3.bwd_dq_gluon", gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, opts, True, **passes))
         yield ("v3.bwd_dkdv_gluon", gluon_bwd._dkdv_kernel,
-               *gluon_bwd_case(p.head_dim_pad, opts, False, **features))
+               *gluon_bwd_case(p.head_dim_pad, opts, False, **passes))
         if not configs.split_head_dim(p.head_dim_pad):  # up to d128
             # The two passes over a band's tiles (persistent, from the tile counter), and with a
             # CTA per tile (as few tiles as SMs).
             yield ("v3.bwd_dq_gluon_causal", gluon_bwd._dq_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, True, causal=True, **features))
+                   *gluon_bwd_case(p.head_dim_pad, opts, True, causal=True, **passes))
             yield ("v3.bwd_dkdv_gluon_causal", gluon_bwd._dkdv_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, False, causal=True, **features))
+                   *gluon_bwd_case(p.head_dim_pad, opts, False, causal=True, **passes))
             yield ("v3.bwd_dq_gluon_tile", gluon_bwd._dq_kernel,
                    *gluon_bwd_case(p.head_dim_pad, opts, True, False, False, **features))
             yield ("v3.bwd_dkdv_gluon_tile", gluon_bwd._dkdv_kernel,

@@ -331,6 +331,11 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     for p in (dropped, replace(dropped, window_right=0), replace(dropped, seqlen_k=256, window_right=0)):
         assert forward(p).kernel == "v3-gluon" and backward(p).kernel == "v2"
     assert forward(dropped, opts=KernelOptions(forward="triton")).kernel == "v2"
+    # The Gluon backward draws dropout in its two passes, up to d128, when the options ask for it.
+    gluon = KernelOptions(backward="gluon")
+    assert [backward(replace(dropped, head_dim=d), opts=gluon).kernel for d in (64, 128, 256)] == \
+        ["v3-gluon", "v3-gluon", "v2"]
+    assert backward(dropped, opts=KernelOptions(backward="gluon-reduce")).kernel == "v2"
     assert forward(dropped, target=dispatch.Target(gluon=False, interpreter=False)).kernel == "v2"
     with pytest.raises(ValueError, match="dropout takes keys in blocks of 32"):
         forward(dropped, opts=KernelOptions.parse("tiles.v3_gluon=16,2,2"))

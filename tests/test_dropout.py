@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from attention_check import GRAD_RULE, OUT_RULE, assert_within_rule, make_qkv, run_and_grad
 from conftest import DEVICE, ON_GPU
 
@@ -53,18 +55,22 @@ def test_dropout_matches_reference_with_its_mask(version, causal):
     check_with_mask(call, q, k, v, mask, p, causal=causal)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on Hopper")
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernels run on Hopper")
+@pytest.mark.parametrize("backward", ["", "backward=gluon"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_v3_gluon_forward_draws_the_same_mask(head_dim, causal):
-    # Each thread of the Gluon forward draws the numbers of the keys it holds (dropout.kept_mma):
-    # the mask must be dropout.kept's, at every head dim, past block edges, under GQA.
+def test_v3_gluon_kernels_draw_the_same_mask(head_dim, causal, backward):
+    # Each thread of the Gluon forward draws the numbers of the keys it holds (dropout.kept_mma),
+    # as do the Gluon backward's two passes (kept_mma, kept_mma_t) when asked for (up to d128;
+    # v2's backward otherwise): the mask must be dropout.kept's, at every head dim, past block
+    # edges, under GQA, in the output and the gradients.
     torch.manual_seed(6)
     q, k, v = make_qkv(2, 300, 433, 4, 2, head_dim, DTYPE, DEVICE)
     p = 0.1
     assert forward_kernel(q, k, p, causal) == "v3-gluon"
     mask = mask_of(7, 2, 4, 300, 433, p)
-    call = seeded(7, lambda a, b, c: flash_attn_func(a, b, c, dropout_p=p, causal=causal, version="v3"))
+    call = seeded(7, lambda a, b, c: flash_attn_func(a, b, c, dropout_p=p, causal=causal, version="v3",
+                                                     kernel_options=backward))
     check_with_mask(call, q, k, v, mask, p, causal=causal)
 
 
@@ -79,10 +85,11 @@ def test_v3_gluon_forward_dropout_on_packed_sequences_and_windows():
     check_with_mask(call, q, k, v, mask, p, **features)
     # One packed sequence walks the Gluon forward's tile list: the same numbers as batched.
     cu = torch.tensor([0, 200], dtype=torch.int32, device=DEVICE)
-    packed = seeded(3, lambda a, b, c: flash_attn_varlen_func(a[0], b[0], c[0], cu, cu, 200, 200, dropout_p=p,
-                                                              version="v3", kernel_options="forward=gluon",
-                                                              **features)[None])
-    check_with_mask(packed, q, k, v, mask, p, **features)
+    for options in ("forward=gluon", "forward=gluon;backward=gluon"):
+        packed = seeded(3, lambda a, b, c: flash_attn_varlen_func(a[0], b[0], c[0], cu, cu, 200, 200, dropout_p=p,
+                                                                  version="v3", kernel_options=options,
+                                                                  **features)[None])
+        check_with_mask(packed, q, k, v, mask, p, **features)
 
 
 def forward_kernel(q, k, p, causal):
@@ -128,6 +135,31 @@ def test_varlen_dropout_per_sequence():
         assert_within_rule(f"sequence {i}", out[None, rows], pt, oracle, OUT_RULE)
         for name, g, sl, g_pt, g_ref in zip(("dq", "dk", "dv"), grads, (rows, keys, keys), pt_grads, oracle_grads):
             assert_within_rule(f"sequence {i} {name}", g[None, sl], g_pt, g_ref, GRAD_RULE)
+
+
+@triton.jit
+def _numbers_by_key_kernel(SEED, OUT, stream, key0, query0, KEYS: tl.constexpr, QUERIES: tl.constexpr):
+    # OUT (KEYS, QUERIES): the numbers of keys key0 + i against queries query0 + j, keys as rows.
+    a = key0 // 16 + tl.arange(0, KEYS // 16)[:, None, None]
+    c = tl.arange(0, 8)[None, :, None]
+    queries = query0 + tl.arange(0, QUERIES)[None, None, :]
+    zero = a * 0 + c * 0 + queries * 0
+    numbers = dropout.numbers_by_key(tl.load(SEED), zero + a, zero + c, zero + queries, stream)
+    offs = tl.arange(0, KEYS)[:, None] * QUERIES + tl.arange(0, QUERIES)[None, :]
+    tl.store(OUT + offs, numbers.to(tl.int32))
+
+
+@pytest.mark.parametrize("key0", [0, 16, 48])
+def test_numbers_by_key_draw_the_masks_numbers(key0):
+    # A Gluon backward's transposed tile (dropout.kept_mma_t) draws one call for the two keys a
+    # thread holds: the same keep decisions as dropout.kept, transposed, from any 16-row offset.
+    seed = dropout.new_seed(torch.device(DEVICE))
+    heads, queries, p = 3, 32, 0.35
+    mask = dropout.kept(seed, 1, heads, 8 + queries, key0 + 32, p)
+    numbers = torch.empty(32, queries, dtype=torch.int32, device=DEVICE)
+    _numbers_by_key_kernel[(1,)](seed, numbers, 2, key0, 8, KEYS=32, QUERIES=queries)
+    threshold = int(p * 65536 + 0.5)
+    assert torch.equal(numbers >= threshold, mask[0, 2, 8:, key0:].T)
 
 
 def test_keep_rate_and_seeds():

@@ -268,6 +268,18 @@ def test_gluon_forward_draws_dropout_numbers_in_its_own_threads(tmp_path, monkey
     assert_consumer_loops(tmp_path / "drop" / "v3.fwd_gluon_d128.cubin", 128, 2, monkeypatch)
 
 
+def test_gluon_backward_passes_draw_dropout(tmp_path):
+    # The two passes with dropout (up to d128): Philox in both, no shared memory beyond the
+    # kernels without it (the dK/dV pass draws its transposed tile in place: kept_mma_t).
+    for kernel in ("v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon"):
+        plain = compile_for_sm90(tmp_path / kernel / "plain", kernel, 128)
+        ttgir = compile_for_sm90(tmp_path / kernel / "drop", kernel, 128, dropout=True)
+        ptx, plain_ptx = ((tmp_path / kernel / x / f"{kernel}_d128.ptx").read_text() for x in ("drop", "plain"))
+        assert "mul.hi.u32" in ptx and "mul.hi.u32" not in plain_ptx, kernel
+        assert ttgir.count("ttg.local_alloc") == plain.count("ttg.local_alloc"), kernel
+        assert ptx.count("st.shared") == plain_ptx.count("st.shared"), kernel
+
+
 @pytest.mark.parametrize("fp8, mma, mode", [("fp8e4nv", "f32.e4m3.e4m3", 1), ("fp8e5", "f32.e5m2.e5m2", 1),
                                            ("fp8e4nv", "f32.e4m3.e4m3", 2)])
 def test_fp8_forward_runs_both_matmuls_in_fp8(tmp_path, fp8, mma, mode):

@@ -96,9 +96,10 @@ def key_scale(drop, rows, key):
 @gluon.jit
 def kept_mma(seed, stream, rows, col0, dropout_p, BLOCK_COLS: gl.constexpr, layout: gl.constexpr):
     """Which scores kept_scale keeps, for a Gluon kernel: the (len(rows), BLOCK_COLS) tile in
-    ``layout``, a Hopper MMA accumulator's (``rows`` in its row slice).  Each thread draws the numbers of its own
-    keys: the call indices are formed in the accumulator's layout and reduced over the axes each
-    thread holds alone, so the tile comes back in ``layout`` without an exchange."""
+    ``layout``, a Hopper MMA accumulator's (``rows`` in its row slice).  Each thread draws the
+    numbers of its own keys: the call indices are formed in the accumulator's layout and reduced
+    over the axes each thread holds alone, so the tile comes back in ``layout`` without an
+    exchange."""
     gl.static_assert(BLOCK_COLS % 32 == 0, "dropout takes tiles of keys in multiples of 32")
     ROWS: gl.constexpr = rows.shape[0]
     GROUPS: gl.constexpr = BLOCK_COLS // KEYS_PER_GROUP
@@ -110,6 +111,39 @@ def kept_mma(seed, stream, rows, col0, dropout_p, BLOCK_COLS: gl.constexpr, layo
     row_ids = gl.reshape(rows[:, None] + cols[None, :] * 0, [ROWS, GROUPS, 2, 2, 4, 2])
     row_ids = gl.max(gl.max(gl.max(row_ids, 5), 3), 2)
     return gl.convert_layout(_numbers(seed, calls, row_ids, stream), layout) >= threshold(dropout_p)
+
+
+@triton.jit
+def numbers_by_key(seed, groups, lanes, queries, stream):
+    """The numbers of keys 16a + 8b + c (b < 2, c < 8) for ``queries``, as a (16 A, Q) tile in key
+    order: a, c and the queries as (A, 8, Q) tensors.  One call serves both b (key bit 3): the
+    keys one thread holds in an MMA accumulator with keys as its rows (c, c + 8 of each 16), so a
+    Gluon kernel's transposed tile (kept_mma_t) draws each call once, in the thread that needs it."""
+    zero = groups * 0
+    calls = (groups // 2) * 4 + lanes // 2  # 4 (key // 32) + (key % 8) // 2
+    w0, w1, w2, w3 = tl.philox(seed, calls.to(tl.uint32), queries.to(tl.uint32), (zero + stream).to(tl.uint32),
+                               zero.to(tl.uint32), PHILOX_ROUNDS)
+    upper = groups % 2 == 1  # key bit 4: words 2 and 3
+    shift = 16 * (lanes % 2)  # key bit 0: the high half
+    first = (tl.where(upper, w2, w0) >> shift) & 0xFFFF  # key bit 3 clear: word 2 (key bit 4)
+    second = (tl.where(upper, w3, w1) >> shift) & 0xFFFF  # key bit 3 set: the word after it
+    numbers = tl.permute(tl.join(first, second), (0, 3, 1, 2))  # (a, b, c, queries)
+    return tl.reshape(numbers, (numbers.shape[0] * 16, numbers.shape[3]))
+
+
+@gluon.jit
+def kept_mma_t(seed, stream, keys, queries, dropout_p, layout: gl.constexpr):
+    """kept_mma of a transposed tile, keys as rows: (len(keys), len(queries)) in ``layout``, a
+    Hopper MMA accumulator's (``keys`` from a multiple of 16 in its row slice, ``queries`` in its
+    column slice).  A thread holds keys c and c + 8 of each 16 there; one call serves both."""
+    KEYS: gl.constexpr = keys.shape[0]
+    QUERIES: gl.constexpr = queries.shape[0]
+    gl.static_assert(KEYS % 16 == 0, "dropout takes tiles of keys in multiples of 16 here")
+    shape: gl.constexpr = [KEYS // 16, 2, 8, QUERIES]  # key 16a + 8b + c
+    key_ids = gl.max(gl.reshape(keys[:, None] + queries[None, :] * 0, shape), 1)  # 16a + 8 + c
+    query_ids = gl.max(gl.reshape(keys[:, None] * 0 + queries[None, :], shape), 1)
+    numbers = numbers_by_key(seed, key_ids // 16, key_ids % 8, query_ids, stream)
+    return gl.convert_layout(numbers, layout) >= threshold(dropout_p)
 
 
 @triton.jit

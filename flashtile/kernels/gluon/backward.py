@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from flashtile.kernels import configs, packed_tiles, score
+from flashtile.kernels import configs, dropout, packed_tiles, score
 from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks, band_mask, band_rows_mask
 from flashtile.kernels.configs import gluon_bwd_stationary_rows, split_head_dim
@@ -449,19 +449,28 @@ def _scores(a, b, c_smem, d_smem, ready, count, s_zero, ROWS: gl.constexpr, HEAD
 
 @gluon.jit
 def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, k0, m0, band, seqlen_q, scale_log2,
-                   site, op_layout: gl.constexpr, SCORE: gl.constexpr, DQ_REDUCE: gl.constexpr):
+                   site, drop, op_layout: gl.constexpr, SCORE: gl.constexpr, DQ_REDUCE: gl.constexpr,
+                   DROPOUT: gl.constexpr):
     """One streamed Q block's products against a consumer partition's K/V rows, once its S^T and
     dP^T are in flight (_scores): dV += P^T dO and dK += dS^T Q with P^T and dS^T as register
     operands; lse and D from the block's ring slot.  dV and dK are left in flight (with the
-    operands they read): the caller waits for them."""
+    operands they read): the caller waits for them.  With DROPOUT (``drop``: dropout.stream_of)
+    dV takes the kept P^T (the caller scales dV by 1 / (1 - p)) and dS^T the kept dP^T, scaled."""
     lse = lse_ref.load(gl.SliceLayout(0, s_zero.type.layout)) * LOG2E
     sT = warpgroup_mma_wait(1, deps=[sT])
     pT, pT_ds = _probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, scale_log2, site, SCORE, True, DQ_REDUCE)
+    if DROPOUT:
+        s_layout: gl.constexpr = s_zero.type.layout
+        cols = m0 + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, s_layout))
+        keptT = dropout.kept_mma_t(drop[0], drop[1], rows_k, cols, drop[2], s_layout)
+        pT = gl.where(keptT, pT, 0.0)
     pT_op = gl.convert_layout(pT.to(q.dtype), op_layout)
     dv = warpgroup_mma(pT_op, do, dv, is_async=True)
     # D only now: loaded with lse, its registers were held across the S^T wait (d128 spilled more).
     delta = delta_ref.load(gl.SliceLayout(0, s_zero.type.layout))
     dpT = warpgroup_mma_wait(1, deps=[dpT])
+    if DROPOUT:
+        dpT = gl.where(keptT, dpT * (1.0 / (1.0 - drop[2])), 0.0)
     dsT = _ds_t(pT_ds, dpT, delta, rows_k, m0, band, seqlen_q, True).to(q.dtype)
     dsT_op = gl.convert_layout(dsT, op_layout)
     dk = warpgroup_mma(dsT_op, q, dk, is_async=True)
@@ -482,9 +491,9 @@ def _kv_tile(t, tile_i, walk, k_smem, v_smem, BLOCK_M: gl.constexpr, BLOCK_N: gl
 
 @gluon.jit
 def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats, dk_desc, dv_desc, ds_smem, dq_smem,
-                 dq_desc, packed_grads, softmax_scale, scale_log2, score_args, BLOCK_M: gl.constexpr,
+                 dq_desc, packed_grads, softmax_scale, scale_log2, score_args, dropped, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr,
-                 PERSISTENT: gl.constexpr, SCORE: gl.constexpr):
+                 PERSISTENT: gl.constexpr, SCORE: gl.constexpr, DROPOUT: gl.constexpr):
     """dK and dV of a consumer partition's K/V rows: of WARPGROUPS warpgroups (64 rows each),
     partition WHICH of the CTA's.
 
@@ -495,7 +504,8 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats
     one TMA reduce-add.  (A partition per warpgroup measured up to 17% slower there at d128:
     it spilled more.)  Packed sequences (the two passes): a tile whose rows run past its
     sequence stores them by pointer (``packed_grads``: dK, dV, their row and head strides, the
-    head dim), the rows after them being the next sequence's."""
+    head dim), the rows after them being the next sequence's.  ``dropped``: the dropout's seed
+    pointer and rate (DROPOUT)."""
     k_smem, v_smem, q_smem, do_smem, tile_ids = buf.a, buf.b, buf.c, buf.d, buf.tile_ids
     kv_ready, kv_empty, q_ready, q_empty = buf.stationary_ready, buf.stationary_empty, buf.ring_ready, buf.ring_empty
     num_tiles, group = walk.num_tiles, walk.group  # (the sequence's lengths: each tile's)
@@ -522,13 +532,16 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats
         for g in range(group):
             head = head_k * group + g
             site = (batch, head, seqlen_k - seqlen_q, score_args)
+            drop = dropout.stream_of(dropped[0], batch, head, walk.heads * group, dropped[1], DROPOUT)
             for i in range(n_blocks):
                 dk, dv = _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_smem, delta_smem,
                                    ds_smem, dq_smem, dq_desc, dk, dv, s_zero, rows_k, r0, it, lo + i * BLOCK_M,
                                    (dlo, dhi, full_lo, full_hi), batch, head, seqlen_q, softmax_scale, scale_log2, site,
-                                   op_layout, WHICH * ROWS, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, DQ_REDUCE,
-                                   HEAD_DIM_PAD > 64, SCORE)
+                                   drop, op_layout, WHICH * ROWS, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
+                                   DQ_REDUCE, HEAD_DIM_PAD > 64, SCORE, DROPOUT)
                 it += 1
+        if DROPOUT:
+            dv = dv * (1.0 / (1.0 - dropped[1]))  # the kept P^T's 1 / (1 - p), once
         # The partition's rows of K and V stage its dK and dV (as 2-D tiles, and as TMA sees them).
         k_rows = k_block.reshape([BLOCK_N, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
         v_rows = v_block.reshape([BLOCK_N, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
@@ -561,9 +574,9 @@ def _per_iteration(x, it):
 @gluon.jit
 def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_smem, delta_smem, ds_smem, dq_smem,
               dq_desc, dk, dv, s_zero, rows_k, k0, it, m0, band, batch, head, seqlen_q, softmax_scale, scale_log2, site,
-              op_layout: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
+              drop, op_layout: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr,
-              SLOT_PER_ITERATION: gl.constexpr, SCORE: gl.constexpr):
+              SLOT_PER_ITERATION: gl.constexpr, SCORE: gl.constexpr, DROPOUT: gl.constexpr):
     """_kv_consumer's step: the streamed block ``it`` of the ring (query rows from m0 of ``head``)
     against the partition's ROWS rows from ROW0 of the K/V tile in stationary slot ``kv_slot``.
     SLOT_PER_ITERATION (from d128): the slot is taken as this iteration's value (_per_iteration),
@@ -578,7 +591,7 @@ def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_sm
                                    STAGES)
     dk, dv, dsT, pT_op, dsT_op = _dkdv_products(sT, dpT, q, do, lse_smem.index(slot), delta_smem.index(slot),
                                                 dk, dv, s_zero, rows_k, k0, m0, band, seqlen_q, scale_log2, site,
-                                                op_layout, SCORE, DQ_REDUCE)
+                                                drop, op_layout, SCORE, DQ_REDUCE, DROPOUT)
     if DQ_REDUCE:
         # dS and the fp32 dQ staging have two buffers each: one written here was last read two
         # blocks ago (dS by that block's dQ product, the staging by its reduce, which
@@ -744,16 +757,18 @@ def _kv_consumers_shared_scores(buf, walk, stats, dk_desc, dv_desc, p_smem, ds_s
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, slb, slh, num_tiles,
                  heads_k, group, head_group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
                  counter, score_args, CU_Q, CU_K, totals, TILES, COUNT, m_blocks, DK, DV, sgs, sgh, head_dim,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                 SEED, dropout_p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                  STAGES: gl.constexpr, SLOTS: gl.constexpr, DQ_REDUCE: gl.constexpr, SPLIT_D: gl.constexpr,
                  SHARED_SCORES: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SCORE: gl.constexpr,
-                 VARLEN: gl.constexpr):
+                 VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
     """VARLEN (the two passes up to d128): packed sequences, their tiles listed in TILES (COUNT
     entries, packed_tiles.py), the tensors seen by TMA as (1, total, heads, head dim); dK and dV
     of a tile running past its sequence leave by pointer (DK, DV: row and head strides sgs, sgh)."""
     # The two passes: a partition per consumer warpgroup; SPLIT_D and DQ_REDUCE: one of both.
     ONE_PARTITION: gl.constexpr = SPLIT_D or DQ_REDUCE
     gl.static_assert(not (VARLEN and ONE_PARTITION), "packed sequences: the two passes up to d128")
+    gl.static_assert(not (DROPOUT and ONE_PARTITION), "dropout: the two passes up to d128")
+    dropped = (SEED, dropout_p)
     # The stationary pair is K and V, the streamed one Q and dO.
     buf = PassBuffers.allocate(k_desc, v_desc, q_desc, do_desc, STAGES, 1 if ONE_PARTITION else 2, SLOTS)
     if VARLEN:  # the packed list's length, written on the device
@@ -796,19 +811,19 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
             dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [2] + dq_desc.block_type.shape, dq_desc.layout)
             gl.warp_specialize([
                 (_kv_consumer, (0, 2, buf, walk, stats, dk_desc, dv_desc, ds_smem, dq_smem, dq_desc, packed_grads,
-                                softmax_scale, scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, True,
-                                PERSISTENT, SCORE)),
+                                softmax_scale, scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
+                                True, PERSISTENT, SCORE, DROPOUT)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M, STAGES,
                              True, True, PERSISTENT, DYNAMIC)),
             ], [1], [PRODUCER_REGS])
         else:  # (buf.a stands for the buffers only DQ_REDUCE reads)
             gl.warp_specialize([
                 (_kv_consumer, (0, 1, buf, walk, stats, dk_desc, dv_desc, buf.a, buf.a, dq_desc, packed_grads,
-                                softmax_scale, scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, False,
-                                PERSISTENT, SCORE)),
+                                softmax_scale, scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
+                                False, PERSISTENT, SCORE, DROPOUT)),
                 (_kv_consumer, (1, 1, buf, walk, stats, dk_desc, dv_desc, buf.a, buf.a, dq_desc, packed_grads,
-                                softmax_scale, scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, False,
-                                PERSISTENT, SCORE)),
+                                softmax_scale, scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
+                                False, PERSISTENT, SCORE, DROPOUT)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M, STAGES,
                              True, True, PERSISTENT, DYNAMIC)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -898,15 +913,16 @@ def _store_dq(dq, q, q_smem, dq_desc, batch, m0, head, softmax_scale):
 
 @gluon.jit
 def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem, dq_desc, packed_grads, softmax_scale,
-                  scale_log2, score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                  STAGES: gl.constexpr, HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr, PERSISTENT: gl.constexpr,
-                  SCORE: gl.constexpr):
+                  scale_log2, score_args, dropped, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr,
+                  PERSISTENT: gl.constexpr, SCORE: gl.constexpr, DROPOUT: gl.constexpr):
     """Consumer warpgroup WHICH, a partition of its own: dQ of query rows [64 * WHICH, 64 * WHICH +
     64) of each of the CTA's tiles, and their D.  With SPLIT_D (d256) both warpgroups are one
     partition (WHICH 0) and own the tile's 64 rows, half the head dim of dQ each; S and dP are
     split by K/V rows and dS meets in shared memory (two buffers, one barrier per block).  Packed
     sequences: rows running past the tile's sequence leave by pointer (``packed_grads``: dQ,
-    its row and head strides)."""
+    its row and head strides).  DROPOUT: dS takes the kept dP, scaled (``dropped``: the seed
+    pointer and the rate)."""
     q_smem, do_smem, k_smem, v_smem, tile_ids = bufs.a, bufs.b, bufs.c, bufs.d, bufs.tile_ids
     q_ready, q_empty, kv_ready, kv_empty = bufs.stationary_ready, bufs.stationary_empty, bufs.ring_ready, bufs.ring_empty
     num_tiles = walk.num_tiles  # (the sequence's lengths: each tile's)
@@ -936,6 +952,7 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
                                          HAS_DLSE, 8 if SPLIT_D else 4)
         dq = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
         site = (batch, head, seqlen_k - seqlen_q, score_args)
+        drop = dropout.stream_of(dropped[0], batch, head, walk.heads, dropped[1], DROPOUT)
         # The band of the whole tile's rows: both warpgroups step through the same blocks.
         dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(m0, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k,
                                                                window_left, window_right, False)
@@ -946,6 +963,9 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
             p, p_ds = _probs(s, lse, rows, r0, n0, (dlo, dhi, full_lo, full_hi), seqlen_k, scale_log2, site, BLOCK_N,
                              gl.SliceLayout(0, s_layout), SCORE)
             dp = warpgroup_mma_wait(0, deps=[dp])
+            if DROPOUT:
+                kept = dropout.kept_mma(drop[0], drop[1], rows, n0, drop[2], BLOCK_N, s_layout)
+                dp = gl.where(kept, dp * (1.0 / (1.0 - drop[2])), 0.0)
             ds = _ds(p_ds, dp, delta, n0, (dlo, dhi, full_lo, full_hi)).to(dtype)
             if SPLIT_D:
                 buf = j % 2
@@ -978,12 +998,14 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
 def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh,
                num_tiles, heads_q, group, head_group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale,
                scale_log2, counter, score_args, CU_Q, CU_K, totals, TILES, COUNT, m_blocks, DQ, sgs, sgh,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               SEED, dropout_p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr, HAS_DLSE: gl.constexpr,
                SPLIT_D: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SCORE: gl.constexpr,
-               VARLEN: gl.constexpr):
+               VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
     """VARLEN: as _dkdv_kernel's, dQ of a tile running past its sequence by pointer (DQ)."""
     gl.static_assert(not (VARLEN and SPLIT_D), "packed sequences: the two passes up to d128")
+    gl.static_assert(not (DROPOUT and SPLIT_D), "dropout: the two passes up to d128")
+    dropped = (SEED, dropout_p)
     # With SPLIT_D both consumer warpgroups are one partition; else each is its own.  The
     # stationary pair is Q and dO, the streamed one K and V.
     buf = PassBuffers.allocate(q_desc, do_desc, k_desc, v_desc, STAGES, 1 if SPLIT_D else 2, SLOTS)
@@ -999,19 +1021,19 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], _SCORES_LAYOUT)  # both halves
         gl.warp_specialize([
             (_dq_consumers, (0, buf, walk, stats, delta_in, ds_smem, dq_desc, packed_grads, softmax_scale,
-                             scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D,
-                             PERSISTENT, SCORE)),
+                             scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE,
+                             SPLIT_D, PERSISTENT, SCORE, DROPOUT)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, buf, walk, stats, counter, BLOCK_M, BLOCK_N, STAGES, False,
                          False, PERSISTENT, DYNAMIC)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_dq_consumers, (0, buf, walk, stats, delta_in, buf.a, dq_desc, packed_grads, softmax_scale, scale_log2,
-                             score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D, PERSISTENT,
-                             SCORE)),
+                             score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D,
+                             PERSISTENT, SCORE, DROPOUT)),
             (_dq_consumers, (1, buf, walk, stats, delta_in, buf.a, dq_desc, packed_grads, softmax_scale, scale_log2,
-                             score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D, PERSISTENT,
-                             SCORE)),
+                             score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D,
+                             PERSISTENT, SCORE, DROPOUT)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, buf, walk, stats, counter, BLOCK_M, BLOCK_N, STAGES, False,
                          False, PERSISTENT, DYNAMIC)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -1070,9 +1092,9 @@ def _two_passes(cfg, p, dout, dlse, q, k, v, out, lse):
         walk_head_group(p, walked.count, p.batch * p.heads_q, 2 * p.seqlen_k * pad * q.element_size(), q.device),
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
         schedule.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles, walked.listed,
-        walked.m_blocks, dq, dq.stride(-3), dq.stride(-2),
+        walked.m_blocks, dq, dq.stride(-3), dq.stride(-2), dropout.seed_argument(p, cu_q), p.dropout_p,
         BLOCK_M=rows, BLOCK_N=cfg.dq_block_n, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, HAS_DLSE=dlse is not None,
-        SPLIT_D=split_head_dim(pad), SCORE=score.mod_of(p), VARLEN=p.varlen, **schedule.constants(),
+        SPLIT_D=split_head_dim(pad), SCORE=score.mod_of(p), VARLEN=p.varlen, DROPOUT=p.dropout, **schedule.constants(),
         **launch_options(pad))
     # D, written by the dQ pass, is read here: launched after it on the same stream.
     _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, None)
@@ -1150,10 +1172,10 @@ def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
                         q.device),
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
         schedule.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles, walked.listed,
-        walked.m_blocks, dk, dv, dk.stride(-3), dk.stride(-2), p.head_dim,
+        walked.m_blocks, dk, dv, dk.stride(-3), dk.stride(-2), p.head_dim, dropout.seed_argument(p, cu_q), p.dropout_p,
         BLOCK_M=cfg.kv_block_m, BLOCK_N=rows, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, DQ_REDUCE=dq_reduce,
         SPLIT_D=split_head_dim(pad), SHARED_SCORES=shared_scores(cfg, pad, dq_reduce), SCORE=score.mod_of(p),
-        VARLEN=p.varlen, **schedule.constants(), **launch_options(pad, dq_reduce))
+        VARLEN=p.varlen, DROPOUT=p.dropout, **schedule.constants(), **launch_options(pad, dq_reduce))
 
 
 class Schedule(NamedTuple):
