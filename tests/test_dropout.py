@@ -162,6 +162,25 @@ def test_numbers_by_key_draw_the_masks_numbers(key0):
     assert torch.equal(numbers >= threshold, mask[0, 2, 8:, key0:].T)
 
 
+@triton.jit
+def _key_scale_kernel(SEED, OUT, stream, dropout_p, ROWS: tl.constexpr, KEYS: tl.constexpr):
+    # OUT (ROWS, KEYS): dropout.key_scale of each key, one key at a time (the Gluon forward's
+    # recomputation of rows by the masking rule draws so).
+    rows = tl.arange(0, ROWS)
+    drop = (tl.load(SEED), stream, dropout_p)
+    for key in range(KEYS):
+        tl.store(OUT + rows * KEYS + key, dropout.key_scale(drop, rows, key))
+
+
+def test_key_scale_draws_the_masks_numbers():
+    seed = dropout.new_seed(torch.device(DEVICE))
+    p = 0.3
+    mask = dropout.kept(seed, 1, 2, 16, 70, p)
+    scale = torch.empty(16, 70, device=DEVICE)
+    _key_scale_kernel[(1,)](seed, scale, 1, p, ROWS=16, KEYS=70)
+    torch.testing.assert_close(scale, mask[0, 1].float() / (1 - p))
+
+
 def test_keep_rate_and_seeds():
     # The keep rate is 1 - p within 5 standard deviations; torch.manual_seed reproduces a call,
     # and successive calls draw new masks.

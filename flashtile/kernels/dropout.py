@@ -84,10 +84,10 @@ def key_scale(drop, rows, key):
     """kept_scale of one key ``key`` for ``rows`` (any layout): (seed, stream, dropout_p) = ``drop``."""
     seed, stream, dropout_p = drop
     zero = (rows * 0).to(tl.uint32)
-    call = (key // KEYS_PER_GROUP) * 4 + (key % KEYS_PER_CALL) // 2
-    w0, w1, w2, w3 = tl.philox(seed, zero + call.to(tl.uint32), rows.to(tl.uint32), zero + stream.to(tl.uint32), zero,
-                               PHILOX_ROUNDS)
-    w = (key // KEYS_PER_CALL) % 4
+    key = zero + key  # (a tensor whatever ``key`` is; 32 keys a group of calls, 8 a call)
+    call = (key // 32) * 4 + (key % 8) // 2
+    w0, w1, w2, w3 = tl.philox(seed, call, rows.to(tl.uint32), zero + stream.to(tl.uint32), zero, PHILOX_ROUNDS)
+    w = (key // 8) % 4
     word = tl.where(w == 0, w0, tl.where(w == 1, w1, tl.where(w == 2, w2, w3)))
     number = (word >> (16 * (key % 2))) & 0xFFFF
     return tl.where(number >= threshold(dropout_p), 1.0 / (1.0 - dropout_p), 0.0)
