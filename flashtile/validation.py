@@ -214,7 +214,7 @@ def fp8_capable(device) -> str | None:
 
 
 def version_takes(version: str, dropout_p: float, head_dim: int, head_dim_v: int, fp8: bool = False, device=None):
-    """Dropout runs in the Triton kernels of v2 (and v3, which hands it to them); FP8 inputs in
+    """Dropout runs in v2's kernels and v3's (its Gluon ones, else v2's); FP8 inputs in
     v2's forward and v3's Gluon forward; a V head dim of its own in v2's kernels and the PyTorch
     path; v1 takes none of them."""
     if fp8 and device is not None and fp8_capable(device):
