@@ -166,7 +166,17 @@ def forward_plan(p, version: str, target: Target, opts) -> Plan:
 
 def _v2_forward(p, target, opts) -> Plan:
     table = configs.v2_fwd_table(p.banded, p.seqlen_k, p.dropout, p.fp8)
-    return Plan("v2", _tiles(opts, target, "v2_fwd", configs.by_head_dim(table, p.widest_head_dim_pad)))
+    cfg = _tiles(opts, target, "v2_fwd", configs.by_head_dim(table, p.widest_head_dim_pad))
+    return Plan("v2", _dropout_keys(p, cfg.block_n, "v2_fwd", cfg))
+
+
+def _dropout_keys(p, keys, table, plan_config):
+    """``plan_config``, once its blocks of ``keys`` keys suit dropout's draws (kernels/dropout.py:
+    multiples of 32); an override of tiles ``table`` that does not is refused here, not at
+    compile time."""
+    if p.dropout and keys % 32:
+        raise ValueError(f"kernel option tiles.{table}: dropout takes keys in blocks of 32, not {keys}")
+    return plan_config
 
 
 def v3_triton_forward(p, target, opts) -> Plan:
@@ -194,9 +204,7 @@ def gluon_schedule(p, opts) -> configs.GluonSchedule:
         block_n, stages, consumers = override
         if consumers not in (2, 3) or (consumers == 3 and p.head_dim_pad > 64):
             raise ValueError(f"kernel option tiles.v3_gluon={override}: 2 consumers, or 3 up to head dim 64")
-        if p.dropout and block_n % 32:
-            raise ValueError(f"kernel option tiles.v3_gluon={override}: dropout takes keys in blocks of 32")
-        cfg = configs.GluonSchedule(block_n, stages, consumers=consumers)
+        cfg = _dropout_keys(p, block_n, "v3_gluon", configs.GluonSchedule(block_n, stages, consumers=consumers))
     else:
         table = configs.V3_GLUON_FP8 if p.fp8 else configs.V3_GLUON
         cfg = replace(configs.by_head_dim(table, p.head_dim_pad),
@@ -228,12 +236,14 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
                 raise ValueError(f"the FP8 backward's matmuls reduce over 32 rows or more: dK/dV pass {kv.block_m} "
                                  f"queries, dQ pass {dq.block_n} keys (kernel options tiles.v2_bwd_kv, "
                                  f"tiles.v2_bwd_q; the forward's descale blocks {p.fp8_rows})")
-        return Plan("v2", (kv, dq))
+        _dropout_keys(p, kv.block_n, "v2_bwd_kv", kv)
+        return Plan("v2", (kv, _dropout_keys(p, dq.block_n, "v2_bwd_q", dq)))
     reduce = kernel == "v3-gluon-reduce"
     table = "v3_gluon_bwd_reduce" if reduce else "v3_gluon_bwd"
     override = opts.tile(table)
     cfg = (configs.GluonBackward(*override) if override is not None else
            configs.by_head_dim(configs.V3_GLUON_BWD_REDUCE if reduce else configs.V3_GLUON_BWD, p.head_dim_pad))
+    cfg = _dropout_keys(p, cfg.dq_block_n, table, cfg)
     return Plan(kernel, replace(cfg, persistent="persistent" not in opts.ablate))
 
 
@@ -262,12 +272,14 @@ def _v3_backward_kernel(p, opts) -> str:
     a score modification the single pass has no registers for (ScoreMod.single_pass)."""
     if opts.backward == "v2":
         return "v2"
+    if p.dropout:  # only the two passes draw it
+        return "v3-gluon"
     mod = score.mod_of(p)
     single_pass_possible = (not p.deterministic and not configs.split_head_dim(p.head_dim_pad)
                             and (mod is None or mod.single_pass))
     if opts.backward == "gluon-reduce":
         return "v3-gluon-reduce" if single_pass_possible else "v3-gluon"
-    if opts.backward == "gluon" or p.dropout:  # (dropout: the two passes draw it)
+    if opts.backward == "gluon":
         return "v3-gluon"
     if single_pass_possible and configs.gluon_reduce_by_default(p.head_dim_pad, p.seqlen_k):
         return "v3-gluon-reduce"

@@ -337,8 +337,13 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
         ["v3-gluon", "v3-gluon", "v2"]
     assert backward(dropped, opts=KernelOptions(backward="gluon-reduce")).kernel == "v2"
     assert forward(dropped, target=dispatch.Target(gluon=False, interpreter=False)).kernel == "v2"
-    with pytest.raises(ValueError, match="dropout takes keys in blocks of 32"):
-        forward(dropped, opts=KernelOptions.parse("tiles.v3_gluon=16,2,2"))
+    # Dropout draws keys in groups of 32: smaller key blocks are refused before any launch.
+    for text, plan in (("tiles.v3_gluon=16,2,2", forward), ("tiles.v2_fwd=64,16,4,1", forward),
+                       ("tiles.v2_bwd_kv=32,16,4,1", backward), ("tiles.v2_bwd_q=64,16,4,1", backward),
+                       ("backward=gluon;tiles.v3_gluon_bwd=64,16,2", backward)):
+        kw = dict(version="v2") if text.startswith("tiles.v2") else {}
+        with pytest.raises(ValueError, match=f"tiles.{text.split('tiles.')[1].split('=')[0]}: dropout takes keys"):
+            plan(dropped, opts=KernelOptions.parse(text), **kw)
     fp8_plan = forward(problem(fp8=True))
     assert fp8_plan.kernel == "v3-gluon" and fp8_plan.config == configs.by_head_dim(configs.V3_GLUON_FP8, 128)
     assert forward(problem(fp8=True, own_head_dim_v=64)).kernel == "v2"
