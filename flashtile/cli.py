@@ -26,6 +26,17 @@ def _positive_int(text):
     return n
 
 
+def _rate(text):
+    """A dropout rate: a number in [0, 1)."""
+    try:
+        p = float(text)
+    except ValueError:
+        p = -1.0
+    if not 0.0 <= p < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a dropout rate in [0, 1)")
+    return p
+
+
 def _positive_ints(text):
     items = [x for x in text.split(",") if x]
     if not items:
@@ -60,7 +71,7 @@ def parser():
     b.add_argument("--softcap", type=float, default=0.0, help="scores capped at softcap * tanh(x / softcap)")
     b.add_argument("--alibi", action="store_true", help="ALiBi bias with slopes 2^(-8i/h)")
     b.add_argument("--sinks", action="store_true", help="one learnable sink logit per head")
-    b.add_argument("--dropout", type=float, default=0.0, help="dropout_p of the timed calls (SDPA's providers too)")
+    b.add_argument("--dropout", type=_rate, default=0.0, help="dropout_p of the timed calls (SDPA's providers too)")
     b.add_argument("--varlen", action="store_true",
                    help="the tokens packed as documents of random lengths (mean: each seqlen), through the varlen call")
     b.add_argument("--kernel-options", default="",

@@ -14,7 +14,8 @@ from flashtile import bench, cli
 @pytest.mark.parametrize("argv", [["bench", "--modes", "foo"], ["bench", "--head-dims", "100"],
                                   ["bench", "--seqlens", "0"], ["bench", "--providers", "nope"], ["frobnicate"],
                                   ["bench", "--repeats", "0"], ["bench", "--hidden", "64"], ["io", "--tokens", "x"],
-                                  ["bench", "--cuda-graphs"]])  # graphs time forwards only
+                                  ["bench", "--cuda-graphs"],  # graphs time forwards only
+                                  ["bench", "--dropout", "1"], ["bench", "--dropout", "x"]])
 def test_bad_arguments_exit_2_with_allowed_values(argv, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
