@@ -73,11 +73,12 @@ def quantize_blocks(x, rows: int, dtype):
     return quantized.to(dtype), descale.transpose(1, 2)
 
 
-def _kernel_tiles(q, k, v, scale, left, right, softcap, version, kernel_options):
+def _kernel_tiles(q, k, v, scale, left, right, softcap, alibi_slopes, version, kernel_options):
     """(rows, keys) of the blocks the FP8 forward the dispatcher picks for these tensors scales
     by: v2's (BLOCK_M, BLOCK_N), or the Gluon kernel's (a consumer's rows, BLOCK_N)."""
     marker = torch.empty(3, 1, 1, 1)  # descales per block: the FP8 problem the kernel will see
-    p = Problem.of(q, k, None, None, q.shape[1], k.shape[1], scale, left, right, softcap, fp8_descale=marker)
+    p = Problem.of(q, k, None, None, q.shape[1], k.shape[1], scale, left, right, softcap, alibi_slopes=alibi_slopes,
+                   fp8_descale=marker)
     plan = dispatch.forward_plan(p, version, dispatch.target_of(p, q, k, v), ops._options(kernel_options))
     if plan.kernel == "v3-gluon":
         return WARPGROUP_ROWS, plan.config.block_n
@@ -134,18 +135,19 @@ class _FP8Attention(torch.autograd.Function):
     logsumexp normalizes."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, left, right, softcap, dtype, incoherent, per_block, fp8_backward,
+    def forward(ctx, q, k, v, scale, left, right, softcap, alibi_slopes, dtype, incoherent, per_block, fp8_backward,
                 kernel_options):
         version = dispatch.resolve_version("auto", q.device)
-        tiles = _kernel_tiles(q, k, v, scale, left, right, softcap, version, kernel_options) if per_block else None
+        tiles = (_kernel_tiles(q, k, v, scale, left, right, softcap, alibi_slopes, version, kernel_options)
+                 if per_block else None)
         q8, k8, v8, descale = _quantized(q, k, v, dtype, per_block, tiles, incoherent)
-        out, lse, _ = ops._forward(q8, k8, v8, None, None, None, None, None, descale,
+        out, lse, _ = ops._forward(q8, k8, v8, None, None, alibi_slopes, None, None, descale,
                                    q.shape[1], k.shape[1], scale, left, right, softcap, 0.0, version, False,
                                    kernel_options)
         out = out.to(q.dtype)
         if not per_block:
             descale, tiles = _head_descales_as_blocks(descale, q.shape[2])
-        ctx.save_for_backward(q8, k8, v8, descale, out, lse)
+        ctx.save_for_backward(q8, k8, v8, descale, out, lse, alibi_slopes)
         ctx.state = (tuple(tiles), incoherent, q.dtype, fp8_backward)
         ctx.args = (q.shape[1], k.shape[1], scale, left, right, softcap, 0.0, kernel_options)
         ctx.set_materialize_grads(False)
@@ -153,7 +155,7 @@ class _FP8Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q8, k8, v8, descale, out, lse = ctx.saved_tensors
+        q8, k8, v8, descale, out, lse, alibi_slopes = ctx.saved_tensors
         rows, incoherent, dtype, fp8_backward = ctx.state
         seqlen_q, seqlen_k, scale, left, right, softcap, dropout_p, kernel_options = ctx.args
         if dout is None:
@@ -161,31 +163,32 @@ class _FP8Attention(torch.autograd.Function):
         dout, dlse = dout.contiguous(), None if dlse is None else dlse.contiguous()
         version = dispatch.resolve_version("auto", out.device)
         if fp8_backward:
-            p = Problem.of(q8, k8, None, None, seqlen_q, seqlen_k, scale, left, right, softcap, fp8_descale=descale,
-                           fp8_rows=rows)
+            p = Problem.of(q8, k8, None, None, seqlen_q, seqlen_k, scale, left, right, softcap,
+                           alibi_slopes=alibi_slopes, fp8_descale=descale, fp8_rows=rows)
             plan = dispatch.backward_plan(p, version, dispatch.target_of(p, q8, k8, v8, dout),
                                           ops._options(kernel_options))
             dq, dk, dv = dispatch.run_backward(plan, p, dout, dlse, q8, k8, v8, out, lse, lse.new_empty(0))
         else:
             q, k, v = (dequantize(x8, d, n, dtype) for x8, d, n in zip((q8, k8, v8), descale, (*rows, rows[1])))
-            dq, dk, dv = ops._backward_kernels(dout, dlse, q, k, v, out, lse, lse.new_empty(0), None, None, None,
-                                               None, seqlen_q, seqlen_k, scale, left, right, softcap, dropout_p,
+            dq, dk, dv = ops._backward_kernels(dout, dlse, q, k, v, out, lse, lse.new_empty(0), None, None,
+                                               alibi_slopes, None, seqlen_q, seqlen_k, scale, left, right, softcap, dropout_p,
                                                version, False, kernel_options)
         if incoherent:  # Q M and K M were quantized: dQ = d(Q M) M^T, likewise dK
             m = rotation(q8.shape[-1], q8.device)
             dq, dk = dq.float() @ m.T, dk.float() @ m.T
-        return (dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None, None, None)
+        return (dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None, None, None, None)
 
 
 def fp8_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                   dtype=torch.float8_e4m3fn, incoherent=True, scaling="block", return_softmax_lse=False,
-                  fp8_backward=False, *, kernel_options=None):
+                  fp8_backward=False, *, alibi_slopes=None, kernel_options=None):
     """Attention of bf16/fp16 q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k,
     nheads_k, headdim) computed in float8 ``dtype`` (e4m3 or e5m2), with incoherent processing
     of Q and K unless ``incoherent=False`` (head dims a power of two, 16 to 256), and scales per
     block of the kernel's tiles (``scaling="block"``) or per (sequence, KV head) ("head").
     Returns out in q's dtype (and the logsumexp), differentiable with respect to q, k and v:
     the backward's matmuls in q's dtype, or with ``fp8_backward=True`` in ``dtype`` as well.
+    ``alibi_slopes``: as flash_attn_func's, added to the scores the float8 product forms.
     ``kernel_options``: developer switches (options.KernelOptions)."""
     validation.check_qkv(q, k, v, False)
     if dtype not in FP8_MAX:
@@ -197,13 +200,14 @@ def fp8_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     version = dispatch.resolve_version("auto", q.device)
     validation.version_takes(version, 0.0, head_dim, head_dim, True, q.device)
     softcap = validation.real("softcap", softcap, 0.0)
+    alibi_slopes = validation.alibi_slopes(alibi_slopes, q.shape[0], q.shape[-2], q.device)
     scale = validation.softmax_scale(softmax_scale, head_dim)
     left, right = validation.band(bool(causal), window_size, q.shape[1], k.shape[1])
     if scaling not in ("block", "head"):
         raise ValueError(f"scaling must be 'block' or 'head', got {scaling!r}")
     text = options.text(options.resolve(kernel_options))
     with ops.on_device_of(q):
-        out, lse = _FP8Attention.apply(q, k, v, scale, left, right, softcap, dtype, bool(incoherent),
+        out, lse = _FP8Attention.apply(q, k, v, scale, left, right, softcap, alibi_slopes, dtype, bool(incoherent),
                                        scaling == "block", bool(fp8_backward), text)
     return (out, lse) if return_softmax_lse else out
 

@@ -260,7 +260,7 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
         yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, **fp8_features))
         yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, causal=True, **fp8_features))
         yield ("v3.fwd_gluon_window", gluon_fwd._fwd_kernel,
-               *gluon_case(head_dim, opts, causal=True, window_left=512, **fwd_features))
+               *gluon_case(head_dim, opts, causal=True, window_left=512, **fp8_features))
         passes = fwd_features if not configs.split_head_dim(p.head_dim_pad) else features  # (dropout up to d128)
         yield ("v3.bwd_dq_gluon", gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, opts, True, **passes))
         yield ("v3.bwd_dkdv_gluon", gluon_bwd._dkdv_kernel,

@@ -192,6 +192,29 @@ def test_fp8_attn_func_with_incoherent_processing(dtype):
         assert rmse(leaf.grad, ref.grad) < grad_bound * ref.grad.square().mean().sqrt()
 
 
+@pytest.mark.parametrize("fp8_backward", [False, True])
+def test_fp8_attn_func_with_alibi(fp8_backward):
+    # ALiBi's bias joins the scores the float8 product forms, forward and both backwards: output
+    # and gradients near the float64 attention with the same slopes, and the bias applied (far
+    # nearer that than the attention without it).
+    q, k, v = (x.to(torch.bfloat16) for x in _outlier_inputs(2, 96, 4, 2, seed=4))
+    slopes = torch.tensor([[0.5, 0.25, 0.125, 0.0625], [0.3, 0.2, 0.1, 0.05]], device=DEVICE)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = flashtile.fp8_attn_func(*leaves, causal=True, alibi_slopes=slopes, fp8_backward=fp8_backward)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    doubles = [x.double().requires_grad_() for x in (q, k, v)]
+    oracle = standard_attention(*doubles, causal=True, upcast=True, alibi_slopes=slopes)
+    oracle.backward(dout.double())
+    unbiased = standard_attention(*(x.double() for x in (q, k, v)), causal=True, upcast=True)
+    assert rmse(out, oracle) < 0.08 * oracle.square().mean().sqrt()
+    assert rmse(out, oracle) < 0.3 * rmse(unbiased, oracle)
+    for leaf, ref in zip(leaves, doubles):
+        assert rmse(leaf.grad, ref.grad) < 0.15 * ref.grad.square().mean().sqrt()
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        flashtile.fp8_attn_func(q, k, v, alibi_slopes=slopes[:, :2])
+
+
 def dequantize_blocks(x8, descale, rows):
     """float64 values of x8 (batch, seqlen, heads, d) with one descale per ``rows`` rows of a
     head (descale (batch, heads or more, blocks))."""
@@ -288,7 +311,7 @@ def test_fp8_backward_against_emulation(fp8_backward, causal, heads_k, incoheren
     scale = HEAD_DIM ** -0.5
     left, right = band(causal, (-1, -1), seqlen_q, seqlen_k)
     version = dispatch.resolve_version("auto", q.device)
-    rows = fp8._kernel_tiles(q, k, v, scale, left, right, softcap, version, tiles)
+    rows = fp8._kernel_tiles(q, k, v, scale, left, right, softcap, None, version, tiles)
     q8, k8, v8, descale = fp8._quantized(q, k, v, dtype, True, rows, incoherent)
     if scaling == "head":
         m = fp8.rotation(HEAD_DIM, q.device) if incoherent else None
@@ -341,7 +364,7 @@ def check_block_scales(causal, head_dim, seqlen_q, seqlen_k):
                for n, h, s in ((seqlen_q, 4, 1), (seqlen_k, 2, 3), (seqlen_k, 2, 0.5)))
     scale = head_dim ** -0.5
     left, right = fp8.validation.band(causal, (-1, -1), seqlen_q, seqlen_k)
-    tiles = fp8._kernel_tiles(q, k, v, scale, left, right, 0.0, fp8.dispatch.resolve_version("auto", q.device), "")
+    tiles = fp8._kernel_tiles(q, k, v, scale, left, right, 0.0, None, fp8.dispatch.resolve_version("auto", q.device), "")
     out = flashtile.fp8_attn_func(q, k, v, causal=causal, incoherent=False)
     parts = [fp8.quantize_blocks(x, rows, dtype) for x, rows in zip((q, k, v), (*tiles, tiles[1]))]
     qx, kx, vx = (dequantize_blocks(x8, d, rows) for (x8, d), rows in zip(parts, (*tiles, tiles[1])))
