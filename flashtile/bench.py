@@ -370,8 +370,8 @@ def _float8_backward_step(provider, case, device, kernel_options, features):
     forward cells: every matmul in float8 (one set of kernels, measured as flashtile-v3)."""
     if provider != "flashtile-v3":
         raise NotImplementedError(f"{case.dtype} backward: fp8_attn_func(fp8_backward=True), measured as flashtile-v3")
-    if case.varlen or set(features) - {"softcap", "alibi_slopes"}:
-        raise NotImplementedError(f"{case.dtype} backward: batched cases, softcap and ALiBi the score features")
+    if case.varlen or set(features) - {"softcap", "alibi_slopes", "sinks"}:
+        raise NotImplementedError(f"{case.dtype} backward: batched cases, softcap, ALiBi and sinks the score features")
     q = torch.randn(case.b, case.sq, case.h, case.d, dtype=case.torch_dtype, device=device, requires_grad=True)
     k, v = (torch.randn(case.b, case.sk, case.h_k, case.d, dtype=case.torch_dtype, device=device, requires_grad=True)
             for _ in range(2))
@@ -380,7 +380,8 @@ def _float8_backward_step(provider, case, device, kernel_options, features):
     def forward():
         return fp8.fp8_attn_func(q, k, v, causal=case.causal, softcap=features.get("softcap", 0.0),
                                  dtype=case.float8, incoherent=False, scaling="head", fp8_backward=True,
-                                 alibi_slopes=features.get("alibi_slopes"), kernel_options=kernel_options)
+                                 alibi_slopes=features.get("alibi_slopes"), sinks=features.get("sinks"),
+                                 kernel_options=kernel_options)
     if case.mode == "bwd":
         out = forward()
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from flashtile import dispatch, ops, options, validation
+from flashtile import sinks as attention_sinks
 from flashtile.kernels.configs import WARPGROUP_ROWS
 from flashtile.kernels.quantize import blocks as fused_quantize_blocks
 from flashtile.kernels.problem import Problem, cdiv
@@ -135,19 +136,19 @@ class _FP8Attention(torch.autograd.Function):
     logsumexp normalizes."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, left, right, softcap, alibi_slopes, dtype, incoherent, per_block, fp8_backward,
-                kernel_options):
+    def forward(ctx, q, k, v, sinks, scale, left, right, softcap, alibi_slopes, dtype, incoherent, per_block,
+                fp8_backward, kernel_options):
         version = dispatch.resolve_version("auto", q.device)
         tiles = (_kernel_tiles(q, k, v, scale, left, right, softcap, alibi_slopes, version, kernel_options)
                  if per_block else None)
         q8, k8, v8, descale = _quantized(q, k, v, dtype, per_block, tiles, incoherent)
-        out, lse, _ = ops._forward(q8, k8, v8, None, None, alibi_slopes, None, None, descale,
+        out, lse, _ = ops._forward(q8, k8, v8, None, None, alibi_slopes, sinks, None, descale,
                                    q.shape[1], k.shape[1], scale, left, right, softcap, 0.0, version, False,
                                    kernel_options)
         out = out.to(q.dtype)
         if not per_block:
             descale, tiles = _head_descales_as_blocks(descale, q.shape[2])
-        ctx.save_for_backward(q8, k8, v8, descale, out, lse, alibi_slopes)
+        ctx.save_for_backward(q8, k8, v8, descale, out, lse, alibi_slopes, sinks)
         ctx.state = (tuple(tiles), incoherent, q.dtype, fp8_backward)
         ctx.args = (q.shape[1], k.shape[1], scale, left, right, softcap, 0.0, kernel_options)
         ctx.set_materialize_grads(False)
@@ -155,7 +156,7 @@ class _FP8Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q8, k8, v8, descale, out, lse, alibi_slopes = ctx.saved_tensors
+        q8, k8, v8, descale, out, lse, alibi_slopes, sinks = ctx.saved_tensors
         rows, incoherent, dtype, fp8_backward = ctx.state
         seqlen_q, seqlen_k, scale, left, right, softcap, dropout_p, kernel_options = ctx.args
         if dout is None:
@@ -176,19 +177,22 @@ class _FP8Attention(torch.autograd.Function):
         if incoherent:  # Q M and K M were quantized: dQ = d(Q M) M^T, likewise dK
             m = rotation(q8.shape[-1], q8.device)
             dq, dk = dq.float() @ m.T, dk.float() @ m.T
-        return (dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None, None, None, None)
+        # The sinks' gradient from the output and logsumexp (which includes them), as in bf16.
+        dsinks = attention_sinks.gradient(False, sinks, out, lse, dout, dlse) if ctx.needs_input_grad[3] else None
+        return (dq.to(dtype), dk.to(dtype), dv.to(dtype), dsinks, *(None for _ in range(10)))
 
 
 def fp8_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                   dtype=torch.float8_e4m3fn, incoherent=True, scaling="block", return_softmax_lse=False,
-                  fp8_backward=False, *, alibi_slopes=None, kernel_options=None):
+                  fp8_backward=False, *, alibi_slopes=None, sinks=None, kernel_options=None):
     """Attention of bf16/fp16 q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k,
     nheads_k, headdim) computed in float8 ``dtype`` (e4m3 or e5m2), with incoherent processing
     of Q and K unless ``incoherent=False`` (head dims a power of two, 16 to 256), and scales per
     block of the kernel's tiles (``scaling="block"``) or per (sequence, KV head) ("head").
     Returns out in q's dtype (and the logsumexp), differentiable with respect to q, k and v:
     the backward's matmuls in q's dtype, or with ``fp8_backward=True`` in ``dtype`` as well.
-    ``alibi_slopes``: as flash_attn_func's, added to the scores the float8 product forms.
+    ``alibi_slopes``, ``sinks``: as flash_attn_func's (the sinks' gradient too), on the scores
+    the float8 product forms.
     ``kernel_options``: developer switches (options.KernelOptions)."""
     validation.check_qkv(q, k, v, False)
     if dtype not in FP8_MAX:
@@ -201,14 +205,15 @@ def fp8_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     validation.version_takes(version, 0.0, head_dim, head_dim, True, q.device)
     softcap = validation.real("softcap", softcap, 0.0)
     alibi_slopes = validation.alibi_slopes(alibi_slopes, q.shape[0], q.shape[-2], q.device)
+    sinks = validation.sinks(sinks, q.shape[-2], q.device)
     scale = validation.softmax_scale(softmax_scale, head_dim)
     left, right = validation.band(bool(causal), window_size, q.shape[1], k.shape[1])
     if scaling not in ("block", "head"):
         raise ValueError(f"scaling must be 'block' or 'head', got {scaling!r}")
     text = options.text(options.resolve(kernel_options))
     with ops.on_device_of(q):
-        out, lse = _FP8Attention.apply(q, k, v, scale, left, right, softcap, alibi_slopes, dtype, bool(incoherent),
-                                       scaling == "block", bool(fp8_backward), text)
+        out, lse = _FP8Attention.apply(q, k, v, sinks, scale, left, right, softcap, alibi_slopes, dtype,
+                                       bool(incoherent), scaling == "block", bool(fp8_backward), text)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -192,27 +192,40 @@ def test_fp8_attn_func_with_incoherent_processing(dtype):
         assert rmse(leaf.grad, ref.grad) < grad_bound * ref.grad.square().mean().sqrt()
 
 
+@pytest.mark.parametrize("feature", ["alibi", "sinks"])
 @pytest.mark.parametrize("fp8_backward", [False, True])
-def test_fp8_attn_func_with_alibi(fp8_backward):
-    # ALiBi's bias joins the scores the float8 product forms, forward and both backwards: output
-    # and gradients near the float64 attention with the same slopes, and the bias applied (far
-    # nearer that than the attention without it).
+def test_fp8_attn_func_with_alibi_or_sinks(fp8_backward, feature):
+    # ALiBi's bias, or a sink logit per head, on the scores the float8 product forms, forward and
+    # both backwards: output and gradients (the sinks' too) near the float64 attention with the
+    # same feature, and the feature applied (far nearer that than the attention without it).
     q, k, v = (x.to(torch.bfloat16) for x in _outlier_inputs(2, 96, 4, 2, seed=4))
-    slopes = torch.tensor([[0.5, 0.25, 0.125, 0.0625], [0.3, 0.2, 0.1, 0.05]], device=DEVICE)
+    if feature == "alibi":
+        features = dict(alibi_slopes=torch.tensor([[0.5, 0.25, 0.125, 0.0625], [0.3, 0.2, 0.1, 0.05]],
+                                                  device=DEVICE))
+    else:
+        features = dict(sinks=torch.tensor([3.0, 1.0, -1.0, 4.0], device=DEVICE, requires_grad=True))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = flashtile.fp8_attn_func(*leaves, causal=True, alibi_slopes=slopes, fp8_backward=fp8_backward)
+    out = flashtile.fp8_attn_func(*leaves, causal=True, fp8_backward=fp8_backward, **features)
     dout = torch.randn_like(out)
     out.backward(dout)
     doubles = [x.double().requires_grad_() for x in (q, k, v)]
-    oracle = standard_attention(*doubles, causal=True, upcast=True, alibi_slopes=slopes)
+    oracle_features = dict(features)
+    if feature == "sinks":
+        oracle_features["sinks"] = features["sinks"].detach().double().requires_grad_()
+    oracle = standard_attention(*doubles, causal=True, upcast=True, **oracle_features)
     oracle.backward(dout.double())
-    unbiased = standard_attention(*(x.double() for x in (q, k, v)), causal=True, upcast=True)
+    plain = standard_attention(*(x.double() for x in (q, k, v)), causal=True, upcast=True)
     assert rmse(out, oracle) < 0.08 * oracle.square().mean().sqrt()
-    assert rmse(out, oracle) < 0.3 * rmse(unbiased, oracle)
+    assert rmse(out, oracle) < 0.3 * rmse(plain, oracle)
     for leaf, ref in zip(leaves, doubles):
         assert rmse(leaf.grad, ref.grad) < 0.15 * ref.grad.square().mean().sqrt()
+    if feature == "sinks":
+        ref = oracle_features["sinks"].grad
+        assert rmse(features["sinks"].grad, ref) < 0.1 * ref.square().mean().sqrt()
     with pytest.raises(ValueError, match="alibi_slopes must have shape"):
-        flashtile.fp8_attn_func(q, k, v, alibi_slopes=slopes[:, :2])
+        flashtile.fp8_attn_func(q, k, v, alibi_slopes=torch.zeros(2, device=DEVICE))
+    with pytest.raises(ValueError, match="sinks must have shape"):
+        flashtile.fp8_attn_func(q, k, v, sinks=torch.zeros(2, device=DEVICE))
 
 
 def dequantize_blocks(x8, descale, rows):
