@@ -172,8 +172,8 @@ class _FP8Attention(torch.autograd.Function):
         else:
             q, k, v = (dequantize(x8, d, n, dtype) for x8, d, n in zip((q8, k8, v8), descale, (*rows, rows[1])))
             dq, dk, dv = ops._backward_kernels(dout, dlse, q, k, v, out, lse, lse.new_empty(0), None, None,
-                                               alibi_slopes, None, seqlen_q, seqlen_k, scale, left, right, softcap, dropout_p,
-                                               version, False, kernel_options)
+                                               alibi_slopes, None, seqlen_q, seqlen_k, scale, left, right, softcap,
+                                               dropout_p, version, False, kernel_options)
         if incoherent:  # Q M and K M were quantized: dQ = d(Q M) M^T, likewise dK
             m = rotation(q8.shape[-1], q8.device)
             dq, dk = dq.float() @ m.T, dk.float() @ m.T
