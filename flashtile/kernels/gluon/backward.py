@@ -60,9 +60,9 @@ from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks, band_mask, band_rows_mask
 from flashtile.kernels.configs import gluon_bwd_stationary_rows, split_head_dim
 from flashtile.kernels.gluon.pipeline import buffer_of, release, tma_reduce_add
-from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter, packed_sequence,
+from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter,
                                                packed_tile, publish_tile, read_next_tile, read_tile, sm_count,
-                                               start_tiles, stationary_tile, tile_counter, Value, value, values)
+                                               start_tiles, stationary_tile, tile_counter, Sequences, Value, value, values)
 from flashtile.kernels.launch import launch
 from flashtile.kernels.tiles import LOG2E, load_tile, row_delta
 
@@ -143,16 +143,11 @@ class PassWalk:
     heads: Value
     group: Value
     head_group: Value
-    seqlen_q: Value
-    seqlen_k: Value
     window_left: Value
     window_right: Value
-    CU_Q: gl.tensor
-    CU_K: gl.tensor
-    totals: gl.tuple
+    seqs: Sequences
     TILES: gl.tensor
     m_blocks: Value
-    VARLEN: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, num_tiles, heads, group, head_group, seqlen_q, seqlen_k, window_left, window_right, CU_Q,
@@ -161,16 +156,11 @@ class PassWalk:
         self.heads = value(heads)
         self.group = value(group)
         self.head_group = value(head_group)
-        self.seqlen_q = value(seqlen_q)
-        self.seqlen_k = value(seqlen_k)
         self.window_left = value(window_left)
         self.window_right = value(window_right)
-        self.CU_Q = CU_Q
-        self.CU_K = CU_K
-        self.totals = values(totals)
+        self.seqs = Sequences(seqlen_q, seqlen_k, CU_Q, CU_K, totals, VARLEN)
         self.TILES = TILES
         self.m_blocks = value(m_blocks)
-        self.VARLEN = gl.constexpr(VARLEN)
 
     @gluon.jit
     def tile(self, t, ROWS: gl.constexpr, KEY_ROWS: gl.constexpr):
@@ -179,17 +169,15 @@ class PassWalk:
         rows of one query head (longest first from the last).  The sequence: (its TMA batch
         coordinate, first query row, first key row, query rows, keys); batched, the batch entry
         from row 0."""
-        if self.VARLEN:
+        if self.seqs.VARLEN:
             batch, head, r0 = packed_tile(t, self.TILES, self.heads, self.m_blocks, ROWS)
-            return batch, head, r0, packed_sequence(batch, self.CU_Q, self.CU_K, self.totals)
+        elif KEY_ROWS:
+            batch, head, r0 = stationary_tile(t, self.num_tiles, self.heads, self.seqs.seqlen_k, self.head_group,
+                                              ROWS, False)
         else:
-            if KEY_ROWS:
-                batch, head, r0 = stationary_tile(t, self.num_tiles, self.heads, self.seqlen_k, self.head_group,
-                                                  ROWS, False)
-            else:
-                batch, head, r0 = stationary_tile(t, self.num_tiles, self.heads, self.seqlen_q, self.head_group,
-                                                  ROWS, True)
-            return batch, head, r0, (batch, 0, 0, self.seqlen_q, self.seqlen_k)
+            batch, head, r0 = stationary_tile(t, self.num_tiles, self.heads, self.seqs.seqlen_q, self.head_group,
+                                              ROWS, True)
+        return batch, head, r0, self.seqs.of(batch)
 
 
 @aggregate
@@ -545,7 +533,7 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats
         # The partition's rows of K and V stage its dK and dV (as 2-D tiles, and as TMA sees them).
         k_rows = k_block.reshape([BLOCK_N, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
         v_rows = v_block.reshape([BLOCK_N, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
-        if walk.VARLEN:  # (batched launches compile the staged stores alone)
+        if walk.seqs.VARLEN:  # (batched launches compile the staged stores alone)
             if r0 + ROWS > seqlen_k:
                 DK, DV, sgs, sgh, head_dim = packed_grads
                 _store_rows(dk * softmax_scale, DK, k_start + r0, seqlen_k - r0, head_k, sgs, sgh, head_dim)
@@ -624,7 +612,7 @@ def _kv_consumers_split_d(bufs, walk, row_stats, dk_desc, dv_desc, ds_smem, p_sm
     room for them here, and that is faster than through the ring)."""
     k_smem, v_smem, q_smem, do_smem, tile_ids = bufs.a, bufs.b, bufs.c, bufs.d, bufs.tile_ids
     kv_ready, kv_empty, q_ready, q_empty = bufs.stationary_ready, bufs.stationary_empty, bufs.ring_ready, bufs.ring_empty
-    num_tiles, group, seqlen_q = walk.num_tiles, walk.group, walk.seqlen_q
+    num_tiles, group, seqlen_q = walk.num_tiles, walk.group, walk.seqs.seqlen_q
     LSE, DELTA, slb, slh = row_stats.LSE, row_stats.DELTA, row_stats.slb, row_stats.slh
     SLOTS: gl.constexpr = k_smem.shape[0]
     dtype: gl.constexpr = q_smem.dtype
@@ -658,7 +646,7 @@ def _kv_consumers_split_d(bufs, walk, row_stats, dk_desc, dv_desc, ds_smem, p_sm
                 lse_next, delta_next = _column_stats(LSE, DELTA, next_stats, next_cols, seqlen_q,
                                                      g + next_head < group)
                 sT = warpgroup_mma_wait(1, deps=[sT])
-                site = (batch, head_k * group + g, walk.seqlen_k - seqlen_q, score_args)
+                site = (batch, head_k * group + g, walk.seqs.seqlen_k - seqlen_q, score_args)
                 pT, pT_ds = _probs_t(sT, lse, rows_k, n0, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2,
                                      site, SCORE, True, False)
                 dpT = warpgroup_mma_wait(0, deps=[dpT])
@@ -695,7 +683,7 @@ def _kv_consumers_shared_scores(buf, walk, stats, dk_desc, dv_desc, p_smem, ds_s
     P^T and dS^T read: the next block may overwrite them)."""
     k_smem, v_smem, q_smem, do_smem, tile_ids = buf.a, buf.b, buf.c, buf.d, buf.tile_ids
     kv_ready, kv_empty, q_ready, q_empty = buf.stationary_ready, buf.stationary_empty, buf.ring_ready, buf.ring_empty
-    num_tiles, group, seqlen_q = walk.num_tiles, walk.group, walk.seqlen_q
+    num_tiles, group, seqlen_q = walk.num_tiles, walk.group, walk.seqs.seqlen_q
     lse_smem, delta_smem = stats.lse_smem, stats.delta_smem
     SLOTS: gl.constexpr = k_smem.shape[0]
     dtype: gl.constexpr = q_smem.dtype
@@ -727,7 +715,7 @@ def _kv_consumers_shared_scores(buf, walk, stats, dk_desc, dv_desc, p_smem, ds_s
                                                HEAD_DIM_PAD, STAGES)
                 lse = lse_smem.index(slot).load(cols_layout) * LOG2E
                 sT = warpgroup_mma_wait(1, deps=[sT])
-                site = (batch, head, walk.seqlen_k - seqlen_q, score_args)
+                site = (batch, head, walk.seqs.seqlen_k - seqlen_q, score_args)
                 pT, pT_ds = _probs_t(sT, lse, rows_k, n0, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, scale_log2,
                                      site, SCORE, False, True)
                 p_smem.store(pT.to(dtype))
@@ -980,7 +968,7 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
                 dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
             mbarrier.arrive(kv_empty.index(slot))
             j += 1
-        if walk.VARLEN:  # (batched launches compile the staged store alone)
+        if walk.seqs.VARLEN:  # (batched launches compile the staged store alone)
             if r0 + ROWS > seqlen_q:
                 DQ, sgs, sgh = packed_grads
                 _store_rows(dq * softmax_scale, DQ, q_start + r0, seqlen_q - r0, head, sgs, sgh, head_dim)

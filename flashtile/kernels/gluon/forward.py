@@ -53,9 +53,9 @@ from flashtile.kernels import dropout, packed_tiles, score
 from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile
 from flashtile.kernels.configs import WARPGROUP_ROWS
-from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter, packed_sequence,
+from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter,
                                                packed_tile, publish_tile, read_next_tile, read_tile, sm_count,
-                                               start_tiles, tile_counter, Value, value, values)
+                                               start_tiles, tile_counter, Sequences, Value, value, values)
 from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import remembered
 from flashtile.kernels.tiles import FP8_P_SCALE, FP8_PER_BLOCK, LOG2E, finalize_rows, scaled_softmax_step
@@ -210,15 +210,10 @@ class TileWalk:
     group: Value
     head_group: Value
     m_blocks: Value
-    seqlen_q: Value
-    seqlen_k: Value
     window_left: Value
     window_right: Value
-    CU_Q: gl.tensor
-    CU_K: gl.tensor
-    totals: gl.tuple
+    seqs: Sequences
     TILES: gl.tensor
-    VARLEN: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, num_tiles, batch_heads, heads_q, group, head_group, m_blocks, seqlen_q, seqlen_k,
@@ -229,25 +224,10 @@ class TileWalk:
         self.group = value(group)
         self.head_group = value(head_group)
         self.m_blocks = value(m_blocks)
-        self.seqlen_q = value(seqlen_q)
-        self.seqlen_k = value(seqlen_k)
         self.window_left = value(window_left)
         self.window_right = value(window_right)
-        self.CU_Q = CU_Q
-        self.CU_K = CU_K
-        self.totals = values(totals)
+        self.seqs = Sequences(seqlen_q, seqlen_k, CU_Q, CU_K, totals, VARLEN)
         self.TILES = TILES
-        self.VARLEN = gl.constexpr(VARLEN)
-
-    @gluon.jit
-    def sequence(self, batch):
-        """Sequence ``batch`` as (its TMA batch coordinate, first query row, first key row, query
-        rows, keys).  Packed (VARLEN): coordinate 0 of a (1, total, heads, head dim) view, the
-        sequence from its offsets; else the batch entry, from row 0."""
-        if self.VARLEN:
-            return packed_sequence(batch, self.CU_Q, self.CU_K, self.totals)
-        else:
-            return batch, 0, 0, self.seqlen_q, self.seqlen_k
 
     @gluon.jit
     def tile(self, t, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -258,19 +238,19 @@ class TileWalk:
         CTAs running at one time re-read K/V from L2 rather than HBM.  Inside a group, query
         blocks run from the last to the first (causal tiles come longest first), the group's
         heads adjacent.  (Which blocks need a mask the consumers decide for their own rows.)"""
-        if self.VARLEN:
+        if self.seqs.VARLEN:
             batch, head, m0 = packed_tile(t, self.TILES, self.heads_q, self.m_blocks, TILE_M)
-            seq = self.sequence(batch)
+            seq = self.seqs.of(batch)
             dlo, dhi, lo, _, _, n_blocks = band_blocks(m0, TILE_M, BLOCK_N, seq[3], seq[4], self.window_left,
                                                        self.window_right, False)
             return batch, head, m0, dlo, dhi, lo, n_blocks, seq
         else:
             bh, step = grouped_tile(t, self.batch_heads, self.head_group, self.m_blocks)
             m0 = (self.m_blocks - 1 - step) * TILE_M
-            dlo, dhi, lo, _, _, n_blocks = band_blocks(m0, TILE_M, BLOCK_N, self.seqlen_q, self.seqlen_k,
+            dlo, dhi, lo, _, _, n_blocks = band_blocks(m0, TILE_M, BLOCK_N, self.seqs.seqlen_q, self.seqs.seqlen_k,
                                                        self.window_left, self.window_right, False)
             batch = bh // self.heads_q
-            return batch, bh % self.heads_q, m0, dlo, dhi, lo, n_blocks, self.sequence(batch)
+            return batch, bh % self.heads_q, m0, dlo, dhi, lo, n_blocks, self.seqs.of(batch)
 
 
 @aggregate

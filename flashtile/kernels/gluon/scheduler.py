@@ -18,6 +18,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.language.core import _aggregate as aggregate
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from flashtile.kernels.blocks import grouped_tile, sequence_bounds
@@ -117,14 +118,38 @@ def packed_tile(t, TILES, heads, m_blocks, ROWS: gl.constexpr):
     return entry // m_blocks, t % heads, entry % m_blocks * ROWS
 
 
-@gluon.jit
-def packed_sequence(batch, CU_Q, CU_K, totals):
-    """Sequence ``batch`` of a packed batch: (its TMA batch coordinate, 0 in the (1, total, heads,
-    head dim) views, its first query row, first key row, query rows, keys), from its offsets
-    (blocks.sequence_bounds; ``totals``: Problem.totals)."""
-    q_start, seqlen_q = sequence_bounds(batch, CU_Q, 0, totals[0], totals[2], True)
-    k_start, seqlen_k = sequence_bounds(batch, CU_K, 0, totals[1], totals[3], True)
-    return 0, q_start.to(gl.int32), k_start.to(gl.int32), seqlen_q, seqlen_k
+@aggregate
+class Sequences:
+    """The batch's sequences as the kernels' walks see them.  Batched: each the batch entry,
+    ``seqlen_q`` query rows and ``seqlen_k`` keys from row 0.  Packed (VARLEN): each from its
+    offsets in CU_Q and CU_K (blocks.sequence_bounds; ``totals``: Problem.totals), in the
+    (1, total, heads, head dim) views TMA sees; ``seqlen_q`` and ``seqlen_k`` the longest."""
+    seqlen_q: Value
+    seqlen_k: Value
+    CU_Q: gl.tensor
+    CU_K: gl.tensor
+    totals: gl.tuple
+    VARLEN: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, seqlen_q, seqlen_k, CU_Q, CU_K, totals, VARLEN):
+        self.seqlen_q = value(seqlen_q)
+        self.seqlen_k = value(seqlen_k)
+        self.CU_Q = CU_Q
+        self.CU_K = CU_K
+        self.totals = values(totals)
+        self.VARLEN = gl.constexpr(VARLEN)
+
+    @gluon.jit
+    def of(self, batch):
+        """Sequence ``batch``: (its TMA batch coordinate, first query row, first key row, query
+        rows, keys)."""
+        if self.VARLEN:
+            q_start, seqlen_q = sequence_bounds(batch, self.CU_Q, 0, self.totals[0], self.totals[2], True)
+            k_start, seqlen_k = sequence_bounds(batch, self.CU_K, 0, self.totals[1], self.totals[3], True)
+            return 0, q_start.to(gl.int32), k_start.to(gl.int32), seqlen_q, seqlen_k
+        else:
+            return batch, 0, 0, self.seqlen_q, self.seqlen_k
 
 
 @gluon.jit
