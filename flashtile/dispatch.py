@@ -12,7 +12,8 @@ Forward kernels:
   "v3-triton"    the Hopper forward in plain Triton (kernels/v3.py): what the Gluon kernel does
                  not take (broadcast layouts, the interpreter) and, unless kernel options force
                  the Gluon one, varlen
-With a V head dim of its own v3 runs v2's kernels both ways; with dropout (kernels/dropout.py)
+With a V head dim of its own v3 runs v2's kernels both ways, or the Gluon forward (not in
+float8) when kernel options ask for it (experimental); with dropout (kernels/dropout.py)
 the Gluon forward where it runs (else v2's) and v2's backward (the Gluon two passes when the
 options ask for them).  FP8 inputs run the Gluon
 forward where it takes the problem, else v2's; their backward (fp8_attn_func's FP8 backward) is
@@ -110,9 +111,10 @@ def broadcast(x) -> bool:
 
 
 def gluon_takes(p) -> bool:
-    """Whether the Gluon kernels take problem ``p``: at the head dims they are built for (packed
-    sequences: forward_plan and backward_plan say which)."""
-    return p.head_dim_pad in configs.GLUON_HEAD_DIMS and p.head_dim % 8 == 0
+    """Whether the Gluon kernels take problem ``p``: Q's and V's head dims among those they are
+    built for (packed sequences: forward_plan and backward_plan say which)."""
+    return all(pad in configs.GLUON_HEAD_DIMS and dim % 8 == 0
+               for pad, dim in ((p.head_dim_pad, p.head_dim), (p.head_dim_v_pad, p.head_dim_v)))
 
 
 def target_of(p, *tensors) -> Target:
@@ -145,7 +147,7 @@ def forward_plan(p, version: str, target: Target, opts) -> Plan:
         return Plan("tiled")
     if version == "v1":
         return _v1_plan(p, target, opts, "fwd")
-    if version == "v2" or p.v2_only:
+    if version == "v2":
         return _v2_forward(p, target, opts)
     kernel = opts.forward or "gluon"
     # Packed sequences take the Gluon forward (its walk runs down a device-side tile list)
@@ -154,8 +156,12 @@ def forward_plan(p, version: str, target: Target, opts) -> Plan:
     # the longest sequence's blocks).
     gluon = target.gluon and (not p.varlen or (opts.forward == "gluon" and not p.fp8 and (
         p.batch * p.heads_q * p.query_blocks(configs.WARPGROUP_ROWS) < 2**31)))
+    # The plain-Triton Hopper forward has no float8, dropout or V head dim of its own; the Gluon
+    # one takes a V head dim of its own (not in float8) only when the options ask for it.
+    if p.own_head_dim_v and not (opts.forward == "gluon" and gluon and not p.fp8):
+        return _v2_forward(p, target, opts)
     if (p.fp8 or p.dropout) and not (kernel == "gluon" and gluon):
-        return _v2_forward(p, target, opts)  # the plain-Triton Hopper forward has no float8 or dropout path
+        return _v2_forward(p, target, opts)
     if kernel == "gluon" and gluon:
         return Plan("v3-gluon", gluon_schedule(p, opts))
     if kernel == "v2" or (kernel == "gluon" and p.banded and p.seqlen_k <= configs.SHORT_KEYS):
@@ -202,13 +208,13 @@ def gluon_schedule(p, opts) -> configs.GluonSchedule:
     override = opts.tile("v3_gluon")
     if override is not None:
         block_n, stages, consumers = override
-        if consumers not in (2, 3) or (consumers == 3 and p.head_dim_pad > 64):
+        if consumers not in (2, 3) or (consumers == 3 and p.widest_head_dim_pad > 64):
             raise ValueError(f"kernel option tiles.v3_gluon={override}: 2 consumers, or 3 up to head dim 64")
         cfg = _dropout_keys(p, block_n, "v3_gluon", configs.GluonSchedule(block_n, stages, consumers=consumers))
     else:
         table = configs.V3_GLUON_FP8 if p.fp8 else configs.V3_GLUON
-        cfg = replace(configs.by_head_dim(table, p.head_dim_pad),
-                      consumers=configs.gluon_consumers(p.head_dim_pad, p.banded, p.seqlen_q, p.fp8))
+        cfg = replace(configs.by_head_dim(table, p.widest_head_dim_pad),
+                      consumers=configs.gluon_consumers(p.widest_head_dim_pad, p.banded, p.seqlen_q, p.fp8))
     return replace(cfg, **{t: False for t in opts.ablate})
 
 
@@ -221,7 +227,7 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
         return _v1_plan(p, target, opts, "bwd")
     gluon = _gluon_backward_takes(p, target, opts)
     # Float8 inputs (fp8_attn_func's FP8 backward) run v2's kernels in their FP8 mode.
-    v2 = version == "v2" or p.v2_only or p.fp8 or not gluon
+    v2 = version == "v2" or p.own_head_dim_v or p.fp8 or not gluon
     kernel = "v2" if v2 else _v3_backward_kernel(p, opts)
     if kernel == "v2":
         kv = configs.by_head_dim(configs.v2_bwd_kv_table(p.banded), p.widest_head_dim_pad)

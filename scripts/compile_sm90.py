@@ -95,12 +95,14 @@ FP8_DTYPES = {"fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
 
 
 def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0, alibi=False, fp8=None, fp8_mode=1,
-               varlen=False, dropout=False):
+               varlen=False, dropout=False, head_dim_v=None):
     """v3's Gluon forward with the constants and launch options gluon/forward.py would use;
     ``window_left`` >= 0: a sliding window's left edge, tested in the kernel only then; ``fp8``
     (a triton float8 type name): float8 inputs with descales per head (``fp8_mode`` 1) or block (2);
-    ``varlen``: packed sequences (cu_seqlens); ``dropout``: with dropout."""
+    ``varlen``: packed sequences (cu_seqlens); ``dropout``: with dropout; ``head_dim_v``: V's own."""
     p = problem(head_dim, causal, window_left, softcap, alibi=alibi)
+    if head_dim_v not in (None, head_dim):
+        p = replace(p, own_head_dim_v=head_dim_v)
     if dropout:
         p = replace(p, dropout_p=0.1)
     if varlen:
@@ -113,8 +115,9 @@ def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0, alibi=
     consts = gluon_fwd.kernel_constants(p, cfg, dtype.itemsize, 2, dtype)
     q_block = tma.block_layout(consts["ROWS"], p.head_dim_pad, dtype)
     kv_block = tma.block_layout(cfg.block_n, p.head_dim_pad, dtype)
-    o_block = (*tma.block_layout(consts["ROWS"], p.head_dim_pad, torch.bfloat16), "bf16")
-    v_block = tma._keys_block_spec(p.head_dim_pad, cfg.block_n, dtype)[:2] if fp8 else kv_block
+    o_block = (*tma.block_layout(consts["ROWS"], p.head_dim_v_pad, torch.bfloat16), "bf16")
+    v_block = (tma._keys_block_spec(p.head_dim_v_pad, cfg.block_n, dtype)[:2] if fp8 else
+               tma.block_layout(cfg.block_n, p.head_dim_v_pad, dtype))
     descriptors = {"q_desc": q_block, "o_desc": o_block, "k_desc": kv_block, "v_desc": v_block}
     return {**consts, **walk_constants(p)}, gluon_fwd.launch_options(cfg.consumers), descriptors
 
@@ -174,10 +177,16 @@ def _options(cfg):
 
 
 def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=False, with_dropout=False, fp8=None,
-          fp8_mode=1):
+          fp8_mode=1, head_dim_v=None):
     """(name, kernel, constexprs, compile options, descriptor blocks) of every kernel as launched
     (``with_dropout``: the v2 kernels as dropout launches them; ``fp8``: the kernels that take
-    float8 inputs, v2's forward and backward and the Gluon forward, as they launch for them)."""
+    float8 inputs, v2's forward and backward and the Gluon forward, as they launch for them;
+    ``head_dim_v``: V's own head dim, the Gluon forward alone)."""
+    if head_dim_v not in (None, head_dim):
+        for causal in (False, True):
+            yield (f"v3.fwd_gluon{'_causal' if causal else ''}", gluon_fwd._fwd_kernel,
+                   *gluon_case(head_dim, opts, causal=causal, head_dim_v=head_dim_v))
+        return
     p = problem(head_dim, softcap=softcap, alibi=alibi)
     base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=varlen, UPCAST=False,
                 SCORE=score.mod_of(p))
@@ -286,6 +295,7 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--head-dims", default="64,128,256")
+    ap.add_argument("--head-dim-v", type=int, help="V's own head dim (the Gluon forward alone)")
     ap.add_argument("--dump", type=pathlib.Path)
     ap.add_argument("--only", help="compile only the kernels with this name (e.g. v3.fwd)")
     ap.add_argument("--varlen", action="store_true", help="the variable-length (cu_seqlens) variants")
@@ -305,7 +315,8 @@ def main():
     tuples = ALIBI_TUPLES if args.alibi else TUPLES
     for d in (int(x) for x in args.head_dims.split(",")):
         for name, fn, constexprs, options, descriptors in cases(d, args.varlen, opts, args.softcap, args.alibi,
-                                                                  args.dropout, args.fp8, args.fp8_mode):
+                                                                  args.dropout, args.fp8, args.fp8_mode,
+                                                                  args.head_dim_v):
             if args.only and name != args.only:
                 continue
             try:

@@ -318,15 +318,22 @@ def test_packed_sequences_take_the_gluon_kernels_only_when_forced():
 
 
 def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
-    # Only v2's kernels take a V head dim of its own: v3 hands such problems to them where the
-    # Gluon kernels would otherwise run.  Dropout runs the Gluon forward (v2's where that does not
+    # A V head dim of its own runs v2's kernels, or the Gluon forward when the options ask for it
+    # (not in float8, not where the Gluon kernels do not run).  Dropout runs the Gluon forward (v2's where that does not
     # run: never the plain-Triton one, which draws no mask) and v2's backward.  FP8 inputs
     # run the Gluon forward, with its own tiles, at every head dim, band or not, else v2's
     # (never the plain-Triton Hopper forward, which has no float8 path).
     seed = torch.zeros(1, dtype=torch.int64)
     own_v = problem(own_head_dim_v=64)
     assert forward(own_v).kernel == "v2" and backward(own_v).kernel == "v2"
-    assert forward(replace(own_v, window_right=0)).kernel == "v2"
+    forced = KernelOptions(forward="gluon")
+    assert forward(own_v, opts=forced).kernel == "v3-gluon" and backward(own_v, opts=forced).kernel == "v2"
+    assert forward(replace(own_v, window_right=0), opts=forced).kernel == "v3-gluon"
+    assert forward(own_v, target=dispatch.Target(gluon=False, interpreter=False), opts=forced).kernel == "v2"
+    assert forward(replace(own_v, fp8=True), opts=forced).kernel == "v2"
+    assert dispatch.gluon_takes(own_v) and not dispatch.gluon_takes(replace(own_v, own_head_dim_v=36))
+    mla = problem(head_dim=192, own_head_dim_v=128)  # the tiles of the wider padded head dim
+    assert forward(mla, opts=forced).config == configs.by_head_dim(configs.V3_GLUON, 256)
     dropped = problem(dropout_p=0.1, dropout_seed=seed)
     for p in (dropped, replace(dropped, window_right=0), replace(dropped, seqlen_k=256, window_right=0)):
         assert forward(p).kernel == "v3-gluon" and backward(p).kernel == "v2"

@@ -1,5 +1,6 @@
 """V with a head dim of its own (MLA prefill's 192 / 128, and 128 / 64): outputs and gradients
-against the float64 reference, in v2's kernels (which v3 hands them to) and the PyTorch path."""
+against the float64 reference, in v2's kernels (which v3 hands them to), v3's Gluon forward
+(when kernel options ask for it; on the GPU) and the PyTorch path."""
 import pytest
 import torch
 from attention_check import check_against_reference, make_qkv
@@ -19,16 +20,20 @@ def qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, head_dim_v):
 
 
 @pytest.mark.parametrize("head_dim, head_dim_v", PAIRS)
-@pytest.mark.parametrize("version", ["v2", "v3", "tiled"])
-def test_own_value_head_dim(version, head_dim, head_dim_v):
-    if version == "tiled" and head_dim_v != PAIRS[0][1]:
-        pytest.skip("the PyTorch path once is enough")
+@pytest.mark.parametrize("version, kernel_options", [("v2", ""), ("v3", ""), ("v3", "forward=gluon"), ("tiled", "")])
+@pytest.mark.parametrize("causal", [True, False])
+def test_own_value_head_dim(version, kernel_options, causal, head_dim, head_dim_v):
+    if (version == "tiled" or kernel_options) and not ON_GPU and (head_dim_v != PAIRS[0][1] or not causal):
+        pytest.skip("the PyTorch path, and the forced Gluon forward (v2's under the interpreter), once is enough")
     torch.manual_seed(head_dim + head_dim_v)
-    q, k, v = qkv(2, 37, 53, 4, 2, head_dim, head_dim_v)  # GQA, lengths off the block sizes
-    out, lse, _ = check_against_reference(lambda a, b, c: flash_attn_func(a, b, c, causal=True, version=version,
-                                                                           return_attn_probs=True)[:2],
-                                          q, k, v, causal=True)
-    assert out.shape == (2, 37, 4, head_dim_v)
+    # GQA, lengths off the block sizes; on the GPU past one tile of the Gluon forward (128 rows)
+    seqlen_q, seqlen_k = (37, 53) if not ON_GPU else (301, 517)
+    q, k, v = qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, head_dim_v)
+    out, lse, oracle_lse = check_against_reference(lambda a, b, c: flash_attn_func(
+        a, b, c, causal=causal, version=version, return_attn_probs=True, kernel_options=kernel_options)[:2],
+        q, k, v, causal=causal)
+    assert out.shape == (2, seqlen_q, 4, head_dim_v)
+    torch.testing.assert_close(lse, oracle_lse.float(), atol=1e-3, rtol=1e-3)
 
 
 def test_own_value_head_dim_varlen_with_softcap():

@@ -7,11 +7,13 @@ import sys
 import pytest
 import torch
 
+from flashtile.kernels import configs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def compile_for_sm90(tmp_path, only, head_dim, kernel_options="", softcap=0.0, alibi=False, dropout=False, fp8=None,
-                     fp8_mode=1):
+                     fp8_mode=1, head_dim_v=None):
     # This checkout's flashtile, whatever else is installed.
     path = os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
@@ -19,7 +21,8 @@ def compile_for_sm90(tmp_path, only, head_dim, kernel_options="", softcap=0.0, a
                           str(head_dim), "--only", only, "--dump", str(tmp_path), "--options", kernel_options,
                           "--softcap", str(softcap)] + (["--alibi"] if alibi else [])
                          + (["--dropout"] if dropout else [])
-                         + (["--fp8", fp8, "--fp8-mode", str(fp8_mode)] if fp8 else []),
+                         + (["--fp8", fp8, "--fp8-mode", str(fp8_mode)] if fp8 else [])
+                         + (["--head-dim-v", str(head_dim_v)] if head_dim_v else []),
                          capture_output=True, text=True, env=env, timeout=600)
     if res.returncode != 0 or "FAILED" in res.stdout:
         pytest.fail(f"sm_90 compile failed:\n{res.stdout}\n{res.stderr[-2000:]}")
@@ -83,13 +86,28 @@ def test_v3_gluon_forward_compiles_for_sm90(tmp_path, monkeypatch, head_dim):
     assert_consumer_loops(tmp_path / f"v3.fwd_gluon_d{head_dim}.cubin", head_dim, consumers, monkeypatch)
 
 
-def assert_consumer_loops(cubin, head_dim, consumers, monkeypatch):
+@pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (128, 64)])
+def test_v3_gluon_forward_takes_its_own_value_head_dim(tmp_path, monkeypatch, head_dim, head_dim_v):
+    # MLA prefill's 192 / 128 (Q and K padded to 256 lanes, read as zeros past 192 by TMA) and
+    # 128 / 64: S = Q K^T over Q's head dim, O += P V and O's TMA store over V's, tiles chosen by
+    # the wider one.
+    ttgir = compile_for_sm90(tmp_path, "v3.fwd_gluon", head_dim, head_dim_v=head_dim_v)
+    ptx = (tmp_path / f"v3.fwd_gluon_d{head_dim}.ptx").read_text()
+    assert "ttg.warp_specialize" in ttgir
+    pad = max(16, 1 << (head_dim - 1).bit_length())
+    block_n = configs.by_head_dim(configs.V3_GLUON, max(pad, head_dim_v)).block_n
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx)
+    assert {n for n, _ in wgmma} == {str(block_n), str(head_dim_v)}
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx  # O's TMA store
+    assert_consumer_loops(tmp_path / f"v3.fwd_gluon_d{head_dim}.cubin", pad, 2, monkeypatch, block_n)
+
+
+def assert_consumer_loops(cubin, head_dim, consumers, monkeypatch, block_n=None):
     """Each consumer's K/V loop, in SASS: per block the k-steps of S = Q K^T (head dim / 16) and
     of O += P V (block_n / 16), and no spill traffic."""
-    from flashtile.kernels import configs
     monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
     from sass_loops import hot_loops, loop_stats, sass
-    block_n = configs.by_head_dim(configs.V3_GLUON, head_dim).block_n
+    block_n = block_n or configs.by_head_dim(configs.V3_GLUON, head_dim).block_n
     loops = hot_loops(sass(cubin.read_bytes()))
     assert len(loops) == consumers
     for loop in loops:
@@ -312,7 +330,6 @@ def test_gluon_fp8_forward_runs_float8_warpgroup_mmas(tmp_path, monkeypatch, fp8
     shapes = set(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.{kind}", ptx))
     assert str(head_dim) in shapes, shapes  # O += P V, n = head dim
     assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
-    from flashtile.kernels import configs
     monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
     from sass_loops import hot_loops, loop_stats, sass
     block_n = configs.by_head_dim(configs.V3_GLUON_FP8, head_dim).block_n

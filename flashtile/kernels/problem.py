@@ -115,12 +115,6 @@ class Problem:
         (start, end) per sequence, rows of q or k outside them are neither read nor written."""
         return self.varlen and self.cu_seqlens_q.dim() == 2
 
-    @property
-    def v2_only(self) -> bool:
-        """Features only v2's kernels (of the GPU versions above v1) implement: a V head dim of
-        its own (with FP8 inputs too); v3 hands such problems to them."""
-        return self.own_head_dim_v is not None
-
     def gradients(self, q, k, v):
         """dq, dk, dv to be written by a backward: zeros where rows go unwritten (seqused);
         float32 for float8 inputs (gradients with respect to their dequantized values)."""
@@ -177,7 +171,7 @@ class Problem:
 
     @property
     def head_dim_v(self) -> int:
-        """V's head dim (only v2's kernels and the PyTorch path take one of its own)."""
+        """V's (and the output's) head dim: its own, or Q's and K's."""
         return self.own_head_dim_v or self.head_dim
 
     @property

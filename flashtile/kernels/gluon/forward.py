@@ -70,6 +70,7 @@ class Schedule:
     ROWS: gl.constexpr
     BLOCK_N: gl.constexpr
     HEAD_DIM_PAD: gl.constexpr
+    HEAD_DIM_V_PAD: gl.constexpr
     STAGES: gl.constexpr
     CONSUMERS: gl.constexpr
     Q_SLOTS: gl.constexpr
@@ -90,12 +91,13 @@ class Schedule:
     DROPOUT: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
+    def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
                  PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8, FRESH_PV,
                  CHECK_FINITE, VARLEN, DROPOUT):
         self.ROWS = gl.constexpr(ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM_PAD = gl.constexpr(HEAD_DIM_PAD)
+        self.HEAD_DIM_V_PAD = gl.constexpr(HEAD_DIM_V_PAD)
         self.STAGES = gl.constexpr(STAGES)
         self.CONSUMERS = gl.constexpr(CONSUMERS)
         self.Q_SLOTS = gl.constexpr(Q_SLOTS)
@@ -255,26 +257,26 @@ class TileWalk:
 
 @aggregate
 class Outputs:
-    """Where a consumer's rows go: O by TMA (``o_desc``) or, without staging, by pointer; the
-    logsumexp by pointer."""
+    """Where a consumer's rows go: O (V's head dim: ``head_dims``, as the kernel takes them) by TMA
+    (``o_desc``) or, without staging, by pointer; the logsumexp by pointer."""
     o_desc: tma.tensor_descriptor
     O: gl.tensor
     sob: Value
     sos: Value
     soh: Value
-    head_dim: Value
+    head_dims: Value
     LSE: gl.tensor
     slb: Value
     slh: Value
 
     @gluon.constexpr_function
-    def __init__(self, o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh):
+    def __init__(self, o_desc, O, sob, sos, soh, head_dims, LSE, slb, slh):
         self.o_desc = o_desc
         self.O = O
         self.sob = value(sob)
         self.sos = value(sos)
         self.soh = value(soh)
-        self.head_dim = value(head_dim)
+        self.head_dims = value(head_dims)
         self.LSE = LSE
         self.slb = value(slb)
         self.slh = value(slh)
@@ -345,11 +347,11 @@ class Descales:
 
 
 # Where _exact_rows finds Q, K, V and O: 64-bit words in shared memory (each pointer as an
-# integer, then its batch, sequence and head strides; then the head dim), written before the
+# integer, then its batch, sequence and head strides; then the head dims, as the kernel takes them), written before the
 # partitions start.  As kernel arguments captured by the consumer partitions they would take
 # registers through the main loop for a path that almost never runs.
 _STASH_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
-Q_AT, K_AT, V_AT, O_AT, HEAD_DIM_AT = gl.constexpr(0), gl.constexpr(4), gl.constexpr(8), gl.constexpr(12), gl.constexpr(16)
+Q_AT, K_AT, V_AT, O_AT, HEAD_DIMS_AT = gl.constexpr(0), gl.constexpr(4), gl.constexpr(8), gl.constexpr(12), gl.constexpr(16)
 STASH_WORDS = gl.constexpr(32)
 
 
@@ -363,7 +365,7 @@ def _stash_tensor(words, i, AT: gl.constexpr, ptr, stride_b, stride_s, stride_h)
 
 
 @gluon.jit
-def _stash_tensors(Q, sqb, sqs, sqh, K, skb, sks, skh, V, svb, svs, svh, O, sob, sos, soh, head_dim):
+def _stash_tensors(Q, sqb, sqs, sqh, K, skb, sks, skh, V, svb, svs, svh, O, sob, sos, soh, head_dims):
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     i = gl.arange(0, STASH_WORDS, layout=layout)
     words = gl.zeros([STASH_WORDS], gl.int64, layout)
@@ -371,7 +373,7 @@ def _stash_tensors(Q, sqb, sqs, sqh, K, skb, sks, skh, V, svb, svs, svh, O, sob,
     words = _stash_tensor(words, i, K_AT, K, skb, sks, skh)
     words = _stash_tensor(words, i, V_AT, V, svb, svs, svh)
     words = _stash_tensor(words, i, O_AT, O, sob, sos, soh)
-    words = gl.where(i == HEAD_DIM_AT, head_dim, words)
+    words = gl.where(i == HEAD_DIMS_AT, head_dims, words)
     stash = gl.allocate_shared_memory(gl.int64, [STASH_WORDS], _STASH_LAYOUT)
     stash.store(words)
     return stash
@@ -511,9 +513,9 @@ def _values(buf, slot, S: gl.constexpr):
     shared operands only along the reduced dimension."""
     v = buf.v.index(slot)
     if S.FP8:
-        return v.reshape([S.HEAD_DIM_PAD, S.BLOCK_N]).permute((1, 0))
+        return v.reshape([S.HEAD_DIM_V_PAD, S.BLOCK_N]).permute((1, 0))
     else:
-        return v.reshape([S.BLOCK_N, S.HEAD_DIM_PAD])
+        return v.reshape([S.BLOCK_N, S.HEAD_DIM_V_PAD])
 
 
 @gluon.jit
@@ -620,6 +622,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
     ROWS: gl.constexpr = S.ROWS
     BLOCK_N: gl.constexpr = S.BLOCK_N
     HEAD_DIM_PAD: gl.constexpr = S.HEAD_DIM_PAD
+    HEAD_DIM_V_PAD: gl.constexpr = S.HEAD_DIM_V_PAD
     STAGES: gl.constexpr = S.STAGES
     dtype: gl.constexpr = buf.q.dtype
     MMA_K: gl.constexpr = _mma_k(dtype)
@@ -627,14 +630,14 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, MMA_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM_PAD, MMA_K])
+                                                       instr_shape=[16, HEAD_DIM_V_PAD, MMA_K])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH)
     q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=K_WIDTH)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    o_zero = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, o_layout)
+    o_zero = gl.zeros([ROWS, HEAD_DIM_V_PAD], gl.float32, o_layout)
     it = 0     # K/V blocks consumed so far: ring slot and mbarrier phase
     turns = 0  # ping-pong turns taken so far
     tile_i = 0
@@ -667,7 +670,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
         if S.BOUNDED:
             m_i = gl.full([ROWS], score.exp_scale(scale_log2, site, S.SCORE), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
-        acc = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, o_layout)
+        acc = gl.zeros([ROWS, HEAD_DIM_V_PAD], gl.float32, o_layout)
         v_unit = descales.value_scale(batch, head_k, 0, S)  # O's unit before any block: any (O is 0)
         if n_blocks > 0:
             # First block: nothing to overlap with yet.
@@ -781,10 +784,10 @@ def _exact_rows(batch, head, row0, seq, WHICH: gl.constexpr, buf, stash, outputs
     k_base, sks = _rows_of(stash, K_AT, batch, k_start, head_k, dtype)
     v_base, svs = _rows_of(stash, V_AT, batch, k_start, head_k, dtype)
     o_base, sos = _rows_of(stash, O_AT, batch, q_start, head, dtype)
-    _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_rows, _stashed(stash, HEAD_DIM_AT),
+    _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_rows, _stashed(stash, HEAD_DIMS_AT),
                      row0, dlo, dhi, lo, gl.minimum(lo + n_blocks * S.BLOCK_N, seqlen_k), seqlen_q,
                      seqlen_k - seqlen_q, batch, head, scale_log2, score_args, drop[0], drop[1], drop[2], S.ROWS,
-                     S.HEAD_DIM_PAD, S.SCORE, S.DROPOUT)
+                     S.HEAD_DIM_PAD, S.HEAD_DIM_V_PAD, S.SCORE, S.DROPOUT)
 
 
 @gluon.jit
@@ -797,11 +800,14 @@ def _bulk_stores_done(anchor):
 
 
 @gluon.jit(noinline=True)
-def _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_rows, head_dim, row0, dlo, dhi, lo, hi,
-                     seqlen_q, offset, batch, head, scale_log2, score_args, seed, stream, dropout_p,
-                     ROWS: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, SCORE: gl.constexpr, DROPOUT: gl.constexpr):
+def _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_rows, head_dims, row0, dlo,
+                     dhi, lo, hi, seqlen_q, offset, batch, head, scale_log2, score_args, seed, stream, dropout_p,
+                     ROWS: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr,
+                     SCORE: gl.constexpr, DROPOUT: gl.constexpr):
     """_exact_rows' work, key by key, 64 columns of the output at a time (few registers)."""
     CHUNK: gl.constexpr = 64
+    head_dim = head_dims & 0xFFFF
+    head_dim_v = head_dims >> 16
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
     rows = row0 + gl.arange(0, ROWS, layout=rows_layout)
@@ -812,7 +818,7 @@ def _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_row
     lse2 = gl.load(lse_rows + rows, mask=in_seq, other=float("inf")) * LOG2E
     q_rows = q_base + rows.to(gl.int64)[:, None] * sqs
     o_rows = o_base + rows.to(gl.int64)[:, None] * sos
-    for c in range(HEAD_DIM_PAD // CHUNK):
+    for c in range(HEAD_DIM_V_PAD // CHUNK):
         cols = c * CHUNK + offs
         acc = gl.zeros([ROWS, CHUNK], gl.float32, layout)
         for key in range(lo, hi):
@@ -828,9 +834,9 @@ def _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_row
             p = gl.where(visible, gl.exp2(y * score.exp_scale(scale_log2, site, SCORE) - lse2), 0.0)
             if DROPOUT:
                 p *= dropout.key_scale((seed, stream, dropout_p), rows, key)
-            v = gl.load(v_base + key.to(gl.int64) * svs + cols, mask=cols < head_dim, other=0.0)
+            v = gl.load(v_base + key.to(gl.int64) * svs + cols, mask=cols < head_dim_v, other=0.0)
             acc += gl.where(visible[:, None], p[:, None] * v.to(gl.float32)[None, :], 0.0)
-        gl.store(o_rows + cols[None, :], acc.to(o_base.dtype.element_ty), mask=in_seq[:, None] & (cols[None, :] < head_dim))
+        gl.store(o_rows + cols[None, :], acc.to(o_base.dtype.element_ty), mask=in_seq[:, None] & (cols[None, :] < head_dim_v))
 
 
 @gluon.jit
@@ -882,7 +888,7 @@ def _store_staged(out, acc, buf, o_buf, WHICH: gl.constexpr, outputs, batch, hea
     store's path."""
     at, q_start, _, _, _ = seq
     not_finite = 0
-    o_buf.reshape([S.ROWS, S.HEAD_DIM_PAD]).store(out)
+    o_buf.reshape([S.ROWS, S.HEAD_DIM_V_PAD]).store(out)
     if S.CHECK_FINITE:
         _flag_rows(acc, buf.not_finite.index(WHICH))
     fence_async_shared()
@@ -899,10 +905,10 @@ def _store_unstaged(out, acc, buf, WHICH: gl.constexpr, outputs, batch, head, ro
     dropped: two-byte stores (the head dim's mask splits the pairs)."""
     _, q_start, _, seqlen_q, _ = seq
     not_finite = 0
-    cols = gl.arange(0, S.HEAD_DIM_PAD, layout=gl.SliceLayout(0, o_layout))
+    cols = gl.arange(0, S.HEAD_DIM_V_PAD, layout=gl.SliceLayout(0, o_layout))
     ptrs = (outputs.O + batch.to(gl.int64) * outputs.sob + (rows + q_start)[:, None].to(gl.int64) * outputs.sos
             + head * outputs.soh + cols[None, :])
-    gl.store(ptrs, out, mask=(rows[:, None] < seqlen_q) & (cols[None, :] < outputs.head_dim))
+    gl.store(ptrs, out, mask=(rows[:, None] < seqlen_q) & (cols[None, :] < outputs.head_dims >> 16))
     if S.CHECK_FINITE:
         if S.VARLEN:  # rows past a packed sequence are the next one's: theirs is not this tile's to check
             _flag_rows(gl.where((rows < seqlen_q)[:, None], acc, 0.0), buf.not_finite.index(WHICH))
@@ -932,18 +938,19 @@ def _flagged(flags):
 
 @gluon.jit
 def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, skh, V, svb, svs, svh,
-                O, sob, sos, soh, head_dim, LSE, slb, slh,
+                O, sob, sos, soh, head_dims, LSE, slb, slh,
                 batch_heads, heads_q, group, head_group, m_blocks, num_tiles,
                 seqlen_q, seqlen_k, window_left, window_right, CU_Q, CU_K, totals, TILES, COUNT, scale_log2,
                 counter, score_args,
                 DESCALE, sdt, sdb, sdh, SEED, dropout_p,
-                ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
+                ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr,
+                STAGES: gl.constexpr,
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
                 DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr, DISTANCE: gl.constexpr,
                 BOUNDED: gl.constexpr, FP8: gl.constexpr, FRESH_PV: gl.constexpr, CHECK_FINITE: gl.constexpr,
                 VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
-    S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
+    S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
                                PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8,
                                FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
@@ -952,8 +959,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
         num_tiles = gl.load(COUNT) * heads_q
     walk = TileWalk(num_tiles, batch_heads, heads_q, group, head_group, m_blocks, seqlen_q, seqlen_k, window_left,
                     window_right, CU_Q, CU_K, totals, TILES, VARLEN)
-    stash = _stash_tensors(Q, sqb, sqs, sqh, K, skb, sks, skh, V, svb, svs, svh, O, sob, sos, soh, head_dim)
-    outputs = Outputs(o_desc, O, sob, sos, soh, head_dim, LSE, slb, slh)
+    stash = _stash_tensors(Q, sqb, sqs, sqh, K, skb, sks, skh, V, svb, svs, svh, O, sob, sos, soh, head_dims)
+    outputs = Outputs(o_desc, O, sob, sos, soh, head_dims, LSE, slb, slh)
     descales = Descales(DESCALE, sdt, sdb, sdh)
     dropped = (SEED, dropout_p)
     # The partitions are listed as written (Gluon builds no list at run time): one list per count.
@@ -996,28 +1003,29 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
     ``out_element_size`` (the same by default)."""
     rows = WARPGROUP_ROWS
     q_bytes = cfg.tile_m * p.head_dim_pad * element_size  # Q of one tile
-    o_bytes = cfg.tile_m * p.head_dim_pad * (out_element_size or element_size)
-    ring_bytes = 2 * cfg.num_stages * cfg.block_n * p.head_dim_pad * element_size
+    o_bytes = cfg.tile_m * p.head_dim_v_pad * (out_element_size or element_size)
+    ring_bytes = cfg.num_stages * cfg.block_n * (p.head_dim_pad + p.head_dim_v_pad) * element_size
     # O staged for its TMA store, then a second Q buffer, where shared memory holds them.
     o_buffers = o_staging_buffers(q_bytes, o_bytes, ring_bytes, cfg.consumers)
     next_q = (cfg.next_q and cfg.persistent and o_buffers == cfg.consumers
               and 2 * q_bytes + o_bytes + ring_bytes <= SHARED_MEMORY)
-    fresh_pv = p.fp8 and p.head_dim_pad <= FRESH_PV_MAX_HEAD_DIM
+    fresh_pv = p.fp8 and p.head_dim_v_pad <= FRESH_PV_MAX_HEAD_DIM
     # A distance bias (ALiBi) split into column and row parts off the diagonal: its column part
     # takes 32 registers a thread, which two consumers up to d128 have once Q stays in shared
     # memory (three consumers' 160 registers, and d256's, spill).
-    distance = score.is_distance_bias(score.mod_of(p)) and cfg.consumers == 2 and p.head_dim_pad <= 128
+    distance = score.is_distance_bias(score.mod_of(p)) and cfg.consumers == 2 and p.widest_head_dim_pad <= 128
     # Packed sequences are walked persistently whatever the schedule: a CTA whose tiles all lie
     # past their sequences must still tell its consumers that no tile is coming (end_tiles).
     persistent = cfg.persistent or p.varlen
-    return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, STAGES=cfg.num_stages,
+    return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, HEAD_DIM_V_PAD=p.head_dim_v_pad,
+                STAGES=cfg.num_stages,
                 PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_BUFFERS=o_buffers, PERSISTENT=persistent,
                 # Tiles of uneven length (a band, packed sequences) from the atomic counter; equal
                 # ones strided over.
                 DYNAMIC=persistent and (p.banded or p.varlen), Q_SLOTS=2 if next_q else 1, CONSUMERS=cfg.consumers,
                 CONSUMER_REGS=CONSUMER_REGS[cfg.consumers],
                 # The float32 accumulator of FRESH_PV takes the registers Q would.
-                Q_IN_REGISTERS=q_in_registers(p.head_dim_pad, cfg) and not fresh_pv and not distance,
+                Q_IN_REGISTERS=q_in_registers(p.widest_head_dim_pad, cfg) and not fresh_pv and not distance,
                 # A sliding window's left edge: without one (causal, none) only the right is tested.
                 LEFT_EDGE=p.window_left >= 0, SCORE=score.mod_of(p), FP8=p.fp8_mode, FRESH_PV=fresh_pv,
                 DISTANCE=distance, BOUNDED=softcap_bounds_logits(p, dtype),
@@ -1064,13 +1072,19 @@ def q_in_registers(head_dim_pad, cfg) -> bool:
     return cfg.q_registers and head_dim_pad <= 128 and cfg.consumers == 2
 
 
+def head_dims(p) -> int:
+    """The kernel's ``head_dims`` argument: Q's (and K's) head dim in the low 16 bits, V's (and
+    O's) in the high ones; one argument, so that a V head dim of its own adds none."""
+    return p.head_dim | p.head_dim_v << 16
+
+
 def forward(plan, p, q, k, v):
-    """Output and logsumexp (and an empty ``saved``) under the plan's schedule.  Packed sequences
-    (varlen: (total, heads, head dim)) are seen by TMA as one batch entry, (1, total, heads,
-    head dim)."""
+    """Output (V's head dim) and logsumexp (and an empty ``saved``) under the plan's schedule.
+    Packed sequences (varlen: (total, heads, head dim)) are seen by TMA as one batch entry, (1,
+    total, heads, head dim)."""
     q, k, v = (tma_host.ready(x) for x in (q, k, v))
     cfg = plan.config
-    out = torch.empty(q.shape, dtype=p.out_dtype(q), device=q.device)
+    out = torch.empty((*q.shape[:-1], p.head_dim_v), dtype=p.out_dtype(q), device=q.device)
     lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
     consts = kernel_constants(p, cfg, q.element_size(), out.element_size(), q.dtype)
     rows = consts["ROWS"]
@@ -1078,24 +1092,25 @@ def forward(plan, p, q, k, v):
     batch_heads = p.batch * p.heads_q
     num_tiles = m_blocks * batch_heads
     programs = min(num_tiles, sm_count(q.device.index)) if consts["PERSISTENT"] else num_tiles
-    head_group = heads_sharing_l2(p, batch_heads, 2 * p.seqlen_k * p.head_dim_pad * q.element_size())  # K and V
-    pad = p.head_dim_pad
+    kv_bytes = p.seqlen_k * (p.head_dim_pad + p.head_dim_v_pad) * q.element_size()
+    head_group = heads_sharing_l2(p, batch_heads, kv_bytes)
+    pad, pad_v = p.head_dim_pad, p.head_dim_v_pad
     q4, k4, v4, out4 = (x.unsqueeze(0) for x in (q, k, v, out)) if p.varlen else (q, k, v, out)
     cu_q, cu_k = p.cu_pointers(q.device)
     # A packed batch's tiles, listed on the device (num_tiles bounds their count); else placeholders.
     tiles, count = packed_tiles.tile_list(p, cfg.tile_m, q.device) if p.varlen else (cu_q, cu_q)
     if p.fp8:
-        v_desc = tma_host.keys_contiguous_descriptor(v4, cfg.block_n, pad)
+        v_desc = tma_host.keys_contiguous_descriptor(v4, cfg.block_n, pad_v)
         descale = p.fp8_descale
     else:
-        v_desc = tma_host.descriptor(v4, cfg.block_n, pad)
+        v_desc = tma_host.descriptor(v4, cfg.block_n, pad_v)
         descale = lse  # a placeholder, never read
     launch(
         _fwd_kernel, (programs,),
         tma_host.descriptor(q4, rows, pad), tma_host.descriptor(k4, cfg.block_n, pad),
-        v_desc, tma_host.descriptor(out4, rows, pad),
+        v_desc, tma_host.descriptor(out4, rows, pad_v),
         q, *p.seq_strides(q), k, *p.seq_strides(k), v, *p.seq_strides(v), out, *p.seq_strides(out),
-        p.head_dim, lse, *p.row_stat_strides(lse),
+        head_dims(p), lse, *p.row_stat_strides(lse),
         batch_heads, p.heads_q, p.group, head_group, m_blocks, num_tiles,
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, cu_q, cu_k, p.totals, tiles, count, p.scale_log2,
         tile_counter(q.device) if consts["DYNAMIC"] else no_counter(q.device), score.args_of(p),
