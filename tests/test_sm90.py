@@ -86,25 +86,28 @@ def test_v3_gluon_forward_compiles_for_sm90(tmp_path, monkeypatch, head_dim):
     assert_consumer_loops(tmp_path / f"v3.fwd_gluon_d{head_dim}.cubin", head_dim, consumers, monkeypatch)
 
 
-@pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (128, 64)])
+@pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (128, 64), (192, 192)])
 def test_v3_gluon_forward_takes_its_own_value_head_dim(tmp_path, monkeypatch, head_dim, head_dim_v):
-    # MLA prefill's 192 / 128 (Q and K padded to 256 lanes, read as zeros past 192 by TMA) and
-    # 128 / 64: S = Q K^T over Q's head dim, O += P V and O's TMA store over V's, tiles chosen by
-    # the wider one.
+    # MLA prefill's 192 / 128 and 128 / 64: S = Q K^T over Q's head dim, O += P V and O's TMA
+    # store over V's, tiles chosen by the wider one.  Head dim 192 sits in d256's tiles (shared
+    # memory blocks are powers of two) but S's product reduces over 192 lanes: 12 MMA steps of
+    # 16, not 16 (qk_lanes).
     ttgir = compile_for_sm90(tmp_path, "v3.fwd_gluon", head_dim, head_dim_v=head_dim_v)
     ptx = (tmp_path / f"v3.fwd_gluon_d{head_dim}.ptx").read_text()
     assert "ttg.warp_specialize" in ttgir
-    pad = max(16, 1 << (head_dim - 1).bit_length())
-    block_n = configs.by_head_dim(configs.V3_GLUON, max(pad, head_dim_v)).block_n
+    pad, pad_v = (max(16, 1 << (d - 1).bit_length()) for d in (head_dim, head_dim_v))
+    block_n = configs.by_head_dim(configs.V3_GLUON, max(pad, pad_v)).block_n
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx)
-    assert {n for n, _ in wgmma} == {str(block_n), str(head_dim_v)}
+    assert {n for n, _ in wgmma} == {str(block_n), str(pad_v)}
     assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx  # O's TMA store
-    assert_consumer_loops(tmp_path / f"v3.fwd_gluon_d{head_dim}.cubin", pad, 2, monkeypatch, block_n)
+    lanes = 192 if head_dim == 192 else pad
+    assert_consumer_loops(tmp_path / f"v3.fwd_gluon_d{head_dim}.cubin", lanes, 2, monkeypatch, block_n)
 
 
 def assert_consumer_loops(cubin, head_dim, consumers, monkeypatch, block_n=None):
-    """Each consumer's K/V loop, in SASS: per block the k-steps of S = Q K^T (head dim / 16) and
-    of O += P V (block_n / 16), and no spill traffic."""
+    """Each consumer's K/V loop, in SASS: per block the k-steps of S = Q K^T (head dim / 16: the
+    lanes it reduces over) and of O += P V (block_n / 16, by default the head dim's table's), and
+    no spill traffic."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
     from sass_loops import hot_loops, loop_stats, sass
     block_n = block_n or configs.by_head_dim(configs.V3_GLUON, head_dim).block_n

@@ -71,6 +71,7 @@ class Schedule:
     BLOCK_N: gl.constexpr
     HEAD_DIM_PAD: gl.constexpr
     HEAD_DIM_V_PAD: gl.constexpr
+    QK_LANES: gl.constexpr
     STAGES: gl.constexpr
     CONSUMERS: gl.constexpr
     Q_SLOTS: gl.constexpr
@@ -91,13 +92,14 @@ class Schedule:
     DROPOUT: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
+    def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_LANES, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
                  PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8, FRESH_PV,
                  CHECK_FINITE, VARLEN, DROPOUT):
         self.ROWS = gl.constexpr(ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM_PAD = gl.constexpr(HEAD_DIM_PAD)
         self.HEAD_DIM_V_PAD = gl.constexpr(HEAD_DIM_V_PAD)
+        self.QK_LANES = gl.constexpr(QK_LANES)
         self.STAGES = gl.constexpr(STAGES)
         self.CONSUMERS = gl.constexpr(CONSUMERS)
         self.Q_SLOTS = gl.constexpr(Q_SLOTS)
@@ -495,15 +497,25 @@ def _dropped(p, drop, rows, n0, layout: gl.constexpr, S: gl.constexpr):
 
 
 @gluon.jit
-def _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH: gl.constexpr, PINGPONG: gl.constexpr):
+def _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH: gl.constexpr, PINGPONG: gl.constexpr,
+                  QK_LANES: gl.constexpr):
     """Start S = Q K^T on K/V ring slot ``slot`` once it is this consumer's turn and K has landed.
-    Turns go round the consumers in order; consumer 0 takes the first without waiting."""
+    Turns go round the consumers in order; consumer 0 takes the first without waiting.  The
+    product reduces over Q's and K's first QK_LANES lanes: past them the padded tiles hold zeros
+    (a head dim of 192 in d256's tiles: two MMAs, over 128 lanes then 64)."""
     if PINGPONG:
         mbarrier.wait(buf.turn.index(WHICH), (turns & 1) ^ (WHICH == 0))
     mbarrier.wait(buf.k_ready.index(slot), phase)
     k = buf.k.index(slot)
-    kT = k.reshape([k.shape[1], k.shape[3]]).permute((1, 0))
-    return warpgroup_mma(q_op, kT, s_zero, use_acc=False, is_async=True)
+    k = k.reshape([k.shape[1], k.shape[3]])
+    if QK_LANES == k.shape[1]:
+        return warpgroup_mma(q_op, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    else:
+        FIRST: gl.constexpr = QK_LANES // 3 * 2  # (192 lanes: 128 then 64)
+        s = warpgroup_mma(q_op.slice(0, FIRST, dim=1), k.slice(0, FIRST, dim=1).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        return warpgroup_mma(q_op.slice(FIRST, QK_LANES - FIRST, dim=1),
+                             k.slice(FIRST, QK_LANES - FIRST, dim=1).permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
@@ -676,7 +688,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
             # First block: nothing to overlap with yet.
             slot = it % STAGES
             phase = (it // STAGES) & 1
-            s = _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH, S.PINGPONG)
+            s = _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH, S.PINGPONG, S.QK_LANES)
             if S.PINGPONG:
                 _pass_turn(buf.turn, WHICH)
                 turns += 1
@@ -698,7 +710,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
                 slot = it % STAGES
                 phase = (it // STAGES) & 1
                 v_prev = _values(buf, prev_slot, S)
-                s = _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH, S.PINGPONG)
+                s = _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH, S.PINGPONG, S.QK_LANES)
                 if S.OVERLAP:
                     # O += P_{j-1} V_{j-1} goes out with S_j; the softmax below runs under it.
                     mbarrier.wait(buf.v_ready.index(prev_slot), prev_phase)
@@ -944,13 +956,13 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
                 counter, score_args,
                 DESCALE, sdt, sdb, sdh, SEED, dropout_p,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr,
-                STAGES: gl.constexpr,
+                QK_LANES: gl.constexpr, STAGES: gl.constexpr,
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
                 DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr, DISTANCE: gl.constexpr,
                 BOUNDED: gl.constexpr, FP8: gl.constexpr, FRESH_PV: gl.constexpr, CHECK_FINITE: gl.constexpr,
                 VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
-    S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
+    S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_LANES, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
                                PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8,
                                FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
@@ -1018,7 +1030,7 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
     # past their sequences must still tell its consumers that no tile is coming (end_tiles).
     persistent = cfg.persistent or p.varlen
     return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, HEAD_DIM_V_PAD=p.head_dim_v_pad,
-                STAGES=cfg.num_stages,
+                QK_LANES=qk_lanes(p), STAGES=cfg.num_stages,
                 PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_BUFFERS=o_buffers, PERSISTENT=persistent,
                 # Tiles of uneven length (a band, packed sequences) from the atomic counter; equal
                 # ones strided over.
@@ -1050,6 +1062,14 @@ def softcap_bounds_logits(p, dtype) -> bool:
     would underflow where bf16's is normal), of range within BOUNDED_RANGE."""
     return (p.softcap > 0 and p.alibi_slopes is None and dtype == torch.bfloat16 and not p.fp8
             and 2 * p.softcap * score.LOG2E <= BOUNDED_RANGE)
+
+
+def qk_lanes(p) -> int:
+    """The lanes of Q and K that S = Q K^T reduces over: the padded head dim, or 192 for head
+    dims 129 to 192 in d256's tiles (a quarter of its MMA steps less; shared memory blocks are
+    powers of two, so the tiles keep 256 lanes, zeros past the head dim).  Not float8 (whose
+    MMAs reduce 32 lanes a step; kept to the tested path)."""
+    return 192 if p.head_dim_pad == 256 and p.head_dim <= 192 and not p.fp8 else p.head_dim_pad
 
 
 def o_staging_buffers(q_bytes, o_bytes, ring_bytes, consumers):
