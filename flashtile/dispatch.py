@@ -13,7 +13,7 @@ Forward kernels:
                  not take (broadcast layouts, the interpreter) and, unless kernel options force
                  the Gluon one, varlen
 With a V head dim of its own v3 runs v2's kernels both ways, or the Gluon forward (not in
-float8) when kernel options ask for it (experimental); with dropout (kernels/dropout.py)
+float8) and the two Gluon backward passes when kernel options ask for them (experimental); with dropout (kernels/dropout.py)
 the Gluon forward where it runs (else v2's) and v2's backward (the Gluon two passes when the
 options ask for them).  FP8 inputs run the Gluon
 forward where it takes the problem, else v2's; their backward (fp8_attn_func's FP8 backward) is
@@ -227,7 +227,7 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
         return _v1_plan(p, target, opts, "bwd")
     gluon = _gluon_backward_takes(p, target, opts)
     # Float8 inputs (fp8_attn_func's FP8 backward) run v2's kernels in their FP8 mode.
-    v2 = version == "v2" or p.own_head_dim_v or p.fp8 or not gluon
+    v2 = version == "v2" or p.fp8 or not gluon
     kernel = "v2" if v2 else _v3_backward_kernel(p, opts)
     if kernel == "v2":
         kv = configs.by_head_dim(configs.v2_bwd_kv_table(p.banded), p.widest_head_dim_pad)
@@ -259,8 +259,13 @@ def _gluon_backward_takes(p, target, opts) -> bool:
     (experimental), up to d128, while the walks' tile numbers fit in 32 bits, and without
     seqused tables (its MMAs read the rows after a sequence, which there may hold anything:
     masked to 0, a value that is not finite would still make 0 x inf).  Dropout likewise only
-    when the options ask for it (not yet measured against v2's), in the two passes up to d128."""
+    when the options ask for it (not yet measured against v2's), in the two passes up to d128;
+    and a V head dim of its own (experimental), in the two passes, batched, no wider than Q's
+    padded head dim (the tiles are Q's head dim's)."""
     if not target.gluon:
+        return False
+    if p.own_head_dim_v and (opts.backward != "gluon" or p.varlen or p.dropout
+                             or p.head_dim_v_pad > p.head_dim_pad):
         return False
     if p.dropout and (opts.backward != "gluon" or configs.split_head_dim(p.head_dim_pad)):
         return False

@@ -131,15 +131,20 @@ def walk_constants(p):
     return consts
 
 
-def gluon_bwd_case(head_dim_pad, opts, dq_pass, dq_reduce=False, persistent=True, causal=False, softcap=0.0,
-                   alibi=False, varlen=False, dropout=False):
+def gluon_bwd_case(head_dim, opts, dq_pass, dq_reduce=False, persistent=True, causal=False, softcap=0.0,
+                   alibi=False, varlen=False, dropout=False, head_dim_v=None):
     """One of v3's Gluon backward kernels with the constants and launch options gluon/backward.py
     would use; ``dq_reduce``: the dK/dV kernel adding dQ by TMA (the single pass);
     ``persistent``: as launched persistent where the pass can be (two stationary slots, tiles
     strided over or, ``causal`` or ``varlen``, taken from the tile counter), else a CTA per tile;
-    ``varlen``: on packed sequences (the two passes); ``dropout``: with dropout (the two passes)."""
+    ``varlen``: on packed sequences (the two passes); ``dropout``: with dropout (the two passes);
+    ``head_dim_v``: V's own head dim (the two passes)."""
     b = gluon_bwd
-    p = problem(head_dim_pad, causal, softcap=softcap, alibi=alibi)
+    p = problem(head_dim, causal, softcap=softcap, alibi=alibi)
+    head_dim_pad = p.head_dim_pad
+    if head_dim_v not in (None, head_dim):
+        p = replace(p, own_head_dim_v=head_dim_v)
+    pad_v = p.head_dim_v_pad
     if varlen:
         offsets = torch.zeros(2, dtype=torch.int32)
         p = replace(p, cu_seqlens_q=offsets, cu_seqlens_k=offsets, total_q=4096, total_k=4096)
@@ -150,15 +155,16 @@ def gluon_bwd_case(head_dim_pad, opts, dq_pass, dq_reduce=False, persistent=True
     block_m, block_n = (rows, cfg.dq_block_n) if dq_pass else (cfg.kv_block_m, rows)
     q_block = tma.block_layout(block_m, head_dim_pad, torch.bfloat16)
     kv_block = tma.block_layout(block_n, head_dim_pad, torch.bfloat16)
-    descriptors = {"q_desc": q_block, "do_desc": q_block, "dq_desc": q_block, "k_desc": kv_block,
-                   "v_desc": kv_block, "dk_desc": kv_block, "dv_desc": kv_block}
+    descriptors = {"q_desc": q_block, "do_desc": tma.block_layout(block_m, pad_v, torch.bfloat16), "dq_desc": q_block,
+                   "k_desc": kv_block, "v_desc": tma.block_layout(block_n, pad_v, torch.bfloat16), "dk_desc": kv_block,
+                   "dv_desc": kv_block}
     schedule = b.Schedule(1, 1, False, False)
     if persistent:  # as launched on a GPU of 132 SMs, 1024 tiles
         with mock.patch.object(b, "sm_count", lambda index: 132):
             schedule = b.pass_schedule(p, cfg, 1024, torch.device("cuda", 0), dq_reduce)
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PAD=head_dim_pad, STAGES=cfg.num_stages,
                   SPLIT_D=configs.split_head_dim(head_dim_pad), SCORE=score.mod_of(p), VARLEN=varlen,
-                  DROPOUT=dropout, **schedule.constants())
+                  DROPOUT=dropout, HEAD_DIM_V_PAD=pad_v, QK_LANES=configs.qk_lanes(p), **schedule.constants())
     out_block = tma.block_layout(b.partition_rows(head_dim_pad, dq_reduce), head_dim_pad, torch.bfloat16)
     if dq_pass:
         consts["HAS_DLSE"] = False
@@ -166,7 +172,8 @@ def gluon_bwd_case(head_dim_pad, opts, dq_pass, dq_reduce=False, persistent=True
     else:
         consts["DQ_REDUCE"] = dq_reduce
         consts["SHARED_SCORES"] = b.shared_scores(cfg, head_dim_pad, dq_reduce)
-        descriptors.update(dk_desc=out_block, dv_desc=out_block)
+        descriptors.update(dk_desc=out_block,
+                           dv_desc=tma.block_layout(b.partition_rows(head_dim_pad, dq_reduce), pad_v, torch.bfloat16))
         descriptors["dq_desc"] = (*tma.block_layout(block_m, head_dim_pad, torch.float32), "fp32") \
             if dq_reduce else out_block
     return {**consts, **walk_constants(p)}, dict(b.launch_options(head_dim_pad, dq_reduce)), descriptors
@@ -181,11 +188,16 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     """(name, kernel, constexprs, compile options, descriptor blocks) of every kernel as launched
     (``with_dropout``: the v2 kernels as dropout launches them; ``fp8``: the kernels that take
     float8 inputs, v2's forward and backward and the Gluon forward, as they launch for them;
-    ``head_dim_v``: V's own head dim, the Gluon forward alone)."""
+    ``head_dim_v``: V's own head dim, the Gluon forward and the two backward passes alone)."""
     if head_dim_v not in (None, head_dim):
         for causal in (False, True):
-            yield (f"v3.fwd_gluon{'_causal' if causal else ''}", gluon_fwd._fwd_kernel,
+            name = '_causal' if causal else ''
+            yield (f"v3.fwd_gluon{name}", gluon_fwd._fwd_kernel,
                    *gluon_case(head_dim, opts, causal=causal, head_dim_v=head_dim_v))
+            yield (f"v3.bwd_dq_gluon{name}", gluon_bwd._dq_kernel,
+                   *gluon_bwd_case(head_dim, opts, True, causal=causal, head_dim_v=head_dim_v))
+            yield (f"v3.bwd_dkdv_gluon{name}", gluon_bwd._dkdv_kernel,
+                   *gluon_bwd_case(head_dim, opts, False, causal=causal, head_dim_v=head_dim_v))
         return
     p = problem(head_dim, softcap=softcap, alibi=alibi)
     base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=varlen, UPCAST=False,
@@ -258,36 +270,36 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
                *gluon_case(head_dim, opts, causal=True, window_left=512, varlen=True, **fwd_features))
         if not configs.split_head_dim(p.head_dim_pad):  # the two passes up to d128
             yield ("v3.bwd_dq_gluon", gluon_bwd._dq_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, True, varlen=True, **fwd_features))
+                   *gluon_bwd_case(head_dim, opts, True, varlen=True, **fwd_features))
             yield ("v3.bwd_dkdv_gluon", gluon_bwd._dkdv_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, False, varlen=True, **fwd_features))
+                   *gluon_bwd_case(head_dim, opts, False, varlen=True, **fwd_features))
             yield ("v3.bwd_dq_gluon_causal", gluon_bwd._dq_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, True, causal=True, varlen=True, **features))
+                   *gluon_bwd_case(head_dim, opts, True, causal=True, varlen=True, **features))
             yield ("v3.bwd_dkdv_gluon_causal", gluon_bwd._dkdv_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, False, causal=True, varlen=True, **features))
+                   *gluon_bwd_case(head_dim, opts, False, causal=True, varlen=True, **features))
     else:
         yield ("v3.fwd_gluon", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, **fp8_features))
         yield ("v3.fwd_gluon_causal", gluon_fwd._fwd_kernel, *gluon_case(head_dim, opts, causal=True, **fp8_features))
         yield ("v3.fwd_gluon_window", gluon_fwd._fwd_kernel,
                *gluon_case(head_dim, opts, causal=True, window_left=512, **fp8_features))
         passes = fwd_features if not configs.split_head_dim(p.head_dim_pad) else features  # (dropout up to d128)
-        yield ("v3.bwd_dq_gluon", gluon_bwd._dq_kernel, *gluon_bwd_case(p.head_dim_pad, opts, True, **passes))
+        yield ("v3.bwd_dq_gluon", gluon_bwd._dq_kernel, *gluon_bwd_case(head_dim, opts, True, **passes))
         yield ("v3.bwd_dkdv_gluon", gluon_bwd._dkdv_kernel,
-               *gluon_bwd_case(p.head_dim_pad, opts, False, **passes))
+               *gluon_bwd_case(head_dim, opts, False, **passes))
         if not configs.split_head_dim(p.head_dim_pad):  # up to d128
             # The two passes over a band's tiles (persistent, from the tile counter), and with a
             # CTA per tile (as few tiles as SMs).
             yield ("v3.bwd_dq_gluon_causal", gluon_bwd._dq_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, True, causal=True, **passes))
+                   *gluon_bwd_case(head_dim, opts, True, causal=True, **passes))
             yield ("v3.bwd_dkdv_gluon_causal", gluon_bwd._dkdv_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, False, causal=True, **passes))
+                   *gluon_bwd_case(head_dim, opts, False, causal=True, **passes))
             yield ("v3.bwd_dq_gluon_tile", gluon_bwd._dq_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, True, False, False, **features))
+                   *gluon_bwd_case(head_dim, opts, True, False, False, **features))
             yield ("v3.bwd_dkdv_gluon_tile", gluon_bwd._dkdv_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, False, False, False, **features))
+                   *gluon_bwd_case(head_dim, opts, False, False, False, **features))
             # The single pass (it does not split the head dim), after D and its zeroed dQ.
             yield ("v3.bwd_reduce_gluon", gluon_bwd._dkdv_kernel,
-                   *gluon_bwd_case(p.head_dim_pad, opts, False, True, **features))
+                   *gluon_bwd_case(head_dim, opts, False, True, **features))
             yield ("v3.bwd_delta", gluon_bwd._delta_kernel, dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad,
                    BLOCK_M=64, HAS_DLSE=False), dict(num_warps=4), None)
 
@@ -295,7 +307,7 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--head-dims", default="64,128,256")
-    ap.add_argument("--head-dim-v", type=int, help="V's own head dim (the Gluon forward alone)")
+    ap.add_argument("--head-dim-v", type=int, help="V's own head dim (the Gluon forward and backward passes alone)")
     ap.add_argument("--dump", type=pathlib.Path)
     ap.add_argument("--only", help="compile only the kernels with this name (e.g. v3.fwd)")
     ap.add_argument("--varlen", action="store_true", help="the variable-length (cu_seqlens) variants")

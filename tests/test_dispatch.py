@@ -328,6 +328,15 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     assert forward(own_v).kernel == "v2" and backward(own_v).kernel == "v2"
     forced = KernelOptions(forward="gluon")
     assert forward(own_v, opts=forced).kernel == "v3-gluon" and backward(own_v, opts=forced).kernel == "v2"
+    # ... and the two Gluon backward passes when asked for them: batched, without dropout, V no
+    # wider than Q (the tiles are Q's head dim's)
+    both = KernelOptions(forward="gluon", backward="gluon")
+    assert backward(own_v, opts=both).kernel == "v3-gluon"
+    assert backward(own_v, opts=KernelOptions(backward="gluon-reduce")).kernel == "v2"
+    assert backward(replace(own_v, dropout_p=0.1, dropout_seed=seed), opts=both).kernel == "v2"
+    assert backward(replace(own_v, head_dim=64, own_head_dim_v=128), opts=both).kernel == "v2"
+    assert backward(problem(head_dim=192, own_head_dim_v=128), opts=both).config == \
+        configs.by_head_dim(configs.V3_GLUON_BWD, 256)
     assert forward(replace(own_v, window_right=0), opts=forced).kernel == "v3-gluon"
     assert forward(own_v, target=dispatch.Target(gluon=False, interpreter=False), opts=forced).kernel == "v2"
     assert forward(replace(own_v, fp8=True), opts=forced).kernel == "v2"

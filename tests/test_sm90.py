@@ -104,6 +104,20 @@ def test_v3_gluon_forward_takes_its_own_value_head_dim(tmp_path, monkeypatch, he
     assert_consumer_loops(tmp_path / f"v3.fwd_gluon_d{head_dim}.cubin", lanes, 2, monkeypatch, block_n)
 
 
+@pytest.mark.parametrize("head_dim, head_dim_v, mma", [(192, 128, (24, 28)), (192, 192, (32, 36)), (128, 64, (16, 20))])
+def test_v3_gluon_backward_passes_take_their_own_value_head_dim(tmp_path, monkeypatch, head_dim, head_dim_v, mma):
+    # The two Gluon backward passes with V's (and dO's, dV's) head dim of its own: no spills, and
+    # the MMAs a warpgroup issues per streamed block, which at head dim 192 count the S product
+    # over 192 lanes (d256's tiles: 12 steps of 16, not 16; 192 / 192: 36 and 40 with all 256).
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    from sass_loops import hot_loops, loop_stats, sass
+    for kernel, expected in zip(("v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon"), mma):
+        compile_for_sm90(tmp_path, kernel, head_dim, head_dim_v=head_dim_v)
+        loops = hot_loops(sass((tmp_path / f"{kernel}_d{head_dim}.cubin").read_bytes()))
+        assert loops and all(loop_stats(loop)[1:3] == (expected, 0) for loop in loops), \
+            (kernel, [loop_stats(loop)[:3] for loop in loops])
+
+
 def assert_consumer_loops(cubin, head_dim, consumers, monkeypatch, block_n=None):
     """Each consumer's K/V loop, in SASS: per block the k-steps of S = Q K^T (head dim / 16: the
     lanes it reduces over) and of O += P V (block_n / 16, by default the head dim's table's), and

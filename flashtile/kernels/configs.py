@@ -150,6 +150,14 @@ def split_head_dim(head_dim_pad: int) -> bool:
     return head_dim_pad > 128
 
 
+def qk_lanes(p) -> int:
+    """The lanes of Q and K that the Gluon kernels' S = Q K^T reduces over: the padded head dim,
+    or 192 for head dims 129 to 192 in d256's tiles, as two products over 128 and 64 lanes (a
+    quarter of the steps less; shared-memory blocks are powers of two, so the tiles keep 256
+    lanes, zeros past the head dim).  Not float8 (its MMAs reduce 32 lanes a step)."""
+    return 192 if p.head_dim_pad == 256 and p.head_dim <= 192 and not p.fp8 else p.head_dim_pad
+
+
 def gluon_bwd_stationary_rows(head_dim_pad: int) -> int:
     return WARPGROUP_ROWS if split_head_dim(head_dim_pad) else GLUON_TILE_M
 

@@ -203,7 +203,8 @@ class RowStats:
 
 @aggregate
 class DeltaInputs:
-    """What the dQ pass computes D = rowsum(dO * O) - dlse from: O (by pointer) and dlse."""
+    """What the dQ pass computes D = rowsum(dO * O) - dlse from: O (by pointer, of V's head dim)
+    and dlse."""
     O: gl.tensor
     sob: Value
     sos: Value
@@ -421,28 +422,37 @@ def _store_rows(x, PTR, row0, rows_left, head, sgs, sgh, head_dim):
 
 @gluon.jit
 def _scores(a, b, c_smem, d_smem, ready, count, s_zero, ROWS: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-            STAGES: gl.constexpr):
+            STAGES: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr, QK_LANES: gl.constexpr):
     """The streamed pair (c, d) of block ``count`` in its ring slot, once landed, and the
     stationary rows' scores against it from shared memory, issued and left in flight: a c^T and
-    b d^T (S and dP in the dQ pass, S^T and dP^T in the dK/dV pass).  Returns the slot, the
-    pair as 2-D tiles of ROWS rows and the two products."""
+    b d^T (S and dP in the dQ pass, S^T and dP^T in the dK/dV pass; c is Q or K, of Q's head
+    dim, d dO or V, of V's; a c^T over the first QK_LANES lanes: configs.qk_lanes).  Returns the
+    slot, the pair as 2-D tiles of ROWS rows and the two products."""
     slot, phase = buffer_of(count, STAGES)
     mbarrier.wait(ready.index(slot), phase)
     c = c_smem.index(slot).reshape([ROWS, HEAD_DIM_PAD])
-    d = d_smem.index(slot).reshape([ROWS, HEAD_DIM_PAD])
-    s = warpgroup_mma(a, c.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    d = d_smem.index(slot).reshape([ROWS, HEAD_DIM_V_PAD])
+    if QK_LANES == HEAD_DIM_PAD:
+        s = warpgroup_mma(a, c.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    else:  # two products over the lanes' power-of-two parts (192: 128 then 64)
+        FIRST: gl.constexpr = QK_LANES // 3 * 2
+        s = warpgroup_mma(a.slice(0, FIRST, dim=1), c.slice(0, FIRST, dim=1).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma(a.slice(FIRST, QK_LANES - FIRST, dim=1),
+                          c.slice(FIRST, QK_LANES - FIRST, dim=1).permute((1, 0)), s, is_async=True)
     dp = warpgroup_mma(b, d.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     return slot, c, d, s, dp
 
 
 @gluon.jit
 def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, k0, m0, band, seqlen_q, scale_log2,
-                   site, drop, op_layout: gl.constexpr, SCORE: gl.constexpr, DQ_REDUCE: gl.constexpr,
-                   DROPOUT: gl.constexpr):
+                   site, drop, op_layout: gl.constexpr, v_op_layout: gl.constexpr, SCORE: gl.constexpr,
+                   DQ_REDUCE: gl.constexpr, DROPOUT: gl.constexpr):
     """One streamed Q block's products against a consumer partition's K/V rows, once its S^T and
     dP^T are in flight (_scores): dV += P^T dO and dK += dS^T Q with P^T and dS^T as register
     operands; lse and D from the block's ring slot.  dV and dK are left in flight (with the
-    operands they read): the caller waits for them.  With DROPOUT (``drop``: dropout.stream_of)
+    operands they read): the caller waits for them.  P^T takes dV's operand layout
+    (``v_op_layout``: V's head dim), dS^T dK's (``op_layout``).  With DROPOUT (``drop``: dropout.stream_of)
     dV takes the kept P^T (the caller scales dV by 1 / (1 - p)) and dS^T the kept dP^T, scaled."""
     lse = lse_ref.load(gl.SliceLayout(0, s_zero.type.layout)) * LOG2E
     sT = warpgroup_mma_wait(1, deps=[sT])
@@ -452,7 +462,7 @@ def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, k
         cols = m0 + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, s_layout))
         keptT = dropout.kept_mma_t(drop[0], drop[1], rows_k, cols, drop[2], s_layout)
         pT = gl.where(keptT, pT, 0.0)
-    pT_op = gl.convert_layout(pT.to(q.dtype), op_layout)
+    pT_op = gl.convert_layout(pT.to(q.dtype), v_op_layout)
     dv = warpgroup_mma(pT_op, do, dv, is_async=True)
     # D only now: loaded with lse, its registers were held across the S^T wait (d128 spilled more).
     delta = delta_ref.load(gl.SliceLayout(0, s_zero.type.layout))
@@ -481,7 +491,8 @@ def _kv_tile(t, tile_i, walk, k_smem, v_smem, BLOCK_M: gl.constexpr, BLOCK_N: gl
 def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats, dk_desc, dv_desc, ds_smem, dq_smem,
                  dq_desc, packed_grads, softmax_scale, scale_log2, score_args, dropped, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr,
-                 PERSISTENT: gl.constexpr, SCORE: gl.constexpr, DROPOUT: gl.constexpr):
+                 PERSISTENT: gl.constexpr, SCORE: gl.constexpr, DROPOUT: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr,
+                 QK_LANES: gl.constexpr):
     """dK and dV of a consumer partition's K/V rows: of WARPGROUPS warpgroups (64 rows each),
     partition WHICH of the CTA's.
 
@@ -492,8 +503,9 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats
     one TMA reduce-add.  (A partition per warpgroup measured up to 17% slower there at d128:
     it spilled more.)  Packed sequences (the two passes): a tile whose rows run past its
     sequence stores them by pointer (``packed_grads``: dK, dV, their row and head strides, the
-    head dim), the rows after them being the next sequence's.  ``dropped``: the dropout's seed
-    pointer and rate (DROPOUT)."""
+    head dims as _dkdv_kernel takes them), the rows after them being the next sequence's.
+    ``dropped``: the dropout's seed pointer and rate (DROPOUT).  dV and V are of V's head dim
+    (HEAD_DIM_V_PAD), dK and K of Q's."""
     k_smem, v_smem, q_smem, do_smem, tile_ids = buf.a, buf.b, buf.c, buf.d, buf.tile_ids
     kv_ready, kv_empty, q_ready, q_empty = buf.stationary_ready, buf.stationary_empty, buf.ring_ready, buf.ring_empty
     num_tiles, group = walk.num_tiles, walk.group  # (the sequence's lengths: each tile's)
@@ -503,6 +515,8 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, WARPGROUPS, 1)
     acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_PAD, WARPGROUPS, 1)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    v_acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_V_PAD, WARPGROUPS, 1)
+    v_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=v_acc_layout, k_width=2)
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
     it = 0  # streamed blocks consumed so far: ring slot and mbarrier phase
     tile_i = 0
@@ -516,7 +530,7 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats
         r0 = n0 + WHICH * ROWS
         rows_k = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
-        dv = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
+        dv = gl.zeros([ROWS, HEAD_DIM_V_PAD], gl.float32, v_acc_layout)
         for g in range(group):
             head = head_k * group + g
             site = (batch, head, seqlen_k - seqlen_q, score_args)
@@ -525,19 +539,19 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats
                 dk, dv = _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_smem, delta_smem,
                                    ds_smem, dq_smem, dq_desc, dk, dv, s_zero, rows_k, r0, it, lo + i * BLOCK_M,
                                    (dlo, dhi, full_lo, full_hi), batch, head, seqlen_q, softmax_scale, scale_log2, site,
-                                   drop, op_layout, WHICH * ROWS, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
-                                   DQ_REDUCE, HEAD_DIM_PAD > 64, SCORE, DROPOUT)
+                                   drop, op_layout, v_op_layout, WHICH * ROWS, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM_PAD,
+                                   STAGES, DQ_REDUCE, HEAD_DIM_PAD > 64, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)
                 it += 1
         if DROPOUT:
             dv = dv * (1.0 / (1.0 - dropped[1]))  # the kept P^T's 1 / (1 - p), once
         # The partition's rows of K and V stage its dK and dV (as 2-D tiles, and as TMA sees them).
         k_rows = k_block.reshape([BLOCK_N, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
-        v_rows = v_block.reshape([BLOCK_N, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
+        v_rows = v_block.reshape([BLOCK_N, HEAD_DIM_V_PAD]).slice(WHICH * ROWS, ROWS)
         if walk.seqs.VARLEN:  # (batched launches compile the staged stores alone)
             if r0 + ROWS > seqlen_k:
-                DK, DV, sgs, sgh, head_dim = packed_grads
-                _store_rows(dk * softmax_scale, DK, k_start + r0, seqlen_k - r0, head_k, sgs, sgh, head_dim)
-                _store_rows(dv, DV, k_start + r0, seqlen_k - r0, head_k, sgs, sgh, head_dim)
+                DK, DV, sgs, sgh, head_dims = packed_grads
+                _store_rows(dk * softmax_scale, DK, k_start + r0, seqlen_k - r0, head_k, sgs, sgh, head_dims & 0xFFFF)
+                _store_rows(dv, DV, k_start + r0, seqlen_k - r0, head_k, sgs, sgh, head_dims >> 16)
             else:
                 _store_dkdv(dk, dv, k_rows, v_rows, k_block.slice(WHICH * ROWS, ROWS, dim=1),
                             v_block.slice(WHICH * ROWS, ROWS, dim=1), dk_desc, dv_desc, coord_b, k_start + r0, head_k,
@@ -562,9 +576,11 @@ def _per_iteration(x, it):
 @gluon.jit
 def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_smem, delta_smem, ds_smem, dq_smem,
               dq_desc, dk, dv, s_zero, rows_k, k0, it, m0, band, batch, head, seqlen_q, softmax_scale, scale_log2, site,
-              drop, op_layout: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, DQ_REDUCE: gl.constexpr,
-              SLOT_PER_ITERATION: gl.constexpr, SCORE: gl.constexpr, DROPOUT: gl.constexpr):
+              drop, op_layout: gl.constexpr, v_op_layout: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
+              DQ_REDUCE: gl.constexpr, SLOT_PER_ITERATION: gl.constexpr, SCORE: gl.constexpr, DROPOUT: gl.constexpr,
+              HEAD_DIM_V_PAD: gl.constexpr,
+              QK_LANES: gl.constexpr):
     """_kv_consumer's step: the streamed block ``it`` of the ring (query rows from m0 of ``head``)
     against the partition's ROWS rows from ROW0 of the K/V tile in stationary slot ``kv_slot``.
     SLOT_PER_ITERATION (from d128): the slot is taken as this iteration's value (_per_iteration),
@@ -574,12 +590,12 @@ def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_sm
         kv_slot = _per_iteration(kv_slot, it)
     k_tile = k_smem.index(kv_slot).reshape([BLOCK_N, HEAD_DIM_PAD])
     k_rows = k_tile.slice(ROW0, ROWS)
-    v_rows = v_smem.index(kv_slot).reshape([BLOCK_N, HEAD_DIM_PAD]).slice(ROW0, ROWS)
+    v_rows = v_smem.index(kv_slot).reshape([BLOCK_N, HEAD_DIM_V_PAD]).slice(ROW0, ROWS)
     slot, q, do, sT, dpT = _scores(k_rows, v_rows, q_smem, do_smem, q_ready, it, s_zero, BLOCK_M, HEAD_DIM_PAD,
-                                   STAGES)
+                                   STAGES, HEAD_DIM_V_PAD, QK_LANES)
     dk, dv, dsT, pT_op, dsT_op = _dkdv_products(sT, dpT, q, do, lse_smem.index(slot), delta_smem.index(slot),
                                                 dk, dv, s_zero, rows_k, k0, m0, band, seqlen_q, scale_log2, site,
-                                                drop, op_layout, SCORE, DQ_REDUCE, DROPOUT)
+                                                drop, op_layout, v_op_layout, SCORE, DQ_REDUCE, DROPOUT)
     if DQ_REDUCE:
         # dS and the fp32 dQ staging have two buffers each: one written here was last read two
         # blocks ago (dS by that block's dQ product, the staging by its reduce, which
@@ -601,7 +617,9 @@ def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_sm
 @gluon.jit
 def _kv_consumers_split_d(bufs, walk, row_stats, dk_desc, dv_desc, ds_smem, p_smem, softmax_scale, scale_log2,
                           score_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                          STAGES: gl.constexpr, PERSISTENT: gl.constexpr, SCORE: gl.constexpr):
+                          STAGES: gl.constexpr, PERSISTENT: gl.constexpr, SCORE: gl.constexpr,
+                          HEAD_DIM_V_PAD: gl.constexpr,
+                          QK_LANES: gl.constexpr):
     """SPLIT_D (d256, where one warpgroup's registers do not hold dK and dV of 64 rows): both
     consumer warpgroups, one partition of 8 warps, own the same 64 K/V rows and half the head
     dim each; each computes S^T and dP^T for half of the Q block's rows, and P^T and dS^T meet
@@ -618,6 +636,7 @@ def _kv_consumers_split_d(bufs, walk, row_stats, dk_desc, dv_desc, ds_smem, p_sm
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, 1, 2)
     acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_PAD, 1, 2)
+    v_acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM_V_PAD, 1, 2)
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     it = 0  # streamed blocks consumed so far: ring slot and mbarrier phase
@@ -628,17 +647,17 @@ def _kv_consumers_split_d(bufs, walk, row_stats, dk_desc, dv_desc, ds_smem, p_sm
                                                                           BLOCK_N)
         dlo, dhi, lo, full_lo, full_hi, n_blocks = band
         k_tile = k_block.reshape([BLOCK_N, HEAD_DIM_PAD])
-        v_tile = v_block.reshape([BLOCK_N, HEAD_DIM_PAD])
+        v_tile = v_block.reshape([BLOCK_N, HEAD_DIM_V_PAD])
         rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, acc_layout)
-        dv = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, acc_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM_V_PAD], gl.float32, v_acc_layout)
         stats = batch.to(gl.int64) * slb + head_k * group * slh
         lse, delta = _column_stats(LSE, DELTA, stats, lo + offs_m, seqlen_q, n_blocks > 0)
         for g in range(group):
             for i in range(n_blocks):
                 m0 = lo + i * BLOCK_M
                 slot, q, do, sT, dpT = _scores(k_tile, v_tile, q_smem, do_smem, q_ready, it, s_zero, BLOCK_M,
-                                               HEAD_DIM_PAD, STAGES)
+                                               HEAD_DIM_PAD, STAGES, HEAD_DIM_V_PAD, QK_LANES)
                 # The next block's: this head's next one, or the next head's first.
                 next_head = (i + 1) // n_blocks
                 next_stats = stats + next_head * slh
@@ -712,7 +731,7 @@ def _kv_consumers_shared_scores(buf, walk, stats, dk_desc, dv_desc, p_smem, ds_s
                 k_tile = k_smem.index(slot_i).reshape([BLOCK_N, HEAD_DIM_PAD])
                 v_tile = v_smem.index(slot_i).reshape([BLOCK_N, HEAD_DIM_PAD])
                 slot, q, do, sT, dpT = _scores(k_tile, v_tile, q_smem, do_smem, q_ready, it, s_zero, BLOCK_M,
-                                               HEAD_DIM_PAD, STAGES)
+                                               HEAD_DIM_PAD, STAGES, HEAD_DIM_PAD, HEAD_DIM_PAD)
                 lse = lse_smem.index(slot).load(cols_layout) * LOG2E
                 sT = warpgroup_mma_wait(1, deps=[sT])
                 site = (batch, head, walk.seqs.seqlen_k - seqlen_q, score_args)
@@ -744,14 +763,18 @@ def _kv_consumers_shared_scores(buf, walk, stats, dk_desc, dv_desc, p_smem, ds_s
 @gluon.jit
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, slb, slh, num_tiles,
                  heads_k, group, head_group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
-                 counter, score_args, CU_Q, CU_K, totals, TILES, COUNT, m_blocks, DK, DV, sgs, sgh, head_dim,
+                 counter, score_args, CU_Q, CU_K, totals, TILES, COUNT, m_blocks, DK, DV, sgs, sgh, head_dims,
                  SEED, dropout_p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                  STAGES: gl.constexpr, SLOTS: gl.constexpr, DQ_REDUCE: gl.constexpr, SPLIT_D: gl.constexpr,
                  SHARED_SCORES: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SCORE: gl.constexpr,
-                 VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
+                 VARLEN: gl.constexpr, DROPOUT: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr,
+                 QK_LANES: gl.constexpr):
     """VARLEN (the two passes up to d128): packed sequences, their tiles listed in TILES (COUNT
     entries, packed_tiles.py), the tensors seen by TMA as (1, total, heads, head dim); dK and dV
-    of a tile running past its sequence leave by pointer (DK, DV: row and head strides sgs, sgh)."""
+    of a tile running past its sequence leave by pointer (DK, DV: row and head strides sgs, sgh;
+    ``head_dims``: Q's head dim in the low 16 bits, V's in the high ones).  V, dO and dV are of
+    V's head dim (HEAD_DIM_V_PAD; the two passes, not the single one)."""
+    gl.static_assert(not (DQ_REDUCE and HEAD_DIM_V_PAD != HEAD_DIM_PAD), "a V head dim of its own: the two passes")
     # The two passes: a partition per consumer warpgroup; SPLIT_D and DQ_REDUCE: one of both.
     ONE_PARTITION: gl.constexpr = SPLIT_D or DQ_REDUCE
     gl.static_assert(not (VARLEN and ONE_PARTITION), "packed sequences: the two passes up to d128")
@@ -764,7 +787,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
     walk = PassWalk(num_tiles, heads_k, group, head_group, seqlen_q, seqlen_k, window_left, window_right, CU_Q, CU_K,
                     totals, TILES, m_blocks, VARLEN)
-    packed_grads = (DK, DV, sgs, sgh, head_dim)
+    packed_grads = (DK, DV, sgs, sgh, head_dims)
     if SPLIT_D:
         # dS^T and P^T of both warpgroups, two buffers each.
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
@@ -772,7 +795,8 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
         stats = RowStats(LSE, DELTA, buf.a, buf.a, slb, slh)  # (lse and D loaded from global memory here)
         gl.warp_specialize([
             (_kv_consumers_split_d, (buf, walk, stats, dk_desc, dv_desc, ds_smem, p_smem, softmax_scale, scale_log2,
-                                     score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, PERSISTENT, SCORE)),
+                                     score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, PERSISTENT, SCORE,
+                                     HEAD_DIM_V_PAD, QK_LANES)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M, STAGES, True,
                          False, PERSISTENT, DYNAMIC)),
         ], [1], [PRODUCER_REGS])
@@ -800,7 +824,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
             gl.warp_specialize([
                 (_kv_consumer, (0, 2, buf, walk, stats, dk_desc, dv_desc, ds_smem, dq_smem, dq_desc, packed_grads,
                                 softmax_scale, scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
-                                True, PERSISTENT, SCORE, DROPOUT)),
+                                True, PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M, STAGES,
                              True, True, PERSISTENT, DYNAMIC)),
             ], [1], [PRODUCER_REGS])
@@ -808,10 +832,10 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
             gl.warp_specialize([
                 (_kv_consumer, (0, 1, buf, walk, stats, dk_desc, dv_desc, buf.a, buf.a, dq_desc, packed_grads,
                                 softmax_scale, scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
-                                False, PERSISTENT, SCORE, DROPOUT)),
+                                False, PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
                 (_kv_consumer, (1, 1, buf, walk, stats, dk_desc, dv_desc, buf.a, buf.a, dq_desc, packed_grads,
                                 softmax_scale, scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
-                                False, PERSISTENT, SCORE, DROPOUT)),
+                                False, PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M, STAGES,
                              True, True, PERSISTENT, DYNAMIC)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -823,7 +847,7 @@ def _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch,
                   HAS_DLSE: gl.constexpr, WARPS: gl.constexpr):
     """BLOCK_M query rows of the dQ pass from m0 (of the sequence from row ``start``), their lse
     (log2 units) and D = rowsum(dO * O) - dlse, also written for the dK/dV pass, by a partition of
-    WARPS warps (``do``: the rows' dO, landed)."""
+    WARPS warps (``do``: the rows' dO, landed; ``head_dim``, HEAD_DIM_PAD: O's and dO's)."""
     tile_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     tile_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, tile_layout))
     offs_d = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, tile_layout))
@@ -903,20 +927,21 @@ def _store_dq(dq, q, q_smem, dq_desc, batch, m0, head, softmax_scale):
 def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem, dq_desc, packed_grads, softmax_scale,
                   scale_log2, score_args, dropped, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, HAS_DLSE: gl.constexpr, SPLIT_D: gl.constexpr,
-                  PERSISTENT: gl.constexpr, SCORE: gl.constexpr, DROPOUT: gl.constexpr):
+                  PERSISTENT: gl.constexpr, SCORE: gl.constexpr, DROPOUT: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr,
+                  QK_LANES: gl.constexpr):
     """Consumer warpgroup WHICH, a partition of its own: dQ of query rows [64 * WHICH, 64 * WHICH +
     64) of each of the CTA's tiles, and their D.  With SPLIT_D (d256) both warpgroups are one
     partition (WHICH 0) and own the tile's 64 rows, half the head dim of dQ each; S and dP are
     split by K/V rows and dS meets in shared memory (two buffers, one barrier per block).  Packed
     sequences: rows running past the tile's sequence leave by pointer (``packed_grads``: dQ,
-    its row and head strides).  DROPOUT: dS takes the kept dP, scaled (``dropped``: the seed
+    its row and head strides, the head dims as _dq_kernel takes them).  DROPOUT: dS takes the kept dP, scaled (``dropped``: the seed
     pointer and the rate)."""
     q_smem, do_smem, k_smem, v_smem, tile_ids = bufs.a, bufs.b, bufs.c, bufs.d, bufs.tile_ids
     q_ready, q_empty, kv_ready, kv_empty = bufs.stationary_ready, bufs.stationary_empty, bufs.ring_ready, bufs.ring_empty
     num_tiles = walk.num_tiles  # (the sequence's lengths: each tile's)
     window_left, window_right = walk.window_left, walk.window_right
     LSE, DELTA, slb, slh = row_stats.LSE, row_stats.DELTA, row_stats.slb, row_stats.slh
-    O, sob, sos, soh, head_dim, DLSE = delta_in.O, delta_in.sob, delta_in.sos, delta_in.soh, delta_in.head_dim, delta_in.DLSE
+    O, sob, sos, soh, head_dim_v, DLSE = delta_in.O, delta_in.sob, delta_in.sos, delta_in.soh, delta_in.head_dim, delta_in.DLSE
     SLOTS: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = WARPGROUP_ROWS
     dtype: gl.constexpr = q_smem.dtype
@@ -934,9 +959,9 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
         q_block = q_smem.index(q_slot)
         r0 = m0 + WHICH * ROWS
         q = q_block.reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
-        do = do_smem.index(q_slot).reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
-        rows, lse, delta = _dq_row_stats(O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh, batch, head, r0,
-                                         seqlen_q, q_start, do, gl.SliceLayout(1, s_layout), ROWS, HEAD_DIM_PAD,
+        do = do_smem.index(q_slot).reshape([BLOCK_M, HEAD_DIM_V_PAD]).slice(WHICH * ROWS, ROWS)
+        rows, lse, delta = _dq_row_stats(O, sob, sos, soh, head_dim_v, LSE, DLSE, DELTA, slb, slh, batch, head,
+                                         r0, seqlen_q, q_start, do, gl.SliceLayout(1, s_layout), ROWS, HEAD_DIM_V_PAD,
                                          HAS_DLSE, 8 if SPLIT_D else 4)
         dq = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
         site = (batch, head, seqlen_k - seqlen_q, score_args)
@@ -946,7 +971,8 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
                                                                window_left, window_right, False)
         for i in range(n_blocks):
             n0 = lo + i * BLOCK_N
-            slot, k, v, s, dp = _scores(q, do, k_smem, v_smem, kv_ready, j, s_zero, BLOCK_N, HEAD_DIM_PAD, STAGES)
+            slot, k, v, s, dp = _scores(q, do, k_smem, v_smem, kv_ready, j, s_zero, BLOCK_N, HEAD_DIM_PAD, STAGES,
+                                        HEAD_DIM_V_PAD, QK_LANES)
             s = warpgroup_mma_wait(1, deps=[s])
             p, p_ds = _probs(s, lse, rows, r0, n0, (dlo, dhi, full_lo, full_hi), seqlen_k, scale_log2, site, BLOCK_N,
                              gl.SliceLayout(0, s_layout), SCORE)
@@ -970,8 +996,8 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
             j += 1
         if walk.seqs.VARLEN:  # (batched launches compile the staged store alone)
             if r0 + ROWS > seqlen_q:
-                DQ, sgs, sgh = packed_grads
-                _store_rows(dq * softmax_scale, DQ, q_start + r0, seqlen_q - r0, head, sgs, sgh, head_dim)
+                DQ, sgs, sgh, head_dims = packed_grads
+                _store_rows(dq * softmax_scale, DQ, q_start + r0, seqlen_q - r0, head, sgs, sgh, head_dims & 0xFFFF)
             else:
                 _store_dq(dq, q, q_block.slice(WHICH * ROWS, ROWS, dim=1), dq_desc, coord_b, q_start + r0, head,
                           softmax_scale)
@@ -983,14 +1009,16 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
 
 
 @gluon.jit
-def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_dim, LSE, DLSE, DELTA, slb, slh,
+def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_dims, LSE, DLSE, DELTA, slb, slh,
                num_tiles, heads_q, group, head_group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale,
                scale_log2, counter, score_args, CU_Q, CU_K, totals, TILES, COUNT, m_blocks, DQ, sgs, sgh,
                SEED, dropout_p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr, HAS_DLSE: gl.constexpr,
                SPLIT_D: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SCORE: gl.constexpr,
-               VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
-    """VARLEN: as _dkdv_kernel's, dQ of a tile running past its sequence by pointer (DQ)."""
+               VARLEN: gl.constexpr, DROPOUT: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr,
+               QK_LANES: gl.constexpr):
+    """VARLEN: as _dkdv_kernel's, dQ of a tile running past its sequence by pointer (DQ).
+    ``head_dims`` and HEAD_DIM_V_PAD as _dkdv_kernel's (O, dO and V of V's head dim)."""
     gl.static_assert(not (VARLEN and SPLIT_D), "packed sequences: the two passes up to d128")
     gl.static_assert(not (DROPOUT and SPLIT_D), "dropout: the two passes up to d128")
     dropped = (SEED, dropout_p)
@@ -1002,15 +1030,15 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
     walk = PassWalk(num_tiles, heads_q, group, head_group, seqlen_q, seqlen_k, window_left, window_right, CU_Q, CU_K,
                     totals, TILES, m_blocks, VARLEN)
-    packed_grads = (DQ, sgs, sgh)
+    packed_grads = (DQ, sgs, sgh, head_dims)
     stats = RowStats(LSE, DELTA, buf.a, buf.a, slb, slh)  # (the dQ pass reads no statistics from the ring)
-    delta_in = DeltaInputs(O, sob, sos, soh, head_dim, DLSE)
+    delta_in = DeltaInputs(O, sob, sos, soh, head_dims >> 16, DLSE)
     if SPLIT_D:
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], _SCORES_LAYOUT)  # both halves
         gl.warp_specialize([
             (_dq_consumers, (0, buf, walk, stats, delta_in, ds_smem, dq_desc, packed_grads, softmax_scale,
                              scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE,
-                             SPLIT_D, PERSISTENT, SCORE, DROPOUT)),
+                             SPLIT_D, PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, buf, walk, stats, counter, BLOCK_M, BLOCK_N, STAGES, False,
                          False, PERSISTENT, DYNAMIC)),
         ], [1], [PRODUCER_REGS])
@@ -1018,10 +1046,10 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
         gl.warp_specialize([
             (_dq_consumers, (0, buf, walk, stats, delta_in, buf.a, dq_desc, packed_grads, softmax_scale, scale_log2,
                              score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D,
-                             PERSISTENT, SCORE, DROPOUT)),
+                             PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
             (_dq_consumers, (1, buf, walk, stats, delta_in, buf.a, dq_desc, packed_grads, softmax_scale, scale_log2,
                              score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D,
-                             PERSISTENT, SCORE, DROPOUT)),
+                             PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, buf, walk, stats, counter, BLOCK_M, BLOCK_N, STAGES, False,
                          False, PERSISTENT, DYNAMIC)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -1061,10 +1089,16 @@ def _packed_views(p, *tensors):
     return tuple(x.unsqueeze(0) for x in tensors) if p.varlen else tensors
 
 
+def head_dims(p) -> int:
+    """The kernels' ``head_dims`` argument: Q's (and K's) head dim in the low 16 bits, V's (and
+    O's) in the high ones."""
+    return p.head_dim | p.head_dim_v << 16
+
+
 def _two_passes(cfg, p, dout, dlse, q, k, v, out, lse):
     dq, dk, dv = p.gradients(q, k, v)
     delta = torch.empty_like(lse)
-    pad = p.head_dim_pad
+    pad, pad_v = p.head_dim_pad, p.head_dim_v_pad
     rows = gluon_bwd_stationary_rows(pad)
     walked = pass_tiles(p, rows, p.heads_q, False, q.device)
     schedule = pass_schedule(p, cfg, walked.count, q.device)
@@ -1072,18 +1106,19 @@ def _two_passes(cfg, p, dout, dlse, q, k, v, out, lse):
     cu_q, cu_k = p.cu_pointers(q.device)
     launch(
         _dq_kernel, (schedule.ctas,),
-        tma_host.descriptor(q4, rows, pad), tma_host.descriptor(dout4, rows, pad),
-        tma_host.descriptor(k4, cfg.dq_block_n, pad), tma_host.descriptor(v4, cfg.dq_block_n, pad),
+        tma_host.descriptor(q4, rows, pad), tma_host.descriptor(dout4, rows, pad_v),
+        tma_host.descriptor(k4, cfg.dq_block_n, pad), tma_host.descriptor(v4, cfg.dq_block_n, pad_v),
         tma_host.descriptor(dq4, partition_rows(pad), pad),
-        out, *p.seq_strides(out), p.head_dim, lse, delta if dlse is None else dlse, delta,
+        out, *p.seq_strides(out), head_dims(p), lse, delta if dlse is None else dlse, delta,
         *p.row_stat_strides(lse), walked.count, p.heads_q, p.group,
-        walk_head_group(p, walked.count, p.batch * p.heads_q, 2 * p.seqlen_k * pad * q.element_size(), q.device),
+        walk_head_group(p, walked.count, p.batch * p.heads_q, p.seqlen_k * (pad + pad_v) * q.element_size(),
+                        q.device),
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
         schedule.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles, walked.listed,
         walked.m_blocks, dq, dq.stride(-3), dq.stride(-2), dropout.seed_argument(p, cu_q), p.dropout_p,
         BLOCK_M=rows, BLOCK_N=cfg.dq_block_n, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, HAS_DLSE=dlse is not None,
         SPLIT_D=split_head_dim(pad), SCORE=score.mod_of(p), VARLEN=p.varlen, DROPOUT=p.dropout, **schedule.constants(),
-        **launch_options(pad))
+        HEAD_DIM_V_PAD=pad_v, QK_LANES=configs.qk_lanes(p), **launch_options(pad))
     # D, written by the dQ pass, is read here: launched after it on the same stream.
     _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, None)
     return dq, dk, dv
@@ -1140,7 +1175,7 @@ def _delta(p, out, dout, dlse, lse, dq_acc):
 
 
 def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
-    pad = p.head_dim_pad
+    pad, pad_v = p.head_dim_pad, p.head_dim_v_pad
     rows = gluon_bwd_stationary_rows(pad)
     out_rows = partition_rows(pad, dq_acc is not None)
     q4, k4, v4, dout4, dk4, dv4 = _packed_views(p, q, k, v, dout, dk, dv)
@@ -1152,18 +1187,19 @@ def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
     launch(
         _dkdv_kernel, (schedule.ctas,),
         tma_host.descriptor(q4, cfg.kv_block_m, pad), tma_host.descriptor(k4, rows, pad),
-        tma_host.descriptor(v4, rows, pad), tma_host.descriptor(dout4, cfg.kv_block_m, pad), dk_desc,
-        tma_host.descriptor(dv4, out_rows, pad),
+        tma_host.descriptor(v4, rows, pad_v), tma_host.descriptor(dout4, cfg.kv_block_m, pad_v), dk_desc,
+        tma_host.descriptor(dv4, out_rows, pad_v),
         dk_desc if dq_acc is None else tma_host.descriptor(dq_acc, cfg.kv_block_m, pad),  # not read without dq_acc
         lse, delta, *p.row_stat_strides(lse), walked.count, p.heads_k, p.group,
-        walk_head_group(p, walked.count, p.batch * p.heads_k, 2 * p.group * p.seqlen_q * pad * q.element_size(),
-                        q.device),
+        walk_head_group(p, walked.count, p.batch * p.heads_k,
+                        p.group * p.seqlen_q * (pad + pad_v) * q.element_size(), q.device),
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
         schedule.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles, walked.listed,
-        walked.m_blocks, dk, dv, dk.stride(-3), dk.stride(-2), p.head_dim, dropout.seed_argument(p, cu_q), p.dropout_p,
+        walked.m_blocks, dk, dv, dk.stride(-3), dk.stride(-2), head_dims(p), dropout.seed_argument(p, cu_q), p.dropout_p,
         BLOCK_M=cfg.kv_block_m, BLOCK_N=rows, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, DQ_REDUCE=dq_reduce,
         SPLIT_D=split_head_dim(pad), SHARED_SCORES=shared_scores(cfg, pad, dq_reduce), SCORE=score.mod_of(p),
-        VARLEN=p.varlen, DROPOUT=p.dropout, **schedule.constants(), **launch_options(pad, dq_reduce))
+        VARLEN=p.varlen, DROPOUT=p.dropout, HEAD_DIM_V_PAD=pad_v, QK_LANES=configs.qk_lanes(p), **schedule.constants(),
+        **launch_options(pad, dq_reduce))
 
 
 class Schedule(NamedTuple):

@@ -49,7 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from flashtile.kernels import dropout, packed_tiles, score
+from flashtile.kernels import configs, dropout, packed_tiles, score
 from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile
 from flashtile.kernels.configs import WARPGROUP_ROWS
@@ -1030,7 +1030,7 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
     # past their sequences must still tell its consumers that no tile is coming (end_tiles).
     persistent = cfg.persistent or p.varlen
     return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, HEAD_DIM_V_PAD=p.head_dim_v_pad,
-                QK_LANES=qk_lanes(p), STAGES=cfg.num_stages,
+                QK_LANES=configs.qk_lanes(p), STAGES=cfg.num_stages,
                 PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_BUFFERS=o_buffers, PERSISTENT=persistent,
                 # Tiles of uneven length (a band, packed sequences) from the atomic counter; equal
                 # ones strided over.
@@ -1062,14 +1062,6 @@ def softcap_bounds_logits(p, dtype) -> bool:
     would underflow where bf16's is normal), of range within BOUNDED_RANGE."""
     return (p.softcap > 0 and p.alibi_slopes is None and dtype == torch.bfloat16 and not p.fp8
             and 2 * p.softcap * score.LOG2E <= BOUNDED_RANGE)
-
-
-def qk_lanes(p) -> int:
-    """The lanes of Q and K that S = Q K^T reduces over: the padded head dim, or 192 for head
-    dims 129 to 192 in d256's tiles (a quarter of its MMA steps less; shared memory blocks are
-    powers of two, so the tiles keep 256 lanes, zeros past the head dim).  Not float8 (whose
-    MMAs reduce 32 lanes a step; kept to the tested path)."""
-    return 192 if p.head_dim_pad == 256 and p.head_dim <= 192 and not p.fp8 else p.head_dim_pad
 
 
 def o_staging_buffers(q_bytes, o_bytes, ring_bytes, consumers):
