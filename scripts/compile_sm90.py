@@ -92,6 +92,7 @@ def problem(head_dim, causal=False, window_left=-1, softcap=0.0, seqlen=4096, al
 
 
 FP8_DTYPES = {"fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
+SHARED_MEMORY_LIMIT = 232448  # bytes a block may take on sm_90
 
 
 def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0, alibi=False, fp8=None, fp8_mode=1,
@@ -190,14 +191,20 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     float8 inputs, v2's forward and backward and the Gluon forward, as they launch for them;
     ``head_dim_v``: V's own head dim, the Gluon forward and the two backward passes alone)."""
     if head_dim_v not in (None, head_dim):
+        # The backward passes as the dispatcher runs them: batched, without dropout, V no wider
+        # than Q (dispatch._gluon_backward_takes).
+        passes = not varlen and not with_dropout and padded_head_dim(head_dim_v) <= padded_head_dim(head_dim)
+        features = dict(softcap=softcap, alibi=alibi)
         for causal in (False, True):
             name = '_causal' if causal else ''
             yield (f"v3.fwd_gluon{name}", gluon_fwd._fwd_kernel,
-                   *gluon_case(head_dim, opts, causal=causal, head_dim_v=head_dim_v))
-            yield (f"v3.bwd_dq_gluon{name}", gluon_bwd._dq_kernel,
-                   *gluon_bwd_case(head_dim, opts, True, causal=causal, head_dim_v=head_dim_v))
-            yield (f"v3.bwd_dkdv_gluon{name}", gluon_bwd._dkdv_kernel,
-                   *gluon_bwd_case(head_dim, opts, False, causal=causal, head_dim_v=head_dim_v))
+                   *gluon_case(head_dim, opts, causal=causal, head_dim_v=head_dim_v, varlen=varlen,
+                               dropout=with_dropout, **features))
+            if passes:
+                yield (f"v3.bwd_dq_gluon{name}", gluon_bwd._dq_kernel,
+                       *gluon_bwd_case(head_dim, opts, True, causal=causal, head_dim_v=head_dim_v, **features))
+                yield (f"v3.bwd_dkdv_gluon{name}", gluon_bwd._dkdv_kernel,
+                       *gluon_bwd_case(head_dim, opts, False, causal=causal, head_dim_v=head_dim_v, **features))
         return
     p = problem(head_dim, softcap=softcap, alibi=alibi)
     base = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=p.head_dim_pad, IS_VARLEN=varlen, UPCAST=False,
@@ -342,6 +349,10 @@ def main():
                                 pointers)
             except Exception as e:  # report and go on: one broken kernel should not hide the rest
                 print(f"d{d:<4} {name:18} FAILED: {str(e).splitlines()[0][:200]}")
+                continue
+            if k.metadata.shared > SHARED_MEMORY_LIMIT:
+                print(f"d{d:<4} {name:18} FAILED: {k.metadata.shared} bytes of shared memory, more than sm_90's "
+                      f"{SHARED_MEMORY_LIMIT}")
                 continue
             ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
             print(f"d{d:<4} {name:18} wgmma={'wgmma.mma_async' in ptx!s:5} tma={'cp.async.bulk.tensor' in ptx!s:5} "

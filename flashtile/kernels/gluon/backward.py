@@ -549,9 +549,9 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats
         v_rows = v_block.reshape([BLOCK_N, HEAD_DIM_V_PAD]).slice(WHICH * ROWS, ROWS)
         if walk.seqs.VARLEN:  # (batched launches compile the staged stores alone)
             if r0 + ROWS > seqlen_k:
-                DK, DV, sgs, sgh, head_dims = packed_grads
+                DK, DV, sgs, sgh, svs, svh, head_dims = packed_grads
                 _store_rows(dk * softmax_scale, DK, k_start + r0, seqlen_k - r0, head_k, sgs, sgh, head_dims & 0xFFFF)
-                _store_rows(dv, DV, k_start + r0, seqlen_k - r0, head_k, sgs, sgh, head_dims >> 16)
+                _store_rows(dv, DV, k_start + r0, seqlen_k - r0, head_k, svs, svh, head_dims >> 16)
             else:
                 _store_dkdv(dk, dv, k_rows, v_rows, k_block.slice(WHICH * ROWS, ROWS, dim=1),
                             v_block.slice(WHICH * ROWS, ROWS, dim=1), dk_desc, dv_desc, coord_b, k_start + r0, head_k,
@@ -763,7 +763,7 @@ def _kv_consumers_shared_scores(buf, walk, stats, dk_desc, dv_desc, p_smem, ds_s
 @gluon.jit
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, slb, slh, num_tiles,
                  heads_k, group, head_group, seqlen_q, seqlen_k, window_left, window_right, softmax_scale, scale_log2,
-                 counter, score_args, CU_Q, CU_K, totals, TILES, COUNT, m_blocks, DK, DV, sgs, sgh, head_dims,
+                 counter, score_args, CU_Q, CU_K, totals, TILES, COUNT, m_blocks, DK, DV, sgs, sgh, svs, svh, head_dims,
                  SEED, dropout_p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                  STAGES: gl.constexpr, SLOTS: gl.constexpr, DQ_REDUCE: gl.constexpr, SPLIT_D: gl.constexpr,
                  SHARED_SCORES: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SCORE: gl.constexpr,
@@ -771,7 +771,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
                  QK_LANES: gl.constexpr):
     """VARLEN (the two passes up to d128): packed sequences, their tiles listed in TILES (COUNT
     entries, packed_tiles.py), the tensors seen by TMA as (1, total, heads, head dim); dK and dV
-    of a tile running past its sequence leave by pointer (DK, DV: row and head strides sgs, sgh;
+    of a tile running past its sequence leave by pointer (DK, DV: row and head strides sgs, sgh and svs, svh;
     ``head_dims``: Q's head dim in the low 16 bits, V's in the high ones).  V, dO and dV are of
     V's head dim (HEAD_DIM_V_PAD; the two passes, not the single one)."""
     gl.static_assert(not (DQ_REDUCE and HEAD_DIM_V_PAD != HEAD_DIM_PAD), "a V head dim of its own: the two passes")
@@ -787,7 +787,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
     walk = PassWalk(num_tiles, heads_k, group, head_group, seqlen_q, seqlen_k, window_left, window_right, CU_Q, CU_K,
                     totals, TILES, m_blocks, VARLEN)
-    packed_grads = (DK, DV, sgs, sgh, head_dims)
+    packed_grads = (DK, DV, sgs, sgh, svs, svh, head_dims)
     if SPLIT_D:
         # dS^T and P^T of both warpgroups, two buffers each.
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], _SCORES_LAYOUT)
@@ -1131,6 +1131,8 @@ def _single_pass(cfg, p, dout, dlse, q, k, v, out, lse):
     not fit in shared memory next to its operands)."""
     if split_head_dim(p.head_dim_pad):
         raise ValueError("the single-pass Gluon backward takes head dims up to 128")
+    if p.own_head_dim_v:  # (D's kernel and the dQ staging take one head dim)
+        raise ValueError("the single-pass Gluon backward takes one head dim for Q, K and V")
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     delta = _delta(p, out, dout, dlse, lse, dq_acc)
@@ -1195,7 +1197,8 @@ def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
                         p.group * p.seqlen_q * (pad + pad_v) * q.element_size(), q.device),
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
         schedule.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles, walked.listed,
-        walked.m_blocks, dk, dv, dk.stride(-3), dk.stride(-2), head_dims(p), dropout.seed_argument(p, cu_q), p.dropout_p,
+        walked.m_blocks, dk, dv, dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), head_dims(p),
+        dropout.seed_argument(p, cu_q), p.dropout_p,
         BLOCK_M=cfg.kv_block_m, BLOCK_N=rows, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, DQ_REDUCE=dq_reduce,
         SPLIT_D=split_head_dim(pad), SHARED_SCORES=shared_scores(cfg, pad, dq_reduce), SCORE=score.mod_of(p),
         VARLEN=p.varlen, DROPOUT=p.dropout, HEAD_DIM_V_PAD=pad_v, QK_LANES=configs.qk_lanes(p), **schedule.constants(),
