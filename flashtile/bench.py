@@ -47,6 +47,11 @@ class Case:
     sinks: bool = False   # one learnable logit per head (gpt-oss)
     varlen: bool = False  # b documents of random lengths (mean sq) packed along the tokens
     dropout: float = 0.0  # dropout_p of the timed calls
+    dv: int = 0           # V's (and the output's) head dim where it differs from d (0: d)
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.dv or self.d
 
     def lengths(self) -> list:
         """The documents' lengths of a packed case: b draws from [1, 2 sq), the same every run."""
@@ -65,19 +70,20 @@ class Case:
 
     def flops(self) -> float:
         pairs = sum(n * n for n in self.lengths()) if self.varlen else self.b * self.sq * self.sk
-        fwd = 4.0 * self.h * pairs * self.d / (2 if self.causal else 1)
+        # 2 * d for S = Q K^T, 2 * dv for P V (4 * d with one head dim)
+        fwd = 2.0 * self.h * pairs * (self.d + self.head_dim_v) / (2 if self.causal else 1)
         return fwd * FLOP_FACTOR[self.mode]
 
 
 def paper_grid(head_dims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384),
                causals=(False, True), modes=("fwd", "bwd"), dtype="bf16", tokens=16384, hidden=2048, softcap=0.0,
-               alibi=False, sinks=False, varlen=False, dropout=0.0):
+               alibi=False, sinks=False, varlen=False, dropout=0.0, head_dim_v=0):
     """The FlashAttention papers' sweep: batch x seqlen = 16k tokens, hidden 2048; ``dtype`` one
     of DTYPES or several (each cell in each); ``varlen``: the tokens packed as documents of mean
-    length seqlen (Case.lengths)."""
+    length seqlen (Case.lengths); ``head_dim_v``: V's own head dim (0: each cell's d)."""
     dtypes = [dtype] if isinstance(dtype, str) else list(dtype)
     return [Case(max(1, tokens // s), hidden // d, hidden // d, s, s, d, c, m, t, softcap, alibi, sinks, varlen,
-                 dropout)
+                 dropout, head_dim_v if head_dim_v != d else 0)
             for t in dtypes for d in head_dims for c in causals for m in modes for s in seqlens]
 
 
@@ -294,7 +300,8 @@ def make_inputs(provider, case, device, kernel_options=None, features=None):
         lengths = case.lengths()
         offsets = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
         q = torch.randn(sum(lengths), case.h, case.d, dtype=case.torch_dtype, device=device)
-        k, v = (torch.randn(sum(lengths), case.h_k, case.d, dtype=case.torch_dtype, device=device) for _ in range(2))
+        k = torch.randn(sum(lengths), case.h_k, case.d, dtype=case.torch_dtype, device=device)
+        v = torch.randn(sum(lengths), case.h_k, case.head_dim_v, dtype=case.torch_dtype, device=device)
         packed_fn = PACKED_PROVIDERS[provider]
 
         def fn(q, k, v, causal):
@@ -306,7 +313,7 @@ def make_inputs(provider, case, device, kernel_options=None, features=None):
         return provider_fn(q, k, v, causal, kernel_options=kernel_options, **features)
     q = torch.randn(case.b, case.sq, case.h, case.d, dtype=case.torch_dtype, device=device)
     k = torch.randn(case.b, case.sk, case.h_k, case.d, dtype=case.torch_dtype, device=device)
-    return q, k, torch.randn_like(k), fn
+    return q, k, torch.randn(case.b, case.sk, case.h_k, case.head_dim_v, dtype=case.torch_dtype, device=device), fn
 
 
 def make_step(provider, case, device, kernel_options=None):
@@ -314,6 +321,8 @@ def make_step(provider, case, device, kernel_options=None):
     backward alone (autograd.grad of one forward's output), or both."""
     features = score_features(case, device)
     if case.float8 is not None:
+        if case.dv:
+            raise NotImplementedError(f"{case.dtype} inputs: one head dim for Q, K and V")
         return _float8_step(provider, case, device, kernel_options, features)
     q, k, v, fn = make_inputs(provider, case, device, kernel_options, features)
     grad = case.mode != "fwd"
@@ -322,7 +331,7 @@ def make_step(provider, case, device, kernel_options=None):
     if "sinks" in features:  # learnable: their gradient is part of the backward
         features["sinks"].requires_grad_(grad)
     inputs = (q, k, v, *(x for x in features.values() if isinstance(x, torch.Tensor) and x.requires_grad))
-    dout = torch.randn_like(q)
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=device)  # the output's shape
     if case.mode == "fwd":
         def step():
             with torch.no_grad():
@@ -537,7 +546,8 @@ def markdown_table(records, baseline=None, failures=()):
     dtypes = list(dict.fromkeys(r["dtype"] for r in records))
     float8_backward = any(r["dtype"] in FLOAT8 and r["mode"] != "fwd" for r in records)
     lines = [f"GPU {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, "
-             f"{env['date']}; TFLOP/s (forward 4*b*h*sq*sk*d, half when causal; backward 2.5x), "
+             f"{env['date']}; TFLOP/s (forward {'2*b*h*sq*sk*(d + dv)' if any(r.get('dv') for r in records) else '4*b*h*sq*sk*d'}"
+             f", half when causal; backward 2.5x), "
              f"{', '.join(dtypes)}, "
              f"{PACKED_STORAGE if any(r.get('varlen') for r in records) else '(batch, seqlen, heads, headdim) storage'}"
              f"{'; float8 inputs with descales per (sequence, KV head), bf16 output' if set(dtypes) & set(FLOAT8) else ''}"
@@ -557,7 +567,8 @@ def markdown_table(records, baseline=None, failures=()):
                   and p.startswith("flashtile")]
         versus += [(p, "bf16") for p in providers if any(key[0] == p for key in bf16)]
         cols = providers + [f"{p}/{b}" for p, b in versus]
-        lines += [f"### d{d} {'causal' if causal else 'non-causal'} {mode}{' ' + dtype if len(dtypes) > 1 else ''}"
+        own_v = f"/{rows[0]['dv']}" if rows[0].get("dv") else ""  # V's head dim of its own
+        lines += [f"### d{d}{own_v} {'causal' if causal else 'non-causal'} {mode}{' ' + dtype if len(dtypes) > 1 else ''}"
                   f"{' packed' if varlen else ''}", "",
                   "| seqlen | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
         for s in seqlens:

@@ -50,6 +50,8 @@ def parser():
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="TFLOP/s and memory against PyTorch SDPA, FlexAttention, standard attention")
     b.add_argument("--head-dims", type=_choices((32, 64, 96, 128, 192, 256), int), default=[64, 128, 256])
+    b.add_argument("--head-dim-v", type=_positive_int, default=0,
+                   help="V's (and the output's) head dim where it differs, e.g. 128 with --head-dims 192")
     b.add_argument("--seqlens", type=_positive_ints, default=[512, 1024, 2048, 4096, 8192, 16384])
     b.add_argument("--causal", type=_choices(("false", "true")), default=["false", "true"])
     b.add_argument("--modes", type=_choices(bench.MODES), default=["fwd", "bwd"])
@@ -135,7 +137,8 @@ def cmd_bench(args):
         return 2
     cases = bench.paper_grid(args.head_dims, args.seqlens, [c == "true" for c in args.causal], args.modes,
                              args.dtype, args.tokens, args.hidden, softcap=args.softcap,
-                             alibi=args.alibi, sinks=args.sinks, varlen=args.varlen, dropout=args.dropout)
+                             alibi=args.alibi, sinks=args.sinks, varlen=args.varlen, dropout=args.dropout,
+                             head_dim_v=args.head_dim_v)
     failures = []
 
     def failed(msg):

@@ -61,7 +61,7 @@ def test_report_files_and_schema(tmp_path):
                for p in ("flashtile-v2", "sdpa-flash")]
     table = bench.save(records, tmp_path, "t", baseline="sdpa-flash")
     saved = json.loads((tmp_path / "t.json").read_text())
-    assert set(saved[0]) == {"provider", "dtype", "softcap", "alibi", "sinks", "varlen", "dropout", "b", "h", "h_k",
+    assert set(saved[0]) == {"provider", "dtype", "softcap", "alibi", "sinks", "varlen", "dropout", "dv", "b", "h", "h_k",
                              "sq", "sk",
                              "d", "causal", "mode", "ms", "tflops", "peak_mem_bytes", "gpu", "torch", "triton", "commit",
                              "date"}
@@ -104,6 +104,26 @@ def test_bench_dropout_cells(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     from features_table import feature_of
     assert feature_of(records[0]) == "dropout 0.25" and feature_of(dict(records[0], dropout=0.0)) == "none"
+
+
+def test_bench_own_value_head_dim(tmp_path):
+    # --head-dim-v: V (and the output) with a head dim of its own, FLOPs 2 * (d + dv) per pair
+    # (4 * d with one head dim); float8 cells take one head dim.
+    case = bench.Case(1, 2, 2, 64, 64, 32, False, "fwd", dtype="fp16", dv=16)
+    assert case.flops() == 2 * 2 * 64 * 64 * (32 + 16) and bench.Case(1, 2, 2, 64, 64, 32, False, "fwd").flops() == \
+        4 * 2 * 64 * 64 * 32
+    q, k, v, fn = bench.make_inputs("standard", case, DEVICE)
+    assert v.shape[-1] == 16 and fn(q, k, v, False).shape[-1] == 16
+    with pytest.raises(NotImplementedError, match="one head dim"):
+        bench.make_step("flashtile-v3", bench.Case(1, 2, 2, 64, 64, 32, False, "fwd", dtype="e4m3", dv=16), DEVICE)
+    res = _run_cli("bench", "--head-dims", "32", "--head-dim-v", "16", "--seqlens", "64", "--tokens", "64",
+                   "--hidden", "64", "--modes", "fwd,bwd", "--causal", "true", "--providers", "flashtile-v2,standard",
+                   "--baseline", "standard", "--out", str(tmp_path), "--name", "own_v", "--no-plots",
+                   interpret="0" if ON_GPU else "1")
+    assert res.returncode == 0, res.stderr
+    records = json.loads((tmp_path / "own_v.json").read_text())
+    assert len(records) == 4 and all(r["dv"] == 16 and r["d"] == 32 for r in records)
+    assert "### d32/16 causal bwd" in res.stdout and "2*b*h*sq*sk*(d + dv)" in res.stdout
 
 
 def _packed_inputs(case):
