@@ -272,9 +272,9 @@ def append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table, rotary=None)
     launch(
         _append_kernel, (cdiv(seqlen_new, rows), batch, heads_k),
         k, v, k_cache, v_cache, seqlens if tables else dummy, dummy if batch_idx is None else batch_idx,
-        dummy if block_table is None else block_table, cos, sin, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
-        v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-        v_cache.stride(1), v_cache.stride(2), block_table.stride(0) if paged else 0, cos.stride(0) if rotary else 0,
+        dummy if block_table is None else block_table, cos, sin, *k.stride()[:3], *v.stride()[:3],
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0) if paged else 0,
+        cos.stride(0) if rotary else 0,
         seqlen_new, 0 if tables else seqlens, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0],
         cos.shape[1] if rotary else 0,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, PAGED=paged, HAS_ENDS=tables,
@@ -316,8 +316,8 @@ def rotate(x, cos, sin, interleaved, seqlens, advance: bool, limit: int):
     tables = isinstance(seqlens, torch.Tensor)
     launch(
         _rotate_kernel, (cdiv(seqlen, rows), batch, heads),
-        x, out, seqlens if tables else x, cos, sin, x.stride(0), x.stride(1), x.stride(2), out.stride(0),
-        out.stride(1), out.stride(2), cos.stride(0), seqlen, 0 if tables else seqlens, limit, cos.shape[1],
+        x, out, seqlens if tables else x, cos, sin, *x.stride()[:3], *out.stride()[:3], cos.stride(0), seqlen,
+        0 if tables else seqlens, limit, cos.shape[1],
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, HAS_ENDS=tables, ADVANCE=advance,
         INTERLEAVED=bool(interleaved), num_warps=4)
     return out
@@ -348,10 +348,9 @@ def forward(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, bl
         q, k_cache, v_cache, part_o, part_lse, dummy if seqlens is None else seqlens,
         dummy if leftpad is None else leftpad,
         dummy if batch_idx is None else batch_idx, dummy if block_table is None else block_table,
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        part_o.stride(-4), part_o.stride(-3), part_o.stride(-2), part_o.stride(0) if plan.splits > 1 else 0,
-        part_lse.stride(-3), part_lse.stride(-2), part_lse.stride(0) if plan.splits > 1 else 0,
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *part_o.stride()[-4:-1], part_o.stride(0) if plan.splits > 1 else 0,
+        *part_lse.stride()[-3:-1], part_lse.stride(0) if plan.splits > 1 else 0,
         block_table.stride(0) if paged else 0,
         seqlen_q, heads_k, group, new_keys, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0], scale * score.LOG2E,
         window[0], window[1], score.args_of(features),
@@ -363,9 +362,7 @@ def forward(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, bl
         launch(
             _combine_kernel, (seqlen_q, batch * heads),
             part_o, part_lse, out, lse, heads, plan.splits,
-            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3),
-            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            *part_o.stride()[:4], *part_lse.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=max(2, next_power_of_2(plan.splits)),
             PDL=plan.pdl, num_warps=COMBINE_WARPS, launch_pdl=plan.pdl)
     return out, lse
