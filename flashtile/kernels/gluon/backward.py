@@ -42,6 +42,8 @@ past its sequence stores those gradients by pointer (the next sequence's rows fo
 Head dims up to 128 keep the accumulators of 128 rows in registers; at d256 the two passes
 split the head dim (SPLIT_D): 64 stationary rows shared by both warpgroups, each holding half
 the head dim of the gradients, S / dP split by streamed rows, P and dS through shared memory.
+In the two passes V, dO and dV may have a head dim of their own (HEAD_DIM_V_PAD); S reduces over
+QK_LANES of Q's and K's lanes (configs.qk_lanes).
 """
 from typing import NamedTuple
 

@@ -37,6 +37,9 @@ read from a keys-contiguous copy, Q's and K's descales go into the scores' scale
 O (``Descales``); up to d128 each block's P V product is added to O in float32 (``FRESH_PV``).
 The output is bf16.
 
+V and O may have a head dim of their own (HEAD_DIM_V_PAD: V's ring slots, O's accumulator and
+staging, the P V product); S = Q K^T reduces over QK_LANES of Q's and K's lanes (configs.qk_lanes).
+
 Score modifications (softcap, ALiBi) go through the score hook (score.py) where S is formed.
 Two take a shorter way here: ALiBi off the diagonal as a column part and a row part
 (``DISTANCE``: _block_softmax), and on bf16 a softcap as every row's max (``BOUNDED``:
