@@ -209,6 +209,24 @@ def test_gpt_oss_sinks():
     assert_changes(logits, gpt_oss(), no_sinks, ids, mask, reference="eager")
 
 
+def deepseek_v3():
+    # Multi-head latent attention: Q and K of 12 + 4 (rotary) lanes, V of 8; dense MLPs only.
+    tiny = {k: x for k, x in TINY.items() if k not in ("head_dim", "num_key_value_heads")}
+    return transformers.DeepseekV3Config(**tiny, moe_intermediate_size=32, qk_nope_head_dim=12,
+                                         qk_rope_head_dim=4, v_head_dim=8, kv_lora_rank=16, q_lora_rank=None,
+                                         first_k_dense_replace=TINY["num_hidden_layers"], n_routed_experts=2,
+                                         num_experts_per_tok=1, n_group=1, topk_group=1, rope_interleave=False)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_deepseek_v3_latent_attention(padded):
+    # V's head dim differs from Q's and K's (transformers pads V to Q's for FlashAttention
+    # kernels and crops the output).
+    torch.manual_seed(0)
+    ids, mask = batch_of(2, 13, pads=[(1, 3, 0)] if padded else [])
+    check_model(deepseek_v3(), ids, mask)
+
+
 def test_generate_with_cache_matches_sdpa():
     """Greedy decoding with a KV cache (one query over the cached keys at each step, bottom-right
     causal), left-padded as generation pads.  Each step's logits are within the rule of the
