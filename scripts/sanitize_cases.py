@@ -3,8 +3,9 @@
 Each version (v1, v2, v3) on shapes that hit every code path once: sequence lengths that are not
 block multiples (masked tails), a block-multiple length (v3's unmasked TMA path), causal with
 seqlen_q != seqlen_k, a sliding window, GQA, varlen (with offsets given as a strided view),
-softcap, ALiBi, sinks, and head dims that need padding; with v3, float8 inputs (FlashAttention-3's
-interface, and fp8_attn_func per block with both backwards).  Prints one line per case; memcheck
+softcap, ALiBi, sinks, head dims that need padding, and V with a head dim of its own (under v3 the
+Gluon forward taking it, asked for); with v3, float8 inputs (FlashAttention-3's interface, and
+fp8_attn_func per block with both backwards).  Prints one line per case; memcheck
 reports any out-of-bounds or misaligned access.
 
     compute-sanitizer --tool memcheck python scripts/sanitize_cases.py --kernel-options "backward=gluon"
@@ -37,6 +38,13 @@ ALIBI_CASES = [
     (2, 300, 200, 4, 4, 128, False, (64, 16), 30.0),
 ]
 
+# V with a head dim of its own (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, head_dim_v,
+# causal): MLA's 192 / 128 (d256's tiles, S over 192 lanes), 128 / 64, lengths off the blocks.
+OWN_V_CASES = [
+    (1, 190, 333, 2, 1, 192, 128, True),
+    (2, 300, 300, 4, 2, 128, 64, False),
+]
+
 # Float8 inputs (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal): key counts off
 # 16 (V's keys-contiguous copy is padded), GQA, each head dim, and a d64 band (v2's FP8 forward).
 FP8_CASES = [
@@ -60,6 +68,19 @@ def run(version, case, device, kernel_options, alibi=False):
     out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, version=version,
                           alibi_slopes=slopes(b, hq, device) if alibi else None, sinks=sinks,
                           kernel_options=kernel_options)
+    out.backward(torch.randn_like(out))
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_own_v(version, case, device, kernel_options):
+    b, sq, sk, hq, hk, d, dv, causal = case
+    q = torch.randn(b, sq, hq, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, sk, hk, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(b, sk, hk, dv, device=device, dtype=torch.bfloat16, requires_grad=True)
+    if "forward=" not in kernel_options:  # the Gluon forward takes the pair only when asked
+        kernel_options = ";".join(filter(None, (kernel_options, "forward=gluon")))
+    out = flash_attn_func(q, k, v, causal=causal, version=version, kernel_options=kernel_options)
     out.backward(torch.randn_like(out))
     if device == "cuda":
         torch.cuda.synchronize()
@@ -108,6 +129,10 @@ def main():
             print(f"{version} {case} alibi, sinks ok", flush=True)
         run_varlen(version, args.device, args.kernel_options)
         print(f"{version} varlen ok", flush=True)
+        if version != "v1":  # (v1 takes one head dim)
+            for case in OWN_V_CASES:
+                run_own_v(version, case, args.device, args.kernel_options)
+                print(f"{version} {case} own V head dim ok", flush=True)
     if "fp8" in versions:
         for case in FP8_CASES:
             run_fp8(case, args.device)
