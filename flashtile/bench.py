@@ -545,9 +545,9 @@ def markdown_table(records, baseline=None, failures=()):
     env = {k: records[0][k] for k in ("gpu", "torch", "triton", "commit", "date")}
     dtypes = list(dict.fromkeys(r["dtype"] for r in records))
     float8_backward = any(r["dtype"] in FLOAT8 and r["mode"] != "fwd" for r in records)
+    flops_formula = "2*b*h*sq*sk*(d + dv)" if any(r.get("dv") for r in records) else "4*b*h*sq*sk*d"
     lines = [f"GPU {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, "
-             f"{env['date']}; TFLOP/s (forward {'2*b*h*sq*sk*(d + dv)' if any(r.get('dv') for r in records) else '4*b*h*sq*sk*d'}"
-             f", half when causal; backward 2.5x), "
+             f"{env['date']}; TFLOP/s (forward {flops_formula}, half when causal; backward 2.5x), "
              f"{', '.join(dtypes)}, "
              f"{PACKED_STORAGE if any(r.get('varlen') for r in records) else '(batch, seqlen, heads, headdim) storage'}"
              f"{'; float8 inputs with descales per (sequence, KV head), bf16 output' if set(dtypes) & set(FLOAT8) else ''}"
@@ -568,7 +568,8 @@ def markdown_table(records, baseline=None, failures=()):
         versus += [(p, "bf16") for p in providers if any(key[0] == p for key in bf16)]
         cols = providers + [f"{p}/{b}" for p, b in versus]
         own_v = f"/{rows[0]['dv']}" if rows[0].get("dv") else ""  # V's head dim of its own
-        lines += [f"### d{d}{own_v} {'causal' if causal else 'non-causal'} {mode}{' ' + dtype if len(dtypes) > 1 else ''}"
+        lines += [f"### d{d}{own_v} {'causal' if causal else 'non-causal'} {mode}"
+                  f"{' ' + dtype if len(dtypes) > 1 else ''}"
                   f"{' packed' if varlen else ''}", "",
                   "| seqlen | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
         for s in seqlens:

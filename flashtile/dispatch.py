@@ -13,11 +13,11 @@ Forward kernels:
                  not take (broadcast layouts, the interpreter) and, unless kernel options force
                  the Gluon one, varlen
 With a V head dim of its own v3 runs v2's kernels both ways, or the Gluon forward (not in
-float8) and the two Gluon backward passes when kernel options ask for them (experimental); with dropout (kernels/dropout.py)
-the Gluon forward where it runs (else v2's) and v2's backward (the Gluon two passes when the
-options ask for them).  FP8 inputs run the Gluon
-forward where it takes the problem, else v2's; their backward (fp8_attn_func's FP8 backward) is
-v2's in its FP8 mode.
+float8) and the two Gluon backward passes when kernel options ask for them (experimental).
+With dropout (kernels/dropout.py) the Gluon forward where it runs (else v2's) and v2's
+backward (the Gluon two passes when the options ask for them).  FP8 inputs run the Gluon
+forward where it takes the problem, else v2's; their backward (fp8_attn_func's FP8 backward)
+is v2's in its FP8 mode.
 Backward kernels:
   "tiled", "v1", "v2"   as above
   "v3-gluon"     two warp-specialized Gluon passes, dQ then dK/dV, bitwise reproducible

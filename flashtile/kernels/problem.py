@@ -175,6 +175,12 @@ class Problem:
         return self.own_head_dim_v or self.head_dim
 
     @property
+    def head_dims(self) -> int:
+        """Q's (and K's) head dim in the low 16 bits, V's (and O's) in the high ones: the Gluon
+        kernels' ``head_dims`` argument, one argument whether V has a head dim of its own or not."""
+        return self.head_dim | self.head_dim_v << 16
+
+    @property
     def head_dim_v_pad(self) -> int:
         return padded_head_dim(self.head_dim_v)
 

@@ -61,7 +61,7 @@ from flashtile.kernels import configs, dropout, packed_tiles, score
 from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks, band_mask, band_rows_mask
 from flashtile.kernels.configs import gluon_bwd_stationary_rows, split_head_dim
-from flashtile.kernels.gluon.pipeline import buffer_of, release, tma_reduce_add
+from flashtile.kernels.gluon.pipeline import buffer_of, lanes_product, release, tma_reduce_add
 from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter,
                                                packed_tile, publish_tile, read_next_tile, read_tile, sm_count,
                                                start_tiles, stationary_tile, tile_counter, Sequences, Value, value, values)
@@ -428,20 +428,13 @@ def _scores(a, b, c_smem, d_smem, ready, count, s_zero, ROWS: gl.constexpr, HEAD
     """The streamed pair (c, d) of block ``count`` in its ring slot, once landed, and the
     stationary rows' scores against it from shared memory, issued and left in flight: a c^T and
     b d^T (S and dP in the dQ pass, S^T and dP^T in the dK/dV pass; c is Q or K, of Q's head
-    dim, d dO or V, of V's; a c^T over the first QK_LANES lanes: configs.qk_lanes).  Returns the
+    dim, d dO or V, of V's; a c^T over the first QK_LANES lanes: pipeline.lanes_product).  Returns the
     slot, the pair as 2-D tiles of ROWS rows and the two products."""
     slot, phase = buffer_of(count, STAGES)
     mbarrier.wait(ready.index(slot), phase)
     c = c_smem.index(slot).reshape([ROWS, HEAD_DIM_PAD])
     d = d_smem.index(slot).reshape([ROWS, HEAD_DIM_V_PAD])
-    if QK_LANES == HEAD_DIM_PAD:
-        s = warpgroup_mma(a, c.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    else:  # two products over the lanes' power-of-two parts (192: 128 then 64)
-        FIRST: gl.constexpr = QK_LANES // 3 * 2
-        s = warpgroup_mma(a.slice(0, FIRST, dim=1), c.slice(0, FIRST, dim=1).permute((1, 0)), s_zero,
-                          use_acc=False, is_async=True)
-        s = warpgroup_mma(a.slice(FIRST, QK_LANES - FIRST, dim=1),
-                          c.slice(FIRST, QK_LANES - FIRST, dim=1).permute((1, 0)), s, is_async=True)
+    s = lanes_product(a, c, s_zero, QK_LANES)
     dp = warpgroup_mma(b, d.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     return slot, c, d, s, dp
 
@@ -936,14 +929,16 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
     partition (WHICH 0) and own the tile's 64 rows, half the head dim of dQ each; S and dP are
     split by K/V rows and dS meets in shared memory (two buffers, one barrier per block).  Packed
     sequences: rows running past the tile's sequence leave by pointer (``packed_grads``: dQ,
-    its row and head strides, the head dims as _dq_kernel takes them).  DROPOUT: dS takes the kept dP, scaled (``dropped``: the seed
+    its row and head strides, the head dims: Problem.head_dims).  DROPOUT: dS takes the kept dP,
+    scaled (``dropped``: the seed
     pointer and the rate)."""
     q_smem, do_smem, k_smem, v_smem, tile_ids = bufs.a, bufs.b, bufs.c, bufs.d, bufs.tile_ids
     q_ready, q_empty, kv_ready, kv_empty = bufs.stationary_ready, bufs.stationary_empty, bufs.ring_ready, bufs.ring_empty
     num_tiles = walk.num_tiles  # (the sequence's lengths: each tile's)
     window_left, window_right = walk.window_left, walk.window_right
     LSE, DELTA, slb, slh = row_stats.LSE, row_stats.DELTA, row_stats.slb, row_stats.slh
-    O, sob, sos, soh, head_dim_v, DLSE = delta_in.O, delta_in.sob, delta_in.sos, delta_in.soh, delta_in.head_dim, delta_in.DLSE
+    O, sob, sos, soh, DLSE = delta_in.O, delta_in.sob, delta_in.sos, delta_in.soh, delta_in.DLSE
+    head_dim_v = delta_in.head_dim
     SLOTS: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = WARPGROUP_ROWS
     dtype: gl.constexpr = q_smem.dtype
@@ -1091,12 +1086,6 @@ def _packed_views(p, *tensors):
     return tuple(x.unsqueeze(0) for x in tensors) if p.varlen else tensors
 
 
-def head_dims(p) -> int:
-    """The kernels' ``head_dims`` argument: Q's (and K's) head dim in the low 16 bits, V's (and
-    O's) in the high ones."""
-    return p.head_dim | p.head_dim_v << 16
-
-
 def _two_passes(cfg, p, dout, dlse, q, k, v, out, lse):
     dq, dk, dv = p.gradients(q, k, v)
     delta = torch.empty_like(lse)
@@ -1111,7 +1100,7 @@ def _two_passes(cfg, p, dout, dlse, q, k, v, out, lse):
         tma_host.descriptor(q4, rows, pad), tma_host.descriptor(dout4, rows, pad_v),
         tma_host.descriptor(k4, cfg.dq_block_n, pad), tma_host.descriptor(v4, cfg.dq_block_n, pad_v),
         tma_host.descriptor(dq4, partition_rows(pad), pad),
-        out, *p.seq_strides(out), head_dims(p), lse, delta if dlse is None else dlse, delta,
+        out, *p.seq_strides(out), p.head_dims, lse, delta if dlse is None else dlse, delta,
         *p.row_stat_strides(lse), walked.count, p.heads_q, p.group,
         walk_head_group(p, walked.count, p.batch * p.heads_q, p.seqlen_k * (pad + pad_v) * q.element_size(),
                         q.device),
@@ -1199,7 +1188,7 @@ def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
                         p.group * p.seqlen_q * (pad + pad_v) * q.element_size(), q.device),
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
         schedule.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles, walked.listed,
-        walked.m_blocks, dk, dv, dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), head_dims(p),
+        walked.m_blocks, dk, dv, dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), p.head_dims,
         dropout.seed_argument(p, cu_q), p.dropout_p,
         BLOCK_M=cfg.kv_block_m, BLOCK_N=rows, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, DQ_REDUCE=dq_reduce,
         SPLIT_D=split_head_dim(pad), SHARED_SCORES=shared_scores(cfg, pad, dq_reduce), SCORE=score.mod_of(p),

@@ -56,6 +56,7 @@ from flashtile.kernels import configs, dropout, packed_tiles, score
 from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile
 from flashtile.kernels.configs import WARPGROUP_ROWS
+from flashtile.kernels.gluon.pipeline import lanes_product
 from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter,
                                                packed_tile, publish_tile, read_next_tile, read_tile, sm_count,
                                                start_tiles, tile_counter, Sequences, Value, value, values)
@@ -95,8 +96,8 @@ class Schedule:
     DROPOUT: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_LANES, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
-                 PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8, FRESH_PV,
+    def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_LANES, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS,
+                 PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8, FRESH_PV,
                  CHECK_FINITE, VARLEN, DROPOUT):
         self.ROWS = gl.constexpr(ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -352,11 +353,12 @@ class Descales:
 
 
 # Where _exact_rows finds Q, K, V and O: 64-bit words in shared memory (each pointer as an
-# integer, then its batch, sequence and head strides; then the head dims, as the kernel takes them), written before the
+# integer, then its batch, sequence and head strides; then the head dims: Problem.head_dims), written before the
 # partitions start.  As kernel arguments captured by the consumer partitions they would take
 # registers through the main loop for a path that almost never runs.
 _STASH_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
-Q_AT, K_AT, V_AT, O_AT, HEAD_DIMS_AT = gl.constexpr(0), gl.constexpr(4), gl.constexpr(8), gl.constexpr(12), gl.constexpr(16)
+Q_AT, K_AT, V_AT, O_AT = gl.constexpr(0), gl.constexpr(4), gl.constexpr(8), gl.constexpr(12)
+HEAD_DIMS_AT = gl.constexpr(16)
 STASH_WORDS = gl.constexpr(32)
 
 
@@ -504,21 +506,13 @@ def _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH: gl.constexpr, PI
                   QK_LANES: gl.constexpr):
     """Start S = Q K^T on K/V ring slot ``slot`` once it is this consumer's turn and K has landed.
     Turns go round the consumers in order; consumer 0 takes the first without waiting.  The
-    product reduces over Q's and K's first QK_LANES lanes: past them the padded tiles hold zeros
-    (a head dim of 192 in d256's tiles: two MMAs, over 128 lanes then 64)."""
+    product reduces over Q's and K's first QK_LANES lanes (pipeline.lanes_product): past them the
+    padded tiles hold zeros."""
     if PINGPONG:
         mbarrier.wait(buf.turn.index(WHICH), (turns & 1) ^ (WHICH == 0))
     mbarrier.wait(buf.k_ready.index(slot), phase)
     k = buf.k.index(slot)
-    k = k.reshape([k.shape[1], k.shape[3]])
-    if QK_LANES == k.shape[1]:
-        return warpgroup_mma(q_op, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    else:
-        FIRST: gl.constexpr = QK_LANES // 3 * 2  # (192 lanes: 128 then 64)
-        s = warpgroup_mma(q_op.slice(0, FIRST, dim=1), k.slice(0, FIRST, dim=1).permute((1, 0)), s_zero,
-                          use_acc=False, is_async=True)
-        return warpgroup_mma(q_op.slice(FIRST, QK_LANES - FIRST, dim=1),
-                             k.slice(FIRST, QK_LANES - FIRST, dim=1).permute((1, 0)), s, is_async=True)
+    return lanes_product(q_op, k.reshape([k.shape[1], k.shape[3]]), s_zero, QK_LANES)
 
 
 @gluon.jit
@@ -851,7 +845,8 @@ def _exact_rows_cold(q_base, sqs, k_base, sks, v_base, svs, o_base, sos, lse_row
                 p *= dropout.key_scale((seed, stream, dropout_p), rows, key)
             v = gl.load(v_base + key.to(gl.int64) * svs + cols, mask=cols < head_dim_v, other=0.0)
             acc += gl.where(visible[:, None], p[:, None] * v.to(gl.float32)[None, :], 0.0)
-        gl.store(o_rows + cols[None, :], acc.to(o_base.dtype.element_ty), mask=in_seq[:, None] & (cols[None, :] < head_dim_v))
+        gl.store(o_rows + cols[None, :], acc.to(o_base.dtype.element_ty),
+                 mask=in_seq[:, None] & (cols[None, :] < head_dim_v))
 
 
 @gluon.jit
@@ -965,8 +960,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
                 Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr, DISTANCE: gl.constexpr,
                 BOUNDED: gl.constexpr, FP8: gl.constexpr, FRESH_PV: gl.constexpr, CHECK_FINITE: gl.constexpr,
                 VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
-    S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_LANES, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS, PINGPONG, OVERLAP,
-                               PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8,
+    S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_LANES, STAGES, CONSUMERS, Q_SLOTS,
+                               O_BUFFERS, PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8,
                                FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
@@ -1087,12 +1082,6 @@ def q_in_registers(head_dim_pad, cfg) -> bool:
     return cfg.q_registers and head_dim_pad <= 128 and cfg.consumers == 2
 
 
-def head_dims(p) -> int:
-    """The kernel's ``head_dims`` argument: Q's (and K's) head dim in the low 16 bits, V's (and
-    O's) in the high ones; one argument, so that a V head dim of its own adds none."""
-    return p.head_dim | p.head_dim_v << 16
-
-
 def forward(plan, p, q, k, v):
     """Output (V's head dim) and logsumexp (and an empty ``saved``) under the plan's schedule.
     Packed sequences (varlen: (total, heads, head dim)) are seen by TMA as one batch entry, (1,
@@ -1125,7 +1114,7 @@ def forward(plan, p, q, k, v):
         tma_host.descriptor(q4, rows, pad), tma_host.descriptor(k4, cfg.block_n, pad),
         v_desc, tma_host.descriptor(out4, rows, pad_v),
         q, *p.seq_strides(q), k, *p.seq_strides(k), v, *p.seq_strides(v), out, *p.seq_strides(out),
-        head_dims(p), lse, *p.row_stat_strides(lse),
+        p.head_dims, lse, *p.row_stat_strides(lse),
         batch_heads, p.heads_q, p.group, head_group, m_blocks, num_tiles,
         p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, cu_q, cu_k, p.totals, tiles, count, p.scale_log2,
         tile_counter(q.device) if consts["DYNAMIC"] else no_counter(q.device), score.args_of(p),

@@ -1,10 +1,11 @@
 """The Gluon kernels' shared-memory pipeline: ring slots and their mbarrier phases, releasing a
-buffer to the producer, and the TMA reduce-add Gluon 3.6 does not expose."""
+buffer to the producer, the scores' product over a head dim's lanes, and the TMA reduce-add
+Gluon 3.6 does not expose."""
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
 
 
 @builtin
@@ -20,6 +21,23 @@ def buffer_of(count, BUFFERS: gl.constexpr):
     """Buffer and mbarrier phase of the ``count``-th use of a BUFFERS-deep set of buffers (the
     ring, the stationary slots), counted from 0 since the launch."""
     return count % BUFFERS, (count // BUFFERS) & 1
+
+
+@gluon.jit
+def lanes_product(a, b, zero, LANES: gl.constexpr):
+    """a b^T reduced over the first LANES lanes of both (rows x lanes tiles; ``b`` in shared
+    memory, ``a`` in registers only when LANES is all of its lanes), issued and left in flight.
+    Fewer lanes than the tiles hold (configs.qk_lanes: 192 of d256's 256) go as two products over
+    slices of 2/3 and 1/3 of them, each a commit group: a wait that leaves later groups in flight
+    covers both."""
+    if LANES == a.shape[1]:
+        return warpgroup_mma(a, b.permute((1, 0)), zero, use_acc=False, is_async=True)
+    else:
+        FIRST: gl.constexpr = LANES // 3 * 2
+        acc = warpgroup_mma(a.slice(0, FIRST, dim=1), b.slice(0, FIRST, dim=1).permute((1, 0)), zero,
+                            use_acc=False, is_async=True)
+        rest_a, rest_b = a.slice(FIRST, LANES - FIRST, dim=1), b.slice(FIRST, LANES - FIRST, dim=1)
+        return warpgroup_mma(rest_a, rest_b.permute((1, 0)), acc, is_async=True)
 
 
 @gluon.jit
