@@ -1,16 +1,16 @@
 """Attention dropout: which probabilities are kept, from a counter-based RNG (Philox).
 
 One Philox-4x32-7 call (seven rounds, as FlashAttention-2 draws its dropout: Philox-4x32-7
-passes BigCrush, and the rounds are most of dropout's cost in the kernels) gives 128 bits, eight 16-bit numbers, for eight keys of one query row:
-call 4g + q of a row covers keys 32g + 8w + 2q + h, taking half h of word w (w < 4, h < 2).
-That is the keys one thread of a Hopper warpgroup MMA's accumulator holds (2q + h in each group
-of eight, four groups apart), so the Gluon kernels draw their own numbers with no exchange
-between threads.  The call for row r of query head h in sequence b has the counter
-(call, r, b * heads_q + h, 0) and the seed as its key: every score has its own number, whatever
-the tiles or the sequences' lengths.  A score is kept when its number is at least
-round(dropout_p * 2**16) (dropout_p rounded to a multiple of 2**-16) and then scaled by
-1 / (1 - dropout_p).  Nothing is stored: the backward draws the same numbers from the same seed.
-The seed is a one-element int64 tensor on the device, drawn from torch's generator
+passes BigCrush, and the rounds are most of dropout's cost in the kernels) gives 128 bits, eight
+16-bit numbers, for eight keys of one query row: call 4g + q of a row covers keys
+32g + 8w + 2q + h, taking half h of word w (w < 4, h < 2). That is the keys one thread of a Hopper warpgroup
+MMA's accumulator holds (2q + h in each group of eight, four groups apart), so the Gluon kernels
+draw their own numbers with no exchange between threads. The call for row r of query head h in
+sequence b has the counter (call, r, b * heads_q + h, 0) and the seed as its key: every score
+has its own number, whatever the tiles or the sequences' lengths. A score is kept when its
+number is at least round(dropout_p * 2**16) (dropout_p rounded to a multiple of 2**-16) and then
+scaled by 1 / (1 - dropout_p). Nothing is stored: the backward draws the same numbers from the
+same seed. The seed is a one-element int64 tensor on the device, drawn from torch's generator
 (``new_seed``): ``torch.manual_seed`` reproduces a run, a CUDA graph replays the draw, and no
 value crosses to the host.
 """

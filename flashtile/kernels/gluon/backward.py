@@ -64,7 +64,8 @@ from flashtile.kernels.configs import gluon_bwd_stationary_rows, split_head_dim
 from flashtile.kernels.gluon.pipeline import buffer_of, lanes_product, release, tma_reduce_add
 from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter,
                                                packed_tile, publish_tile, read_next_tile, read_tile, sm_count,
-                                               start_tiles, stationary_tile, tile_counter, Sequences, Value, value, values)
+                                               start_tiles, stationary_tile, tile_counter, Sequences, Value, value,
+                                               values)
 from flashtile.kernels.launch import launch
 from flashtile.kernels.tiles import LOG2E, load_tile, row_delta
 

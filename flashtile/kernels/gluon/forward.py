@@ -97,8 +97,8 @@ class Schedule:
 
     @gluon.constexpr_function
     def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_LANES, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS,
-                 PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8, FRESH_PV,
-                 CHECK_FINITE, VARLEN, DROPOUT):
+                 PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8,
+                 FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT):
         self.ROWS = gl.constexpr(ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM_PAD = gl.constexpr(HEAD_DIM_PAD)
@@ -961,8 +961,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
                 BOUNDED: gl.constexpr, FP8: gl.constexpr, FRESH_PV: gl.constexpr, CHECK_FINITE: gl.constexpr,
                 VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
     S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_LANES, STAGES, CONSUMERS, Q_SLOTS,
-                               O_BUFFERS, PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8,
-                               FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT)
+                               O_BUFFERS, PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE,
+                               DISTANCE, BOUNDED, FP8, FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
     if VARLEN:  # the packed list's length, written on the device (packed_tiles.py)
