@@ -7,8 +7,14 @@ the end.  ``dispatch.resolve_version`` decides what attends, as for flash_attn_f
 kernel of kernels/decode.py (its split count from ``dispatch.decode_plan``) wherever Triton runs,
 and the PyTorch path (dispatch's "tiled" plan, tiled.py) on CPU tensors outside the interpreter,
 each sequence's keys gathered into one varlen problem.  Forward only, as in flash_attn.
+
+A decoding loop makes the same kind of call at every step, and at small batches its host path
+is what a step costs: a call on the kernels is checked and planned once per kind (shapes,
+strides, dtypes, devices, scalars: ``_kind``), its launches prepared
+(``_Step``, ``_STEPS``); later calls of the kind check only what can change between calls (an
+int's value, tables in host memory) and launch (``_Step.repeat``).
 """
-import types
+from typing import NamedTuple
 
 import torch
 
@@ -168,6 +174,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     version can run.  ``kernel_options``: developer switches (options.KernelOptions:
     tiles.decode, tiles.decode_paged).
     """
+    kind = _kind(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                 block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                 num_splits, version, kernel_options)
+    step = None if kind is None else _STEPS.get(kind)
+    if step is not None:
+        out, lse = step.repeat(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad,
+                               cache_batch_idx, block_table, alibi_slopes)
+        return (out, lse) if return_softmax_lse else out
     _same_kind("q", q, q)
     if q.dtype not in validation.SUPPORTED_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; flashtile supports torch.float16 and torch.bfloat16")
@@ -251,9 +265,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     opts = options.resolve(kernel_options)
     version = dispatch.resolve_version(version, q.device)  # before the cache is written
 
-    tiled = version == "tiled"
-    rotary_tables = None
-    if tiled:  # PyTorch operations
+    if version == "tiled":  # PyTorch operations
         new_positions = _positions(seqlens, seqlen_new, batch, q.device, capacity) if k is not None else None
         if rotary_cos is not None:
             k = rotary.apply(k, rotary_cos, rotary_sin, new_positions, rotary_interleaved)
@@ -265,25 +277,118 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             q = rotary.apply(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
         if k is not None:
             _append(k_cache, v_cache, k, v, new_positions, batch_idx, block_table)
-    else:  # kernels: the queries rotated in one launch, the new keys rotated and appended in another
-        if rotary_cos is not None:
-            rotary_tables = (validation.last_dim_contiguous(rotary_cos), validation.last_dim_contiguous(rotary_sin),
-                             rotary_interleaved)
-            # (the positions the PyTorch path clamps to the capacity where the queries are the new keys)
-            limit = capacity if queries_advance and seqlen_q == seqlen_new else rotary_cos.shape[0]
-            q = decode.rotate(validation.last_dim_contiguous(q), *rotary_tables, seqlens, queries_advance, limit)
-        if k is not None:
-            decode.append(k_cache, v_cache, validation.last_dim_contiguous(k), validation.last_dim_contiguous(v),
-                          seqlens, batch_idx, block_table, rotary_tables)
-    ends, new_keys = (seqlens, seqlen_new) if isinstance(seqlens, torch.Tensor) else (None, seqlens + seqlen_new)
-    if tiled:
-        ends = torch.full((batch,), new_keys, device=q.device) if ends is None else ends.long() + new_keys
-        out, lse = _tiled_forward(q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity, scale, window,
-                                  softcap, alibi_slopes, opts)
+        ends = torch.full((batch,), seqlens, device=q.device) if isinstance(seqlens, int) else seqlens.long()
+        out, lse = _tiled_forward(q, k_cache, v_cache, ends + seqlen_new, leftpad, batch_idx, block_table, capacity,
+                                  scale, window, softcap, alibi_slopes, opts)
         return (out, lse) if return_softmax_lse else out
-    q = validation.last_dim_contiguous(q)
+
+    # Kernels: the queries rotated in one launch, the new keys rotated and appended in another,
+    # then the split-KV attention (and its combine).
+    reused = kind is not None
+    tables = isinstance(seqlens, torch.Tensor)
+    rotate = append = None
+    if rotary_cos is not None:
+        # (the positions the PyTorch path clamps to the capacity where the queries are the new keys)
+        limit = capacity if queries_advance and seqlen_q == seqlen_new else rotary_cos.shape[0]
+        rotate = decode.Rotate(validation.last_dim_contiguous(q), validation.last_dim_contiguous(rotary_cos), tables,
+                               queries_advance, limit, rotary_interleaved, reused)
+    if k is not None:
+        append = decode.Append(k_cache, v_cache, validation.last_dim_contiguous(k), validation.last_dim_contiguous(v),
+                               tables, batch_idx is not None, block_table,
+                               None if rotary_cos is None else validation.last_dim_contiguous(rotary_cos),
+                               rotary_interleaved, reused)
+    # The queries attended: rotated into a new contiguous tensor, or as given.
+    attended = validation.last_dim_contiguous(q) if rotate is None else torch.empty(q.shape, dtype=q.dtype,
+                                                                                   device="meta")
     plan = dispatch.decode_plan(q, heads_k, capacity, num_splits, block_table is not None, opts)
-    features = types.SimpleNamespace(softcap=softcap, alibi_slopes=alibi_slopes)
-    out, lse = decode.forward(plan, q, k_cache, v_cache, ends, new_keys, leftpad, batch_idx, block_table, scale,
-                              window, features)
+    attend = decode.Attend(plan, attended, k_cache, v_cache, tables, leftpad is not None, batch_idx is not None,
+                           block_table, scale, window, softcap, alibi_slopes is not None, reused)
+    step = _Step(rotate, append, attend, capacity, seqlen_new, None if rotary_cos is None else rotary_cos.shape[0],
+                 rotary_span)
+    if reused:
+        if len(_STEPS) >= _MAX_STEPS:
+            _STEPS.clear()
+        _STEPS[kind] = step
+    out, lse = step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, leftpad, batch_idx, block_table,
+                    alibi_slopes)
     return (out, lse) if return_softmax_lse else out
+
+
+# Decoding steps checked and planned once per kind of call (``_kind``): _Step.  Cleared when full.
+_STEPS: dict = {}
+_MAX_STEPS = 256
+
+
+def _kind(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+          block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+          version, kernel_options):
+    """The kind of a call, for ``_STEPS``: everything its checks, plan and launches depend on
+    (each tensor's shape, strides, dtype and device; the scalars; the options), with numbers of
+    their plain Python types and tensors of torch.Tensor's own type.  None for any other call,
+    which the full path checks every time.  ``cache_seqlens`` counts as an int, whatever its
+    value (checked at each call)."""
+    if type(q) is not torch.Tensor or (q.requires_grad and torch.is_grad_enabled()):
+        return None
+    if not (type(causal) is bool and type(softcap) is float and type(num_splits) is int and type(version) is str
+            and type(rotary_interleaved) is bool and (softmax_scale is None or type(softmax_scale) is float)
+            and type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
+            and type(window_size[1]) is int):
+        return None
+    if kernel_options is None:
+        kernel_options = options.ENVIRONMENT
+    elif not isinstance(kernel_options, (str, options.KernelOptions)):
+        return None
+    kind = [softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, version, kernel_options]
+    for x in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+              block_table, alibi_slopes):
+        if x is None:
+            kind.append(None)
+        elif type(x) is torch.Tensor:
+            kind += (x.shape, x.stride(), x.dtype, x.device)
+        elif type(x) is int and x is cache_seqlens:
+            kind.append(int)
+        else:
+            return None
+    return tuple(kind)
+
+
+class _Step(NamedTuple):
+    """The kernels of one kind of call (decode.Rotate and decode.Append, None where the call has
+    no rotary or no new keys; decode.Attend) and what its checks at each call read."""
+    rotate: object
+    append: object
+    attend: object
+    capacity: int
+    seqlen_new: int
+    rotary_rows: int | None
+    rotary_span: int
+
+    def __call__(self, q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, block_table, alibi_slopes):
+        """(out, lse), the tables checked (``seqlens`` an int or a contiguous int32 table)."""
+        if cos is not None:
+            cos, sin = validation.last_dim_contiguous(cos), validation.last_dim_contiguous(sin)
+        if self.rotate is not None:
+            q = self.rotate(validation.last_dim_contiguous(q), cos, sin, seqlens)
+        if self.append is not None:
+            self.append(k_cache, v_cache, validation.last_dim_contiguous(k), validation.last_dim_contiguous(v),
+                        seqlens, batch_idx, block_table, cos, sin)
+        ends, new_keys = (seqlens, self.seqlen_new) if isinstance(seqlens, torch.Tensor) else \
+            (None, seqlens + self.seqlen_new)
+        return self.attend(validation.last_dim_contiguous(q), k_cache, v_cache, ends, new_keys, leftpad, batch_idx,
+                           block_table, alibi_slopes)
+
+    def repeat(self, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, leftpad, batch_idx, block_table, alibi_slopes):
+        """A call of this kind after the first: what the full path does at every call (value
+        checks of ints and of tables in host memory, the tables made contiguous), then the step."""
+        seqlens = self.capacity - self.seqlen_new if cache_seqlens is None else cache_seqlens
+        leftpad, batch_idx, block_table, alibi_slopes = (None if x is None else x.contiguous()
+                                                          for x in (leftpad, batch_idx, block_table, alibi_slopes))
+        if type(seqlens) is int:
+            fits = 0 <= seqlens <= self.capacity - self.seqlen_new and (
+                self.rotary_rows is None or seqlens + self.rotary_span <= self.rotary_rows)
+        else:
+            seqlens, fits = seqlens.contiguous(), True
+        if not fits or not q.is_cuda:
+            _check_values(seqlens, self.seqlen_new, self.capacity, leftpad, batch_idx, k_cache.shape[0], block_table,
+                          k_cache.shape[0], self.rotary_rows, self.rotary_span)
+        return self(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, block_table, alibi_slopes)

@@ -1,6 +1,7 @@
 """flash_attn_with_kvcache: decoding and chunked prefill over contiguous and paged caches, new
 keys appended (with rotary), split-KV, against the float64 oracle per sequence, on the split-KV
 kernel and on the PyTorch path (CPU tensors outside the interpreter, or version="tiled")."""
+import functools
 import os
 import subprocess
 import sys
@@ -19,6 +20,13 @@ HEAD_DIM = 64 if ON_GPU else 32
 # "auto": the split-KV kernel here (a GPU or the interpreter); "tiled": the PyTorch path.
 VERSIONS = ["auto", "tiled"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def attend(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, block_table, scale, window, features):
+    """decode.Attend for one call."""
+    step = decode.Attend(plan, q, k_cache, v_cache, seqlens is not None, leftpad is not None, batch_idx is not None,
+                         block_table, scale, window, features.softcap, features.alibi_slopes is not None)
+    return step(q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, block_table, features.alibi_slopes)
 
 
 def queries_advance(causal, window_size, capacity):
@@ -203,13 +211,83 @@ def test_paged_equals_contiguous_bitwise():
     scale, window = case.q.shape[-1] ** -0.5, (-1, 0)
     for paged in (False, True):
         plan = dispatch.decode_plan(case.q, 2, case.k_dense.shape[1], 3, paged=paged)
-        runs = [decode.forward(plan, case.q, case.k_pages, case.v_pages, lengths, 0, None, None, case.block_table,
-                               scale, window, features),
-                decode.forward(plan, case.q, case.k_dense, case.v_dense, lengths, 0, None, None, None, scale, window,
-                               features)]
+        runs = [attend(plan, case.q, k, v, lengths, 0, None, None, table, scale, window, features)
+                for k, v, table in ((case.k_pages, case.v_pages, case.block_table), (case.k_dense, case.v_dense, None))]
         assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), f"paged plan: {paged}"
     out, lse = case.run(causal=True, num_splits=3)
     case.check(out, lse, causal=True)
+
+
+@pytest.mark.parametrize("seqlens,page_size", [("tensor", 16), ("int", None), (None, None)])
+def test_repeated_steps_are_checked_once(seqlens, page_size, monkeypatch):
+    # The common decoding step (attention over a cache its keys are already in) is checked and
+    # planned at its first call; later calls of the same kind reuse that, reading the tensors
+    # they are given: the same bits for the same inputs, the oracle's result for new queries.
+    monkeypatch.setattr(kvcache, "_STEPS", {})
+    case = Case(batch=3, seqlen_q=1, heads=4, heads_k=2, capacity=90, page_size=page_size)
+    if seqlens == "int":
+        case.lengths[:] = 70
+    elif seqlens is None:
+        case.lengths[:] = 90
+    caches = (case.k_pages, case.v_pages) if page_size else (case.k_dense, case.v_dense)
+
+    def call(q):
+        arg = case.lengths.int().to(DEVICE) if seqlens == "tensor" else 70 if seqlens == "int" else None
+        return flash_attn_with_kvcache(q, *caches, cache_seqlens=arg, block_table=case.block_table, causal=True,
+                                       num_splits=2, return_softmax_lse=True)
+    first = call(case.q)
+    assert len(kvcache._STEPS) == 1
+    monkeypatch.setattr(kvcache, "_same_kind", lambda *args: pytest.fail("a repeated step was checked again"))
+    second = call(case.q)
+    assert len(kvcache._STEPS) == 1
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    case.check(*second, causal=True)
+    case.q = torch.randn_like(case.q)
+    case.check(*call(case.q), causal=True)
+
+
+@pytest.mark.parametrize("layout", ["paged_rotary", "rows_leftpad_alibi"])
+def test_repeated_steps_with_new_keys(layout, monkeypatch):
+    # Steps that append (and rotate) are remembered too; ALiBi's slopes are read at each call.
+    monkeypatch.setattr(kvcache, "_STEPS", {})
+    if layout == "paged_rotary":
+        case, slopes = Case(batch=3, seqlen_q=2, seqlen_new=2, page_size=16, rotary=False), (None, None)
+    else:
+        case = Case(batch=3, seqlen_q=2, seqlen_new=2, leftpad=True, batch_idx=True)
+        slopes = (torch.rand(4, device=DEVICE) * 0.3, torch.rand(3, 4, device=DEVICE) * 0.3)
+    first = case.run(causal=True, alibi_slopes=slopes[0])
+    assert len(kvcache._STEPS) == 1
+    checks = kvcache._same_kind
+    monkeypatch.setattr(kvcache, "_same_kind", lambda *args: pytest.fail("a repeated step was checked again"))
+    second = case.run(causal=True, alibi_slopes=slopes[0])  # appends the same keys at the same places
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    case.check(*second, causal=True, alibi_slopes=slopes[0])
+    if slopes[1] is not None:  # other slopes: another kind ((batch, heads)), checked once more
+        monkeypatch.setattr(kvcache, "_same_kind", checks)
+        case.check(*case.run(causal=True, alibi_slopes=slopes[1]), causal=True, alibi_slopes=slopes[1])
+        new = torch.rand(3, 4, device=DEVICE) * 0.3
+        case.check(*case.run(causal=True, alibi_slopes=new), causal=True, alibi_slopes=new)
+        assert len(kvcache._STEPS) == 2
+
+
+def test_repeated_steps_refuse_what_changes_between_calls(monkeypatch):
+    monkeypatch.setattr(kvcache, "_STEPS", {})
+    case = Case(batch=2, capacity=40)
+    run = functools.partial(flash_attn_with_kvcache, case.q, case.k_dense, case.v_dense)
+    run(cache_seqlens=7)
+    for bad in (41, -1):  # an int's value, checked at every call
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            run(cache_seqlens=bad)
+    with pytest.raises(NotImplementedError, match="forward only"):
+        flash_attn_with_kvcache(case.q.clone().requires_grad_(), case.k_dense, case.v_dense, cache_seqlens=7)
+    if not ON_GPU:  # tables in host memory (the interpreter): their values, at every call
+        run(cache_seqlens=torch.tensor([3, 4], dtype=torch.int32))
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            run(cache_seqlens=torch.tensor([3, 41], dtype=torch.int32))
+    # Numbers of other types are checked as at a first call (a bool is not an int).
+    with pytest.raises(TypeError, match="num_splits"):
+        run(cache_seqlens=7, num_splits=True)
+    assert len(kvcache._STEPS) == (1 if ON_GPU else 2)
 
 
 def test_every_split_count_agrees():
@@ -337,9 +415,9 @@ def test_cpu_default_is_the_pytorch_path(monkeypatch):
     # is written.
     monkeypatch.setattr(options, "interpreting", lambda: False)
 
-    def no_kernel(*args):
+    def no_kernel(*args, **kwargs):
         raise RuntimeError("0 active drivers: no Triton kernel runs on CPU tensors outside the interpreter")
-    monkeypatch.setattr(decode, "forward", no_kernel)
+    monkeypatch.setattr(decode, "Attend", no_kernel)
     case = Case(batch=2, seqlen_q=3, seqlen_new=3, page_size=7, rotary=True)
     slopes = torch.rand(4) * 0.3
     mask = dict(causal=True, window_size=(30, 0), softcap=5.0, alibi_slopes=slopes)
@@ -378,25 +456,25 @@ def test_out_of_range_tables_stay_in_the_cache():
     lengths = torch.tensor([1000, 7], dtype=torch.int32, device=DEVICE)
     table = case.block_table.clone()
     table[0, 0], table[1, -1] = 10**6, -5
-    out, lse = decode.forward(plan, case.q, case.k_pages, case.v_pages, lengths, 0, None, None, table,
-                              case.q.shape[-1] ** -0.5, (-1, -1), features)
+    out, lse = attend(plan, case.q, case.k_pages, case.v_pages, lengths, 0, None, None, table,
+                      case.q.shape[-1] ** -0.5, (-1, -1), features)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     contiguous = torch.tensor([1000, 7], dtype=torch.int32, device=DEVICE)
     rows = torch.tensor([-3, 10**6], dtype=torch.int32, device=DEVICE)
-    out, lse = decode.forward(plan, case.q, case.k_dense, case.v_dense, contiguous, 0, None, rows, None,
-                              case.q.shape[-1] ** -0.5, (-1, -1), features)
+    out, lse = attend(plan, case.q, case.k_dense, case.v_dense, contiguous, 0, None, rows, None,
+                      case.q.shape[-1] ** -0.5, (-1, -1), features)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     # A negative leftpad starts the sequence at its row's first key, not in the row before.
     lengths = torch.tensor([40, 30], dtype=torch.int32, device=DEVICE)
-    runs = [decode.forward(plan, case.q, case.k_dense, case.v_dense, lengths, 0,
-                           torch.tensor(pad, dtype=torch.int32, device=DEVICE), None, None, case.q.shape[-1] ** -0.5,
-                           (-1, -1), features) for pad in ([-16, -1], [0, 0])]
+    runs = [attend(plan, case.q, case.k_dense, case.v_dense, lengths, 0,
+                   torch.tensor(pad, dtype=torch.int32, device=DEVICE), None, None, case.q.shape[-1] ** -0.5,
+                   (-1, -1), features) for pad in ([-16, -1], [0, 0])]
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "batch_idx", "paged16", "paged7"])
 def test_append_kernel_matches_the_pytorch_append(layout):
-    # decode.append (one launch) writes what kvcache._append (PyTorch operations, the reference)
+    # decode.Append (one launch) writes what kvcache._append (PyTorch operations, the reference)
     # writes, byte for byte: positions from an int or a device table, clamped to the capacity;
     # rows and pages from out-of-range tables clamped to the cache; a strided new k.
     torch.manual_seed(9)
@@ -418,7 +496,8 @@ def test_append_kernel_matches_the_pytorch_append(layout):
     for seqlens in (5, torch.tensor([0, capacity - new, capacity - 3], dtype=torch.int32, device=DEVICE),
                     torch.tensor([-9, 10**6, 40], dtype=torch.int32, device=DEVICE)):
         got_k, got_v, ref_k, ref_v = (cache.clone() for _ in range(4))
-        decode.append(got_k, got_v, k, v, seqlens, batch_idx, block_table)
+        decode.Append(got_k, got_v, k, v, isinstance(seqlens, torch.Tensor), batch_idx is not None, block_table, None,
+                      False)(got_k, got_v, k, v, seqlens, batch_idx, block_table, None, None)
         positions = kvcache._positions(seqlens, new, batch, DEVICE, capacity)
         kvcache._append(ref_k, ref_v, k, v, positions, batch_idx, block_table)
         # Positions clamped to the first or last slot, and rows or pages clamped to the cache, put
@@ -436,7 +515,7 @@ def test_append_kernel_matches_the_pytorch_append(layout):
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("advance", [True, False])
 def test_rotate_kernel_matches_rotary_apply(interleaved, advance):
-    # decode.rotate (one launch) against rotary.apply at kvcache._positions' positions: the
+    # decode.Rotate (one launch) against rotary.apply at kvcache._positions' positions: the
     # channels past rotary_dim untouched, the rotated ones within a float32 rounding of it (the
     # kernel may fuse a multiply-add) before the cast; positions from a table clamped to the limit.
     from flashtile import rotary
@@ -446,7 +525,7 @@ def test_rotate_kernel_matches_rotary_apply(interleaved, advance):
     angle = torch.rand(limit, HEAD_DIM // 4, device=DEVICE) * 6
     cos, sin = torch.cos(angle).to(DTYPE), torch.sin(angle).to(DTYPE)  # rotary_dim: half the head dim
     for seqlens in (7, torch.tensor([0, 45, -3], dtype=torch.int32, device=DEVICE)):
-        got = decode.rotate(x, cos, sin, interleaved, seqlens, advance, limit)
+        got = decode.Rotate(x, cos, isinstance(seqlens, torch.Tensor), advance, limit, interleaved)(x, cos, sin, seqlens)
         positions = kvcache._positions(seqlens, seqlen if advance else 1, batch, DEVICE, limit)
         ref = rotary.apply(x, cos, sin, positions.expand(batch, seqlen), interleaved)
         half = HEAD_DIM // 2

@@ -104,6 +104,31 @@ def test_launch_compiles_once_per_class_of_arguments(monkeypatch):
     assert len(kernel.compiles) == 4
 
 
+def test_prepared_launch_keys_on_its_leading_arguments(monkeypatch):
+    monkeypatch.setattr(options, "interpreting", lambda: False)
+    active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 7)
+    monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=active))
+    kernel, x = _FakeKernel(), torch.empty(8)
+    kernel.arg_names = ["x", "n", "stride", "scale", "BLOCK"]
+    prepared = launch.Prepared(kernel, (4,), (16, 0.5), dict(BLOCK=64))
+    prepared(x, 32)  # compiles (and launches) through the kernel
+    (grid, args, constants), = kernel.compiles
+    assert grid == (4,) and args == (x, 32, 16, 0.5) and constants == dict(BLOCK=64)
+    prepared(x, 48)  # the same classes: the compiled binary, the fixed arguments and constexprs after
+    binary = next(iter(launch._COMPILED[kernel].values()))[0]
+    assert binary.launches[-1][:7] == (4, 1, 1, 7, "function", "packed metadata", None)
+    assert binary.launches[-1][9:] == (x, 48, 16, 0.5, 64)
+    launch.launch(kernel, (4,), x, 64, 16, 0.5, BLOCK=64)  # one compiled kernel for both paths
+    assert len(kernel.compiles) == 1 and len(binary.launches) == 2
+    prepared(x, 33)  # not a multiple of 16
+    prepared(x[1:], 32)  # not 16-byte aligned
+    prepared(x.half(), 32)  # another dtype
+    assert len(kernel.compiles) == 4
+    for fixed in ((x,), (1, (2, x))):
+        with pytest.raises(TypeError, match="no tensor"):
+            launch.Prepared(kernel, (1,), fixed, {})
+
+
 def test_launch_under_the_interpreter_goes_through_the_kernel(monkeypatch):
     monkeypatch.setattr(options, "interpreting", lambda: True)
     kernel = _FakeKernel()

@@ -18,6 +18,8 @@ key's position, row or page, rotates it (rotary embedding) and writes it, where 
 PyTorch operations (the reference: kvcache._append, rotary.apply) takes many small launches,
 each paid on the host at every decoding step; ``rotate`` rotates the queries in one more.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -25,7 +27,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.kernels import score
 from flashtile.kernels.blocks import band_mask, diagonal_band, visited_blocks
-from flashtile.kernels.launch import launch
+from flashtile.kernels.launch import Prepared, launch
 from flashtile.kernels.problem import cdiv, next_power_of_2, padded_head_dim
 from flashtile.kernels.tiles import LOG2E, finalize_rows, load_tile, online_softmax_step, values_product
 
@@ -83,10 +85,10 @@ def _attend(acc, m_i, l_i, q, lo, hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs
 
 
 @triton.jit
-def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE,
+def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE, new_keys, score_args,
                   sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, sop, slb, slh, slp, sbt,
-                  seqlen_q, heads_k, group, new_keys, capacity, page_size, outer_count, scale_log2, window_left,
-                  window_right, score_args,
+                  seqlen_q, heads_k, group, capacity, page_size, outer_count, scale_log2, window_left,
+                  window_right,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGED: tl.constexpr, HAS_ENDS: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
                   HAS_BATCH_IDX: tl.constexpr, UPCAST: tl.constexpr, SCORE: tl.constexpr, PDL: tl.constexpr):
@@ -222,8 +224,8 @@ def _load_rotated(rows_ptr, offs_d, in_rows, positions, COS, SIN, scs, half, HEA
 
 
 @triton.jit
-def _append_kernel(K_NEW, V_NEW, K, V, ENDS, BATCH_IDX, BLOCK_TABLE, COS, SIN, snb, sns, snh, swb, sws, swh, skb,
-                   sks, skh, svb, svs, svh, sbt, scs, seqlen_new, start, capacity, page_size, outer_count, half,
+def _append_kernel(K_NEW, V_NEW, K, V, ENDS, BATCH_IDX, BLOCK_TABLE, COS, SIN, start, snb, sns, snh, swb, sws, swh,
+                   skb, sks, skh, svb, svs, svh, sbt, scs, seqlen_new, capacity, page_size, outer_count, half,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr, PAGED: tl.constexpr,
                    HAS_ENDS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, ROTARY: tl.constexpr,
                    INTERLEAVED: tl.constexpr):
@@ -254,35 +256,48 @@ def _append_kernel(K_NEW, V_NEW, K, V, ENDS, BATCH_IDX, BLOCK_TABLE, COS, SIN, s
     tl.store(V + outer[:, None] * svb + inner[:, None] * svs + head * svh + offs_d[None, :], v, mask=mask)
 
 
-def append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table, rotary=None):
-    """k, v (batch, seqlen_new, heads_k, head_dim), unit stride along head_dim, written into the
-    caches in place at positions seqlens + [0, seqlen_new) of each sequence's cache row
-    (``batch_idx``) or pages (``block_table``), in one launch.  ``seqlens``: an int (checked by
-    the caller), or (batch,) int32 on the device, whose positions are clamped to the capacity.
-    ``rotary``: None, or (cos, sin, interleaved) to rotate k at those positions first."""
-    batch, seqlen_new, heads_k, head_dim = k.shape
-    if k.numel() == 0:
-        return
-    paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    rows = max(16, min(64, next_power_of_2(seqlen_new)))
-    tables = isinstance(seqlens, torch.Tensor)
-    dummy = k  # a pointer for the absent tables (never read)
-    cos, sin, interleaved = rotary or (dummy, dummy, False)
-    launch(
-        _append_kernel, (cdiv(seqlen_new, rows), batch, heads_k),
-        k, v, k_cache, v_cache, seqlens if tables else dummy, dummy if batch_idx is None else batch_idx,
-        dummy if block_table is None else block_table, cos, sin, *k.stride()[:3], *v.stride()[:3],
-        *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0) if paged else 0,
-        cos.stride(0) if rotary else 0,
-        seqlen_new, 0 if tables else seqlens, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0],
-        cos.shape[1] if rotary else 0,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, PAGED=paged, HAS_ENDS=tables,
-        HAS_BATCH_IDX=batch_idx is not None, ROTARY=rotary is not None, INTERLEAVED=bool(interleaved), num_warps=4)
+class Append:
+    """New keys and values written into the caches in place, one launch, prepared for one kind of
+    call: ``append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table, cos, sin)`` writes k, v
+    (batch, seqlen_new, heads_k, head_dim), unit stride along head_dim, at positions seqlens +
+    [0, seqlen_new) of each sequence's cache row (``batch_idx``) or pages (``block_table``),
+    rotating the keys there first with the rotary tables ``cos``, ``sin`` (or None).  ``seqlens``:
+    an int (checked by the caller), or (batch,) int32 on the device, whose positions are clamped
+    to the capacity.
+
+    The kind: the shapes, strides and dtypes of the caches, k, v, ``block_table`` and ``cos``
+    (None without rotary); ``has_ends`` (seqlens a tensor), ``has_batch_idx``, ``interleaved``.
+    ``reused``: the launch is launch.Prepared (kvcache.py keeps it for the calls of its kind)."""
+
+    def __init__(self, k_cache, v_cache, k, v, has_ends, has_batch_idx, block_table, cos, interleaved, reused=False):
+        batch, seqlen_new, heads_k, head_dim = k.shape
+        self._launch = None
+        if k.numel() == 0:
+            return
+        paged = block_table is not None
+        capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+        rows = max(16, min(64, next_power_of_2(seqlen_new)))
+        rotary = cos is not None
+        self._launch = (Prepared if reused else _Once)(
+            _append_kernel, (cdiv(seqlen_new, rows), batch, heads_k),
+            (*k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+             block_table.stride(0) if paged else 0, cos.stride(0) if rotary else 0,
+             seqlen_new, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0], cos.shape[1] if rotary else 0),
+            dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, PAGED=paged, HAS_ENDS=has_ends,
+                 HAS_BATCH_IDX=has_batch_idx, ROTARY=rotary, INTERLEAVED=rotary and bool(interleaved), num_warps=4))
+
+    def __call__(self, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, cos, sin):
+        if self._launch is None:
+            return
+        tables = isinstance(seqlens, torch.Tensor)
+        # (k stands for the absent tables: a pointer never read)
+        self._launch(k, v, k_cache, v_cache, seqlens if tables else k, k if batch_idx is None else batch_idx,
+                     k if block_table is None else block_table, k if cos is None else cos, k if sin is None else sin,
+                     0 if tables else seqlens)
 
 
 @triton.jit
-def _rotate_kernel(X, ROTATED, ENDS, COS, SIN, sxb, sxs, sxh, sob, sos, soh, scs, seqlen, start, limit, half,
+def _rotate_kernel(X, ROTATED, ENDS, COS, SIN, start, sxb, sxs, sxh, sob, sos, soh, scs, seqlen, limit, half,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr, HAS_ENDS: tl.constexpr,
                    ADVANCE: tl.constexpr, INTERLEAVED: tl.constexpr):
     """ROWS rows of one (sequence, head) of X (batch, seqlen, heads, head_dim) rotated into ROTATED
@@ -303,66 +318,124 @@ def _rotate_kernel(X, ROTATED, ENDS, COS, SIN, sxb, sxs, sxh, sob, sos, soh, scs
              mask=in_rows[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
-def rotate(x, cos, sin, interleaved, seqlens, advance: bool, limit: int):
-    """x (batch, seqlen, heads, head_dim), unit stride along head_dim, rotated (a new tensor) at
-    positions seqlens + [0, seqlen) (``advance``) or seqlens, clamped to [0, limit), in one
-    launch: what rotary.apply gives at kvcache._positions' positions.  ``seqlens``: an int or a
-    (batch,) int32 table on the device."""
-    batch, seqlen, heads, head_dim = x.shape
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if x.numel() == 0:
+class Rotate:
+    """Queries rotated (a new contiguous tensor), one launch, prepared for one kind of call:
+    ``rotate(x, cos, sin, seqlens)`` rotates x (batch, seqlen, heads, head_dim), unit stride along
+    head_dim, at positions seqlens + [0, seqlen) (``advance``) or seqlens, clamped to [0,
+    ``limit``): what rotary.apply gives at kvcache._positions' positions.  ``seqlens``: an int or
+    a (batch,) int32 table on the device.
+
+    The kind: the shapes, strides and dtypes of x and the tables ``cos``; ``has_ends`` (seqlens a
+    tensor), ``advance``, ``limit``, ``interleaved``.  ``reused``: the launch is launch.Prepared."""
+
+    def __init__(self, x, cos, has_ends, advance, limit, interleaved, reused=False):
+        batch, seqlen, heads, head_dim = x.shape
+        self.shape, self.dtype = tuple(x.shape), x.dtype
+        self._launch = None
+        if x.numel() == 0:
+            return
+        rows = max(16, min(64, next_power_of_2(seqlen)))
+        self._launch = (Prepared if reused else _Once)(
+            _rotate_kernel, (cdiv(seqlen, rows), batch, heads),
+            (*x.stride()[:3], *_contiguous_strides(self.shape)[:3], cos.stride(0), seqlen, limit, cos.shape[1]),
+            dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, HAS_ENDS=has_ends,
+                 ADVANCE=advance, INTERLEAVED=bool(interleaved), num_warps=4))
+
+    def __call__(self, x, cos, sin, seqlens):
+        out = torch.empty(self.shape, dtype=self.dtype, device=x.device)
+        if self._launch is not None:
+            tables = isinstance(seqlens, torch.Tensor)
+            self._launch(x, out, seqlens if tables else x, cos, sin, 0 if tables else seqlens)
         return out
-    rows = max(16, min(64, next_power_of_2(seqlen)))
-    tables = isinstance(seqlens, torch.Tensor)
-    launch(
-        _rotate_kernel, (cdiv(seqlen, rows), batch, heads),
-        x, out, seqlens if tables else x, cos, sin, *x.stride()[:3], *out.stride()[:3], cos.stride(0), seqlen,
-        0 if tables else seqlens, limit, cos.shape[1],
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, HAS_ENDS=tables, ADVANCE=advance,
-        INTERLEAVED=bool(interleaved), num_warps=4)
-    return out
 
 
-def forward(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, block_table, scale, window, features):
-    """(out, lse) of q (batch, seqlen_q, heads, head_dim) over the caches.  Each sequence ends at
-    ``seqlens[b] + new_keys`` in its cache row (``seqlens`` (batch,) int32, or None: at
-    ``new_keys``); ``features``: what score.mod_of / args_of read (softcap, alibi_slopes).
-    ``plan``: dispatch.DecodePlan."""
-    batch, seqlen_q, heads, head_dim = q.shape
-    heads_k = k_cache.shape[2]
-    group = heads // heads_k
-    paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    out = torch.empty_like(q)
-    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
-    if plan.splits > 1:
-        part_o = torch.empty(plan.splits, *q.shape, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(plan.splits, *lse.shape, dtype=torch.float32, device=q.device)
-    else:
-        part_o, part_lse = out, lse
-    dummy = q  # a pointer for the absent tables (never read)
-    grid = (cdiv(seqlen_q * group, plan.block_m), batch * heads_k, plan.splits)
-    head_dim_pad = padded_head_dim(head_dim)
-    launch(
-        _split_kernel, grid,
-        q, k_cache, v_cache, part_o, part_lse, dummy if seqlens is None else seqlens,
-        dummy if leftpad is None else leftpad,
-        dummy if batch_idx is None else batch_idx, dummy if block_table is None else block_table,
-        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-        *part_o.stride()[-4:-1], part_o.stride(0) if plan.splits > 1 else 0,
-        *part_lse.stride()[-3:-1], part_lse.stride(0) if plan.splits > 1 else 0,
-        block_table.stride(0) if paged else 0,
-        seqlen_q, heads_k, group, new_keys, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0], scale * score.LOG2E,
-        window[0], window[1], score.args_of(features),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        PAGED=paged, HAS_ENDS=seqlens is not None, HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None,
-        UPCAST=plan.upcast, SCORE=score.mod_of(features), PDL=plan.pdl, num_warps=plan.num_warps,
-        num_stages=plan.num_stages, maxnreg=plan.maxnreg)
-    if plan.splits > 1:
-        launch(
-            _combine_kernel, (seqlen_q, batch * heads),
-            part_o, part_lse, out, lse, heads, plan.splits,
-            *part_o.stride()[:4], *part_lse.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=max(2, next_power_of_2(plan.splits)),
-            PDL=plan.pdl, num_warps=COMBINE_WARPS, launch_pdl=plan.pdl)
-    return out, lse
+@functools.lru_cache(maxsize=256)
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+class Attend:
+    """The split-KV attention of one kind of call, its launches prepared: ``attend(q, k_cache,
+    v_cache, seqlens, new_keys, leftpad, batch_idx, block_table)`` -> (out, lse) of q (batch,
+    seqlen_q, heads, head_dim), unit stride along head_dim, over the caches, each sequence ending
+    at ``seqlens[b] + new_keys`` in its cache row (``seqlens`` (batch,) int32, or None: at
+    ``new_keys``), ALiBi's ``alibi_slopes`` (float32 (heads,) or (batch, heads), contiguous)
+    where the kind has them; out and lse (batch, heads, seqlen_q) are new contiguous tensors.
+
+    The kind: ``plan`` (dispatch.DecodePlan); the shapes, strides, dtype and device of q and the
+    caches; which tables there are (``has_ends``, ``has_leftpad``, ``has_batch_idx``;
+    ``block_table``, whose shape and row stride are read, or None); scale, window, softcap and
+    ``alibi``.  With ``reused`` the launches are launch.Prepared, for kvcache.py to keep and
+    call again on tensors of the same kind; else each call launches through ``launch``."""
+
+    def __init__(self, plan, q, k_cache, v_cache, has_ends, has_leftpad, has_batch_idx, block_table, scale, window,
+                 softcap, alibi, reused=False):
+        batch, seqlen_q, heads, head_dim = q.shape
+        heads_k = k_cache.shape[2]
+        group = heads // heads_k
+        paged = block_table is not None
+        capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+        self.splits = plan.splits
+        self.out_shape, self.dtype = tuple(q.shape), q.dtype
+        self.lse_shape = (batch, heads, seqlen_q)
+        self.part_o_shape, self.part_lse_shape = (plan.splits, *q.shape), (plan.splits, *self.lse_shape)
+        # The (part) output's and logsumexp's strides, as allocated at each call.
+        o_strides, lse_strides = _contiguous_strides(self.out_shape), _contiguous_strides(self.lse_shape)
+        if plan.splits > 1:
+            part_o, part_lse = _contiguous_strides(self.part_o_shape), _contiguous_strides(self.part_lse_shape)
+            split_strides = (*part_o[1:4], part_o[0], *part_lse[1:3], part_lse[0])
+        else:
+            split_strides = (*o_strides[:3], 0, *lse_strides[:2], 0)
+        head_dim_pad = padded_head_dim(head_dim)
+        prepare = Prepared if reused else _Once
+        self._split = prepare(
+            _split_kernel, (cdiv(seqlen_q * group, plan.block_m), batch * heads_k, plan.splits),
+            (*q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *split_strides,
+             block_table.stride(0) if paged else 0,
+             seqlen_q, heads_k, group, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0],
+             scale * score.LOG2E, window[0], window[1]),
+            dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+                 PAGED=paged, HAS_ENDS=has_ends, HAS_LEFTPAD=has_leftpad, HAS_BATCH_IDX=has_batch_idx,
+                 UPCAST=plan.upcast, SCORE=score.modification(softcap, alibi), PDL=plan.pdl, num_warps=plan.num_warps,
+                 num_stages=plan.num_stages, maxnreg=plan.maxnreg))
+        self._softcap = softcap
+        self._score_args = score.arguments(softcap, None)  # without ALiBi, the same at every call
+        self._combine = None
+        if plan.splits > 1:
+            self._combine = prepare(
+                _combine_kernel, (seqlen_q, batch * heads),
+                (heads, plan.splits, *part_o[:4], *part_lse[:3], *o_strides[:3], *lse_strides[:2]),
+                dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=max(2, next_power_of_2(plan.splits)),
+                     PDL=plan.pdl, num_warps=COMBINE_WARPS, launch_pdl=plan.pdl))
+
+    def __call__(self, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, block_table, alibi_slopes=None):
+        device = q.device
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        if self._combine is None:
+            part_o, part_lse = out, lse
+        else:
+            part_o = torch.empty(self.part_o_shape, dtype=torch.float32, device=device)
+            part_lse = torch.empty(self.part_lse_shape, dtype=torch.float32, device=device)
+        # (q stands for the absent tables: a pointer never read)
+        self._split(q, k_cache, v_cache, part_o, part_lse, q if seqlens is None else seqlens,
+                    q if leftpad is None else leftpad, q if batch_idx is None else batch_idx,
+                    q if block_table is None else block_table, new_keys,
+                    self._score_args if alibi_slopes is None else score.arguments(self._softcap, alibi_slopes))
+        if self._combine is not None:
+            self._combine(part_o, part_lse, out, lse)
+        return out, lse
+
+
+class _Once:
+    """A launch with the interface of launch.Prepared, for one call: through ``launch``."""
+
+    def __init__(self, kernel, grid, fixed, constants):
+        self.kernel, self.grid, self.fixed, self.constants = kernel, grid, fixed, constants
+
+    def __call__(self, *tensors):
+        launch(self.kernel, self.grid, *tensors, *self.fixed, **self.constants)

@@ -16,7 +16,8 @@ may tell apart arguments triton would not (a second compile of the same kernel, 
 triton's own cache), never the reverse.  ``Descriptor`` carries what that launcher reads of a
 tensor descriptor; the first launch of a key converts it to the checked TensorDescriptor.
 Every kernel of every version launches through here; under the interpreter each launch goes
-through ``kernel[grid]``.
+through ``kernel[grid]``.  ``Prepared`` goes further for a launch repeated on the same shapes:
+all but its leading arguments are fixed once, so only those are classified at each call.
 """
 import torch
 from triton import knobs
@@ -97,19 +98,70 @@ def launch(kernel, grid, *args, **constants):
     if options.interpreting():
         return kernel[grid](*_checked(args), **constants)
     device = driver.active.get_current_device()
+    (binary, constexprs), launched = _compiled(kernel, grid, device, args, constants)
+    if not launched:
+        _run(binary, (*grid, 1, 1), device, (*args, *constexprs))
+
+
+def _compiled(kernel, grid, device, args, constants):
+    """((compiled kernel, constexpr values in signature order), whether it was launched): the
+    first call of a key compiles and launches it through ``kernel[grid]``."""
     key = (device, specialization_key(args), *constants.items())
     compiled = _COMPILED.setdefault(kernel, {})
     entry = compiled.get(key)
-    if entry is None:
-        constexprs = tuple(constants[name] for name in kernel.arg_names[len(args):])
-        compiled[key] = (kernel[grid](*_checked(args), **constants), constexprs)
-        return
-    binary, constexprs = entry
+    if entry is not None:
+        return entry, False
+    constexprs = tuple(constants[name] for name in kernel.arg_names[len(args):])
+    entry = compiled[key] = (kernel[grid](*_checked(args), **constants), constexprs)
+    return entry, True
+
+
+def _run(binary, grid, device, full):
+    """Hand ``full`` (the runtime arguments, then the constexprs) to a compiled kernel's launcher."""
     stream = driver.active.get_current_stream(device)
-    full = (*args, *constexprs)
-    grid = (*grid, 1, 1)
     # The hooks a profiler installs are read at each launch, as triton does.
     hooks = knobs.runtime
     binary.run(grid[0], grid[1], grid[2], stream, binary.function, binary.packed_metadata,
                binary.launch_metadata(grid, stream, *full), hooks.launch_enter_hook,
                hooks.launch_exit_hook, *full)
+
+
+class Prepared:
+    """``launch(kernel, grid, *leading, *fixed, **constants)`` with everything but the leading
+    arguments (the tensors, and integers that change from call to call) fixed once:
+    ``prepared(*leading)`` launches it.  The fixed arguments' share of the launch key is taken
+    once, so a launch classifies only the leading ones before the driver call: for launches
+    repeated on the same shapes (decoding steps, kvcache.py).  ``fixed`` holds no tensor (a
+    tensor's address must be read at each launch)."""
+    __slots__ = ("kernel", "grid", "fixed", "constants", "_grid", "_tail", "_binaries")
+
+    def __init__(self, kernel, grid, fixed, constants):
+        if any(isinstance(x, (torch.Tensor, Descriptor)) for x in _flat(fixed)):
+            raise TypeError("a prepared launch's fixed arguments hold no tensor: pass it among the leading ones")
+        self.kernel, self.grid, self.fixed, self.constants = kernel, tuple(grid), tuple(fixed), constants
+        self._grid = (*grid, 1, 1)
+        self._tail = None  # fixed + the constexprs in signature order, once compiled
+        self._binaries = {}  # (device, the leading arguments' specialization_key) -> compiled kernel
+
+    def __call__(self, *leading):
+        if options.interpreting():
+            return launch(self.kernel, self.grid, *leading, *self.fixed, **self.constants)
+        device = driver.active.get_current_device()
+        key = (device, specialization_key(leading))
+        binary = self._binaries.get(key)
+        if binary is None:
+            (binary, constexprs), launched = _compiled(self.kernel, self.grid, device, (*leading, *self.fixed),
+                                                       self.constants)
+            self._binaries[key] = binary
+            self._tail = (*self.fixed, *constexprs)
+            if launched:
+                return
+        _run(binary, self._grid, device, (*leading, *self._tail))
+
+
+def _flat(args):
+    for x in args:
+        if type(x) is tuple:
+            yield from _flat(x)
+        else:
+            yield x

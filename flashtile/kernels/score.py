@@ -118,18 +118,27 @@ SOFTCAP_ALIBI = ScoreMod("softcap+alibi", _softcap_alibi, _softcap_alibi_grad, s
 
 def mod_of(p):
     """The problem's score modification, or None."""
-    if p.alibi_slopes is not None:
-        return SOFTCAP_ALIBI if p.softcap > 0 else ALIBI
-    return SOFTCAP if p.softcap > 0 else None
+    return modification(p.softcap, p.alibi_slopes is not None)
+
+
+def modification(softcap: float, alibi: bool):
+    """The score modification of a softcap (0: none) and ALiBi or not, or None."""
+    if alibi:
+        return SOFTCAP_ALIBI if softcap > 0 else ALIBI
+    return SOFTCAP if softcap > 0 else None
 
 
 def args_of(p) -> tuple:
-    """The run-time arguments of the problem's score modification: its unit (the softcap in log2
-    units, else 1), then with ALiBi its slopes and their batch stride."""
-    unit = p.softcap * LOG2E if p.softcap > 0 else 1.0
-    if p.alibi_slopes is not None:
-        slopes = p.alibi_slopes
-        return (unit, slopes, slopes.stride(0) if slopes.dim() == 2 else 0)
+    """The run-time arguments of the problem's score modification (``arguments``)."""
+    return arguments(p.softcap, p.alibi_slopes)
+
+
+def arguments(softcap: float, alibi_slopes) -> tuple:
+    """The run-time arguments of a score modification: its unit (the softcap in log2 units, else
+    1), then with ALiBi its slopes and their batch stride."""
+    unit = softcap * LOG2E if softcap > 0 else 1.0
+    if alibi_slopes is not None:
+        return (unit, alibi_slopes, alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
     return (unit,)
 
 
