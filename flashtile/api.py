@@ -72,9 +72,9 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     opts = options.resolve(kernel_options)
     version = dispatch.resolve_version(version, q.device)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    validation.version_takes(version, dropout_p, head_dim, head_dim_v, fp8, q.device)
     fp8_descale = None
     if fp8:
+        validation.fp8_takes(version, head_dim, q.device)
         if dropout_p or any(x.requires_grad for x in (q, k, v)):
             raise NotImplementedError("FP8 attention is a forward without dropout (as FlashAttention-3's)")
         if head_dim % 16 or head_dim_v % 16:

@@ -135,9 +135,10 @@ def _tiles(opts, target, table, default):
 
 def _v1_plan(p, target, opts, mode) -> Plan:
     from flashtile.kernels import v1  # its tiles follow the paper's rule
-    fwd, bwd = v1.block_sizes(p.head_dim_pad)
-    cfg = Config(*(fwd if mode == "fwd" else bwd), 4 if p.head_dim_pad <= 64 else 8, 1)
-    return Plan("v1", _tiles(opts, target, f"v1_{mode}", cfg), splits=opts.v1_splits)
+    fwd, bwd = v1.block_sizes(p.widest_head_dim_pad)
+    cfg = Config(*(fwd if mode == "fwd" else bwd), 4 if p.widest_head_dim_pad <= 64 else 8, 1)
+    cfg = _tiles(opts, target, f"v1_{mode}", cfg)
+    return Plan("v1", _dropout_keys(p, cfg.block_n, f"v1_{mode}", cfg), splits=opts.v1_splits)
 
 
 @remembered

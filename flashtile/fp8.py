@@ -202,7 +202,7 @@ def fp8_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
         raise ValueError(f"fp8_attn_func takes one head dim, a multiple of 16 (a power of two with incoherent "
                          f"processing), got {head_dim} and {v.shape[-1]}")
     version = dispatch.resolve_version("auto", q.device)
-    validation.version_takes(version, 0.0, head_dim, head_dim, True, q.device)
+    validation.fp8_takes(version, head_dim, q.device)
     softcap = validation.real("softcap", softcap, 0.0)
     alibi_slopes = validation.alibi_slopes(alibi_slopes, q.shape[0], q.shape[-2], q.device)
     sinks = validation.sinks(sinks, q.shape[-2], q.device)

@@ -8,11 +8,12 @@ float32 (CPU half-precision matmuls are slow and no more faithful).
 
 A masked key contributes nothing whatever its value: a block whose values are not all finite
 multiplies them only where the band lets a query see them (a matrix product would turn a
-probability of 0 times an infinite value into NaN).
+probability of 0 times an infinite value into NaN).  Dropout keeps what the kernels keep: the
+same Philox numbers, drawn in PyTorch (dropout.kept_scale_block).
 """
 import torch
 
-from flashtile.kernels import score
+from flashtile.kernels import dropout, score
 from flashtile.reference import band_mask
 
 BLOCK = 128
@@ -65,6 +66,16 @@ def _bias(slopes, i0, i1, j0, j1, sq, sk):
     return None if slopes is None else score.alibi_bias(slopes, sq, sk, slice(i0, i1), slice(j0, j1))
 
 
+def _keep(p, b, i0, i1, j0, j1):
+    """Sequence b's dropout factors for query rows [i0, i1) and keys [j0, j1), (heads_k, group,
+    rows, keys): 1 / (1 - p) where kept, else 0; None without dropout."""
+    if not p.dropout:
+        return None
+    streams = b * p.heads_q + torch.arange(p.heads_q).view(p.heads_k, p.group)
+    return dropout.kept_scale_block(int(p.dropout_seed), streams, torch.arange(i0, i1), torch.arange(j0, j1),
+                                    p.dropout_p)
+
+
 def _scores(p, qblk, kblk, bias):
     s = torch.einsum("hgqd,hkd->hgqk", qblk, kblk) * p.softmax_scale
     return score.reference(s, p.softcap, bias)
@@ -93,7 +104,10 @@ def forward(plan, p, q, k, v):
                 m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
                 probs = torch.exp(s - m_ref[..., None])
                 alpha = torch.exp(m - m_ref)
-                l = l * alpha + probs.sum(-1)
+                l = l * alpha + probs.sum(-1)  # every probability, dropped or not
+                keep = _keep(p, b, i0, i1, j0, j1)
+                if keep is not None:
+                    probs = probs * keep.to(q.device)
                 acc = acc * alpha[..., None] + _weighted_values(probs, vg[:, j0:j1], visible)
                 m = m_new
             empty = l == 0
@@ -132,8 +146,13 @@ def backward(plan, p, dout, dlse, q, k, v, out, lse, saved):
                 bias = _bias(slopes, i0, i1, j0, j1, sq, sk)
                 y = _scores(p, qg[:, :, i0:i1], kg[:, j0:j1], bias)
                 probs = torch.exp(y - seq_lse[:, :, i0:i1, None]).masked_fill(~visible, 0.0)
-                dvg[:, j0:j1] += torch.einsum("hgqk,hgqd->hkd", probs, dog[:, :, i0:i1])
                 dp = torch.einsum("hgqd,hkd->hgqk", dog[:, :, i0:i1], vg[:, j0:j1])
+                keep = _keep(p, b, i0, i1, j0, j1)
+                if keep is not None:  # dV sees the kept probabilities; dP reaches P through the same mask
+                    keep = keep.to(q.device)
+                    dp = dp * keep
+                dvg[:, j0:j1] += torch.einsum("hgqk,hgqd->hkd", probs if keep is None else probs * keep,
+                                              dog[:, :, i0:i1])
                 ds = score.reference_grad(probs * (dp - delta[:, :, i0:i1, None]), y, p.softcap, bias)
                 ds = ds.masked_fill(~visible, 0.0) * p.softmax_scale
                 dqg[:, :, i0:i1] += torch.einsum("hgqk,hkd->hgqd", ds, kg_dq[:, j0:j1])

@@ -213,25 +213,17 @@ def fp8_capable(device) -> str | None:
     return None
 
 
-def version_takes(version: str, dropout_p: float, head_dim: int, head_dim_v: int, fp8: bool = False, device=None):
-    """Dropout runs in v2's kernels and v3's (its Gluon ones, else v2's); FP8 inputs in
-    v2's forward and v3's Gluon forward; a V head dim of its own in v2's kernels and the PyTorch
-    path; v1 takes none of them."""
-    if fp8 and device is not None and fp8_capable(device):
+def fp8_takes(version: str, head_dim: int, device=None):
+    """Refuse FP8 inputs where they cannot run: FP8 runs in v2's forward and v3's Gluon forward
+    (dropout and a V head dim of their own run in every version)."""
+    if device is not None and fp8_capable(device):
         raise NotImplementedError(f"FP8 inputs: {fp8_capable(device)}")
-    if fp8 and head_dim <= 16:
+    if head_dim <= 16:
         raise NotImplementedError(f"FP8 inputs: head dim {head_dim}; float8 tensor-core products reduce 32 values at a "
                                   f"time, so the FP8 kernels take head dims above 16")
-    if fp8 and version in ("v1", "tiled"):
+    if version in ("v1", "tiled"):
         raise NotImplementedError(f"FP8 inputs: version={version!r} has no FP8 path; v2 and v3 do (on CPU "
                                   f"tensors, under TRITON_INTERPRET=1)")
-    if dropout_p and version in ("v1", "tiled"):
-        hint = (" (on CPU tensors, set TRITON_INTERPRET=1 before importing flashtile to run the kernels)"
-                if version == "tiled" else "")
-        raise NotImplementedError(f"dropout_p={dropout_p}: version={version!r} has no dropout; v2 and v3 do{hint}")
-    if head_dim_v != head_dim and version == "v1":
-        raise NotImplementedError(f"v's head dim ({head_dim_v}) differs from q's and k's ({head_dim}): "
-                                  f"version='v1' takes one head dim; v2, v3 and 'tiled' take both")
 
 
 def alibi_slopes(slopes, batch: int, heads: int, device):

@@ -187,7 +187,7 @@ def _options(cfg):
 def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=False, with_dropout=False, fp8=None,
           fp8_mode=1, head_dim_v=None):
     """(name, kernel, constexprs, compile options, descriptor blocks) of every kernel as launched
-    (``with_dropout``: the v2 kernels as dropout launches them; ``fp8``: the kernels that take
+    (``with_dropout``: the v1 and v2 kernels as dropout launches them; ``fp8``: the kernels that take
     float8 inputs, v2's forward and backward and the Gluon forward, as they launch for them;
     ``head_dim_v``: V's own head dim, the Gluon forward and the two backward passes alone)."""
     if head_dim_v not in (None, head_dim):
@@ -251,9 +251,9 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
                                                NUM_STAGES=qc.num_stages, HAS_DLSE=False, DO_ROWS=kv.block_m,
                                                **fp8_rows), _options(qc), None
     c1 = dispatch.forward_plan(p, "v1", dispatch.HOPPER, opts).config
-    yield "v1.fwd", v1._fwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), _options(c1), None
+    yield "v1.fwd", v1._fwd_kernel, dict(v2_base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), _options(c1), None
     c1 = dispatch.backward_plan(p, "v1", dispatch.HOPPER, opts).config
-    yield "v1.bwd", v1._bwd_kernel, dict(base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, HAS_DLSE=False), \
+    yield "v1.bwd", v1._bwd_kernel, dict(v2_base, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, HAS_DLSE=False), \
         _options(c1), None
     for banded in ((True,) if varlen else (False, True)):  # varlen always takes the banded loop
         p3 = problem(head_dim, causal=banded, softcap=softcap, alibi=alibi)

@@ -61,7 +61,7 @@ class TestRefusedBeforeLaunch:
         refused(ValueError, "multiple of nheads of k/v", flash_attn_func, q, k, v)
 
     @pytest.mark.parametrize("kwargs, error, match", [
-        (dict(dropout_p=0.1, version="v1"), NotImplementedError, "version='v1' has no dropout"),
+        (dict(dropout_p=-0.1), ValueError, "dropout_p"),
         (dict(alibi_slopes=[0.5, 0.25]), TypeError, "alibi_slopes must be a torch.Tensor"),
         (dict(alibi_slopes=torch.ones(2, dtype=torch.float64)), TypeError, "alibi_slopes must be float32"),
         (dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must have shape \(2,\) or \(1, 2\)"),

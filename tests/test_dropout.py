@@ -1,6 +1,9 @@
 """Attention dropout: the kernels' mask is Philox-drawn from a seed taken from torch's generator;
 against the float64 reference given the same mask, outputs and gradients follow the FA rule."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from flashtile.kernels import dropout
 from flashtile.options import KernelOptions
 
 DTYPE = torch.bfloat16 if ON_GPU else torch.float16
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def seeded(seed, fn):
@@ -44,7 +48,7 @@ def check_with_mask(call, q, k, v, mask, p, **features):
     return out
 
 
-@pytest.mark.parametrize("version", ["v2", "v3"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3", "tiled"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_dropout_matches_reference_with_its_mask(version, causal):
     torch.manual_seed(1)
@@ -111,7 +115,8 @@ def test_dropout_with_window_softcap_and_alibi():
     check_with_mask(call, q, k, v, mask, p, **features)
 
 
-def test_varlen_dropout_per_sequence():
+@pytest.mark.parametrize("version", ["v1", "auto", "tiled"])
+def test_varlen_dropout_per_sequence(version):
     torch.manual_seed(3)
     lengths_q, lengths_k = [17, 40, 1], [30, 40, 9]
     heads, p = 2, 0.25
@@ -123,7 +128,7 @@ def test_varlen_dropout_per_sequence():
     mask = mask_of(4, 3, heads, max(lengths_q), max(lengths_k), p)
     dout = torch.randn_like(q)
     call = seeded(4, lambda a, b, c: flash_attn_varlen_func(a, b, c, cu[0], cu[1], max(lengths_q), max(lengths_k),
-                                                            dropout_p=p, causal=True))
+                                                            dropout_p=p, causal=True, version=version))
     out, _, grads = run_and_grad(call, q, k, v, dout)
     for i, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
         rows, keys = slice(int(cu[0][i]), int(cu[0][i + 1])), slice(int(cu[1][i]), int(cu[1][i + 1]))
@@ -181,6 +186,18 @@ def test_key_scale_draws_the_masks_numbers():
     torch.testing.assert_close(scale, mask[0, 1].float() / (1 - p))
 
 
+def test_pytorch_draws_the_kernels_numbers():
+    # The PyTorch path's dropout (dropout.kept_block, Philox in int64 arithmetic) keeps exactly
+    # what the kernels keep, from any row and key offset.
+    seed = dropout.new_seed(torch.device(DEVICE))
+    p = 0.17
+    mask = dropout.kept(seed, 2, 3, 37, 70, p).cpu()
+    streams = torch.arange(6).view(2, 3)
+    assert torch.equal(dropout.kept_block(int(seed), streams, torch.arange(37), torch.arange(70), p), mask)
+    assert torch.equal(dropout.kept_block(int(seed), streams[1:, 2:], torch.arange(5, 37), torch.arange(40, 70), p),
+                       mask[1:, 2:, 5:, 40:])
+
+
 def test_keep_rate_and_seeds():
     # The keep rate is 1 - p within 5 standard deviations; torch.manual_seed reproduces a call,
     # and successive calls draw new masks.
@@ -213,11 +230,29 @@ def test_return_attn_probs_encodes_the_dropped_ones():
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+def test_cpu_dropout_in_a_process_without_the_interpreter():
+    # Outside the interpreter CPU tensors take the PyTorch path, dropout included: the output is
+    # the kept probabilities (S_dmask's signs) times V, forward and backward.
+    script = (
+        "import torch\n"
+        "from flashtile import flash_attn_func, standard_attention\n"
+        "torch.manual_seed(0)\n"
+        "q, k, v = (torch.randn(1, 40, 2, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))\n"
+        "torch.manual_seed(1)\n"
+        "out, lse, s_dmask = flash_attn_func(q, k, v, dropout_p=0.2, causal=True, return_attn_probs=True)\n"
+        "kw = dict(causal=True, dropout_mask=s_dmask >= 0, dropout_p=0.2)\n"
+        "ref = standard_attention(q.double(), k.double(), v.double(), **kw)\n"
+        "assert (s_dmask < 0).any() and (out.double() - ref).abs().max() < 1e-2, (out, ref)\n"
+        "grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))\n"
+        "refs = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))\n"
+        "assert all((g.double() - r).abs().max() < 5e-2 for g, r in zip(grads, refs))\n")
+    path = os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
 def test_dropout_refusals():
     q, k, v = make_qkv(1, 16, 16, 1, 1, 32, DTYPE, DEVICE)
-    with pytest.raises(NotImplementedError, match="version='v1' has no dropout"):
-        flash_attn_func(q, k, v, dropout_p=0.1, version="v1")
-    with pytest.raises(NotImplementedError, match="version='tiled' has no dropout"):
-        flash_attn_func(q, k, v, dropout_p=0.1, version="tiled")
     with pytest.raises(ValueError, match="dropout_p"):
         flash_attn_func(q, k, v, dropout_p=1.0)

@@ -1,6 +1,6 @@
 """V with a head dim of its own (MLA prefill's 192 / 128, and 128 / 64): outputs and gradients
-against the float64 reference, in v2's kernels (which v3 hands them to), v3's Gluon forward and
-backward passes (when kernel options ask for them; on the GPU) and the PyTorch path."""
+against the float64 reference, in v1's kernels, v2's (which v3 hands them to), v3's Gluon forward
+and backward passes (when kernel options ask for them; on the GPU) and the PyTorch path."""
 import pytest
 import torch
 from attention_check import check_against_reference, make_qkv
@@ -20,12 +20,12 @@ def qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, head_dim_v):
 
 
 @pytest.mark.parametrize("head_dim, head_dim_v", PAIRS)
-@pytest.mark.parametrize("version, kernel_options", [("v2", ""), ("v3", ""), ("v3", "forward=gluon;backward=gluon"),
-                                                     ("tiled", "")])
+@pytest.mark.parametrize("version, kernel_options", [("v1", ""), ("v2", ""), ("v3", ""),
+                                                     ("v3", "forward=gluon;backward=gluon"), ("tiled", "")])
 @pytest.mark.parametrize("causal", [True, False])
 def test_own_value_head_dim(version, kernel_options, causal, head_dim, head_dim_v):
-    if (version == "tiled" or kernel_options) and not ON_GPU and (head_dim_v != PAIRS[0][1] or not causal):
-        pytest.skip("the PyTorch path, and the forced Gluon kernels (v2's under the interpreter), once is enough")
+    if (version in ("v1", "tiled") or kernel_options) and not ON_GPU and (head_dim_v != PAIRS[0][1] or not causal):
+        pytest.skip("v1, the PyTorch path and the forced Gluon kernels (v2's under the interpreter): once is enough")
     torch.manual_seed(head_dim + head_dim_v)
     # GQA, lengths off the block sizes; on the GPU past one tile of the Gluon forward (128 rows)
     seqlen_q, seqlen_k = (37, 53) if not ON_GPU else (301, 517)
@@ -56,8 +56,6 @@ def test_own_value_head_dim_varlen_with_softcap():
 
 def test_own_value_head_dim_refusals():
     q, k, v = qkv(1, 8, 8, 2, 2, 32, 16)
-    with pytest.raises(NotImplementedError, match="version='v1' takes one head dim"):
-        flash_attn_func(q, k, v, version="v1")
     with pytest.raises(ValueError, match="same shape but for the head dim"):
         flash_attn_func(q, k, v[:, :4])
     with pytest.raises(ValueError, match="v's head dim must be at most 256"):

@@ -59,8 +59,7 @@ def test_sdpa_key_padding_mask():
     (lambda q, k, v: flashtile.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(2, 1, 1, 8, dtype=bool),
                                                             is_causal=True), ValueError, "cannot both be set"),
     (lambda q, k, v: flashtile.scaled_dot_product_attention(q[0], k, v), ValueError, "query must be a 4-D tensor"),
-    (lambda q, k, v: flashtile.scaled_dot_product_attention(q, k, v, dropout_p=0.1, version="v1"),
-     NotImplementedError, "dropout_p"),
+    (lambda q, k, v: flashtile.scaled_dot_product_attention(q, k, v, dropout_p=1.0), ValueError, "dropout_p"),
 ])
 def test_sdpa_refuses_by_name(call, error, match):
     q, k, v = sdpa_inputs(2, 2, 2, 8, 8)

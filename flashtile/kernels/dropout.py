@@ -20,6 +20,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from flashtile import options
 from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import cdiv
 
@@ -167,10 +168,64 @@ def new_seed(device) -> torch.Tensor:
 
 
 def kept(seed, batch, heads_q, seqlen_q, seqlen_k, dropout_p) -> torch.Tensor:
-    """Bool (batch, heads_q, seqlen_q, seqlen_k): the probabilities the kernels keep under ``seed``."""
+    """Bool (batch, heads_q, seqlen_q, seqlen_k): the probabilities the kernels keep under ``seed``
+    (a seed in host memory outside the interpreter: drawn by ``kept_block``, in PyTorch)."""
+    if seed.device.type == "cpu" and not options.interpreting():
+        streams = torch.arange(batch * heads_q).view(batch, heads_q)
+        return kept_block(int(seed), streams, torch.arange(seqlen_q), torch.arange(seqlen_k), dropout_p)
     out = torch.empty(batch, heads_q, seqlen_q, seqlen_k, dtype=torch.int8, device=seed.device)
     block = KEYS_PER_GROUP
     if out.numel():
         launch(_kept_kernel, (cdiv(seqlen_q, block), batch * heads_q), seed, out, heads_q, seqlen_q, seqlen_k,
                dropout_p, BLOCK=block)
     return out.bool()
+
+
+# Philox-4x32's constants (triton.language.random's, whose tl.philox the kernels call).
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+_WORD = 0xFFFFFFFF
+
+
+def _product(a, b: int):
+    """(high, low) 32-bit words of a * b, ``a`` an int64 tensor of 32-bit values, ``b`` a 32-bit
+    constant, in 16-bit pieces (int64 holds no 64-bit unsigned product)."""
+    a_lo, a_hi, b_lo, b_hi = a & 0xFFFF, a >> 16, b & 0xFFFF, b >> 16
+    lo_lo, hi_lo, lo_hi, hi_hi = a_lo * b_lo, a_hi * b_lo, a_lo * b_hi, a_hi * b_hi
+    middle = (lo_lo >> 16) + (hi_lo & 0xFFFF) + (lo_hi & 0xFFFF)
+    return hi_hi + (hi_lo >> 16) + (lo_hi >> 16) + (middle >> 16), ((middle & 0xFFFF) << 16) | (lo_lo & 0xFFFF)
+
+
+def philox(seed: int, c0, c1, c2, c3, rounds: int = PHILOX_ROUNDS.value):
+    """tl.philox(seed, c0, c1, c2, c3, rounds) in PyTorch: the four 32-bit words (int64 tensors)
+    of the counters ``c0``..``c3`` (int64 tensors of 32-bit values, broadcast together)."""
+    k0, k1 = seed & _WORD, (seed >> 32) & _WORD
+    for _ in range(rounds):
+        high_b, low_b = _product(c2, _ROUND_B)
+        high_a, low_a = _product(c0, _ROUND_A)
+        c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
+        k0, k1 = (k0 + _KEY_A) & _WORD, (k1 + _KEY_B) & _WORD
+    return c0, c1, c2, c3
+
+
+def kept_block(seed: int, streams, rows, cols, dropout_p: float) -> torch.Tensor:
+    """Bool (*streams.shape, len(rows), len(cols)): which scores the kernels keep, drawn in
+    PyTorch (the PyTorch path's dropout, on CPU tensors): the module doc's numbers of keys
+    ``cols`` (int64, consecutive) for query rows ``rows`` of each stream (sequence * heads_q +
+    query head), each Philox call drawn once."""
+    first = int(cols[0]) // KEYS_PER_GROUP.value
+    groups = int(cols[-1]) // KEYS_PER_GROUP.value - first + 1
+    calls = (first * 4 + torch.arange(groups * 4, dtype=torch.int64, device=cols.device))
+    words = torch.stack(philox(seed, calls, rows[:, None], streams[..., None, None], torch.zeros((), dtype=torch.int64)))
+    # key 32g + 8w + 2q + h: call 4g + q (counted from the first group), word w, half h
+    call = (cols // 32 - first) * 4 + (cols % 8) // 2
+    picked = words[(cols // 8) % 4, ..., call].movedim(0, -1)  # (*streams, rows, cols)
+    numbers = (picked >> (16 * (cols % 2))) & 0xFFFF
+    threshold = int(torch.tensor(dropout_p, dtype=torch.float32) * 65536.0 + 0.5)
+    return numbers >= threshold
+
+
+def kept_scale_block(seed: int, streams, rows, cols, dropout_p: float) -> torch.Tensor:
+    """kept_scale in PyTorch: float32 1 / (1 - dropout_p) where ``kept_block`` keeps, else 0."""
+    scale = 1.0 / (1.0 - torch.tensor(dropout_p, dtype=torch.float32))
+    return kept_block(seed, streams, rows, cols, dropout_p) * scale
