@@ -13,13 +13,16 @@ Causal attention uses the zigzag layout (``zigzag_shard``): the sequence is cut 
 and rank r holds chunks r and 2N - 1 - r, so that every rank does the same work at every step.
 Each step is one kernel call per pair of contiguous runs that interact (``step_pairs``), cut
 to the rows and keys inside the band, so causal masks and sliding windows reach the kernels as
-their own bands and pairs outside the band cost nothing.
+their own bands and pairs outside the band cost nothing.  Attention sinks join the merged
+output once (sinks.join), and the backward's kernels, given the joined output and logsumexp,
+need nothing more; the sinks' gradient is this rank's rows' share.
 The transport is torch.distributed's point-to-point operations (NCCL on GPUs, gloo on CPUs).
 """
 import torch
 import torch.distributed as dist
 
 from flashtile import dispatch, ops, options, validation
+from flashtile import sinks as attention_sinks
 
 
 def zigzag_shard(x, rank: int, world: int, dim: int = 1):
@@ -118,7 +121,7 @@ def _kernel_args(scale, left, right, softcap, version, seqlen_q, seqlen_k):
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, left, right, zigzag, softcap, version, group):
+    def forward(ctx, q, k, v, sinks, scale, left, right, zigzag, softcap, version, group):
         ring = _Ring(group)
         text = options.text(options.resolve(None))
         seqlen = q.shape[1]
@@ -141,7 +144,9 @@ class _RingAttention(torch.autograd.Function):
                 held = tuple(incoming)
         out = out.to(q.dtype)
         lse = torch.where(torch.isinf(lse), float("inf"), lse)  # flashtile's convention: +inf, output 0
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:
+            out, lse, _ = attention_sinks.join(False, out, lse, lse.new_empty(0), sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (scale, left, right, zigzag, softcap, version, group, text)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -150,7 +155,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         if dlse is not None:
             raise NotImplementedError("ring attention's logsumexp is not differentiable")
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         scale, left, right, zigzag, softcap, version, group, text = ctx.args
         ring = _Ring(group)
         seqlen = q.shape[1]
@@ -177,24 +182,30 @@ class _RingAttention(torch.autograd.Function):
             # The shard's dK/dV go on with it; after the last step they reach their owner.
             dk, dv = ring.post(dk, dv)
             ring.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        dsinks = None
+        if ctx.needs_input_grad[3]:  # this rank's rows' share
+            dsinks = attention_sinks.gradient(False, sinks, out, lse, dout, None)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None, None, None
 
 
 def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, group=None,
-                         version="auto", return_softmax_lse=False):
+                         version="auto", return_softmax_lse=False, sinks=None):
     """Attention over the whole sequence of which each rank of ``group`` (None: the default
     group) holds a shard: q (batch, seqlen_local, nheads, headdim), k and v (batch,
     seqlen_local, nheads_k, headdim), every rank's seqlen_local equal; shards in rank order, or
     with ``causal`` in the zigzag layout (``zigzag_shard``) and seqlen_local even.
     ``window_size`` (left, right) bounds the keys each query sees in global positions, as in
-    flash_attn_func.  Returns this rank's rows of the output (and with ``return_softmax_lse``
-    their logsumexp, (batch, nheads, seqlen_local)), differentiable with respect to q, k and v."""
+    flash_attn_func.  ``sinks`` (nheads,): gpt-oss's attention sinks, as in flash_attn_func.
+    Returns this rank's rows of the output (and with ``return_softmax_lse`` their logsumexp,
+    (batch, nheads, seqlen_local)), differentiable with respect to q, k, v and the sinks (whose
+    gradient is this rank's rows' share: the whole sequence's is its sum over the group)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_flash_attn_func needs an initialized torch.distributed process group")
     validation.check_qkv(q, k, v, False)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold the same shard of the sequence, got {q.shape[1]} and {k.shape[1]} rows")
     softcap = validation.real("softcap", softcap, 0.0)
+    sinks = validation.sinks(sinks, q.shape[2], q.device)
     scale = validation.softmax_scale(softmax_scale, q.shape[-1])
     version = dispatch.resolve_version(version, q.device)
     if version == "v1":
@@ -209,5 +220,5 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=
     if len({int(x) for x in lengths}) != 1:
         raise ValueError(f"every rank must hold a shard of the same length, got {[int(x) for x in lengths]}")
     with ops.on_device_of(q):
-        out, lse = _RingAttention.apply(q, k, v, scale, left, right, bool(causal), softcap, version, group)
+        out, lse = _RingAttention.apply(q, k, v, sinks, scale, left, right, bool(causal), softcap, version, group)
     return (out, lse) if return_softmax_lse else out

@@ -1,7 +1,7 @@
 """Ring attention over gloo on CPU: 2 and 4 processes, each holding a shard of the sequence (zigzag
 when causal), the PyTorch path per rank; outputs and gradients, gathered, against attention on
 the whole sequence in one process by the FA rule: causal and not, sliding windows that cross
-shards (with and without causal), GQA."""
+shards (with and without causal), GQA, attention sinks."""
 import os
 
 import pytest
@@ -52,6 +52,30 @@ def _worker(rank, world, store_path):
                 for name, g, g_pt, g_ref in zip(("dq", "dk", "dv"), results[1:], pt_grads, oracle_grads):
                     assert_within_rule(f"{name} ({case})", g, g_pt, g_ref, GRAD_RULE)
                 torch.testing.assert_close(lse_all, oracle_lse.float(), atol=1e-4, rtol=1e-4)
+        # Attention sinks: joined once after the merge; their gradient summed over the ranks.
+        torch.manual_seed(1)
+        q, k, v = make_qkv(1, SEQLEN, SEQLEN, HEADS, HEADS_K, HEAD_DIM, torch.float16, "cpu")
+        dout = torch.randn_like(q)
+        sinks = torch.randn(HEADS, requires_grad=True)
+        local = [distributed.zigzag_shard(x, rank, world).clone().requires_grad_() for x in (q, k, v)]
+        out = distributed.ring_flash_attn_func(*local, causal=True, version="tiled", sinks=sinks)
+        out.backward(distributed.zigzag_shard(dout, rank, world))
+        results = [_gathered(x, world, True) for x in (out.detach(), *(t.grad for t in local))]
+        dsinks = sinks.grad.clone()
+        dist.all_reduce(dsinks)
+        if rank == 0:
+            def attention(a, b, c, s, upcast=False):
+                return standard_attention(a, b, c, causal=True, upcast=upcast, sinks=s)
+            oracle, _, oracle_grads = run_and_grad(lambda a, b, c: attention(a, b, c, sinks, True), q, k, v,
+                                                   dout.double())
+            pt, _, pt_grads = run_and_grad(lambda a, b, c: attention(a, b, c, sinks), q, k, v, dout)
+            assert_within_rule("out (sinks)", results[0], pt, oracle, OUT_RULE)
+            for name, g, g_pt, g_ref in zip(("dq", "dk", "dv"), results[1:], pt_grads, oracle_grads):
+                assert_within_rule(f"{name} (sinks)", g, g_pt, g_ref, GRAD_RULE)
+            whole = sinks.detach().double().requires_grad_()
+            reference = standard_attention(q.double(), k.double(), v.double(), causal=True, sinks=whole)
+            (expected,) = torch.autograd.grad(reference, whole, dout.double())
+            torch.testing.assert_close(dsinks.double(), expected, atol=1e-2, rtol=1e-2)
         # Shards of different lengths are refused on every rank.
         uneven = torch.randn(1, 8 + 2 * rank, 2, 16, dtype=torch.float16)
         try:
