@@ -4,6 +4,8 @@ TRITON_INTERPRET must be set before triton is imported, hence here and not in a 
 The same tests run unchanged on a GPU, with larger shapes and bf16 as well as fp16.
 """
 import os
+import subprocess
+import sys
 import zlib
 
 import torch
@@ -17,6 +19,16 @@ import flashtile  # noqa: E402,F401
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_outside_the_interpreter(*args, timeout=120):
+    """``python *args`` in a fresh process with TRITON_INTERPRET=0 (CPU tensors take the PyTorch
+    path there; kernels compile for a GPU target), on this checkout's flashtile whatever else is
+    installed: the completed process, its output captured."""
+    path = os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
 @pytest.fixture(autouse=True)

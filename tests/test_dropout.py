@@ -1,23 +1,19 @@
 """Attention dropout: the kernels' mask is Philox-drawn from a seed taken from torch's generator;
 against the float64 reference given the same mask, outputs and gradients follow the FA rule."""
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 from attention_check import GRAD_RULE, OUT_RULE, assert_within_rule, make_qkv, run_and_grad
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE, ON_GPU, run_outside_the_interpreter
 
 from flashtile import flash_attn_func, flash_attn_varlen_func, standard_attention
 from flashtile.kernels import dropout
 from flashtile.options import KernelOptions
 
 DTYPE = torch.bfloat16 if ON_GPU else torch.float16
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def seeded(seed, fn):
@@ -246,9 +242,7 @@ def test_cpu_dropout_in_a_process_without_the_interpreter():
         "grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))\n"
         "refs = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))\n"
         "assert all((g.double() - r).abs().max() < 5e-2 for g, r in zip(grads, refs))\n")
-    path = os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    res = run_outside_the_interpreter("-c", script)
     assert res.returncode == 0, res.stderr[-2000:]
 
 

@@ -2,15 +2,12 @@
 keys appended (with rotary), split-KV, against the float64 oracle per sequence, on the split-KV
 kernel and on the PyTorch path (CPU tensors outside the interpreter, or version="tiled")."""
 import functools
-import os
-import subprocess
-import sys
 import types
 
 import pytest
 import torch
 from attention_check import assert_within_rule, max_err
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE, ON_GPU, run_outside_the_interpreter
 
 from flashtile import dispatch, flash_attn_with_kvcache, kvcache, options, standard_attention
 from flashtile.kernels import decode
@@ -19,7 +16,6 @@ DTYPE = torch.bfloat16 if ON_GPU else torch.float16
 HEAD_DIM = 64 if ON_GPU else 32
 # "auto": the split-KV kernel here (a GPU or the interpreter); "tiled": the PyTorch path.
 VERSIONS = ["auto", "tiled"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def attend(plan, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, block_table, scale, window, features):
@@ -442,9 +438,7 @@ def test_cpu_default_in_a_process_without_the_interpreter():
         "out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=8)\n"
         "ref = standard_attention(q, kc[:, :8], vc[:, :8], upcast=True)\n"
         "assert (out.double() - ref).abs().max() < 1e-2, (out, ref)\n")
-    path = os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    res = run_outside_the_interpreter("-c", script)
     assert res.returncode == 0, res.stderr[-2000:]
 
 

@@ -1,29 +1,20 @@
 """Hopper code checked without a GPU: kernels compiled for sm_90 and their TTGIR read."""
 import os
 import re
-import subprocess
-import sys
 
 import pytest
-import torch
+from conftest import ROOT, run_outside_the_interpreter
 
 from flashtile.kernels import configs
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def compile_for_sm90(tmp_path, only, head_dim, kernel_options="", softcap=0.0, alibi=False, dropout=False, fp8=None,
                      fp8_mode=1, head_dim_v=None):
-    # This checkout's flashtile, whatever else is installed.
-    path = os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_sm90.py"), "--head-dims",
-                          str(head_dim), "--only", only, "--dump", str(tmp_path), "--options", kernel_options,
-                          "--softcap", str(softcap)] + (["--alibi"] if alibi else [])
-                         + (["--dropout"] if dropout else [])
-                         + (["--fp8", fp8, "--fp8-mode", str(fp8_mode)] if fp8 else [])
-                         + (["--head-dim-v", str(head_dim_v)] if head_dim_v else []),
-                         capture_output=True, text=True, env=env, timeout=600)
+    res = run_outside_the_interpreter(
+        os.path.join(ROOT, "scripts", "compile_sm90.py"), "--head-dims", str(head_dim), "--only", only, "--dump",
+        str(tmp_path), "--options", kernel_options, "--softcap", str(softcap), *(["--alibi"] if alibi else []),
+        *(["--dropout"] if dropout else []), *(["--fp8", fp8, "--fp8-mode", str(fp8_mode)] if fp8 else []),
+        *(["--head-dim-v", str(head_dim_v)] if head_dim_v else []), timeout=600)
     if res.returncode != 0 or "FAILED" in res.stdout:
         pytest.fail(f"sm_90 compile failed:\n{res.stdout}\n{res.stderr[-2000:]}")
     return (tmp_path / f"{only}_d{head_dim}.ttgir").read_text()
@@ -50,11 +41,8 @@ def test_v3_warp_specialized_partitions_store_their_own_rows(tmp_path):
 def test_every_kernel_compiles_for_sm90_with_varlen():
     # Varlen changes the index types (cu_seqlens loads) that TMA and loop bounds see, which the
     # interpreter does not check: compile every kernel's varlen form for Hopper.
-    # This checkout's flashtile, whatever else is installed.
-    path = os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_sm90.py"), "--head-dims", "128",
-                          "--varlen"], capture_output=True, text=True, env=env, timeout=600)
+    res = run_outside_the_interpreter(os.path.join(ROOT, "scripts", "compile_sm90.py"), "--head-dims", "128",
+                                      "--varlen", timeout=600)
     assert res.returncode == 0 and "FAILED" not in res.stdout, res.stdout + res.stderr[-2000:]
     # v1 (two), v2 (three), v3, the quantizing kernel, the Gluon forward (plain, causal, window)
     # and the Gluon backward's two passes (plain, causal)
