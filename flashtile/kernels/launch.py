@@ -60,17 +60,32 @@ _OTHER_CLASS = {
 }
 
 
+# Integers' classes, remembered: most launch arguments are strides and shapes seen before.
+# Bounded, so that values that keep changing cannot grow it without limit.
+_INT_CLASSES: dict = {}
+_MAX_INT_CLASSES = 4096
+
+
+def _int_class(x: int) -> tuple:
+    # triton: 1 becomes a constant, multiples of 16 are marked divisible, the range picks i32/i64.
+    found = (x == 1, x % 16 == 0, -2**31 <= x < 2**31)
+    if len(_INT_CLASSES) < _MAX_INT_CLASSES:
+        _INT_CLASSES[x] = found
+    return found
+
+
 def specialization_key(args) -> tuple:
     """What triton's specialization of the runtime ``args`` depends on, as a hashable tuple.
     Integers and tensors, most of every launch's arguments, are classified inline: a function
     call an argument would be most of the cost."""
     key = []
     append = key.append
+    int_classes = _INT_CLASSES
     for x in args:
         kind = type(x)
         if kind is int:
-            # triton: 1 becomes a constant, multiples of 16 are marked divisible, the range picks i32/i64.
-            append((x == 1, x % 16 == 0, -2**31 <= x < 2**31))
+            found = int_classes.get(x)
+            append(_int_class(x) if found is None else found)
         elif kind is torch.Tensor or isinstance(x, torch.Tensor):  # a subclass too (Parameter, ...)
             append((x.dtype, x.data_ptr() % 16 == 0))
         elif kind is tuple:
