@@ -223,10 +223,10 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     yield "decode.split", decode._split_kernel, dict(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, PAGED=True, HAS_ENDS=True, HAS_LEFTPAD=False, HAS_BATCH_IDX=False, UPCAST=False,
-        SCORE=score.mod_of(p), PDL=True), dict(num_warps=plan.num_warps, num_stages=plan.num_stages), None
+        SCORE=score.mod_of(p), PDL=True, PAGE_SIZE=16), dict(num_warps=plan.num_warps, num_stages=plan.num_stages), None
     yield "decode.append", decode._append_kernel, dict(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=16, PAGED=True, HAS_ENDS=True,
-        HAS_BATCH_IDX=False, ROTARY=True, INTERLEAVED=False), dict(num_warps=4), None
+        HAS_BATCH_IDX=False, ROTARY=True, INTERLEAVED=False, PAGE_SIZE=16), dict(num_warps=4), None
     yield "decode.rotate", decode._rotate_kernel, dict(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=16, HAS_ENDS=True, ADVANCE=True,
         INTERLEAVED=True), dict(num_warps=4), None

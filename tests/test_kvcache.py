@@ -519,7 +519,8 @@ def test_rotate_kernel_matches_rotary_apply(interleaved, advance):
     angle = torch.rand(limit, HEAD_DIM // 4, device=DEVICE) * 6
     cos, sin = torch.cos(angle).to(DTYPE), torch.sin(angle).to(DTYPE)  # rotary_dim: half the head dim
     for seqlens in (7, torch.tensor([0, 45, -3], dtype=torch.int32, device=DEVICE)):
-        got = decode.Rotate(x, cos, isinstance(seqlens, torch.Tensor), advance, limit, interleaved)(x, cos, sin, seqlens)
+        rotate = decode.Rotate(x, cos, isinstance(seqlens, torch.Tensor), advance, limit, interleaved)
+        got = rotate(x, cos, sin, seqlens)
         positions = kvcache._positions(seqlens, seqlen if advance else 1, batch, DEVICE, limit)
         ref = rotary.apply(x, cos, sin, positions.expand(batch, seqlen), interleaved)
         half = HEAD_DIM // 2

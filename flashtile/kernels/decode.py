@@ -36,10 +36,12 @@ from flashtile.kernels.tiles import LOG2E, finalize_rows, load_tile, online_soft
 def _cache_index(batch_row, keys, in_seq, page_size, BLOCK_TABLE, sbt, batch, outer_count, PAGED: tl.constexpr,
                  MASKED: tl.constexpr):
     """(outer, inner) indices of absolute key indices ``keys`` in the cache: (page, slot) or
-    (batch row, key); with MASKED, keys past the sequence (not ``in_seq``) go to (0, 0) and are
-    masked by the caller.  Outer indices are clamped to the cache's ``outer_count`` pages or
-    rows: a table entry out of range (the tables' values are not read on the host) reads the
-    wrong keys, never outside the cache."""
+    (batch row, key), ``page_size`` a constant (each page size compiles kernels of its own: a
+    division by a constant is a multiply, by a run-time value a long sequence); with MASKED,
+    keys past the sequence (not ``in_seq``) go to (0, 0) and are masked by the caller.  Outer
+    indices are clamped to the cache's ``outer_count`` pages or rows: a table entry out of range
+    (the tables' values are not read on the host) reads the wrong keys, never outside the
+    cache."""
     if MASKED:
         keys = tl.where(in_seq, keys, 0)
     if PAGED:
@@ -87,11 +89,12 @@ def _attend(acc, m_i, l_i, q, lo, hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs
 @triton.jit
 def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE, new_keys, score_args,
                   sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, sop, slb, slh, slp, sbt,
-                  seqlen_q, heads_k, group, capacity, page_size, outer_count, scale_log2, window_left,
+                  seqlen_q, heads_k, group, capacity, outer_count, scale_log2, window_left,
                   window_right,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGED: tl.constexpr, HAS_ENDS: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-                  HAS_BATCH_IDX: tl.constexpr, UPCAST: tl.constexpr, SCORE: tl.constexpr, PDL: tl.constexpr):
+                  HAS_BATCH_IDX: tl.constexpr, UPCAST: tl.constexpr, SCORE: tl.constexpr, PDL: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr):
     """Rows [m0, m0 + BLOCK_M) of (query token, query head of the group) for one KV head, over
     this split's share of the keys.  O and LSE: the output and logsumexp, or with several splits
     (the grid's third dimension) the per-split partials (split stride sop, slp).  Sequence b
@@ -140,14 +143,14 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE, new_ke
     for part in tl.static_range(3):
         if part == 1:
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, full_lo, full_hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs,
-                                    svh, sbt, batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size,
+                                    svh, sbt, batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, PAGE_SIZE,
                                     outer_count, scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST,
                                     SCORE, False)
         else:
             part_lo = split_lo if part == 0 else full_hi
             part_hi = full_lo if part == 0 else split_hi
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, part_lo, part_hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs,
-                                    svh, sbt, batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, page_size,
+                                    svh, sbt, batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, PAGE_SIZE,
                                     outer_count, scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST,
                                     SCORE, True)
     if PDL:  # the combine may start launching: it waits for this grid before reading
@@ -225,10 +228,10 @@ def _load_rotated(rows_ptr, offs_d, in_rows, positions, COS, SIN, scs, half, HEA
 
 @triton.jit
 def _append_kernel(K_NEW, V_NEW, K, V, ENDS, BATCH_IDX, BLOCK_TABLE, COS, SIN, start, snb, sns, snh, swb, sws, swh,
-                   skb, sks, skh, svb, svs, svh, sbt, scs, seqlen_new, capacity, page_size, outer_count, half,
+                   skb, sks, skh, svb, svs, svh, sbt, scs, seqlen_new, capacity, outer_count, half,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr, PAGED: tl.constexpr,
                    HAS_ENDS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, ROTARY: tl.constexpr,
-                   INTERLEAVED: tl.constexpr):
+                   INTERLEAVED: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """ROWS new keys and values of one (sequence, KV head), K_NEW and V_NEW (batch, seqlen_new,
     heads_k, head_dim), written into the caches at positions start + i of the sequence (start:
     ENDS[batch], or the ``start`` given), clamped to [0, capacity) as kvcache._positions clamps
@@ -244,7 +247,7 @@ def _append_kernel(K_NEW, V_NEW, K, V, ENDS, BATCH_IDX, BLOCK_TABLE, COS, SIN, s
     if HAS_BATCH_IDX:
         batch_row = tl.load(BATCH_IDX + batch).to(tl.int64)
     in_seq = i < seqlen_new
-    outer, inner = _cache_index(batch_row, keys, in_seq, page_size, BLOCK_TABLE, sbt, batch, outer_count, PAGED,
+    outer, inner = _cache_index(batch_row, keys, in_seq, PAGE_SIZE, BLOCK_TABLE, sbt, batch, outer_count, PAGED,
                                 True)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask = in_seq[:, None] & (offs_d[None, :] < HEAD_DIM)
@@ -282,8 +285,9 @@ class Append:
             _append_kernel, (cdiv(seqlen_new, rows), batch, heads_k),
             (*k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
              block_table.stride(0) if paged else 0, cos.stride(0) if rotary else 0,
-             seqlen_new, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0], cos.shape[1] if rotary else 0),
-            dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, PAGED=paged, HAS_ENDS=has_ends,
+             seqlen_new, capacity, k_cache.shape[0], cos.shape[1] if rotary else 0),
+            dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, PAGED=paged,
+                 PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_ENDS=has_ends,
                  HAS_BATCH_IDX=has_batch_idx, ROTARY=rotary, INTERLEAVED=rotary and bool(interleaved), num_warps=4))
 
     def __call__(self, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, cos, sin):
@@ -396,11 +400,12 @@ class Attend:
             _split_kernel, (cdiv(seqlen_q * group, plan.block_m), batch * heads_k, plan.splits),
             (*q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *split_strides,
              block_table.stride(0) if paged else 0,
-             seqlen_q, heads_k, group, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0],
+             seqlen_q, heads_k, group, capacity, k_cache.shape[0],
              scale * score.LOG2E, window[0], window[1]),
             dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
                  PAGED=paged, HAS_ENDS=has_ends, HAS_LEFTPAD=has_leftpad, HAS_BATCH_IDX=has_batch_idx,
-                 UPCAST=plan.upcast, SCORE=score.modification(softcap, alibi), PDL=plan.pdl, num_warps=plan.num_warps,
+                 UPCAST=plan.upcast, SCORE=score.modification(softcap, alibi), PDL=plan.pdl,
+                 PAGE_SIZE=k_cache.shape[1] if paged else 1, num_warps=plan.num_warps,
                  num_stages=plan.num_stages, maxnreg=plan.maxnreg))
         self._softcap = softcap
         self._score_args = score.arguments(softcap, None)  # without ALiBi, the same at every call

@@ -215,8 +215,9 @@ def kept_block(seed: int, streams, rows, cols, dropout_p: float) -> torch.Tensor
     query head), each Philox call drawn once."""
     first = int(cols[0]) // KEYS_PER_GROUP.value
     groups = int(cols[-1]) // KEYS_PER_GROUP.value - first + 1
-    calls = (first * 4 + torch.arange(groups * 4, dtype=torch.int64, device=cols.device))
-    words = torch.stack(philox(seed, calls, rows[:, None], streams[..., None, None], torch.zeros((), dtype=torch.int64)))
+    calls = first * 4 + torch.arange(groups * 4, dtype=torch.int64, device=cols.device)
+    zero = torch.zeros((), dtype=torch.int64)
+    words = torch.stack(philox(seed, calls, rows[:, None], streams[..., None, None], zero))
     # key 32g + 8w + 2q + h: call 4g + q (counted from the first group), word w, half h
     call = (cols // 32 - first) * 4 + (cols % 8) // 2
     picked = words[(cols // 8) % 4, ..., call].movedim(0, -1)  # (*streams, rows, cols)
