@@ -3,32 +3,52 @@
 Code written for FA3 runs unchanged with ``from flashtile.flash_attn_interface import ...``:
 the same signatures, returning ``out``, or ``(out, softmax_lse)`` with ``return_attn_probs``.
 FA3's tuning hints (``num_splits``, ``pack_gqa``, ``sm_margin``) are accepted and leave the
-choice to flashtile's dispatcher; what flashtile does not compute yet (``qv``,
-``attention_chunk``) is refused by name.  ``seqused_q`` / ``seqused_k`` (batch,) int32: the
+choice to flashtile's dispatcher; ``attention_chunk`` (Llama 4's chunked attention) runs
+through chunks.py, forward and backward; ``qv`` is refused by name.  ``seqused_q`` / ``seqused_k`` (batch,) int32: the
 rows of each varlen sequence used; the output's other rows are 0.
 
 FP8, as FA3 has it: q, k, v in ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` with float32
 ``q_descale``, ``k_descale``, ``v_descale`` of shape (batch, nheads_k) (None: 1), the output
 bf16, forward only.
 """
-from flashtile import api, validation
+import functools
+
+from flashtile import api, chunks, validation
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descales, softmax_scale, causal,
-               window_size, softcap, deterministic, return_attn_probs, seqused=None):
-    """flashtile's attention, FP8 where q is float8 (descales apply to nothing else)."""
+               window_size, softcap, deterministic, return_attn_probs, seqused=None, attention_chunk=0):
+    """flashtile's attention, FP8 where q is float8 (descales apply to nothing else), in chunks
+    of ``attention_chunk`` keys if it is not 0 (chunks.py)."""
     fp8 = getattr(q, "dtype", None) in validation.FP8_DTYPES
     if not fp8 and any(x is not None for x in descales):
         raise ValueError("q_descale, k_descale and v_descale apply to float8 q, k, v only")
-    res = api._attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, softmax_scale,
-                         causal, window_size, softcap, None, deterministic, return_attn_probs, None, "auto", None,
-                         fp8_descales=descales if fp8 else None, seqused=seqused)
-    return res[:2] if return_attn_probs else res
+    chunk = chunks.check(attention_chunk)
+
+    def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descales, lse=return_attn_probs):
+        res = api._attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, softmax_scale,
+                             causal, window_size, softcap, None, deterministic, lse, None, "auto", None,
+                             fp8_descales=descales if fp8 else None, seqused=seqused)
+        return res[:2] if lse else res
+    if not chunk:
+        return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descales)
+    if seqused is not None and any(x is not None for x in seqused):
+        raise NotImplementedError("attention_chunk with seqused_q / seqused_k is not supported")
+    validation.check_qkv(q, k, v, cu_seqlens_q is not None, fp8)
+    if cu_seqlens_q is not None:  # their values cut the pieces: checked first
+        cu_seqlens_q = validation.offsets("cu_seqlens_q", cu_seqlens_q, q.device)
+        cu_seqlens_k = validation.offsets("cu_seqlens_k", cu_seqlens_k, q.device)
+        validation.check_offset_values(cu_seqlens_q, cu_seqlens_k,
+                                       validation.integer("max_seqlen_q", max_seqlen_q, minimum=0),
+                                       validation.integer("max_seqlen_k", max_seqlen_k, minimum=0), q.shape[0],
+                                       k.shape[0])
+    out, lse = chunks.attend(functools.partial(run, lse=True), q, k, v, cu_seqlens_q, cu_seqlens_k, chunk, descales)
+    return (out, lse) if return_attn_probs else out
 
 
 def _refuse_unsupported(**given):
     for name, value in given.items():
-        if value is not None and not (name == "attention_chunk" and value == 0):
+        if value is not None:
             raise NotImplementedError(f"{name} is not supported by flashtile's FlashAttention-3 interface yet")
 
 
@@ -48,10 +68,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                     v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                     pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
     """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim)."""
-    _refuse_unsupported(qv=qv, attention_chunk=attention_chunk)
+    _refuse_unsupported(qv=qv)
     _hints(num_splits, pack_gqa, sm_margin)
     return _attention(q, k, v, None, None, None, None, (q_descale, k_descale, v_descale), softmax_scale, causal,
-                      window_size, softcap, deterministic, return_attn_probs)
+                      window_size, softcap, deterministic, return_attn_probs, attention_chunk=attention_chunk)
 
 
 def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None,
@@ -59,11 +79,16 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
                               deterministic=False, num_heads_q=None, sm_margin=0, return_attn_probs=False):
     """qkv: (batch, seqlen, 3, nheads, headdim), or with ``num_heads_q`` (batch, seqlen,
     nheads_q + 2 * nheads_k, headdim): the query heads, then K's, then V's (GQA)."""
-    _refuse_unsupported(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                        attention_chunk=attention_chunk)
+    _refuse_unsupported(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     validation.integer("sm_margin", sm_margin, minimum=0)
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    deterministic=deterministic, return_attn_probs=return_attn_probs)
+    if chunks.check(attention_chunk) and num_heads_q is None:
+        validation.check_tensor("qkv", qkv)
+        if qkv.dim() != 5 or qkv.shape[2] != 3:
+            raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+        return _attention(*qkv.unbind(2), None, None, None, None, (None,) * 3, attention_chunk=attention_chunk,
+                          **options)
     if num_heads_q is None:
         return _result(api.flash_attn_qkvpacked_func(qkv, **options), return_attn_probs)
     heads_q = validation.integer("num_heads_q", num_heads_q, minimum=1)
@@ -73,6 +98,8 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
         raise ValueError(f"with num_heads_q={heads_q}, qkv must be (batch, seqlen, num_heads_q + 2 * nheads_k, "
                          f"headdim), got {tuple(qkv.shape)}")
     q, k, v = qkv.split([heads_q, heads_k, heads_k], dim=2)
+    if chunks.check(attention_chunk):
+        return _attention(q, k, v, None, None, None, None, (None,) * 3, attention_chunk=attention_chunk, **options)
     return _result(api.flash_attn_func(q, k, v, **options), return_attn_probs)
 
 
@@ -81,8 +108,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
                            num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
     """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); int32 offsets."""
-    _refuse_unsupported(qv=qv, attention_chunk=attention_chunk)
+    _refuse_unsupported(qv=qv)
     _hints(num_splits, pack_gqa, sm_margin)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, (q_descale, k_descale, v_descale),
                       softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
-                      (seqused_q, seqused_k))
+                      (seqused_q, seqused_k), attention_chunk)

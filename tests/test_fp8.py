@@ -129,6 +129,27 @@ def test_fp8_varlen_with_and_without_descales():
             assert_within_rule("out", out[None, s0:s1], emulated(qx, kx, vx, True, dtype), oracle, OUT_RULE)
 
 
+@pytest.mark.parametrize("seqlen_q", [64, 50])
+def test_fp8_attention_chunk(seqlen_q):
+    # FlashAttention-3's attention_chunk on float8 inputs: each piece takes its sequence's
+    # descales, so every chunk's output is that chunk's own call (batches quantized apart).
+    torch.manual_seed(6)
+    dtype, chunk = torch.float8_e4m3fn, 16
+    q, k, v = (torch.randn(2, n, h, HEAD_DIM, device=DEVICE) * (1 + torch.arange(2, device=DEVICE))[:, None, None, None]
+               for n, h in ((seqlen_q, 4), (64, 2), (64, 2)))
+    (q8, qd), (k8, kd), (v8, vd) = (quantize(x, 2, dtype) for x in (q, k, v))
+    out = fa3.flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
+                              attention_chunk=chunk)
+    offset = 64 - seqlen_q
+    for b in range(2):
+        for first in range(0, 64, chunk):
+            rows = slice(max(first - offset, 0), first + chunk - offset)
+            piece = fa3.flash_attn_func(q8[b:b + 1, rows], k8[b:b + 1, first:first + chunk],
+                                        v8[b:b + 1, first:first + chunk], causal=True, q_descale=qd[b:b + 1],
+                                        k_descale=kd[b:b + 1], v_descale=vd[b:b + 1])
+            torch.testing.assert_close(out[b:b + 1, rows], piece, atol=2e-2, rtol=0)
+
+
 def test_fp8_refusals():
     q = torch.randn(1, 8, 2, 32, device=DEVICE)
     q8 = q.to(torch.float8_e4m3fn)

@@ -101,14 +101,84 @@ def test_flash_attention_3_interface():
                        flash_attn_varlen_func(vq, vk, vv, cu, cu, 40, 40, causal=True))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(qv=torch.ones(1)), "qv"),
-    (dict(attention_chunk=128), "attention_chunk"),
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(qv=torch.ones(1)), NotImplementedError, "qv"),
+    (dict(attention_chunk=-1), ValueError, "attention_chunk"),
+    (dict(attention_chunk=2.5), TypeError, "attention_chunk"),
 ])
-def test_flash_attention_3_interface_refuses_what_it_lacks(kwargs, match):
+def test_flash_attention_3_interface_refuses_what_it_lacks(kwargs, error, match):
     q, k, v = make_qkv(1, 8, 8, 2, 2, 32, DTYPE, DEVICE)
-    with pytest.raises(NotImplementedError, match=match):
+    with pytest.raises(error, match=match):
         fa3.flash_attn_func(q, k, v, **kwargs)
+
+
+def chunked_attention(q, k, v, chunk, causal, window_size=(-1, -1), upcast=False):
+    """Attention under FlashAttention-3's attention_chunk mask, written out: query i sits at key
+    position i + seqlen_k - seqlen_q and sees the keys of its own chunk of ``chunk`` positions
+    (within the causal mask and the window); a row that sees none gives 0.  In float64 with
+    ``upcast``, else in the inputs' dtype (float32 softmax)."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    at = torch.arange(seqlen_q, device=q.device)[:, None] + seqlen_k - seqlen_q
+    key = torch.arange(seqlen_k, device=q.device)[None, :]
+    seen = (key // chunk == torch.div(at, chunk, rounding_mode="floor")) & (at >= 0)
+    if causal:
+        seen &= key <= at
+    if window_size[0] >= 0:
+        seen &= key >= at - window_size[0]
+    if window_size[1] >= 0:
+        seen &= key <= at + window_size[1]
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (x.double() if upcast else x for x in (q, k, v))
+    k, v = (x.repeat_interleave(group, 2).transpose(1, 2) for x in (k, v))
+    scores = (q.transpose(1, 2) @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = (scores if upcast else scores.float()).masked_fill(~seen, float("-inf"))
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)
+    return (probs.to(v.dtype) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, chunk, window_size", [
+    (64, 64, 16, (-1, -1)),   # whole chunks: a batch of them
+    (50, 70, 16, (-1, -1)),   # queries from mid-chunk
+    (70, 50, 16, (-1, -1)),   # queries before the first key
+    (37, 37, 10, (3, 2)),     # a window inside the chunks
+    (30, 30, 64, (-1, -1)),   # one chunk
+])
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_attention_3_attention_chunk(seqlen_q, seqlen_k, chunk, window_size, causal):
+    # Llama 4's chunked attention: output and gradients by the FA rule against the mask written
+    # out in float64.
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 32, DTYPE, DEVICE)
+    dout = torch.randn_like(q)
+    mask = dict(chunk=chunk, causal=causal, window_size=window_size)
+    out, _, grads = run_and_grad(lambda a, b, c: fa3.flash_attn_func(
+        a, b, c, causal=causal, window_size=window_size, attention_chunk=chunk), q, k, v, dout)
+    oracle, _, oracle_grads = run_and_grad(lambda a, b, c: chunked_attention(a, b, c, upcast=True, **mask), q, k, v,
+                                           dout.double())
+    pt, _, pt_grads = run_and_grad(lambda a, b, c: chunked_attention(a, b, c, **mask), q, k, v, dout)
+    assert_within_rule("out", out, pt, oracle, (2.0, 1e-5))
+    for name, g, g_pt, g_ref in zip(("dq", "dk", "dv"), grads, pt_grads, oracle_grads):
+        assert_within_rule(name, g, g_pt, g_ref, (3.0, 1e-4))
+
+
+def test_flash_attention_3_attention_chunk_varlen_packed_and_lse():
+    # Packed sequences are cut sequence by sequence; the logsumexp comes back in the call's
+    # layout; the packed-qkv form takes the same chunks.
+    lengths, chunk = [30, 7, 45], 16
+    cu = torch.tensor([0, 30, 37, 82], dtype=torch.int32, device=DEVICE)
+    q, k, v = (torch.randn(82, 2, 32, dtype=DTYPE, device=DEVICE) for _ in range(3))
+    out, lse = fa3.flash_attn_varlen_func(q, k, v, cu, cu, 45, 45, causal=True, attention_chunk=chunk,
+                                          return_attn_probs=True)
+    for s0, n in zip((0, 30, 37), lengths):
+        rows = slice(s0, s0 + n)
+        one, one_lse = fa3.flash_attn_func(q[None, rows], k[None, rows], v[None, rows], causal=True,
+                                           attention_chunk=chunk, return_attn_probs=True)
+        torch.testing.assert_close(out[rows], one[0], atol=2e-3, rtol=0)
+        torch.testing.assert_close(lse[:, rows], one_lse[0], atol=1e-4, rtol=0)
+        oracle = chunked_attention(q[None, rows], k[None, rows], v[None, rows], chunk, True, upcast=True)
+        assert (one.double() - oracle).abs().max() < 1e-2
+    qkv = torch.stack([q[None, :30], k[None, :30], v[None, :30]], 2)
+    torch.testing.assert_close(fa3.flash_attn_qkvpacked_func(qkv, causal=True, attention_chunk=chunk), out[None, :30],
+                               atol=2e-3, rtol=0)
 
 
 def test_return_attn_probs_third_element_is_a_tensor():
