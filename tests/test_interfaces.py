@@ -10,6 +10,7 @@ from conftest import DEVICE
 import flashtile
 from flashtile import flash_attn_func, flash_attn_varlen_func, standard_attention
 from flashtile import flash_attn_interface as fa3
+from flashtile.bert_padding import pad_input, unpad_input
 
 DTYPE = torch.float16
 
@@ -219,3 +220,27 @@ def test_flash_attention_3_seqused():
         unused_q, unused_k = slice(s0 + uq, s0 + lengths[b]), slice(s0 + uk, s0 + lengths[b])
         assert (out[unused_q] == 0).all() and (lse[:, unused_q] == float("inf")).all()
         assert (q.grad[unused_q] == 0).all() and (k.grad[unused_k] == 0).all() and (v.grad[unused_k] == 0).all()
+
+
+def test_bert_padding_round_trip_through_the_varlen_call():
+    # flash_attn.bert_padding's helpers: padded q, k, v unpadded by a key-padding mask, the varlen
+    # call, the output padded back: each sequence as its own call, zeros at padding, gradients
+    # reaching the kept tokens only.
+    lengths, seqlen = [5, 12, 0, 9], 12
+    mask = torch.arange(seqlen, device=DEVICE)[None] < torch.tensor(lengths, device=DEVICE)[:, None]
+    q, k, v = (x.requires_grad_() for x in make_qkv(4, seqlen, seqlen, 4, 2, 32, DTYPE, DEVICE))
+    (qs, indices, cu, longest, used), (ks, _, _, _, _), (vs, _, _, _, _) = (unpad_input(x, mask) for x in (q, k, v))
+    assert cu.tolist() == [0, 5, 17, 17, 26] and longest == 12 and used.tolist() == lengths
+    assert qs.shape == (26, 4, 32) and torch.equal(pad_input(qs, indices, 4, seqlen), q * mask[..., None, None])
+    out = pad_input(flash_attn_varlen_func(qs, ks, vs, cu, cu, longest, longest, causal=True), indices, 4, seqlen)
+    out.sum().backward()
+    for b, n in enumerate(lengths):
+        if n:
+            one = flash_attn_func(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], causal=True)
+            torch.testing.assert_close(out[b:b + 1, :n], one, atol=2e-3, rtol=0)
+        assert (out[b, n:] == 0).all()
+        assert (q.grad[b, n:] == 0).all() and (k.grad[b, n:] == 0).all() and (n == 0 or (q.grad[b, :n] != 0).any())
+    # flash_attn's unused_mask: tokens packed but not counted as used
+    unused = ~mask & (torch.arange(seqlen, device=DEVICE)[None] < 12)
+    _, _, cu_all, _, used = unpad_input(q.detach(), mask, unused)
+    assert cu_all.tolist() == [0, 12, 24, 36, 48] and used.tolist() == lengths
