@@ -4,7 +4,8 @@ Code written for FA3 runs unchanged with ``from flashtile.flash_attn_interface i
 the same signatures, returning ``out``, or ``(out, softmax_lse)`` with ``return_attn_probs``.
 FA3's tuning hints (``num_splits``, ``pack_gqa``, ``sm_margin``) are accepted and leave the
 choice to flashtile's dispatcher; ``attention_chunk`` (Llama 4's chunked attention) runs
-through chunks.py, forward and backward; ``qv`` is refused by name.  ``seqused_q`` / ``seqused_k`` (batch,) int32: the
+through chunks.py, forward and backward; ``qv`` is refused by name.  ``flash_attn_with_kvcache``
+is flashtile's, its ``page_table`` the block table.  ``seqused_q`` / ``seqused_k`` (batch,) int32: the
 rows of each varlen sequence used; the output's other rows are 0.
 
 FP8, as FA3 has it: q, k, v in ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` with float32
@@ -13,7 +14,7 @@ bf16, forward only.
 """
 import functools
 
-from flashtile import api, chunks, validation
+from flashtile import api, chunks, kvcache, validation
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descales, softmax_scale, causal,
@@ -113,3 +114,27 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, (q_descale, k_descale, v_descale),
                       softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
                       (seqused_q, seqused_k), attention_chunk)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                            cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                            q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                            scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
+                            return_softmax_lse=False):
+    """FA3's attention over a KV cache: flashtile.flash_attn_with_kvcache, ``page_table`` its
+    ``block_table``.  Queries of varying lengths (``cu_seqlens_q``, ``cu_seqlens_k_new``,
+    ``max_seqlen_q``), ``qv``, ``rotary_seqlens``, float8 descales, ``scheduler_metadata`` and
+    ``attention_chunk`` over a cache are refused by name."""
+    _refuse_unsupported(qv=qv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
+                        max_seqlen_q=max_seqlen_q, rotary_seqlens=rotary_seqlens, q_descale=q_descale,
+                        k_descale=k_descale, v_descale=v_descale, scheduler_metadata=scheduler_metadata)
+    if chunks.check(attention_chunk):
+        raise NotImplementedError("attention_chunk over a KV cache is not supported by flashtile's "
+                                  "FlashAttention-3 interface yet")
+    _hints(num_splits, pack_gqa, sm_margin)
+    return kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                           cache_batch_idx, cache_leftpad, page_table, softmax_scale, causal,
+                                           window_size, softcap, rotary_interleaved, None, num_splits,
+                                           return_softmax_lse)

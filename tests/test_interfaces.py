@@ -244,3 +244,26 @@ def test_bert_padding_round_trip_through_the_varlen_call():
     unused = ~mask & (torch.arange(seqlen, device=DEVICE)[None] < 12)
     _, _, cu_all, _, used = unpad_input(q.detach(), mask, unused)
     assert cu_all.tolist() == [0, 12, 24, 36, 48] and used.tolist() == lengths
+
+
+def test_flash_attention_3_kvcache():
+    # FA3's flash_attn_with_kvcache: flashtile's, page_table its block table (the same bits, new
+    # keys appended in place); what it lacks is refused by name.
+    torch.manual_seed(0)
+    q = torch.randn(2, 1, 4, 32, dtype=DTYPE, device=DEVICE)
+    pages = [torch.randn(8, 16, 2, 32, dtype=DTYPE, device=DEVICE) for _ in range(2)]
+    table = torch.tensor([[3, 1, 6], [0, 7, 2]], dtype=torch.int32, device=DEVICE)
+    seqlens = torch.tensor([20, 35], dtype=torch.int32, device=DEVICE)
+    new = [torch.randn(2, 1, 2, 32, dtype=DTYPE, device=DEVICE) for _ in range(2)]
+    caches = [[x.clone() for x in pages] for _ in range(2)]
+    out, lse = fa3.flash_attn_with_kvcache(q, *caches[0], *new, cache_seqlens=seqlens, page_table=table, causal=True,
+                                           return_softmax_lse=True)
+    expected = flashtile.flash_attn_with_kvcache(q, *caches[1], *new, cache_seqlens=seqlens, block_table=table,
+                                                 causal=True, return_softmax_lse=True)
+    assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+    assert all(torch.equal(a, b) for a, b in zip(*caches))
+    for kwargs, name in ((dict(cu_seqlens_q=seqlens), "cu_seqlens_q"), (dict(qv=q), "qv"),
+                         (dict(attention_chunk=16), "attention_chunk"), (dict(scheduler_metadata=seqlens),
+                                                                          "scheduler_metadata")):
+        with pytest.raises(NotImplementedError, match=name):
+            fa3.flash_attn_with_kvcache(q, *pages, cache_seqlens=seqlens, page_table=table, **kwargs)
