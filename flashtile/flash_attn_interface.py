@@ -36,6 +36,10 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if seqused is not None and any(x is not None for x in seqused):
         raise NotImplementedError("attention_chunk with seqused_q / seqused_k is not supported")
     validation.check_qkv(q, k, v, cu_seqlens_q is not None, fp8)
+    if fp8:  # (expanded to the pieces: checked first)
+        batch = q.shape[0] if cu_seqlens_q is None else validation.offsets("cu_seqlens_q", cu_seqlens_q,
+                                                                           q.device).numel() - 1
+        validation.fp8_descales(descales, batch, k.shape[-2], q.device)
     if cu_seqlens_q is not None:  # their values cut the pieces: checked first
         cu_seqlens_q = validation.offsets("cu_seqlens_q", cu_seqlens_q, q.device)
         cu_seqlens_k = validation.offsets("cu_seqlens_k", cu_seqlens_k, q.device)

@@ -290,12 +290,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if rotary_cos is not None:
         # (the positions the PyTorch path clamps to the capacity where the queries are the new keys)
         limit = capacity if queries_advance and seqlen_q == seqlen_new else rotary_cos.shape[0]
-        rotate = decode.Rotate(validation.last_dim_contiguous(q), validation.last_dim_contiguous(rotary_cos), tables,
+        rotate = decode.Rotate(validation.last_dim_contiguous(q), rotary_cos.contiguous(), tables,
                                queries_advance, limit, rotary_interleaved, reused)
     if k is not None:
         append = decode.Append(k_cache, v_cache, validation.last_dim_contiguous(k), validation.last_dim_contiguous(v),
                                tables, batch_idx is not None, block_table,
-                               None if rotary_cos is None else validation.last_dim_contiguous(rotary_cos),
+                               None if rotary_cos is None else rotary_cos.contiguous(),
                                rotary_interleaved, reused)
     # The queries attended: rotated into a new contiguous tensor, or as given.
     attended = validation.last_dim_contiguous(q) if rotate is None else torch.empty(q.shape, dtype=q.dtype,
@@ -366,7 +366,8 @@ class _Step(NamedTuple):
     def __call__(self, q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, block_table, alibi_slopes):
         """(out, lse), the tables checked (``seqlens`` an int or a contiguous int32 table)."""
         if cos is not None:
-            cos, sin = validation.last_dim_contiguous(cos), validation.last_dim_contiguous(sin)
+            # Contiguous: the kernels read both tables with one row stride.
+            cos, sin = cos.contiguous(), sin.contiguous()
         if self.rotate is not None:
             q = self.rotate(validation.last_dim_contiguous(q), cos, sin, seqlens)
         if self.append is not None:

@@ -241,7 +241,9 @@ def test_cpu_dropout_in_a_process_without_the_interpreter():
         "assert (s_dmask < 0).any() and (out.double() - ref).abs().max() < 1e-2, (out, ref)\n"
         "grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))\n"
         "refs = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))\n"
-        "assert all((g.double() - r).abs().max() < 5e-2 for g, r in zip(grads, refs))\n")
+        "assert all((g.double() - r).abs().max() < 5e-2 for g, r in zip(grads, refs))\n"
+        "out, lse, s_dmask = flash_attn_func(q, k[:, :0], v[:, :0], dropout_p=0.2, return_attn_probs=True)\n"
+        "assert s_dmask.shape == (1, 2, 40, 0) and (out == 0).all()\n")
     res = run_outside_the_interpreter("-c", script)
     assert res.returncode == 0, res.stderr[-2000:]
 

@@ -148,6 +148,9 @@ def test_fp8_attention_chunk(seqlen_q):
                                         v8[b:b + 1, first:first + chunk], causal=True, q_descale=qd[b:b + 1],
                                         k_descale=kd[b:b + 1], v_descale=vd[b:b + 1])
             torch.testing.assert_close(out[b:b + 1, rows], piece, atol=2e-2, rtol=0)
+    for wrong in (qd[:1], torch.cat([qd, qd])):  # checked before the pieces take their rows
+        with pytest.raises(ValueError, match="q_descale must have shape"):
+            fa3.flash_attn_func(q8, k8, v8, causal=True, q_descale=wrong, attention_chunk=chunk)
 
 
 def test_fp8_refusals():

@@ -286,6 +286,17 @@ def test_repeated_steps_refuse_what_changes_between_calls(monkeypatch):
     assert len(kvcache._STEPS) == (1 if ON_GPU else 2)
 
 
+def test_rotary_tables_of_different_strides():
+    # The kernels read cos and sin with one row stride: tables laid out apart are made alike.
+    case = Case(batch=2, seqlen_q=1, seqlen_new=1, rotary=True)
+    cos, sin, _ = case.rotary
+    wide = torch.zeros(sin.shape[0], 2 * sin.shape[1], dtype=sin.dtype, device=DEVICE)
+    wide[:, :sin.shape[1]] = sin
+    case.rotary = (cos, wide[:, :sin.shape[1]], True)  # sin's rows twice as far apart
+    out, lse = case.run(causal=True)
+    case.check(out, lse, causal=True)
+
+
 def test_every_split_count_agrees():
     case = Case(batch=2, seqlen_q=1, heads=8, heads_k=1, capacity=150)
     # 33: more splits than key blocks (the empty ones weigh nothing) and a padded combine tile.

@@ -35,7 +35,7 @@ def _specialization(x):
 
 def test_specialization_key_separates_what_triton_specializes():
     storage = torch.empty(64, dtype=torch.float32)
-    args = [0, 1, 2, 16, 17, 48, -16, -1, 2**31 - 16, 2**31, -2**31, -2**31 - 16, 2**40, True, False, 0.5, 1.0,
+    args = [0, 1, 2, 16, 17, 48, -16, -1, 2**31 - 16, 2**31, -2**31, -2**31 - 16, 2**40, 2**63, 2**63 + 16, True, False, 0.5, 1.0,
             None, storage, storage[1:], storage[4:], storage.to(torch.float16), storage.to(torch.float16)[8:],
             _descriptor(), _descriptor(rows=128), _descriptor(torch.float16), torch.nn.Parameter(storage),
             (1, 16), (17, 16), (0.5,), (storage, 2**40)]

@@ -213,6 +213,8 @@ def kept_block(seed: int, streams, rows, cols, dropout_p: float) -> torch.Tensor
     PyTorch (the PyTorch path's dropout, on CPU tensors): the module doc's numbers of keys
     ``cols`` (int64, consecutive) for query rows ``rows`` of each stream (sequence * heads_q +
     query head), each Philox call drawn once."""
+    if not rows.numel() or not cols.numel():
+        return torch.zeros(*streams.shape, rows.numel(), cols.numel(), dtype=torch.bool)
     first = int(cols[0]) // KEYS_PER_GROUP.value
     groups = int(cols[-1]) // KEYS_PER_GROUP.value - first + 1
     calls = first * 4 + torch.arange(groups * 4, dtype=torch.int64, device=cols.device)

@@ -67,8 +67,9 @@ _MAX_INT_CLASSES = 4096
 
 
 def _int_class(x: int) -> tuple:
-    # triton: 1 becomes a constant, multiples of 16 are marked divisible, the range picks i32/i64.
-    found = (x == 1, x % 16 == 0, -2**31 <= x < 2**31)
+    # triton: 1 becomes a constant, multiples of 16 are marked divisible, the range picks
+    # i32, i64 or u64.
+    found = (x == 1, x % 16 == 0, 0 if -2**31 <= x < 2**31 else 1 if -2**63 <= x < 2**63 else 2)
     if len(_INT_CLASSES) < _MAX_INT_CLASSES:
         _INT_CLASSES[x] = found
     return found
