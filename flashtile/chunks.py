@@ -79,6 +79,26 @@ def attend(run, q, k, v, cu_seqlens_q, cu_seqlens_k, chunk, descales):
     return out.reshape(batch, -1, *out.shape[1:]), lse.reshape(lse.shape[0], batch, -1).transpose(0, 1)
 
 
+def cache_starts(q, k_cache, k, cache_seqlens, cache_leftpad, block_table, chunk):
+    """A decoding step's chunks over a KV cache, as flash_attn_with_kvcache's ``cache_leftpad``:
+    each sequence's one query sits at its last key and sees from the start of that key's chunk
+    (or from its own leftpad, if later).  One query token per sequence: several could span two
+    chunks, which only the sequence lengths on the device would tell."""
+    validation.check_tensor("q", q)
+    if q.dim() != 4 or q.shape[1] != 1:
+        raise NotImplementedError(f"attention_chunk over a KV cache takes one query token per sequence "
+                                  f"(decoding), got q of shape {tuple(q.shape)}")
+    capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    new = 0 if k is None else k.shape[1]
+    ends = (capacity - new if cache_seqlens is None else cache_seqlens) + new
+    if isinstance(ends, torch.Tensor):
+        starts = ((ends.long() - 1).clamp(min=0) // chunk * chunk).to(torch.int32)
+    else:
+        starts = torch.full((q.shape[0],), max(int(ends) - 1, 0) // chunk * chunk, dtype=torch.int32,
+                            device=q.device)
+    return starts if cache_leftpad is None else torch.maximum(cache_leftpad, starts)
+
+
 def check(chunk) -> int:
     """``attention_chunk`` as an int >= 0 (0: no chunks)."""
     return validation.integer("attention_chunk", chunk, minimum=0)

@@ -77,8 +77,9 @@ def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache
         raise out_of_capacity(seqlens.tolist())
     if "seqlens" in tables and rotary_rows is not None and (seqlens + rotary_span > rotary_rows).any():
         raise past_rotary(int(seqlens.max()) + rotary_span - 1)
-    if "leftpad" in tables and ((tables["leftpad"] < 0) | (tables["leftpad"] > seqlens)).any():
-        raise ValueError(f"cache_leftpad must lie in [0, cache_seqlens], got {tables['leftpad'].tolist()}")
+    if "leftpad" in tables and ((tables["leftpad"] < 0) | (tables["leftpad"] > seqlens + seqlen_new)).any():
+        raise ValueError(f"cache_leftpad must lie in [0, cache_seqlens + {seqlen_new} new keys], got "
+                         f"{tables['leftpad'].tolist()}")
     if "batch_idx" in tables and ((tables["batch_idx"] < 0) | (tables["batch_idx"] >= batch_cache)).any():
         raise ValueError(f"cache_batch_idx must index the cache's {batch_cache} rows, got "
                          f"{tables['batch_idx'].tolist()}")
@@ -164,8 +165,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (seqlen_ro >= the cache's capacity, rotary_dim / 2): applied to k at positions
     cache_seqlens + i, and to q at positions cache_seqlens + i when causal or windowed (a window
     side narrower than the capacity), else all at cache_seqlens, as flash_attn does.
-    cache_batch_idx (batch,) int32: the cache row of each sequence; cache_leftpad (batch,) int32:
-    where each sequence's keys start.  causal / window_size are aligned to the end of each
+    cache_batch_idx (batch,) int32: the cache row of each sequence (contiguous caches);
+    cache_leftpad (batch,) int32: where each sequence's keys start (paged too, which flash_attn
+    refuses), at most its end.  causal / window_size are aligned to the end of each
     sequence's keys.  num_splits: 0 picks the split-KV count, n > 0 uses n (the PyTorch path
     does not split).  Returns out, or (out, softmax_lse) with lse (batch, nheads, seqlen_q),
     natural log.  ``version`` as in flash_attn_func: "auto" runs the split-KV kernel where
@@ -210,9 +212,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"block_table must be (batch={batch}, max_blocks), got {tuple(block_table.shape)}")
         block_table = _int32_table("block_table", block_table, block_table.shape, q.device)
     paged = block_table is not None
-    if paged and (cache_batch_idx is not None or cache_leftpad is not None):
-        raise NotImplementedError("block_table with cache_batch_idx or cache_leftpad is not supported "
-                                  "(as in flash_attn)")
+    if paged and cache_batch_idx is not None:
+        raise NotImplementedError("block_table with cache_batch_idx is not supported (the table picks each "
+                                  "sequence's pages)")
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     if not paged and cache_batch_idx is None and k_cache.shape[0] < batch:
         raise ValueError(f"the cache has {k_cache.shape[0]} rows for a batch of {batch}: pass cache_batch_idx")

@@ -263,7 +263,36 @@ def test_flash_attention_3_kvcache():
     assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
     assert all(torch.equal(a, b) for a, b in zip(*caches))
     for kwargs, name in ((dict(cu_seqlens_q=seqlens), "cu_seqlens_q"), (dict(qv=q), "qv"),
-                         (dict(attention_chunk=16), "attention_chunk"), (dict(scheduler_metadata=seqlens),
-                                                                          "scheduler_metadata")):
+                         (dict(scheduler_metadata=seqlens), "scheduler_metadata")):
         with pytest.raises(NotImplementedError, match=name):
             fa3.flash_attn_with_kvcache(q, *pages, cache_seqlens=seqlens, page_table=table, **kwargs)
+    with pytest.raises(NotImplementedError, match="one query token"):
+        fa3.flash_attn_with_kvcache(q.expand(2, 2, 4, 32), *pages, cache_seqlens=seqlens, page_table=table,
+                                    attention_chunk=16)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_flash_attention_3_kvcache_attention_chunk(paged):
+    # A decoding step of Llama 4's chunked layers: the query (at its sequence's last key, the new
+    # one included) sees its chunk's keys only, against the mask written out in float64.
+    torch.manual_seed(1)
+    chunk, lengths = 16, [20, 31, 32, 5]
+    q = torch.randn(4, 1, 4, 32, dtype=DTYPE, device=DEVICE)
+    dense = [torch.randn(4, 48, 2, 32, dtype=DTYPE, device=DEVICE) for _ in range(2)]
+    new = [torch.randn(4, 1, 2, 32, dtype=DTYPE, device=DEVICE) for _ in range(2)]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    if paged:  # each sequence's 48 rows as 3 pages of 16, in a shuffled pool
+        order = torch.randperm(12, device=DEVICE)
+        caches = [torch.empty(12, 16, 2, 32, dtype=DTYPE, device=DEVICE) for _ in range(2)]
+        for c, d in zip(caches, dense):
+            c[order] = d.reshape(12, 16, 2, 32)
+        table = order.view(4, 3).int()
+    else:
+        caches, table = [d.clone() for d in dense], None
+    out = fa3.flash_attn_with_kvcache(q, *caches, *new, cache_seqlens=seqlens, page_table=table, causal=True,
+                                      attention_chunk=chunk)
+    for b, n in enumerate(lengths):
+        keys = [torch.cat([d[b:b + 1, :n], x[b:b + 1]], 1) for d, x in zip(dense, new)]
+        oracle = chunked_attention(q[b:b + 1], *keys, chunk, True, upcast=True)
+        pt = chunked_attention(q[b:b + 1], *keys, chunk, True)
+        assert_within_rule(f"sequence {b}", out[b:b + 1], pt, oracle, (2.0, 1e-5))

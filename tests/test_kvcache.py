@@ -286,6 +286,15 @@ def test_repeated_steps_refuse_what_changes_between_calls(monkeypatch):
     assert len(kvcache._STEPS) == (1 if ON_GPU else 2)
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+def test_paged_cache_with_leftpad(version):
+    # cache_leftpad with pages (which flash_attn refuses): each sequence's keys from its start,
+    # new keys appended (rotated) through the table, against the oracle.
+    case = Case(batch=3, seqlen_q=2, seqlen_new=2, page_size=16, leftpad=True, rotary=False)
+    out, lse = case.run(causal=True, version=version)
+    case.check(out, lse, causal=True)
+
+
 def test_rotary_tables_of_different_strides():
     # The kernels read cos and sin with one row stride: tables laid out apart are made alike.
     case = Case(batch=2, seqlen_q=1, seqlen_new=1, rotary=True)
@@ -335,7 +344,7 @@ def test_refusals(version):
         (dict(cache_seqlens=20, k=case.k_new, v=case.v_new), ValueError, "capacity"),  # an int: no copy
         (dict(cache_seqlens=lengths.long()), TypeError, "cache_seqlens must be torch.int32"),
         (dict(cache_seqlens=lengths, block_table=torch.zeros(2, 2, dtype=torch.int32, device=DEVICE),
-              cache_leftpad=torch.zeros(2, dtype=torch.int32, device=DEVICE)), NotImplementedError, "block_table"),
+              cache_batch_idx=torch.zeros(2, dtype=torch.int32, device=DEVICE)), NotImplementedError, "block_table"),
         (dict(cache_seqlens=lengths, num_splits=-1), ValueError, "num_splits"),
         (dict(cache_seqlens=lengths, k=torch.zeros(2, 21, *k.shape[2:], dtype=DTYPE, device=DEVICE),
               v=torch.zeros(2, 21, *k.shape[2:], dtype=DTYPE, device=DEVICE)), ValueError, "21 new keys"),
