@@ -168,8 +168,8 @@ class Prepared:
         if binary is None:
             (binary, constexprs), launched = _compiled(self.kernel, self.grid, device, (*leading, *self.fixed),
                                                        self.constants)
+            self._tail = (*self.fixed, *constexprs)  # (before the binary: another thread may take it at once)
             self._binaries[key] = binary
-            self._tail = (*self.fixed, *constexprs)
             if launched:
                 return
         _run(binary, self._grid, device, (*leading, *self._tail))
