@@ -112,7 +112,7 @@ def _cache_slots(k_cache, positions, batch_idx, block_table):
 def _append(k_cache, v_cache, k, v, positions, batch_idx, block_table):
     """k, v (batch, seqlen_new, heads_k, head_dim) written into the caches in place at
     ``positions`` (batch, seqlen_new, inside the capacity) of each sequence's cache row (or
-    pages): the PyTorch path's append, and the reference of the kernels' (decode.append)."""
+    pages): the PyTorch path's append, and the reference of the kernels' (decode.Append)."""
     index = _cache_slots(k_cache, positions, batch_idx, block_table)
     k_cache.index_put_(index, k)
     v_cache.index_put_(index, v)
