@@ -339,7 +339,7 @@ DECODE_MAX_SPLITS = 64
 
 
 def decode_plan(q, heads_k: int, capacity: int, num_splits: int, paged: bool = False,
-                opts=_options.ENVIRONMENT) -> DecodePlan:
+                opts=_options.ENVIRONMENT, shape=None) -> DecodePlan:
     """Tiles and split count for q (batch, seqlen_q, heads, head_dim) over a cache of
     ``capacity`` keys per sequence (``paged``: in pages, through a block table).  ``num_splits``
     0: as many programs as two per SM hold, where the row blocks alone are fewer (two reside
@@ -347,11 +347,13 @@ def decode_plan(q, heads_k: int, capacity: int, num_splits: int, paged: bool = F
     each split at least DECODE_MIN_SPLIT_KEYS keys of the capacity (a static shape: no sequence
     length is read on the host); > 0: that many, at most DECODE_MAX_SPLITS (the combine holds
     every split's partial output of a row at once).  ``opts``: its tiles.decode / decode_paged
-    override (keys a step, stages, warps[, registers a thread]).  Asked at every decoding step: remembered per shape."""
+    override (keys a step, stages, warps[, registers a thread]).  ``shape``: (batch, seqlen_q,
+    heads, head_dim) where q is packed (the longest sequence's queries).  Asked at every
+    decoding step: remembered per shape."""
     device = q.device.index if q.is_cuda else None
     tiles = opts.tile("decode_paged" if paged else "decode")
-    return _decode_plan(*q.shape, q.dtype, device, heads_k, capacity, num_splits, paged, _options.interpreting(),
-                        tiles)
+    return _decode_plan(*(shape or q.shape), q.dtype, device, heads_k, capacity, num_splits, paged,
+                        _options.interpreting(), tiles)
 
 
 @functools.lru_cache(maxsize=256)

@@ -5,7 +5,8 @@ the same signatures, returning ``out``, or ``(out, softmax_lse)`` with ``return_
 FA3's tuning hints (``num_splits``, ``pack_gqa``, ``sm_margin``) are accepted and leave the
 choice to flashtile's dispatcher; ``attention_chunk`` (Llama 4's chunked attention) runs
 through chunks.py, forward and backward; ``qv`` is refused by name.  ``flash_attn_with_kvcache``
-is flashtile's, its ``page_table`` the block table (``attention_chunk`` there: decoding steps).  ``seqused_q`` / ``seqused_k`` (batch,) int32: the
+is flashtile's, its ``page_table`` the block table, ``cu_seqlens_q`` packed queries
+(``attention_chunk`` there: decoding steps).  ``seqused_q`` / ``seqused_k`` (batch,) int32: the
 rows of each varlen sequence used; the output's other rows are 0.
 
 FP8, as FA3 has it: q, k, v in ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` with float32
@@ -128,13 +129,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
                             return_softmax_lse=False):
     """FA3's attention over a KV cache: flashtile.flash_attn_with_kvcache, ``page_table`` its
-    ``block_table``.  Queries of varying lengths (``cu_seqlens_q``, ``cu_seqlens_k_new``,
-    ``max_seqlen_q``), ``qv``, ``rotary_seqlens``, float8 descales and ``scheduler_metadata``
-    are refused by name.  ``attention_chunk`` takes one query token per sequence (decoding):
-    each sequence's keys start at its chunk (chunks.cache_starts)."""
-    _refuse_unsupported(qv=qv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
-                        max_seqlen_q=max_seqlen_q, rotary_seqlens=rotary_seqlens, q_descale=q_descale,
-                        k_descale=k_descale, v_descale=v_descale, scheduler_metadata=scheduler_metadata)
+    ``block_table``, queries of varying counts packed by ``cu_seqlens_q`` and ``max_seqlen_q``.
+    New keys of varying counts (``cu_seqlens_k_new``), ``qv``, ``rotary_seqlens``, float8
+    descales and ``scheduler_metadata`` are refused by name.  ``attention_chunk`` takes one
+    query token per sequence (decoding): each sequence's keys start at its chunk
+    (chunks.cache_starts)."""
+    _refuse_unsupported(qv=qv, cu_seqlens_k_new=cu_seqlens_k_new, rotary_seqlens=rotary_seqlens,
+                        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                        scheduler_metadata=scheduler_metadata)
     _hints(num_splits, pack_gqa, sm_margin)
     chunk = chunks.check(attention_chunk)
     if chunk:
@@ -142,4 +144,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     return kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                            cache_batch_idx, cache_leftpad, page_table, softmax_scale, causal,
                                            window_size, softcap, rotary_interleaved, None, num_splits,
-                                           return_softmax_lse)
+                                           return_softmax_lse, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)

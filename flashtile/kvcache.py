@@ -23,10 +23,10 @@ from flashtile.kernels import decode
 from flashtile.kernels.problem import Problem
 
 
-def _same_kind(name, x, q):
+def _same_kind(name, x, q, rank=4):
     validation.check_tensor(name, x)
-    if x.dim() != 4:
-        raise ValueError(f"{name} must be 4-D, got shape {tuple(x.shape)}")
+    if x.dim() != rank:
+        raise ValueError(f"{name} must be {rank}-D, got shape {tuple(x.shape)}")
     if x.dtype != q.dtype:
         raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
     if x.device != q.device:
@@ -135,19 +135,25 @@ def _gathered(k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity)
 
 
 def _tiled_forward(q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity, scale, window, softcap,
-                   alibi_slopes, opts):
+                   alibi_slopes, opts, packed=None):
     """(out, lse) of the PyTorch path: the sequences' keys gathered (``_gathered``) into one varlen
-    problem, its queries (batch x seqlen_q rows) one sequence each, run by the dispatcher's
-    "tiled" plan (tiled.py).  Masks count from each sequence's first key and align to its last,
-    as in the kernel; no split (``num_splits`` has nothing to split there)."""
-    batch, seqlen_q, heads, head_dim = q.shape
+    problem, its queries (batch x seqlen_q rows, or ``packed``: (their offsets, the longest)) one
+    sequence each, run by the dispatcher's "tiled" plan (tiled.py).  Masks count from each
+    sequence's first key and align to its last, as in the kernel; no split (``num_splits`` has
+    nothing to split there)."""
     k, v, offsets_k = _gathered(k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity)
-    offsets_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
-    q = q.reshape(batch * seqlen_q, heads, head_dim)
+    if packed is not None:
+        offsets_q, seqlen_q = packed
+    else:
+        batch, seqlen_q, heads, head_dim = q.shape
+        offsets_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+        q = q.reshape(batch * seqlen_q, heads, head_dim)
     p = Problem.of(q, k, offsets_q, offsets_k, seqlen_q, capacity, scale, *window, softcap=softcap,
                    alibi_slopes=alibi_slopes)
     plan = dispatch.forward_plan(p, "tiled", dispatch.target_of(p, q, k, v), opts)
     out, lse, _ = dispatch.run_forward(plan, p, q, k, v)
+    if packed is not None:
+        return out, lse
     return out.view(batch, seqlen_q, heads, head_dim), lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
@@ -155,7 +161,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            version="auto", kernel_options=None):
+                            cu_seqlens_q=None, max_seqlen_q=None, version="auto", kernel_options=None):
     """Attention of q (batch, seqlen_q, nheads, headdim) over a KV cache, flash_attn's semantics.
 
     k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or with ``block_table``
@@ -174,17 +180,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Triton runs and the PyTorch path on CPU tensors outside the interpreter; "tiled" the PyTorch
     path anywhere; "v1", "v2" and "v3" the split-KV kernel (one for every version), where the
     version can run.  ``kernel_options``: developer switches (options.KernelOptions:
-    tiles.decode, tiles.decode_paged).
+    tiles.decode, tiles.decode_paged).  ``cu_seqlens_q`` (batch + 1,) int32 and ``max_seqlen_q``
+    (FlashAttention-3's): queries of varying counts packed as q (total_q, nheads, headdim), each
+    sequence's aligned to the end of its keys; the output packed alike, lse (nheads, total_q).
+    No new keys or rotary with them yet.
     """
     kind = _kind(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                  block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                 num_splits, version, kernel_options)
+                 num_splits, version, kernel_options, cu_seqlens_q, max_seqlen_q)
     step = None if kind is None else _STEPS.get(kind)
     if step is not None:
         out, lse = step.repeat(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad,
-                               cache_batch_idx, block_table, alibi_slopes)
+                               cache_batch_idx, block_table, alibi_slopes, cu_seqlens_q)
         return (out, lse) if return_softmax_lse else out
-    _same_kind("q", q, q)
+    packed = cu_seqlens_q is not None or max_seqlen_q is not None
+    _same_kind("q", q, q, 3 if packed else 4)
     if q.dtype not in validation.SUPPORTED_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; flashtile supports torch.float16 and torch.bfloat16")
     if q.device.type not in ("cuda", "cpu"):
@@ -194,7 +204,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
-    batch, seqlen_q, heads, head_dim = q.shape
+    if packed:
+        if cu_seqlens_q is None or max_seqlen_q is None:
+            raise ValueError("cu_seqlens_q and max_seqlen_q must be given together")
+        cu_seqlens_q = validation.offsets("cu_seqlens_q", cu_seqlens_q, q.device)
+        batch, seqlen_q = cu_seqlens_q.numel() - 1, validation.integer("max_seqlen_q", max_seqlen_q, minimum=0)
+        _, heads, head_dim = q.shape
+        if k is not None or v is not None or rotary_cos is not None or rotary_sin is not None:
+            raise NotImplementedError("cu_seqlens_q (packed queries) with new keys or rotary is not supported yet: "
+                                      "append them to the cache first")
+        if not q.is_cuda:  # (offsets on a GPU are not read: the kernel clamps them to q's rows)
+            validation.check_offset_values(cu_seqlens_q, cu_seqlens_q, seqlen_q, seqlen_q, q.shape[0], q.shape[0])
+    else:
+        batch, seqlen_q, heads, head_dim = q.shape
     heads_k = k_cache.shape[2]
     if head_dim > validation.MAX_HEAD_DIM:
         raise ValueError(f"head dim must be at most {validation.MAX_HEAD_DIM}, got {head_dim}")
@@ -281,7 +303,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             _append(k_cache, v_cache, k, v, new_positions, batch_idx, block_table)
         ends = torch.full((batch,), seqlens, device=q.device) if isinstance(seqlens, int) else seqlens.long()
         out, lse = _tiled_forward(q, k_cache, v_cache, ends + seqlen_new, leftpad, batch_idx, block_table, capacity,
-                                  scale, window, softcap, alibi_slopes, opts)
+                                  scale, window, softcap, alibi_slopes, opts,
+                                  (cu_seqlens_q, seqlen_q) if packed else None)
         return (out, lse) if return_softmax_lse else out
 
     # Kernels: the queries rotated in one launch, the new keys rotated and appended in another,
@@ -302,9 +325,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # The queries attended: rotated into a new contiguous tensor, or as given.
     attended = validation.last_dim_contiguous(q) if rotate is None else torch.empty(q.shape, dtype=q.dtype,
                                                                                    device="meta")
-    plan = dispatch.decode_plan(q, heads_k, capacity, num_splits, block_table is not None, opts)
+    plan = dispatch.decode_plan(q, heads_k, capacity, num_splits, block_table is not None, opts,
+                                shape=(batch, seqlen_q, heads, head_dim))
     attend = decode.Attend(plan, attended, k_cache, v_cache, tables, leftpad is not None, batch_idx is not None,
-                           block_table, scale, window, softcap, alibi_slopes is not None, reused)
+                           block_table, scale, window, softcap, alibi_slopes is not None, reused,
+                           (batch, seqlen_q) if packed else None)
     step = _Step(rotate, append, attend, capacity, seqlen_new, None if rotary_cos is None else rotary_cos.shape[0],
                  rotary_span)
     if reused:
@@ -312,7 +337,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             _STEPS.clear()
         _STEPS[kind] = step
     out, lse = step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, leftpad, batch_idx, block_table,
-                    alibi_slopes)
+                    alibi_slopes, cu_seqlens_q)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -323,7 +348,7 @@ _MAX_STEPS = 256
 
 def _kind(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
           block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-          version, kernel_options):
+          version, kernel_options, cu_seqlens_q, max_seqlen_q):
     """The kind of a call, for ``_STEPS``: everything its checks, plan and launches depend on
     (each tensor's shape, strides, dtype and device; the scalars; the options), with numbers of
     their plain Python types and tensors of torch.Tensor's own type.  None for any other call,
@@ -340,9 +365,12 @@ def _kind(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
         kernel_options = options.ENVIRONMENT
     elif not isinstance(kernel_options, (str, options.KernelOptions)):
         return None
-    kind = [softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, version, kernel_options]
+    if not (max_seqlen_q is None or type(max_seqlen_q) is int):
+        return None
+    kind = [softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, version, kernel_options,
+            max_seqlen_q]
     for x in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-              block_table, alibi_slopes):
+              block_table, alibi_slopes, cu_seqlens_q):
         if x is None:
             kind.append(None)
         elif type(x) is torch.Tensor:
@@ -365,7 +393,8 @@ class _Step(NamedTuple):
     rotary_rows: int | None
     rotary_span: int
 
-    def __call__(self, q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, block_table, alibi_slopes):
+    def __call__(self, q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, block_table, alibi_slopes,
+                 cu_seqlens_q):
         """(out, lse), the tables checked (``seqlens`` an int or a contiguous int32 table)."""
         if cos is not None:
             # Contiguous: the kernels read both tables with one row stride.
@@ -378,14 +407,19 @@ class _Step(NamedTuple):
         ends, new_keys = (seqlens, self.seqlen_new) if isinstance(seqlens, torch.Tensor) else \
             (None, seqlens + self.seqlen_new)
         return self.attend(validation.last_dim_contiguous(q), k_cache, v_cache, ends, new_keys, leftpad, batch_idx,
-                           block_table, alibi_slopes)
+                           block_table, alibi_slopes, cu_seqlens_q)
 
-    def repeat(self, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, leftpad, batch_idx, block_table, alibi_slopes):
+    def repeat(self, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, leftpad, batch_idx, block_table, alibi_slopes,
+               cu_seqlens_q):
         """A call of this kind after the first: what the full path does at every call (value
         checks of ints and of tables in host memory, the tables made contiguous), then the step."""
         seqlens = self.capacity - self.seqlen_new if cache_seqlens is None else cache_seqlens
-        leftpad, batch_idx, block_table, alibi_slopes = (None if x is None else x.contiguous()
-                                                          for x in (leftpad, batch_idx, block_table, alibi_slopes))
+        tables = (leftpad, batch_idx, block_table, alibi_slopes, cu_seqlens_q)
+        leftpad, batch_idx, block_table, alibi_slopes, cu_seqlens_q = (None if x is None else x.contiguous()
+                                                                        for x in tables)
+        if cu_seqlens_q is not None and not q.is_cuda:
+            longest = self.attend.packed[1]
+            validation.check_offset_values(cu_seqlens_q, cu_seqlens_q, longest, longest, q.shape[0], q.shape[0])
         if type(seqlens) is int:
             fits = 0 <= seqlens <= self.capacity - self.seqlen_new and (
                 self.rotary_rows is None or seqlens + self.rotary_span <= self.rotary_rows)
@@ -394,4 +428,5 @@ class _Step(NamedTuple):
         if not fits or not q.is_cuda:
             _check_values(seqlens, self.seqlen_new, self.capacity, leftpad, batch_idx, k_cache.shape[0], block_table,
                           k_cache.shape[0], self.rotary_rows, self.rotary_span)
-        return self(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, block_table, alibi_slopes)
+        return self(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, block_table, alibi_slopes,
+                    cu_seqlens_q)

@@ -220,10 +220,13 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     # combine of several splits.
     q = torch.empty(8, 1, 32, head_dim, dtype=torch.bfloat16)
     plan = dispatch.decode_plan(q, 8, 4096, 1, paged=True)
-    yield "decode.split", decode._split_kernel, dict(
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n, PAGED=True, HAS_ENDS=True, HAS_LEFTPAD=False, HAS_BATCH_IDX=False, UPCAST=False,
-        SCORE=score.mod_of(p), PDL=True, PAGE_SIZE=16), dict(num_warps=plan.num_warps, num_stages=plan.num_stages), None
+    split = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), BLOCK_M=plan.block_m,
+                 BLOCK_N=plan.block_n, PAGED=True, HAS_ENDS=True, HAS_LEFTPAD=False, HAS_BATCH_IDX=False,
+                 UPCAST=False, SCORE=score.mod_of(p), PDL=True, PAGE_SIZE=16)
+    warps = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
+    yield "decode.split", decode._split_kernel, dict(split, VARLEN_Q=False), warps, None
+    # Queries of varying counts, packed (FlashAttention-3's cu_seqlens_q)
+    yield "decode.split_packed", decode._split_kernel, dict(split, VARLEN_Q=True), warps, None
     yield "decode.append", decode._append_kernel, dict(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=16, PAGED=True, HAS_ENDS=True,
         HAS_BATCH_IDX=False, ROTARY=True, INTERLEAVED=False, PAGE_SIZE=16), dict(num_warps=4), None
@@ -231,7 +234,9 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=16, HAS_ENDS=True, ADVANCE=True,
         INTERLEAVED=True), dict(num_warps=4), None
     combine = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), SPLITS_PAD=16, PDL=True)
-    yield "decode.combine", decode._combine_kernel, combine, dict(num_warps=decode.COMBINE_WARPS, launch_pdl=True), None
+    for packed in (False, True):
+        yield (f"decode.combine{'_packed' if packed else ''}", decode._combine_kernel, dict(combine, VARLEN_Q=packed),
+               dict(num_warps=decode.COMBINE_WARPS, launch_pdl=True), None)
     f = dispatch.forward_plan(p, "v2", dispatch.HOPPER, opts).config
     v2_base = dict(base, DROPOUT=with_dropout, HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=p.head_dim_pad)
     # V's head-dim stride is 1 as launched (specialized): its keys' stride is, for float8.

@@ -262,7 +262,17 @@ def test_flash_attention_3_kvcache():
                                                  causal=True, return_softmax_lse=True)
     assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
     assert all(torch.equal(a, b) for a, b in zip(*caches))
-    for kwargs, name in ((dict(cu_seqlens_q=seqlens), "cu_seqlens_q"), (dict(qv=q), "qv"),
+    # Queries packed by cu_seqlens_q: each sequence's, as its own batched call.
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=DEVICE)
+    packed = torch.randn(3, 4, 32, dtype=DTYPE, device=DEVICE)
+    out = fa3.flash_attn_with_kvcache(packed, *pages, cache_seqlens=seqlens, page_table=table, causal=True,
+                                      cu_seqlens_q=cu, max_seqlen_q=2)
+    for b in range(2):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        one = fa3.flash_attn_with_kvcache(packed[None, rows], *pages, cache_seqlens=seqlens[b:b + 1],
+                                          page_table=table[b:b + 1], causal=True)
+        torch.testing.assert_close(out[rows], one[0], atol=2e-3, rtol=0)
+    for kwargs, name in ((dict(cu_seqlens_k_new=seqlens), "cu_seqlens_k_new"), (dict(qv=q), "qv"),
                          (dict(scheduler_metadata=seqlens), "scheduler_metadata")):
         with pytest.raises(NotImplementedError, match=name):
             fa3.flash_attn_with_kvcache(q, *pages, cache_seqlens=seqlens, page_table=table, **kwargs)

@@ -295,6 +295,38 @@ def test_paged_cache_with_leftpad(version):
     case.check(out, lse, causal=True)
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_packed_queries_of_varying_counts(version, page_size, monkeypatch):
+    # FlashAttention-3's cu_seqlens_q: each sequence's own count of queries (none too), packed,
+    # aligned to the end of its keys; against the oracle, the second call of the kind too.
+    monkeypatch.setattr(kvcache, "_STEPS", {})
+    case = Case(batch=3, heads=4, heads_k=2, capacity=90, page_size=page_size)
+    counts = [3, 0, 5]
+    cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=DEVICE)
+    caches = (case.k_pages, case.v_pages) if page_size else (case.k_dense, case.v_dense)
+    for _ in range(2):
+        q = torch.randn(8, 4, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+        out, lse = flash_attn_with_kvcache(q, *caches, cache_seqlens=case.lengths.int().to(DEVICE),
+                                           block_table=case.block_table, causal=True, num_splits=2,
+                                           return_softmax_lse=True, cu_seqlens_q=cu, max_seqlen_q=5, version=version)
+        assert out.shape == q.shape and lse.shape == (4, 8)
+        for b, n in enumerate(counts):
+            if not n:
+                continue
+            rows, end = slice(int(cu[b]), int(cu[b + 1])), int(case.lengths[b])
+            keys = (case.k_dense[b:b + 1, :end], case.v_dense[b:b + 1, :end])
+            oracle, oracle_lse = standard_attention(q[None, rows], *keys, causal=True, upcast=True, return_lse=True)
+            assert_within_rule(f"sequence {b}", out[None, rows], standard_attention(q[None, rows], *keys, causal=True),
+                               oracle, (2.0, 1e-5))
+            assert max_err(lse[:, rows], oracle_lse[0]) <= 1e-3
+    with pytest.raises(NotImplementedError, match="new keys or rotary"):
+        flash_attn_with_kvcache(q, *caches, case.k_dense[:, :1], case.v_dense[:, :1], block_table=case.block_table,
+                                cu_seqlens_q=cu, max_seqlen_q=5)
+    with pytest.raises(ValueError, match="together"):
+        flash_attn_with_kvcache(q, *caches, block_table=case.block_table, cu_seqlens_q=cu)
+
+
 def test_rotary_tables_of_different_strides():
     # The kernels read cos and sin with one row stride: tables laid out apart are made alike.
     case = Case(batch=2, seqlen_q=1, seqlen_new=1, rotary=True)

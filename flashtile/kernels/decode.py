@@ -19,6 +19,7 @@ PyTorch operations (the reference: kvcache._append, rotary.apply) takes many sma
 each paid on the host at every decoding step; ``rotate`` rotates the queries in one more.
 """
 import functools
+import math
 
 import torch
 import triton
@@ -87,22 +88,29 @@ def _attend(acc, m_i, l_i, q, lo, hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs
 
 
 @triton.jit
-def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE, new_keys, score_args,
+def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE, CU_Q, new_keys, score_args,
                   sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, sop, slb, slh, slp, sbt,
                   seqlen_q, heads_k, group, capacity, outer_count, scale_log2, window_left,
                   window_right,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGED: tl.constexpr, HAS_ENDS: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
                   HAS_BATCH_IDX: tl.constexpr, UPCAST: tl.constexpr, SCORE: tl.constexpr, PDL: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr):
+                  PAGE_SIZE: tl.constexpr, VARLEN_Q: tl.constexpr):
     """Rows [m0, m0 + BLOCK_M) of (query token, query head of the group) for one KV head, over
     this split's share of the keys.  O and LSE: the output and logsumexp, or with several splits
     (the grid's third dimension) the per-split partials (split stride sop, slp).  Sequence b
-    ends at ENDS[b] + new_keys (HAS_ENDS), else at new_keys, clamped to the cache's capacity."""
+    ends at ENDS[b] + new_keys (HAS_ENDS), else at new_keys, clamped to the cache's capacity.
+    VARLEN_Q: sequence b's queries are rows CU_Q[b] .. CU_Q[b + 1] of packed q, O and LSE
+    (offsets clamped to [0, ``seqlen_q``], the packed rows: a wrong entry reads the wrong rows,
+    never outside), its own count of them aligned to its end."""
     m0 = tl.program_id(0) * BLOCK_M
     batch = tl.program_id(1) // heads_k
     head_k = tl.program_id(1) % heads_k
     split = tl.program_id(2)
+    q_first = 0  # the sequence's first row in packed q, O, LSE
+    if VARLEN_Q:
+        q_first = tl.minimum(tl.maximum(tl.load(CU_Q + batch), 0), seqlen_q)
+        seqlen_q = tl.minimum(tl.maximum(tl.load(CU_Q + batch + 1), q_first), seqlen_q) - q_first
     rows = m0 + tl.arange(0, BLOCK_M)
     token = rows // group
     head = head_k * group + rows % group
@@ -121,14 +129,16 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE, new_ke
     batch_row = batch.to(tl.int64)
     if HAS_BATCH_IDX:
         batch_row = tl.load(BATCH_IDX + batch).to(tl.int64)
-    q = tl.load(Q + batch.to(tl.int64) * sqb + token[:, None] * sqs + head[:, None] * sqh + offs_d[None, :],
-                mask=in_rows[:, None] & in_dim[None, :], other=0.0)
+    q = tl.load(Q + batch.to(tl.int64) * sqb + (q_first + token[:, None]).to(tl.int64) * sqs + head[:, None] * sqh
+                + offs_d[None, :], mask=in_rows[:, None] & in_dim[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     dlo, dhi = diagonal_band(seqlen_q, seqlen_k, window_left, window_right)
     first = m0 // group
     last = tl.minimum((m0 + BLOCK_M - 1) // group, seqlen_q - 1)
     lo, full_lo, full_hi, hi = visited_blocks(first, last - first + 1, BLOCK_N, seqlen_k, dlo, dhi)
+    if VARLEN_Q:  # a row block past this sequence's queries visits nothing
+        hi = tl.where(first < seqlen_q, hi, lo)
     # This split's share: whole blocks of the band, in order; its blocks inside the band and the
     # sequence go unmasked.
     per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), tl.num_programs(2)) * BLOCK_N
@@ -156,16 +166,17 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE, new_ke
     if PDL:  # the combine may start launching: it waits for this grid before reading
         gdc_launch_dependents()
     out, lse = finalize_rows(acc, m_i, l_i)
-    o_rows = O + split.to(tl.int64) * sop + batch.to(tl.int64) * sob + token.to(tl.int64) * sos + head * soh
+    row = (q_first + token).to(tl.int64)
+    o_rows = O + split.to(tl.int64) * sop + batch.to(tl.int64) * sob + row * sos + head * soh
     tl.store(o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=in_rows[:, None] & in_dim[None, :])
-    tl.store(LSE + split.to(tl.int64) * slp + batch.to(tl.int64) * slb + head * slh + token, lse, mask=in_rows)
+    tl.store(LSE + split.to(tl.int64) * slp + batch.to(tl.int64) * slb + head * slh + row, lse, mask=in_rows)
 
 
 @triton.jit
-def _combine_kernel(PART_O, PART_LSE, O, LSE, heads, splits,
+def _combine_kernel(PART_O, PART_LSE, O, LSE, CU_Q, heads, splits, total_q,
                     sop, sob, sos, soh, slp, slb, slh, tob, tos, toh, tlb, tlh,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                    PDL: tl.constexpr):
+                    PDL: tl.constexpr, VARLEN_Q: tl.constexpr):
     """The splits' partial outputs of one row (token, batch x head), weighted by
     exp(lse_split - lse).  Every split's logsumexp in one load and every partial output in a
     second (a (splits, head_dim) tile): two round trips, where a loop over the splits would
@@ -177,9 +188,14 @@ def _combine_kernel(PART_O, PART_LSE, O, LSE, heads, splits,
     token = tl.program_id(0)
     batch = (tl.program_id(1) // heads).to(tl.int64)
     head = tl.program_id(1) % heads
+    valid = token >= 0
+    if VARLEN_Q:  # the split kernel's packed rows; a row past its sequence is left alone
+        q_first = tl.minimum(tl.maximum(tl.load(CU_Q + batch), 0), total_q)
+        valid = token < tl.minimum(tl.maximum(tl.load(CU_Q + batch + 1), q_first), total_q) - q_first
+        token += q_first
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    in_splits = offs_s < splits
+    in_splits = (offs_s < splits) & valid
     lse = tl.load(PART_LSE + offs_s.to(tl.int64) * slp + batch * slb + head * slh + token, mask=in_splits,
                   other=float("inf"))
     top = tl.max(tl.where(lse == float("inf"), float("-inf"), lse), 0)
@@ -192,8 +208,8 @@ def _combine_kernel(PART_O, PART_LSE, O, LSE, heads, splits,
     out = tl.sum(weight[:, None] * parts, 0) / tl.where(empty, 1.0, total)
     lse = tl.where(empty, float("inf"), ref + tl.log(tl.where(empty, 1.0, total)))
     tl.store(O + batch * tob + token.to(tl.int64) * tos + head * toh + offs_d, out.to(O.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
-    tl.store(LSE + batch * tlb + head * tlh + token, lse)
+             mask=(offs_d < HEAD_DIM) & valid)
+    tl.store(LSE + batch * tlb + head * tlh + token, lse, mask=valid)
 
 
 COMBINE_WARPS = 4
@@ -364,60 +380,72 @@ def _contiguous_strides(shape: tuple) -> tuple:
 
 class Attend:
     """The split-KV attention of one kind of call, its launches prepared: ``attend(q, k_cache,
-    v_cache, seqlens, new_keys, leftpad, batch_idx, block_table)`` -> (out, lse) of q (batch,
-    seqlen_q, heads, head_dim), unit stride along head_dim, over the caches, each sequence ending
-    at ``seqlens[b] + new_keys`` in its cache row (``seqlens`` (batch,) int32, or None: at
-    ``new_keys``), ALiBi's ``alibi_slopes`` (float32 (heads,) or (batch, heads), contiguous)
-    where the kind has them; out and lse (batch, heads, seqlen_q) are new contiguous tensors.
+    v_cache, seqlens, new_keys, leftpad, batch_idx, block_table, alibi_slopes, cu_seqlens_q)``
+    -> (out, lse) of q (batch, seqlen_q, heads, head_dim), or packed (total_q, heads, head_dim)
+    with the int32 offsets ``cu_seqlens_q``, unit stride along head_dim, over the caches, each
+    sequence ending at ``seqlens[b] + new_keys`` in its cache row (``seqlens`` (batch,) int32,
+    or None: at ``new_keys``), ALiBi's ``alibi_slopes`` (float32 (heads,) or (batch, heads),
+    contiguous) where the kind has them; out (q's shape) and lse ((batch, heads, seqlen_q), or
+    packed (heads, total_q)) are new contiguous tensors.
 
     The kind: ``plan`` (dispatch.DecodePlan); the shapes, strides, dtype and device of q and the
     caches; which tables there are (``has_ends``, ``has_leftpad``, ``has_batch_idx``;
     ``block_table``, whose shape and row stride are read, or None); scale, window, softcap and
-    ``alibi``.  With ``reused`` the launches are launch.Prepared, for kvcache.py to keep and
-    call again on tensors of the same kind; else each call launches through ``launch``."""
+    ``alibi``; packed queries: the batch and ``max_seqlen_q``.  With ``reused`` the launches are
+    launch.Prepared, for kvcache.py to keep and call again on tensors of the same kind; else each
+    call launches through ``launch``."""
 
     def __init__(self, plan, q, k_cache, v_cache, has_ends, has_leftpad, has_batch_idx, block_table, scale, window,
-                 softcap, alibi, reused=False):
-        batch, seqlen_q, heads, head_dim = q.shape
+                 softcap, alibi, reused=False, packed=None):
         heads_k = k_cache.shape[2]
+        if packed is None:
+            batch, seqlen_q, heads, head_dim = q.shape
+            rows_q = seqlen_q
+            self.out_shape, self.lse_shape = tuple(q.shape), (batch, heads, seqlen_q)
+            q_strides = q.stride()[:3]
+            o_strides = _contiguous_strides(self.out_shape)[:3]
+            lse_strides = _contiguous_strides(self.lse_shape)[:2]
+        else:  # (batch, max_seqlen_q): a sequence's rows follow its offsets, no batch stride
+            (batch, seqlen_q), (rows_q, heads, head_dim) = packed, q.shape
+            self.out_shape, self.lse_shape = tuple(q.shape), (heads, rows_q)
+            q_strides = (0, *q.stride()[:2])
+            o_strides, lse_strides = (0, heads * head_dim, head_dim), (0, rows_q)
+        self.dtype, self.packed = q.dtype, packed
         group = heads // heads_k
         paged = block_table is not None
         capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
         self.splits = plan.splits
-        self.out_shape, self.dtype = tuple(q.shape), q.dtype
-        self.lse_shape = (batch, heads, seqlen_q)
-        self.part_o_shape, self.part_lse_shape = (plan.splits, *q.shape), (plan.splits, *self.lse_shape)
-        # The (part) output's and logsumexp's strides, as allocated at each call.
-        o_strides, lse_strides = _contiguous_strides(self.out_shape), _contiguous_strides(self.lse_shape)
-        if plan.splits > 1:
-            part_o, part_lse = _contiguous_strides(self.part_o_shape), _contiguous_strides(self.part_lse_shape)
-            split_strides = (*part_o[1:4], part_o[0], *part_lse[1:3], part_lse[0])
-        else:
-            split_strides = (*o_strides[:3], 0, *lse_strides[:2], 0)
+        self.part_o_shape, self.part_lse_shape = (plan.splits, *self.out_shape), (plan.splits, *self.lse_shape)
+        # The (part) output's and logsumexp's strides, as allocated at each call: a split's
+        # partials follow the previous split's.
+        o_numel, lse_numel = math.prod(self.out_shape), math.prod(self.lse_shape)
+        several = plan.splits > 1
+        split_strides = (*o_strides, o_numel if several else 0, *lse_strides, lse_numel if several else 0)
         head_dim_pad = padded_head_dim(head_dim)
         prepare = Prepared if reused else _Once
         self._split = prepare(
             _split_kernel, (cdiv(seqlen_q * group, plan.block_m), batch * heads_k, plan.splits),
-            (*q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *split_strides,
+            (*q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3], *split_strides,
              block_table.stride(0) if paged else 0,
-             seqlen_q, heads_k, group, capacity, k_cache.shape[0],
+             rows_q, heads_k, group, capacity, k_cache.shape[0],
              scale * score.LOG2E, window[0], window[1]),
             dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
                  PAGED=paged, HAS_ENDS=has_ends, HAS_LEFTPAD=has_leftpad, HAS_BATCH_IDX=has_batch_idx,
                  UPCAST=plan.upcast, SCORE=score.modification(softcap, alibi), PDL=plan.pdl,
-                 PAGE_SIZE=k_cache.shape[1] if paged else 1, num_warps=plan.num_warps,
-                 num_stages=plan.num_stages, maxnreg=plan.maxnreg))
+                 PAGE_SIZE=k_cache.shape[1] if paged else 1, VARLEN_Q=packed is not None,
+                 num_warps=plan.num_warps, num_stages=plan.num_stages, maxnreg=plan.maxnreg))
         self._softcap = softcap
         self._score_args = score.arguments(softcap, None)  # without ALiBi, the same at every call
         self._combine = None
-        if plan.splits > 1:
+        if several:
             self._combine = prepare(
                 _combine_kernel, (seqlen_q, batch * heads),
-                (heads, plan.splits, *part_o[:4], *part_lse[:3], *o_strides[:3], *lse_strides[:2]),
+                (heads, plan.splits, rows_q, o_numel, *o_strides, lse_numel, *lse_strides, *o_strides, *lse_strides),
                 dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=max(2, next_power_of_2(plan.splits)),
-                     PDL=plan.pdl, num_warps=COMBINE_WARPS, launch_pdl=plan.pdl))
+                     PDL=plan.pdl, VARLEN_Q=packed is not None, num_warps=COMBINE_WARPS, launch_pdl=plan.pdl))
 
-    def __call__(self, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, block_table, alibi_slopes=None):
+    def __call__(self, q, k_cache, v_cache, seqlens, new_keys, leftpad, batch_idx, block_table, alibi_slopes=None,
+                 cu_seqlens_q=None):
         device = q.device
         out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
@@ -426,13 +454,14 @@ class Attend:
         else:
             part_o = torch.empty(self.part_o_shape, dtype=torch.float32, device=device)
             part_lse = torch.empty(self.part_lse_shape, dtype=torch.float32, device=device)
+        cu_q = q if cu_seqlens_q is None else cu_seqlens_q
         # (q stands for the absent tables: a pointer never read)
         self._split(q, k_cache, v_cache, part_o, part_lse, q if seqlens is None else seqlens,
                     q if leftpad is None else leftpad, q if batch_idx is None else batch_idx,
-                    q if block_table is None else block_table, new_keys,
+                    q if block_table is None else block_table, cu_q, new_keys,
                     self._score_args if alibi_slopes is None else score.arguments(self._softcap, alibi_slopes))
         if self._combine is not None:
-            self._combine(part_o, part_lse, out, lse)
+            self._combine(part_o, part_lse, out, lse, cu_q)
         return out, lse
 
 
