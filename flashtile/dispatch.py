@@ -369,7 +369,7 @@ def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capac
     else:
         from flashtile.kernels.gluon.scheduler import sm_count
         sms = 4 if interpreter or device is None else sm_count(device)
-        programs = cdiv(rows, block_m) * batch * heads_k
+        programs = max(cdiv(rows, block_m) * batch * heads_k, 1)  # (no query at all: one split of nothing)
         splits = max(1, min(2 * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
     upcast = interpreter and dtype == torch.bfloat16
     pdl = not interpreter and device is not None and _capability(device)[0] >= 9

@@ -320,6 +320,9 @@ def test_packed_queries_of_varying_counts(version, page_size, monkeypatch):
             assert_within_rule(f"sequence {b}", out[None, rows], standard_attention(q[None, rows], *keys, causal=True),
                                oracle, (2.0, 1e-5))
             assert max_err(lse[:, rows], oracle_lse[0]) <= 1e-3
+    nothing = flash_attn_with_kvcache(q[:0], *caches, block_table=case.block_table, version=version,
+                                      cu_seqlens_q=torch.zeros(4, dtype=torch.int32, device=DEVICE), max_seqlen_q=0)
+    assert nothing.shape == (0, 4, HEAD_DIM)
     with pytest.raises(NotImplementedError, match="new keys or rotary"):
         flash_attn_with_kvcache(q, *caches, case.k_dense[:, :1], case.v_dense[:, :1], block_table=case.block_table,
                                 cu_seqlens_q=cu, max_seqlen_q=5)
