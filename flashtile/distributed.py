@@ -34,7 +34,6 @@ def zigzag_shard(x, rank: int, world: int, dim: int = 1):
 
 def zigzag_unshard(shards, dim: int = 1):
     """The whole sequence from every rank's zigzag shard (in rank order)."""
-    world = len(shards)
     halves = [s.chunk(2, dim=dim) for s in shards]
     return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
 

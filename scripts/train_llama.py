@@ -21,7 +21,6 @@ straight through in bf16); its loss curve, final loss and throughput join the ot
 Writes DIR/training.json and DIR/training.png (loss curves) and prints a Markdown summary.
 """
 import argparse
-import copy
 import json
 import os
 import statistics

@@ -2,8 +2,6 @@
 when causal), the PyTorch path per rank; outputs and gradients, gathered, against attention on
 the whole sequence in one process by the FA rule: causal and not, sliding windows that cross
 shards (with and without causal), GQA, attention sinks."""
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
