@@ -632,10 +632,12 @@ def _check_packed(out, lse, q, k, v, cu_q, cu_k, dout=None, grads=None, **mask):
         oracle, oracle_lse = standard_attention(*one, upcast=True, return_lse=True, **seq_mask)
         pt = standard_attention(*one, **seq_mask)
         rule = 3 if "softcap" in mask else 2
+        if not oracle.numel():  # a sequence without rows: nothing to compare
+            continue
         assert max_err(out[qs][None], oracle) <= rule * max_err(pt, oracle) + 1e-5, b
         seen = torch.isfinite(oracle_lse[0])
         assert torch.equal(torch.isfinite(lse[:, qs]), seen), b
-        assert max_err(lse[:, qs][seen], oracle_lse[0][seen]) <= 1e-3, b
+        assert not seen.any() or max_err(lse[:, qs][seen], oracle_lse[0][seen]) <= 1e-3, b
         if grads is not None:
             _, oracle_grads = _with_grads(lambda *t: standard_attention(*t, upcast=True, **seq_mask), one,
                                           dout[qs][None].double())
