@@ -16,31 +16,49 @@ import torch
 from flashtile import validation
 
 
-def _pieces(q_start, k_start, seqlen_q, seqlen_k, chunk):
-    """(query rows, key rows) of one sequence's pieces, as (start, length) pairs in the packed
-    tensors: queries before the first key with no key, then chunk by chunk (a chunk may have no
-    query; empty pieces are left out)."""
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pieces(cu_seqlens_q, cu_seqlens_k, before, chunks, chunk):
+    """(offsets of the pieces' queries, of their keys) as int32 tensors on the offsets' device,
+    read by no host: each sequence cut into ``before`` pieces of at most ``chunk`` queries placed
+    before its first key (no key), then one piece per chunk of its keys with the queries that
+    sit in that chunk, ``chunks`` of them (pieces past a sequence's end are empty).  The pieces
+    of a sequence tile its rows and its keys in order, so the offsets are running sums from where
+    the first sequence starts."""
+    seqlen_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()[:, None]
+    seqlen_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()[:, None]
     offset = seqlen_k - seqlen_q  # the key position of query 0
-    pieces = []
-    if offset < 0:
-        pieces.append(((q_start, min(-offset, seqlen_q)), (k_start, 0)))
-    for first in range(0, seqlen_k, chunk):
-        last = min(first + chunk, seqlen_k)
-        rows = (max(first - offset, 0), max(last - offset, 0))
-        pieces.append(((q_start + rows[0], rows[1] - rows[0]), (k_start + first, last - first)))
-    return [p for p in pieces if p[0][1] or p[1][1]]
+    device = seqlen_q.device
+    first_before = torch.arange(before, device=device) * chunk
+    rows_before = ((-offset).clamp(min=0) - first_before).clamp(0, chunk)
+    first = torch.minimum(torch.arange(chunks, device=device) * chunk, seqlen_k)
+    last = torch.minimum(first + chunk, seqlen_k)
+    rows = (last - offset).clamp(min=0) - (first - offset).clamp(min=0)
+    lengths_q = torch.cat([rows_before, rows], 1).flatten()
+    lengths_k = torch.cat([torch.zeros_like(rows_before), last - first], 1).flatten()
+    return tuple(torch.cat([cu[:1], cu[:1] + torch.cumsum(lengths, 0)]).to(torch.int32)
+                 for cu, lengths in ((cu_seqlens_q, lengths_q), (cu_seqlens_k, lengths_k)))
 
 
-def attend(run, q, k, v, cu_seqlens_q, cu_seqlens_k, chunk, descales):
+def attend(run, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, chunk, descales):
     """(out, lse) of attention in chunks of ``chunk`` keys.  ``run(q, k, v, cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k, descales)`` is the attention of whole pieces,
     returning (out, lse); q, k, v batched (batch, seqlen, heads, headdim) or packed with their
-    int32 offsets; ``descales``: FP8's three (batch, nheads_k) descales or Nones, each piece
-    taking its sequence's."""
+    int32 offsets and longest sequences; ``descales``: FP8's three (batch, nheads_k) descales or
+    Nones, each piece taking its sequence's.  The offsets' values are not read on the host: the
+    pieces are as many per sequence as the longest sequences need."""
     varlen = cu_seqlens_q is not None
-    if not varlen:
+    if varlen:
+        batch = cu_seqlens_q.numel() - 1
+        # Queries before the first key need pieces of their own unless every sequence has as
+        # many keys as queries (one offsets tensor for both).
+        before = 0 if cu_seqlens_q is cu_seqlens_k else _cdiv(max_seqlen_q, chunk)
+    else:
         batch, seqlen_q, heads, _ = q.shape
-        seqlen_k = k.shape[1]
+        seqlen_k = max_seqlen_k = k.shape[1]
+        max_seqlen_q = seqlen_q
         if seqlen_q <= seqlen_k <= chunk:  # one chunk holds every key
             return run(q, k, v, None, None, None, None, descales)
         if seqlen_q == seqlen_k and seqlen_k % chunk == 0:  # a batch of whole chunks
@@ -50,30 +68,15 @@ def attend(run, q, k, v, cu_seqlens_q, cu_seqlens_k, chunk, descales):
             out, lse = run(*pieces, None, None, None, None, per_piece)
             return (out.reshape(batch, seqlen_q, heads, -1),
                     lse.reshape(batch, n, heads, chunk).transpose(1, 2).reshape(batch, heads, seqlen_q))
-        bounds_q = [(b * seqlen_q, seqlen_q) for b in range(batch)]
-        bounds_k = [(b * seqlen_k, seqlen_k) for b in range(batch)]
+        before = _cdiv(max(seqlen_q - seqlen_k, 0), chunk)
+        cu_seqlens_q, cu_seqlens_k = (torch.arange(batch + 1, dtype=torch.int32, device=q.device) * n
+                                      for n in (seqlen_q, seqlen_k))
         q, k, v = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
-    else:
-        offsets_q, offsets_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        bounds_q = [(s, e - s) for s, e in zip(offsets_q, offsets_q[1:])]
-        bounds_k = [(s, e - s) for s, e in zip(offsets_k, offsets_k[1:])]
-    pieces, owners = [], []
-    for sequence, ((q_start, seqlen_q), (k_start, seqlen_k)) in enumerate(zip(bounds_q, bounds_k)):
-        found = _pieces(q_start, k_start, seqlen_q, seqlen_k, chunk)
-        pieces += found
-        owners += [sequence] * len(found)
-    # (the offsets start where the first sequence does, as the given ones)
-    offsets = [[bounds_q[0][0] if bounds_q else 0], [bounds_k[0][0] if bounds_k else 0]]
-    for rows in pieces:
-        for side, (_, length) in zip(offsets, rows):
-            side.append(side[-1] + length)
-    device = q.device
-    cu_q, cu_k = (torch.tensor(o, dtype=torch.int32, device=device) for o in offsets)
-    owner = torch.tensor(owners, dtype=torch.long, device=device)
+    per_sequence = before + _cdiv(max_seqlen_k, chunk)
+    cu_q, cu_k = _pieces(cu_seqlens_q, cu_seqlens_k, before, per_sequence - before, chunk)
+    owner = torch.arange(batch, device=q.device).repeat_interleave(per_sequence)
     per_piece = tuple(None if d is None else d[owner] for d in descales)
-    longest_q = max((r[0][1] for r in pieces), default=0)
-    longest_k = max((r[1][1] for r in pieces), default=0)
-    out, lse = run(q, k, v, cu_q, cu_k, longest_q, longest_k, per_piece)
+    out, lse = run(q, k, v, cu_q, cu_k, min(chunk, max_seqlen_q), min(chunk, max_seqlen_k), per_piece)
     if varlen:
         return out, lse
     return out.reshape(batch, -1, *out.shape[1:]), lse.reshape(lse.shape[0], batch, -1).transpose(0, 1)

@@ -1,6 +1,8 @@
 """The other ways in: PyTorch's scaled_dot_product_attention call, flash_attn's varlen packed
 functions and FlashAttention-3's interface, each against the float64 oracle or the function it
 stands for."""
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -180,6 +182,43 @@ def test_flash_attention_3_attention_chunk_varlen_packed_and_lse():
     qkv = torch.stack([q[None, :30], k[None, :30], v[None, :30]], 2)
     torch.testing.assert_close(fa3.flash_attn_qkvpacked_func(qkv, causal=True, attention_chunk=chunk), out[None, :30],
                                atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_3_attention_chunk_varlen_queries_and_keys_apart(causal):
+    # Packed sequences with their own query and key counts, empty ones and more queries than
+    # keys among them: the pieces are cut on the device, as many per sequence as the longest
+    # sequences need, and each sequence's rows equal its own batched call (output, logsumexp,
+    # gradients); the queries before the first key get 0.
+    torch.manual_seed(3)
+    lengths_q, lengths_k, chunk = [5, 0, 40, 12, 9], [20, 3, 17, 0, 9], 8
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=DEVICE)
+                  for n in (lengths_q, lengths_k))
+    q = torch.randn(sum(lengths_q), 2, 32, dtype=DTYPE, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(sum(lengths_k), 1, 32, dtype=DTYPE, device=DEVICE, requires_grad=True) for _ in range(2))
+    out, lse = fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                          attention_chunk=chunk, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    for b, (n_q, n_k) in enumerate(zip(lengths_q, lengths_k)):
+        rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if n_q == 0:
+            continue
+        leaves = [x[None, s].detach().clone().requires_grad_() for x, s in ((q, rows), (k, keys), (v, keys))]
+        one, one_lse = fa3.flash_attn_func(*leaves, causal=causal, attention_chunk=chunk, return_attn_probs=True)
+        one.backward(dout[None, rows])
+        torch.testing.assert_close(out[rows], one[0], atol=2e-3, rtol=0)
+        seen = torch.isfinite(one_lse[0])
+        torch.testing.assert_close(lse[:, rows][seen], one_lse[0][seen], atol=1e-4, rtol=0)
+        torch.testing.assert_close(q.grad[rows], leaves[0].grad[0], atol=2e-3, rtol=0)
+        if n_k:
+            torch.testing.assert_close(k.grad[keys], leaves[1].grad[0], atol=2e-3, rtol=0)
+            torch.testing.assert_close(v.grad[keys], leaves[2].grad[0], atol=2e-3, rtol=0)
+        unseen = max(n_q - n_k, 0)
+        assert torch.equal(out[rows][:unseen], torch.zeros_like(out[rows][:unseen]))
+        oracle = chunked_attention(q[None, rows].detach(), k[None, keys].detach(), v[None, keys].detach(), chunk,
+                                   causal, upcast=True)
+        assert (one.detach().double() - oracle).abs().max() < 1e-2
 
 
 def test_return_attn_probs_third_element_is_a_tensor():
