@@ -309,30 +309,29 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     # Kernels: the queries rotated in one launch, the new keys rotated and appended in another,
     # then the split-KV attention (and its combine).
-    reused = kind is not None
     tables = isinstance(seqlens, torch.Tensor)
     rotate = append = None
     if rotary_cos is not None:
         # (the positions the PyTorch path clamps to the capacity where the queries are the new keys)
         limit = capacity if queries_advance and seqlen_q == seqlen_new else rotary_cos.shape[0]
         rotate = decode.Rotate(validation.last_dim_contiguous(q), rotary_cos.contiguous(), tables,
-                               queries_advance, limit, rotary_interleaved, reused)
+                               queries_advance, limit, rotary_interleaved)
     if k is not None:
         append = decode.Append(k_cache, v_cache, validation.last_dim_contiguous(k), validation.last_dim_contiguous(v),
                                tables, batch_idx is not None, block_table,
                                None if rotary_cos is None else rotary_cos.contiguous(),
-                               rotary_interleaved, reused)
+                               rotary_interleaved)
     # The queries attended: rotated into a new contiguous tensor, or as given.
     attended = validation.last_dim_contiguous(q) if rotate is None else torch.empty(q.shape, dtype=q.dtype,
                                                                                    device="meta")
     plan = dispatch.decode_plan(q, heads_k, capacity, num_splits, block_table is not None, opts,
                                 shape=(batch, seqlen_q, heads, head_dim))
     attend = decode.Attend(plan, attended, k_cache, v_cache, tables, leftpad is not None, batch_idx is not None,
-                           block_table, scale, window, softcap, alibi_slopes is not None, reused,
+                           block_table, scale, window, softcap, alibi_slopes is not None,
                            (batch, seqlen_q) if packed else None)
     step = _Step(rotate, append, attend, capacity, seqlen_new, None if rotary_cos is None else rotary_cos.shape[0],
                  rotary_span)
-    if reused:
+    if kind is not None:
         if len(_STEPS) >= _MAX_STEPS:
             _STEPS.clear()
         _STEPS[kind] = step

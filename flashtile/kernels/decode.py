@@ -28,7 +28,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.kernels import score
 from flashtile.kernels.blocks import band_mask, diagonal_band, visited_blocks
-from flashtile.kernels.launch import Prepared, launch
+from flashtile.kernels.launch import Prepared
 from flashtile.kernels.problem import cdiv, next_power_of_2, padded_head_dim
 from flashtile.kernels.tiles import LOG2E, finalize_rows, load_tile, online_softmax_step, values_product
 
@@ -285,10 +285,9 @@ class Append:
     to the capacity.
 
     The kind: the shapes, strides and dtypes of the caches, k, v, ``block_table`` and ``cos``
-    (None without rotary); ``has_ends`` (seqlens a tensor), ``has_batch_idx``, ``interleaved``.
-    ``reused``: the launch is launch.Prepared (kvcache.py keeps it for the calls of its kind)."""
+    (None without rotary); ``has_ends`` (seqlens a tensor), ``has_batch_idx``, ``interleaved``."""
 
-    def __init__(self, k_cache, v_cache, k, v, has_ends, has_batch_idx, block_table, cos, interleaved, reused=False):
+    def __init__(self, k_cache, v_cache, k, v, has_ends, has_batch_idx, block_table, cos, interleaved):
         batch, seqlen_new, heads_k, head_dim = k.shape
         self._launch = None
         if k.numel() == 0:
@@ -297,7 +296,7 @@ class Append:
         capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
         rows = max(16, min(64, next_power_of_2(seqlen_new)))
         rotary = cos is not None
-        self._launch = (Prepared if reused else _Once)(
+        self._launch = Prepared(
             _append_kernel, (cdiv(seqlen_new, rows), batch, heads_k),
             (*k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
              block_table.stride(0) if paged else 0, cos.stride(0) if rotary else 0,
@@ -346,16 +345,16 @@ class Rotate:
     a (batch,) int32 table on the device.
 
     The kind: the shapes, strides and dtypes of x and the tables ``cos``; ``has_ends`` (seqlens a
-    tensor), ``advance``, ``limit``, ``interleaved``.  ``reused``: the launch is launch.Prepared."""
+    tensor), ``advance``, ``limit``, ``interleaved``."""
 
-    def __init__(self, x, cos, has_ends, advance, limit, interleaved, reused=False):
+    def __init__(self, x, cos, has_ends, advance, limit, interleaved):
         batch, seqlen, heads, head_dim = x.shape
         self.shape, self.dtype = tuple(x.shape), x.dtype
         self._launch = None
         if x.numel() == 0:
             return
         rows = max(16, min(64, next_power_of_2(seqlen)))
-        self._launch = (Prepared if reused else _Once)(
+        self._launch = Prepared(
             _rotate_kernel, (cdiv(seqlen, rows), batch, heads),
             (*x.stride()[:3], *_contiguous_strides(self.shape)[:3], cos.stride(0), seqlen, limit, cos.shape[1]),
             dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, HAS_ENDS=has_ends,
@@ -391,12 +390,10 @@ class Attend:
     The kind: ``plan`` (dispatch.DecodePlan); the shapes, strides, dtype and device of q and the
     caches; which tables there are (``has_ends``, ``has_leftpad``, ``has_batch_idx``;
     ``block_table``, whose shape and row stride are read, or None); scale, window, softcap and
-    ``alibi``; packed queries: the batch and ``max_seqlen_q``.  With ``reused`` the launches are
-    launch.Prepared, for kvcache.py to keep and call again on tensors of the same kind; else each
-    call launches through ``launch``."""
+    ``alibi``; packed queries: the batch and ``max_seqlen_q``."""
 
     def __init__(self, plan, q, k_cache, v_cache, has_ends, has_leftpad, has_batch_idx, block_table, scale, window,
-                 softcap, alibi, reused=False, packed=None):
+                 softcap, alibi, packed=None):
         heads_k = k_cache.shape[2]
         if packed is None:
             batch, seqlen_q, heads, head_dim = q.shape
@@ -422,8 +419,7 @@ class Attend:
         several = plan.splits > 1
         split_strides = (*o_strides, o_numel if several else 0, *lse_strides, lse_numel if several else 0)
         head_dim_pad = padded_head_dim(head_dim)
-        prepare = Prepared if reused else _Once
-        self._split = prepare(
+        self._split = Prepared(
             _split_kernel, (cdiv(seqlen_q * group, plan.block_m), batch * heads_k, plan.splits),
             (*q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3], *split_strides,
              block_table.stride(0) if paged else 0,
@@ -438,7 +434,7 @@ class Attend:
         self._score_args = score.arguments(softcap, None)  # without ALiBi, the same at every call
         self._combine = None
         if several:
-            self._combine = prepare(
+            self._combine = Prepared(
                 _combine_kernel, (seqlen_q, batch * heads),
                 (heads, plan.splits, rows_q, o_numel, *o_strides, lse_numel, *lse_strides, *o_strides, *lse_strides),
                 dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=max(2, next_power_of_2(plan.splits)),
@@ -463,13 +459,3 @@ class Attend:
         if self._combine is not None:
             self._combine(part_o, part_lse, out, lse, cu_q)
         return out, lse
-
-
-class _Once:
-    """A launch with the interface of launch.Prepared, for one call: through ``launch``."""
-
-    def __init__(self, kernel, grid, fixed, constants):
-        self.kernel, self.grid, self.fixed, self.constants = kernel, grid, fixed, constants
-
-    def __call__(self, *tensors):
-        launch(self.kernel, self.grid, *tensors, *self.fixed, **self.constants)
