@@ -224,9 +224,9 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
                  BLOCK_N=plan.block_n, PAGED=True, HAS_ENDS=True, HAS_LEFTPAD=False, HAS_BATCH_IDX=False,
                  UPCAST=False, SCORE=score.mod_of(p), PDL=True, PAGE_SIZE=16)
     warps = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
-    yield "decode.split", decode._split_kernel, dict(split, VARLEN_Q=False), warps, None
-    # Queries of varying counts, packed (FlashAttention-3's cu_seqlens_q)
-    yield "decode.split_packed", decode._split_kernel, dict(split, VARLEN_Q=True), warps, None
+    yield "decode.split", decode._split_kernel, dict(split, VARLEN_Q=False, SAME_STRIDES=True), warps, None
+    # Queries of varying counts, packed (FlashAttention-3's cu_seqlens_q), a V cache of its own strides
+    yield "decode.split_packed", decode._split_kernel, dict(split, VARLEN_Q=True, SAME_STRIDES=False), warps, None
     yield "decode.append", decode._append_kernel, dict(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=16, PAGED=True, HAS_ENDS=True,
         HAS_BATCH_IDX=False, ROTARY=True, INTERLEAVED=False, PAGE_SIZE=16), dict(num_warps=4), None

@@ -196,6 +196,22 @@ def test_batch_index_leftpad_window_softcap_alibi(version):
     case.check(out, lse, **mask)
 
 
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_value_cache_of_its_own_strides(page_size):
+    # K and V caches laid out alike share one row offset in the kernel; a V cache of other
+    # strides (heads-major here) takes its own, with the same bits as the same values laid out
+    # like K.
+    case = Case(batch=3, seqlen_q=2, capacity=70, page_size=page_size)
+    alike = case.run(causal=True)
+    name = "v_pages" if page_size else "v_dense"
+    same = getattr(case, name)
+    setattr(case, name, same.transpose(1, 2).contiguous().transpose(1, 2))
+    assert getattr(case, name).stride() != same.stride() and torch.equal(getattr(case, name), same)
+    own = case.run(causal=True)
+    assert torch.equal(own[0], alike[0]) and torch.equal(own[1], alike[1])
+    case.check(*own, causal=True)
+
+
 def test_paged_equals_contiguous_bitwise():
     # The same cache contents, tiles and split count: the same bits, paged or not.  (A paged
     # cache's default tiles take longer steps, dispatch.decode_plan: both are checked against

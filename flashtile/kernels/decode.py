@@ -63,7 +63,7 @@ def _cache_index(batch_row, keys, in_seq, page_size, BLOCK_TABLE, sbt, batch, ou
 def _attend(acc, m_i, l_i, q, lo, hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs, svh, sbt, batch, batch_row, head_k,
             start, token, seqlen_k, dlo, dhi, page_size, outer_count, scale_log2, site,
             HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-            UPCAST: tl.constexpr, SCORE: tl.constexpr, MASKED: tl.constexpr):
+            UPCAST: tl.constexpr, SCORE: tl.constexpr, MASKED: tl.constexpr, SAME_STRIDES: tl.constexpr):
     """The online softmax over key blocks [lo, hi) (hi a multiple of BLOCK_N unless MASKED).
     Blocks entirely inside the band and the sequence are not MASKED: no element mask, no
     bounds on the loads, the plain P @ V."""
@@ -74,8 +74,12 @@ def _attend(acc, m_i, l_i, q, lo, hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs
         in_seq = cols < seqlen_k
         outer, inner = _cache_index(batch_row, start + cols, in_seq, page_size, BLOCK_TABLE, sbt, batch, outer_count,
                                     PAGED, MASKED)
-        k_ptrs = (K + head_k * skh + outer * skb + inner * sks)[:, None] + offs_d[None, :]
-        v_ptrs = (V + head_k * svh + outer * svb + inner * svs)[:, None] + offs_d[None, :]
+        k_rows = head_k * skh + outer * skb + inner * sks
+        k_ptrs = (K + k_rows)[:, None] + offs_d[None, :]
+        if SAME_STRIDES:  # (one row offset for both caches: the paged one costs a 64-bit product a key)
+            v_ptrs = (V + k_rows)[:, None] + offs_d[None, :]
+        else:
+            v_ptrs = (V + head_k * svh + outer * svb + inner * svs)[:, None] + offs_d[None, :]
         k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED, UPCAST)
         s = score.scaled_logits(tl.dot(q, tl.trans(k)), scale_log2, token[:, None], cols[None, :], site, SCORE)
         if MASKED:
@@ -95,7 +99,7 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE, CU_Q, 
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGED: tl.constexpr, HAS_ENDS: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
                   HAS_BATCH_IDX: tl.constexpr, UPCAST: tl.constexpr, SCORE: tl.constexpr, PDL: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, VARLEN_Q: tl.constexpr):
+                  PAGE_SIZE: tl.constexpr, VARLEN_Q: tl.constexpr, SAME_STRIDES: tl.constexpr):
     """Rows [m0, m0 + BLOCK_M) of (query token, query head of the group) for one KV head, over
     this split's share of the keys.  O and LSE: the output and logsumexp, or with several splits
     (the grid's third dimension) the per-split partials (split stride sop, slp).  Sequence b
@@ -155,14 +159,14 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE, CU_Q, 
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, full_lo, full_hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs,
                                     svh, sbt, batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, PAGE_SIZE,
                                     outer_count, scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST,
-                                    SCORE, False)
+                                    SCORE, False, SAME_STRIDES)
         else:
             part_lo = split_lo if part == 0 else full_hi
             part_hi = full_lo if part == 0 else split_hi
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, part_lo, part_hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs,
                                     svh, sbt, batch, batch_row, head_k, start, token, seqlen_k, dlo, dhi, PAGE_SIZE,
                                     outer_count, scale_log2, site, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGED, UPCAST,
-                                    SCORE, True)
+                                    SCORE, True, SAME_STRIDES)
     if PDL:  # the combine may start launching: it waits for this grid before reading
         gdc_launch_dependents()
     out, lse = finalize_rows(acc, m_i, l_i)
@@ -429,6 +433,7 @@ class Attend:
                  PAGED=paged, HAS_ENDS=has_ends, HAS_LEFTPAD=has_leftpad, HAS_BATCH_IDX=has_batch_idx,
                  UPCAST=plan.upcast, SCORE=score.modification(softcap, alibi), PDL=plan.pdl,
                  PAGE_SIZE=k_cache.shape[1] if paged else 1, VARLEN_Q=packed is not None,
+                 SAME_STRIDES=k_cache.stride()[:3] == v_cache.stride()[:3],
                  num_warps=plan.num_warps, num_stages=plan.num_stages, maxnreg=plan.maxnreg))
         self._softcap = softcap
         self._score_args = score.arguments(softcap, None)  # without ALiBi, the same at every call
