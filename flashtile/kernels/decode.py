@@ -47,16 +47,17 @@ def _cache_index(batch_row, keys, in_seq, page_size, BLOCK_TABLE, sbt, batch, ou
         keys = tl.where(in_seq, keys, 0)
     if PAGED:
         if MASKED:
-            outer = tl.load(BLOCK_TABLE + batch * sbt + keys // page_size, mask=in_seq, other=0).to(tl.int64)
+            outer = tl.load(BLOCK_TABLE + batch * sbt + keys // page_size, mask=in_seq, other=0)
         else:
-            outer = tl.load(BLOCK_TABLE + batch * sbt + keys // page_size).to(tl.int64)
-        inner = (keys % page_size).to(tl.int64)
+            outer = tl.load(BLOCK_TABLE + batch * sbt + keys // page_size)
+        inner = keys % page_size
     else:
-        outer = batch_row + tl.zeros_like(keys).to(tl.int64)
+        outer = batch_row + tl.zeros_like(keys)
         if MASKED:
             outer = tl.where(in_seq, outer, 0)
-        inner = keys.to(tl.int64)
-    return tl.minimum(tl.maximum(outer, 0), outer_count - 1), inner
+        inner = keys
+    # (32-bit indices, widened at the products with the 32-bit strides: one wide multiply each)
+    return tl.minimum(tl.maximum(outer, 0), outer_count - 1).to(tl.int64), inner.to(tl.int64)
 
 
 @triton.jit
@@ -130,9 +131,9 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE, CU_Q, 
     if HAS_LEFTPAD:
         start = tl.minimum(tl.maximum(tl.load(LEFTPAD + batch), 0), end)
     seqlen_k = end - start
-    batch_row = batch.to(tl.int64)
+    batch_row = batch
     if HAS_BATCH_IDX:
-        batch_row = tl.load(BATCH_IDX + batch).to(tl.int64)
+        batch_row = tl.load(BATCH_IDX + batch)
     q = tl.load(Q + batch.to(tl.int64) * sqb + (q_first + token[:, None]).to(tl.int64) * sqs + head[:, None] * sqh
                 + offs_d[None, :], mask=in_rows[:, None] & in_dim[None, :], other=0.0)
     if UPCAST:
@@ -263,9 +264,9 @@ def _append_kernel(K_NEW, V_NEW, K, V, ENDS, BATCH_IDX, BLOCK_TABLE, COS, SIN, s
     if HAS_ENDS:
         start = tl.load(ENDS + batch)
     keys = tl.minimum(tl.maximum(start + i, 0), capacity - 1)
-    batch_row = batch.to(tl.int64)
+    batch_row = batch
     if HAS_BATCH_IDX:
-        batch_row = tl.load(BATCH_IDX + batch).to(tl.int64)
+        batch_row = tl.load(BATCH_IDX + batch)
     in_seq = i < seqlen_new
     outer, inner = _cache_index(batch_row, keys, in_seq, PAGE_SIZE, BLOCK_TABLE, sbt, batch, outer_count, PAGED,
                                 True)
