@@ -247,14 +247,13 @@ def test_fp8_attn_func_with_alibi_or_sinks(fp8_backward, feature):
     if feature == "sinks":
         # The sinks' gradient, -sum over rows of exp(sink - lse) rowsum(dO O), is the call's own
         # output and logsumexp put through that formula; against the float64 attention it carries
-        # the output's float8 error (5% here), which a sum of 192 rows over 4 heads leaves at
-        # 2-12% of its size depending on dO.
+        # the output's float8 error, 2-12% of its size depending on dO (hence one fixed dO).
         sinks64 = features["sinks"].detach().double()
         own = -(torch.exp(sinks64[None, :, None] - lse.double()) *
                 (dout.double() * out.detach().double()).sum(-1).transpose(1, 2)).sum((0, 2))
         torch.testing.assert_close(features["sinks"].grad.double(), own, rtol=1e-4, atol=1e-4)
         ref = oracle_features["sinks"].grad
-        assert rmse(features["sinks"].grad, ref) < 0.25 * ref.square().mean().sqrt()
+        assert rmse(features["sinks"].grad, ref) < 0.1 * ref.square().mean().sqrt()
     with pytest.raises(ValueError, match="alibi_slopes must have shape"):
         flashtile.fp8_attn_func(q, k, v, alibi_slopes=torch.zeros(2, device=DEVICE))
     with pytest.raises(ValueError, match="sinks must have shape"):
