@@ -59,9 +59,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         max_seqlen_q = validation.integer("max_seqlen_q", max_seqlen_q, minimum=0)
         max_seqlen_k = validation.integer("max_seqlen_k", max_seqlen_k, minimum=0)
         if seqused is not None and any(x is not None for x in seqused):
-            if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-                validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0],
-                                               k.shape[0])
+            validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0],
+                                           k.shape[0])
             cu_seqlens_q, cu_seqlens_k = (validation.used_rows(name, used, cu, q.device) for name, used, cu in (
                 ("seqused_q", seqused[0], cu_seqlens_q), ("seqused_k", seqused[1], cu_seqlens_k)))
     else:

@@ -14,10 +14,7 @@ backward, as the attention it is made of.
 import torch
 
 from flashtile import validation
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from flashtile.kernels.problem import cdiv
 
 
 def _pieces(cu_seqlens_q, cu_seqlens_k, before, chunks, chunk):
@@ -54,7 +51,7 @@ def attend(run, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         batch = cu_seqlens_q.numel() - 1
         # Queries before the first key need pieces of their own unless every sequence has as
         # many keys as queries (one offsets tensor for both).
-        before = 0 if cu_seqlens_q is cu_seqlens_k else _cdiv(max_seqlen_q, chunk)
+        before = 0 if cu_seqlens_q is cu_seqlens_k else cdiv(max_seqlen_q, chunk)
     else:
         batch, seqlen_q, heads, _ = q.shape
         seqlen_k = max_seqlen_k = k.shape[1]
@@ -68,11 +65,11 @@ def attend(run, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             out, lse = run(*pieces, None, None, None, None, per_piece)
             return (out.reshape(batch, seqlen_q, heads, -1),
                     lse.reshape(batch, n, heads, chunk).transpose(1, 2).reshape(batch, heads, seqlen_q))
-        before = _cdiv(max(seqlen_q - seqlen_k, 0), chunk)
+        before = cdiv(max(seqlen_q - seqlen_k, 0), chunk)
         cu_seqlens_q, cu_seqlens_k = (torch.arange(batch + 1, dtype=torch.int32, device=q.device) * n
                                       for n in (seqlen_q, seqlen_k))
         q, k, v = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
-    per_sequence = before + _cdiv(max_seqlen_k, chunk)
+    per_sequence = before + cdiv(max_seqlen_k, chunk)
     cu_q, cu_k = _pieces(cu_seqlens_q, cu_seqlens_k, before, per_sequence - before, chunk)
     owner = torch.arange(batch, device=q.device).repeat_interleave(per_sequence)
     per_piece = tuple(None if d is None else d[owner] for d in descales)

@@ -15,8 +15,6 @@ bf16, forward only.
 """
 import functools
 
-import torch
-
 from flashtile import api, chunks, kvcache, validation
 
 
@@ -39,18 +37,16 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if seqused is not None and any(x is not None for x in seqused):
         raise NotImplementedError("attention_chunk with seqused_q / seqused_k is not supported")
     validation.check_qkv(q, k, v, cu_seqlens_q is not None, fp8)
-    if fp8:  # (expanded to the pieces: checked first)
-        batch = q.shape[0] if cu_seqlens_q is None else validation.offsets("cu_seqlens_q", cu_seqlens_q,
-                                                                           q.device).numel() - 1
-        validation.fp8_descales(descales, batch, k.shape[-2], q.device)
     if cu_seqlens_q is not None:  # checked before the pieces are cut from them
         cu_seqlens_q = validation.offsets("cu_seqlens_q", cu_seqlens_q, q.device)
         cu_seqlens_k = validation.offsets("cu_seqlens_k", cu_seqlens_k, q.device)
         max_seqlen_q = validation.integer("max_seqlen_q", max_seqlen_q, minimum=0)
         max_seqlen_k = validation.integer("max_seqlen_k", max_seqlen_k, minimum=0)
-        if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # (as ops._forward's check)
-            validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0],
-                                           k.shape[0])
+        validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0],
+                                       k.shape[0])
+    if fp8:  # (expanded to the pieces: checked first)
+        batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
+        validation.fp8_descales(descales, batch, k.shape[-2], q.device)
     out, lse = chunks.attend(functools.partial(run, lse=True), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, chunk, descales)
     return (out, lse) if return_attn_probs else out

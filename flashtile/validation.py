@@ -183,6 +183,11 @@ def check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     """The offsets' values: from 0, non-decreasing, ending at the token counts, within the
     max_seqlen given.  Reading them costs one device-to-host copy (skipped where that cannot
     happen: under CUDA-graph capture the kernels clamp every offset to the tensors instead)."""
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
+                         f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    if cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
     for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
                                      ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
         values = cu.cpu()
@@ -194,9 +199,6 @@ def check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         if max_len < int(lengths.max()):
             raise ValueError(f"max_seqlen for {name} must be >= the longest sequence "
                              f"({int(lengths.max())}), got {max_len}")
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
-                         f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
 
 
 def feature_options(dropout_p, softcap) -> tuple[float, float]:

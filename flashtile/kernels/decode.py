@@ -56,7 +56,7 @@ def _cache_index(batch_row, keys, in_seq, page_size, BLOCK_TABLE, sbt, batch, ou
         if MASKED:
             outer = tl.where(in_seq, outer, 0)
         inner = keys
-    # (32-bit indices, widened at the products with the 32-bit strides: one wide multiply each)
+    # (clamped as 32-bit indices, widened only for the products with the strides)
     return tl.minimum(tl.maximum(outer, 0), outer_count - 1).to(tl.int64), inner.to(tl.int64)
 
 
