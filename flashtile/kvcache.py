@@ -146,7 +146,7 @@ def _tiled_forward(q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, c
         offsets_q, seqlen_q = packed
     else:
         batch, seqlen_q, heads, head_dim = q.shape
-        offsets_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+        offsets_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
         q = q.reshape(batch * seqlen_q, heads, head_dim)
     p = Problem.of(q, k, offsets_q, offsets_k, seqlen_q, capacity, scale, *window, softcap=softcap,
                    alibi_slopes=alibi_slopes)

@@ -339,6 +339,10 @@ def test_packed_queries_of_varying_counts(version, page_size, monkeypatch):
     nothing = flash_attn_with_kvcache(q[:0], *caches, block_table=case.block_table, version=version,
                                       cu_seqlens_q=torch.zeros(4, dtype=torch.int32, device=DEVICE), max_seqlen_q=0)
     assert nothing.shape == (0, 4, HEAD_DIM)
+    # Batched, a step of no query token: empty out and lse.
+    out, lse = flash_attn_with_kvcache(case.q[:, :0], *caches, block_table=case.block_table, version=version,
+                                       cache_seqlens=case.lengths.int().to(DEVICE), return_softmax_lse=True)
+    assert out.shape == case.q[:, :0].shape and lse.shape == (case.q.shape[0], case.q.shape[2], 0)
     with pytest.raises(NotImplementedError, match="new keys or rotary"):
         flash_attn_with_kvcache(q, *caches, case.k_dense[:, :1], case.v_dense[:, :1], block_table=case.block_table,
                                 cu_seqlens_q=cu, max_seqlen_q=5)
