@@ -643,7 +643,8 @@ def _check_packed(out, lse, q, k, v, cu_q, cu_k, dout=None, grads=None, **mask):
                                           dout[qs][None].double())
             _, pt_grads = _with_grads(lambda *t: standard_attention(*t, **seq_mask), one, dout[qs][None])
             for g, sl, g_ref, g_pt in zip(grads, (qs, ks, ks), oracle_grads, pt_grads):
-                assert max_err(g[sl][None], g_ref) <= 3 * max_err(g_pt, g_ref) + 1e-4, b
+                if g_ref.numel():  # (a sequence without keys has no dK, dV rows)
+                    assert max_err(g[sl][None], g_ref) <= 3 * max_err(g_pt, g_ref) + 1e-4, b
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
