@@ -12,8 +12,8 @@ Forward kernels:
   "v3-triton"    the Hopper forward in plain Triton (kernels/v3.py): what the Gluon kernel does
                  not take (broadcast layouts, the interpreter) and, unless kernel options force
                  the Gluon one, varlen
-With a V head dim of its own v3 runs v2's kernels both ways, or the Gluon forward (not in
-float8) and the two Gluon backward passes when kernel options ask for them (experimental).
+With a V head dim of its own v3 runs the Gluon forward (not in float8) and the two Gluon
+backward passes (batched, without dropout), else v2's kernels.
 With dropout (kernels/dropout.py) the Gluon forward where it runs (else v2's) and v2's
 backward (the Gluon two passes when the options ask for them).  FP8 inputs run the Gluon
 forward where it takes the problem, else v2's; their backward (fp8_attn_func's FP8 backward)
@@ -158,8 +158,8 @@ def forward_plan(p, version: str, target: Target, opts) -> Plan:
     gluon = target.gluon and (not p.varlen or (opts.forward == "gluon" and not p.fp8 and (
         p.batch * p.heads_q * p.query_blocks(configs.WARPGROUP_ROWS) < 2**31)))
     # The plain-Triton Hopper forward has no float8, dropout or V head dim of its own; the Gluon
-    # one takes a V head dim of its own (not in float8) only when the options ask for it.
-    if p.own_head_dim_v and not (opts.forward == "gluon" and gluon and not p.fp8):
+    # one takes a V head dim of its own, not in float8.
+    if p.own_head_dim_v and not (kernel == "gluon" and gluon and not p.fp8):
         return _v2_forward(p, target, opts)
     if (p.fp8 or p.dropout) and not (kernel == "gluon" and gluon):
         return _v2_forward(p, target, opts)
@@ -261,12 +261,11 @@ def _gluon_backward_takes(p, target, opts) -> bool:
     seqused tables (its MMAs read the rows after a sequence, which there may hold anything:
     masked to 0, a value that is not finite would still make 0 x inf).  Dropout likewise only
     when the options ask for it (not yet measured against v2's), in the two passes up to d128;
-    and a V head dim of its own (experimental), in the two passes, batched, no wider than Q's
+    and a V head dim of its own in the two passes, batched, without dropout, no wider than Q's
     padded head dim (the tiles are Q's head dim's)."""
     if not target.gluon:
         return False
-    if p.own_head_dim_v and (opts.backward != "gluon" or p.varlen or p.dropout
-                             or p.head_dim_v_pad > p.head_dim_pad):
+    if p.own_head_dim_v and (p.varlen or p.dropout or p.head_dim_v_pad > p.head_dim_pad):
         return False
     if p.dropout and (opts.backward != "gluon" or configs.split_head_dim(p.head_dim_pad)):
         return False
@@ -280,7 +279,8 @@ def _gluon_backward_takes(p, target, opts) -> bool:
 def _v3_backward_kernel(p, opts) -> str:
     """v3's backward where the Gluon kernels run: by default the single pass from
     GLUON_REDUCE_MIN_KEYS keys (d64, d128), the two Gluon passes below that, at d256 (the head
-    dim split between the warpgroups), whenever gradients must be bitwise reproducible, and with
+    dim split between the warpgroups), whenever gradients must be bitwise reproducible, with a
+    V head dim of its own (the single pass's D kernel and dQ staging take one head dim), and with
     a score modification the single pass has no registers for (ScoreMod.single_pass)."""
     if opts.backward == "v2":
         return "v2"
@@ -288,7 +288,7 @@ def _v3_backward_kernel(p, opts) -> str:
         return "v3-gluon"
     mod = score.mod_of(p)
     single_pass_possible = (not p.deterministic and not configs.split_head_dim(p.head_dim_pad)
-                            and (mod is None or mod.single_pass))
+                            and not p.own_head_dim_v and (mod is None or mod.single_pass))
     if opts.backward == "gluon-reduce":
         return "v3-gluon-reduce" if single_pass_possible else "v3-gluon"
     if opts.backward == "gluon":

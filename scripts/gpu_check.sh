@@ -17,9 +17,8 @@
 #   features v3 with each score feature (softcap 30, ALiBi, sinks, dropout 0.1) against v3 without, d128 8k,
 #           forward and backward: a run per feature (features_*.json), joined by
 #           scripts/features_table.py (features.json, features.md); FEATURES: a ','-separated subset
-#   headdimv  V with a head dim of its own, MLA prefill's 192 / 128 (16 heads, 16k tokens, 8k): v3 as
-#           dispatched, v3 with the Gluon kernels forced (forward=gluon;backward=gluon), v2 and SDPA's
-#           backends that take the pair (headdimv.json, headdimv_gluon.json)
+#   headdimv  V with a head dim of its own, MLA prefill's 192 / 128 (16 heads, 16k tokens, 8k): v3, v2
+#           and SDPA's backends that take the pair (headdimv.*)
 #   fp8     FP8 forwards and backwards beside bf16 in one run: flashtile-v3 (and v2's forward) on bf16,
 #           e4m3 and e5m2 inputs (the backward: fp8_attn_func's FP8 backward), d64/d128/d256, causal
 #           and not, 4k-16k, 2 passes (fp8.*); FlashAttention-3's accuracy
@@ -100,13 +99,9 @@ for stage in $stages; do
       done > "$OUT/features.log" || status=1
       python scripts/features_table.py "$OUT"/features_*.json --out "$OUT/features.json" || status=1 ;;
     headdimv)
-      for run in "headdimv flashtile-v3,flashtile-v2,sdpa-cudnn,sdpa-efficient" \
-                 "headdimv_gluon flashtile-v3"; do
-        set -- $run
-        python -m flashtile bench --head-dims 192 --head-dim-v 128 --seqlens 8192 --hidden 3072 --repeats 2 \
-          --providers "$2" --baseline flashtile-v3 --no-plots --out "$OUT" --name "$1" \
-          $([ "$1" = headdimv_gluon ] && echo --kernel-options "forward=gluon;backward=gluon") 2>&1 | grep -v "bench:"
-      done | tee "$OUT/headdimv.log" || status=1 ;;
+      python -m flashtile bench --head-dims 192 --head-dim-v 128 --seqlens 8192 --hidden 3072 --repeats 2 \
+        --providers flashtile-v3,flashtile-v2,sdpa-cudnn,sdpa-efficient --baseline sdpa-cudnn --no-plots \
+        --out "$OUT" --name headdimv 2>&1 | grep -v "bench:" | tee "$OUT/headdimv.log" || status=1 ;;
     fp8)
       python -m flashtile bench --head-dims 64,128,256 --seqlens 4096,8192,16384 --modes fwd,bwd --dtype bf16,e4m3,e5m2 \
         --providers flashtile-v3,flashtile-v2 --baseline flashtile-v2 --repeats 2 --out "$OUT" --name fp8 2>&1 \

@@ -3,8 +3,7 @@
 Each version (v1, v2, v3) on shapes that hit every code path once: sequence lengths that are not
 block multiples (masked tails), a block-multiple length (v3's unmasked TMA path), causal with
 seqlen_q != seqlen_k, a sliding window, GQA, varlen (with offsets given as a strided view),
-softcap, ALiBi, sinks, head dims that need padding, and V with a head dim of its own (under v3 the
-Gluon forward taking it, asked for); with v3, float8 inputs (FlashAttention-3's interface, and
+softcap, ALiBi, sinks, head dims that need padding, and V with a head dim of its own; with v3, float8 inputs (FlashAttention-3's interface, and
 fp8_attn_func per block with both backwards).  Prints one line per case; memcheck
 reports any out-of-bounds or misaligned access.
 
@@ -78,8 +77,6 @@ def run_own_v(version, case, device, kernel_options):
     q = torch.randn(b, sq, hq, d, device=device, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(b, sk, hk, d, device=device, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(b, sk, hk, dv, device=device, dtype=torch.bfloat16, requires_grad=True)
-    if "forward=" not in kernel_options:  # the Gluon forward takes the pair only when asked
-        kernel_options = ";".join(filter(None, (kernel_options, "forward=gluon")))
     out = flash_attn_func(q, k, v, causal=causal, version=version, kernel_options=kernel_options)
     out.backward(torch.randn_like(out))
     if device == "cuda":

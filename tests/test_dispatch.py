@@ -318,21 +318,26 @@ def test_packed_sequences_take_the_gluon_kernels_only_when_forced():
 
 
 def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
-    # A V head dim of its own runs v2's kernels, or the Gluon forward when the options ask for it
-    # (not in float8, not where the Gluon kernels do not run).  Dropout runs the Gluon forward (v2's where that does not
+    # A V head dim of its own runs the Gluon forward and the two Gluon backward passes (v2's kernels
+    # in float8, where the Gluon kernels do not run, or where the options ask for another kernel).
+    # Dropout runs the Gluon forward (v2's where that does not
     # run: never the plain-Triton one, which draws no mask) and v2's backward.  FP8 inputs
     # run the Gluon forward, with its own tiles, at every head dim, band or not, else v2's
     # (never the plain-Triton Hopper forward, which has no float8 path).
     seed = torch.zeros(1, dtype=torch.int64)
     own_v = problem(own_head_dim_v=64)
-    assert forward(own_v).kernel == "v2" and backward(own_v).kernel == "v2"
+    assert forward(own_v).kernel == "v3-gluon" and backward(own_v).kernel == "v3-gluon"
+    assert forward(own_v, opts=KernelOptions(forward="triton")).kernel == "v2"
+    assert backward(own_v, opts=KernelOptions(backward="v2")).kernel == "v2"
     forced = KernelOptions(forward="gluon")
-    assert forward(own_v, opts=forced).kernel == "v3-gluon" and backward(own_v, opts=forced).kernel == "v2"
-    # ... and the two Gluon backward passes when asked for them: batched, without dropout, V no
-    # wider than Q (the tiles are Q's head dim's)
+    assert forward(own_v, opts=forced).kernel == "v3-gluon" and backward(own_v, opts=forced).kernel == "v3-gluon"
+    # The two Gluon backward passes (never the single pass): batched, without dropout, V no wider
+    # than Q (the tiles are Q's head dim's)
     both = KernelOptions(forward="gluon", backward="gluon")
     assert backward(own_v, opts=both).kernel == "v3-gluon"
-    assert backward(own_v, opts=KernelOptions(backward="gluon-reduce")).kernel == "v2"
+    long = problem(8192)
+    assert backward(long).kernel == "v3-gluon-reduce" and backward(replace(long, own_head_dim_v=64)).kernel == "v3-gluon"
+    assert backward(own_v, opts=KernelOptions(backward="gluon-reduce")).kernel == "v3-gluon"
     assert backward(replace(own_v, dropout_p=0.1, dropout_seed=seed), opts=both).kernel == "v2"
     assert backward(replace(own_v, head_dim=64, own_head_dim_v=128), opts=both).kernel == "v2"
     assert backward(problem(head_dim=192, own_head_dim_v=128), opts=both).config == \
