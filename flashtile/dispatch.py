@@ -12,8 +12,8 @@ Forward kernels:
   "v3-triton"    the Hopper forward in plain Triton (kernels/v3.py): what the Gluon kernel does
                  not take (broadcast layouts, the interpreter) and, unless kernel options force
                  the Gluon one, varlen
-With a V head dim of its own v3 runs the Gluon forward (not in float8) and the two Gluon
-backward passes (batched, without dropout), else v2's kernels.
+With a V head dim of its own (no wider than Q's) v3 runs the Gluon forward (not in float8)
+and the two Gluon backward passes (batched, without dropout), else v2's kernels.
 With dropout (kernels/dropout.py) the Gluon forward where it runs (else v2's) and v2's
 backward (the Gluon two passes when the options ask for them).  FP8 inputs run the Gluon
 forward where it takes the problem, else v2's; their backward (fp8_attn_func's FP8 backward)
@@ -158,8 +158,10 @@ def forward_plan(p, version: str, target: Target, opts) -> Plan:
     gluon = target.gluon and (not p.varlen or (opts.forward == "gluon" and not p.fp8 and (
         p.batch * p.heads_q * p.query_blocks(configs.WARPGROUP_ROWS) < 2**31)))
     # The plain-Triton Hopper forward has no float8, dropout or V head dim of its own; the Gluon
-    # one takes a V head dim of its own, not in float8.
-    if p.own_head_dim_v and not (kernel == "gluon" and gluon and not p.fp8):
+    # one takes a V head dim of its own, not in float8, and V wider than Q only when the options
+    # ask for it (the pairs run on the GPU have V no wider than Q, as the backward takes them).
+    if p.own_head_dim_v and not (kernel == "gluon" and gluon and not p.fp8 and (
+            p.head_dim_v_pad <= p.head_dim_pad or opts.forward == "gluon")):
         return _v2_forward(p, target, opts)
     if (p.fp8 or p.dropout) and not (kernel == "gluon" and gluon):
         return _v2_forward(p, target, opts)

@@ -340,6 +340,9 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     assert backward(own_v, opts=KernelOptions(backward="gluon-reduce")).kernel == "v3-gluon"
     assert backward(replace(own_v, dropout_p=0.1, dropout_seed=seed), opts=both).kernel == "v2"
     assert backward(replace(own_v, head_dim=64, own_head_dim_v=128), opts=both).kernel == "v2"
+    # V wider than Q: the Gluon forward only when asked for
+    wide_v = replace(own_v, head_dim=64, own_head_dim_v=128)
+    assert forward(wide_v).kernel == "v2" and forward(wide_v, opts=forced).kernel == "v3-gluon"
     assert backward(problem(head_dim=192, own_head_dim_v=128), opts=both).config == \
         configs.by_head_dim(configs.V3_GLUON_BWD, 256)
     assert forward(replace(own_v, window_right=0), opts=forced).kernel == "v3-gluon"
