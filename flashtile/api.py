@@ -51,13 +51,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     validation.check_qkv(q, k, v, varlen, fp8)
     _check_differentiation_mode(q, k, v)
     if varlen:
-        cu_seqlens_q = validation.offsets("cu_seqlens_q", cu_seqlens_q, q.device)
-        cu_seqlens_k = validation.offsets("cu_seqlens_k", cu_seqlens_k, q.device)
-        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
-                             f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
-        max_seqlen_q = validation.integer("max_seqlen_q", max_seqlen_q, minimum=0)
-        max_seqlen_k = validation.integer("max_seqlen_k", max_seqlen_k, minimum=0)
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = validation.varlen_arguments(
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
         if seqused is not None and any(x is not None for x in seqused):
             validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0],
                                            k.shape[0])

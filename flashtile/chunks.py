@@ -71,8 +71,7 @@ def attend(run, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         q, k, v = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
     per_sequence = before + cdiv(max_seqlen_k, chunk)
     cu_q, cu_k = _pieces(cu_seqlens_q, cu_seqlens_k, before, per_sequence - before, chunk)
-    owner = torch.arange(batch, device=q.device).repeat_interleave(per_sequence)
-    per_piece = tuple(None if d is None else d[owner] for d in descales)
+    per_piece = tuple(None if d is None else d.repeat_interleave(per_sequence, 0) for d in descales)
     out, lse = run(q, k, v, cu_q, cu_k, min(chunk, max_seqlen_q), min(chunk, max_seqlen_k), per_piece)
     if varlen:
         return out, lse

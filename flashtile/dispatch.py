@@ -155,18 +155,17 @@ def forward_plan(p, version: str, target: Target, opts) -> Plan:
     # only when the options ask for it (experimental), not in float8 (V's keys-contiguous copy
     # is batched), and while the walk's tile numbers fit in 32 bits (at most batch x heads x
     # the longest sequence's blocks).
-    gluon = target.gluon and (not p.varlen or (opts.forward == "gluon" and not p.fp8 and (
+    gluon = kernel == "gluon" and target.gluon and (not p.varlen or (opts.forward == "gluon" and not p.fp8 and (
         p.batch * p.heads_q * p.query_blocks(configs.WARPGROUP_ROWS) < 2**31)))
-    # The plain-Triton Hopper forward has no float8, dropout or V head dim of its own; the Gluon
-    # one takes a V head dim of its own, not in float8, and V wider than Q only when the options
+    # It takes a V head dim of its own, not in float8, and V wider than Q only when the options
     # ask for it (the pairs run on the GPU have V no wider than Q, as the backward takes them).
-    if p.own_head_dim_v and not (kernel == "gluon" and gluon and not p.fp8 and (
-            p.head_dim_v_pad <= p.head_dim_pad or opts.forward == "gluon")):
-        return _v2_forward(p, target, opts)
-    if (p.fp8 or p.dropout) and not (kernel == "gluon" and gluon):
-        return _v2_forward(p, target, opts)
-    if kernel == "gluon" and gluon:
+    if p.own_head_dim_v and (p.fp8 or (p.head_dim_v_pad > p.head_dim_pad and opts.forward != "gluon")):
+        gluon = False
+    if gluon:
         return Plan("v3-gluon", gluon_schedule(p, opts))
+    # The plain-Triton Hopper forward has no float8, dropout or V head dim of its own.
+    if p.own_head_dim_v or p.fp8 or p.dropout:
+        return _v2_forward(p, target, opts)
     if kernel == "v2" or (kernel == "gluon" and p.banded and p.seqlen_k <= configs.SHORT_KEYS):
         # Short bands the Gluon kernel does not take run faster in v2 than in plain Triton.
         return _v2_forward(p, target, opts)

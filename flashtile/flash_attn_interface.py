@@ -38,10 +38,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         raise NotImplementedError("attention_chunk with seqused_q / seqused_k is not supported")
     validation.check_qkv(q, k, v, cu_seqlens_q is not None, fp8)
     if cu_seqlens_q is not None:  # checked before the pieces are cut from them
-        cu_seqlens_q = validation.offsets("cu_seqlens_q", cu_seqlens_q, q.device)
-        cu_seqlens_k = validation.offsets("cu_seqlens_k", cu_seqlens_k, q.device)
-        max_seqlen_q = validation.integer("max_seqlen_q", max_seqlen_q, minimum=0)
-        max_seqlen_k = validation.integer("max_seqlen_k", max_seqlen_k, minimum=0)
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = validation.varlen_arguments(
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
         validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0],
                                        k.shape[0])
     if fp8:  # (expanded to the pieces: checked first)

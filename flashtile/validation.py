@@ -179,13 +179,23 @@ def offsets(name, cu, device):
     return cu.contiguous()
 
 
-def check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
-    """The offsets' values: from 0, non-decreasing, ending at the token counts, within the
-    max_seqlen given.  Reading them costs one device-to-host copy (skipped where that cannot
-    happen: under CUDA-graph capture the kernels clamp every offset to the tensors instead)."""
+def varlen_arguments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device):
+    """A varlen call's offsets (``offsets``, of one length) and longest sequences (integers),
+    as the kernels take them; their values are check_offset_values'."""
+    cu_seqlens_q = offsets("cu_seqlens_q", cu_seqlens_q, device)
+    cu_seqlens_k = offsets("cu_seqlens_k", cu_seqlens_k, device)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
                          f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    return (cu_seqlens_q, cu_seqlens_k, integer("max_seqlen_q", max_seqlen_q, minimum=0),
+            integer("max_seqlen_k", max_seqlen_k, minimum=0))
+
+
+def check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
+    """The offsets' values (of offsets of one length: varlen_arguments): from 0,
+    non-decreasing, ending at the token counts, within the max_seqlen given.  Reading them costs
+    one device-to-host copy (skipped where that cannot happen: under CUDA-graph capture the
+    kernels clamp every offset to the tensors instead)."""
     if cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
