@@ -8,6 +8,7 @@ import math
 import numbers
 
 import torch
+import torch.utils.weak
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -191,24 +192,49 @@ def varlen_arguments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dev
             integer("max_seqlen_k", max_seqlen_k, minimum=0))
 
 
+# Offsets whose values passed check_offset_values (or were built valid: trust_offsets): tensor ->
+# (its version counter and address then, its last value, its longest sequence).  A model passes
+# the same offsets to every layer, so they are read on the host once, not once a layer; an
+# in-place change or a new tensor is read again.
+_CHECKED_OFFSETS = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def _remembered(cu):
+    """(last value, longest sequence) of offsets checked in their present state, else None."""
+    found = _CHECKED_OFFSETS.get(cu)
+    if found is None or found[0] != (cu._version, cu.data_ptr()):
+        return None
+    return found[1:]
+
+
+def trust_offsets(cu, last: int, longest: int):
+    """Take offsets built from checked ones as checked: from 0 (or a checked start), non-decreasing,
+    ending at ``last``, no sequence longer than ``longest``."""
+    _CHECKED_OFFSETS[cu] = ((cu._version, cu.data_ptr()), last, longest)
+
+
 def check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
     """The offsets' values (of offsets of one length: varlen_arguments): from 0,
     non-decreasing, ending at the token counts, within the max_seqlen given.  Reading them costs
-    one device-to-host copy (skipped where that cannot happen: under CUDA-graph capture the
-    kernels clamp every offset to the tensors instead)."""
+    one device-to-host copy, once for offsets passed again unchanged (skipped where that cannot
+    happen: under CUDA-graph capture the kernels clamp every offset to the tensors instead)."""
     if cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
                                      ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
-        values = cu.cpu()
-        lengths = values[1:] - values[:-1]
-        if values[0] != 0 or (lengths < 0).any():
-            raise ValueError(f"{name} must start at 0 and be non-decreasing, got {values.tolist()}")
-        if values[-1] != total:
-            raise ValueError(f"{name}[-1] = {int(values[-1])} but the tensor has {total} tokens")
-        if max_len < int(lengths.max()):
-            raise ValueError(f"max_seqlen for {name} must be >= the longest sequence "
-                             f"({int(lengths.max())}), got {max_len}")
+        known = _remembered(cu)
+        if known is None:
+            values = cu.cpu()
+            lengths = values[1:] - values[:-1]
+            if values[0] != 0 or (lengths < 0).any():
+                raise ValueError(f"{name} must start at 0 and be non-decreasing, got {values.tolist()}")
+            known = int(values[-1]), int(lengths.max()) if lengths.numel() else 0
+            trust_offsets(cu, *known)
+        last, longest = known
+        if last != total:
+            raise ValueError(f"{name}[-1] = {last} but the tensor has {total} tokens")
+        if max_len < longest:
+            raise ValueError(f"max_seqlen for {name} must be >= the longest sequence ({longest}), got {max_len}")
 
 
 def feature_options(dropout_p, softcap) -> tuple[float, float]:

@@ -155,6 +155,21 @@ def _varlen(lengths=(5, 7)):
     return q, q.clone(), q.clone(), cu
 
 
+def test_offsets_read_once_until_changed(monkeypatch):
+    # A model passes one offsets tensor to every layer: its values are read on the host once,
+    # and again after an in-place change.
+    q, k, v, cu = _varlen()
+    flash_attn_varlen_func(q, k, v, cu, cu, 7, 7)
+    reads = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda x, *a, **kw: reads.append(x) or real_cpu(x, *a, **kw))
+    flash_attn_varlen_func(q, k, v, cu, cu, 7, 7)
+    assert not any(x is cu for x in reads)
+    refused(ValueError, "longest sequence", flash_attn_varlen_func, q, k, v, cu, cu, 5, 7)
+    cu[1] = cu[2] + 1  # no longer non-decreasing
+    refused(ValueError, "non-decreasing", flash_attn_varlen_func, q, k, v, cu, cu, 7, 7)
+
+
 def test_numbers_are_taken_as_what_they_are(qkv):
     # numpy scalars and 0-d tensors where a number goes, as flash_attn's own tests pass them.
     q, k, v = qkv
