@@ -18,7 +18,6 @@ key's position, row or page, rotates it (rotary embedding) and writes it, where 
 PyTorch operations (the reference: kvcache._append, rotary.apply) takes many small launches,
 each paid on the host at every decoding step; ``rotate`` rotates the queries in one more.
 """
-import functools
 import math
 
 import torch
@@ -29,7 +28,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from flashtile.kernels import score
 from flashtile.kernels.blocks import band_mask, diagonal_band, visited_blocks
 from flashtile.kernels.launch import Prepared
-from flashtile.kernels.problem import cdiv, next_power_of_2, padded_head_dim
+from flashtile.kernels.problem import cdiv, contiguous_strides, next_power_of_2, padded_head_dim
 from flashtile.kernels.tiles import LOG2E, finalize_rows, load_tile, online_softmax_step, values_product
 
 
@@ -361,7 +360,7 @@ class Rotate:
         rows = max(16, min(64, next_power_of_2(seqlen)))
         self._launch = Prepared(
             _rotate_kernel, (cdiv(seqlen, rows), batch, heads),
-            (*x.stride()[:3], *_contiguous_strides(self.shape)[:3], cos.stride(0), seqlen, limit, cos.shape[1]),
+            (*x.stride()[:3], *contiguous_strides(self.shape)[:3], cos.stride(0), seqlen, limit, cos.shape[1]),
             dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, HAS_ENDS=has_ends,
                  ADVANCE=advance, INTERLEAVED=bool(interleaved), num_warps=4))
 
@@ -371,15 +370,6 @@ class Rotate:
             tables = isinstance(seqlens, torch.Tensor)
             self._launch(x, out, seqlens if tables else x, cos, sin, 0 if tables else seqlens)
         return out
-
-
-@functools.lru_cache(maxsize=256)
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 class Attend:
@@ -405,8 +395,8 @@ class Attend:
             rows_q = seqlen_q
             self.out_shape, self.lse_shape = tuple(q.shape), (batch, heads, seqlen_q)
             q_strides = q.stride()[:3]
-            o_strides = _contiguous_strides(self.out_shape)[:3]
-            lse_strides = _contiguous_strides(self.lse_shape)[:2]
+            o_strides = contiguous_strides(self.out_shape)[:3]
+            lse_strides = contiguous_strides(self.lse_shape)[:2]
         else:  # (batch, max_seqlen_q): a sequence's rows follow its offsets, no batch stride
             (batch, seqlen_q), (rows_q, heads, head_dim) = packed, q.shape
             self.out_shape, self.lse_shape = tuple(q.shape), (heads, rows_q)

@@ -175,6 +175,33 @@ class Prepared:
         _run(binary, self._grid, device, (*leading, *self._tail))
 
 
+class Fixed:
+    """``launch(kernel, grid, *args, **constants)`` for a caller that vouches that every call's
+    ``args`` specialize as the first call's (the same dtypes, shapes, strides and options; tensors
+    it has made aligned): ``fixed(*args)`` looks no argument over after the first call, which
+    compiles (or finds) the kernel under its full key.  For launches a caller keeps per kind of
+    call (the Gluon kernels' remembered launches); one made for a single call is ``launch``."""
+    __slots__ = ("kernel", "grid", "constants", "_grid", "_entries")
+
+    def __init__(self, kernel, grid, constants):
+        self.kernel, self.grid, self.constants = kernel, tuple(grid), constants
+        self._grid = (*grid, 1, 1)
+        self._entries = {}  # device -> (compiled kernel, constexpr values in signature order)
+
+    def __call__(self, *args):
+        if options.interpreting():
+            return launch(self.kernel, self.grid, *args, **self.constants)
+        device = driver.active.get_current_device()
+        entry = self._entries.get(device)
+        if entry is None:
+            entry, launched = _compiled(self.kernel, self.grid, device, args, self.constants)
+            self._entries[device] = entry
+            if launched:
+                return
+        binary, constexprs = entry
+        _run(binary, self._grid, device, (*args, *constexprs))
+
+
 def _flat(args):
     for x in args:
         if type(x) is tuple:

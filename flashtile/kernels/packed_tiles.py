@@ -54,6 +54,13 @@ def _list_kernel(CU, TILES, COUNT, batch, m_blocks, capacity, total, stride, TIL
         tl.store(COUNT, tl.minimum(start + tl.sum(n), capacity))
 
 
+def entries(p, tile_m, keys=False) -> int:
+    """The length of tile_list's list (at least 1): at most a block per ``tile_m`` rows of the
+    packed tensor, plus one partial block a sequence."""
+    m_blocks, total = (p.key_blocks(tile_m), p.total_k) if keys else (p.query_blocks(tile_m), p.total_q)
+    return max(1, min(p.batch * m_blocks, cdiv(total, tile_m) + p.batch))
+
+
 def tile_list(p, tile_m, device, keys=False):
     """(entries, count): problem ``p``'s packed tiles of ``tile_m`` query rows (``keys``: key
     rows) as the Gluon kernels walk them, and the number of entries (one int32, on the device)."""
@@ -61,9 +68,7 @@ def tile_list(p, tile_m, device, keys=False):
         m_blocks, cu, total, stride = p.key_blocks(tile_m), p.cu_seqlens_k, p.total_k, p.totals[3]
     else:
         m_blocks, cu, total, stride = p.query_blocks(tile_m), p.cu_seqlens_q, p.total_q, p.totals[2]
-    # Entries: at most a block per tile_m rows of the packed tensor, plus one partial block a sequence.
-    entries = min(p.batch * m_blocks, cdiv(total, tile_m) + p.batch)
-    tiles = torch.empty(max(1, entries), dtype=torch.int32, device=device)
+    tiles = torch.empty(entries(p, tile_m, keys), dtype=torch.int32, device=device)
     count = torch.empty(1, dtype=torch.int32, device=device)
     sequences = min(SEQUENCES, next_power_of_2(p.batch))
     launch(_list_kernel, (cdiv(p.batch, sequences),), cu, tiles, count, p.batch, m_blocks, tiles.numel(), total,

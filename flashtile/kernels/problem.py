@@ -32,6 +32,16 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
+@functools.lru_cache(maxsize=256)
+def contiguous_strides(shape: tuple) -> tuple:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
 def remembered(fn):
     """``fn(p, ...)``, a function of a problem and hashable arguments, remembered for problems that
     are a cache key: asked at every call, the same few problems come back.  A problem that holds

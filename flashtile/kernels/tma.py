@@ -6,6 +6,7 @@ head_dim) tensors through 4-D descriptors whose block is ``rows`` rows of one he
 (``descriptor``); the plain-Triton kernel builds its descriptors on the device.
 """
 import functools
+import math
 
 import torch
 from triton.experimental.gluon import language as gl
@@ -20,7 +21,8 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.floa
 
 def aligned(x) -> bool:
     """TMA reads from a 16-byte aligned base with strides in 16-byte multiples (the last is 1)."""
-    return x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+    # Every stride a multiple of 16 bytes exactly when their greatest common divisor is.
+    return x.data_ptr() % 16 == 0 and math.gcd(*x.stride()[:-1]) * x.element_size() % 16 == 0
 
 
 def ready(x):
@@ -37,14 +39,15 @@ def block_layout(rows, head_dim_pad, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _block_spec(rows, head_dim_pad, dtype):
+def block_spec(rows, head_dim_pad, dtype):
+    """Descriptor's (block_shape, layout, spec) for ``rows`` rows of one head (``descriptor``)."""
     block, layout = block_layout(rows, head_dim_pad, dtype)
     return block, layout, descriptor_spec(dtype, block, layout)
 
 
 def descriptor(x, rows, head_dim_pad):
     """(batch, seqlen, heads, head_dim) as TMA sees it; one block is ``rows`` rows of one head."""
-    return Descriptor(x, *_block_spec(rows, head_dim_pad, x.dtype))
+    return Descriptor(x, *block_spec(rows, head_dim_pad, x.dtype))
 
 
 @functools.lru_cache(maxsize=None)

@@ -66,7 +66,8 @@ from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next
                                                packed_tile, publish_tile, read_next_tile, read_tile, sm_count,
                                                start_tiles, stationary_tile, tile_counter, Sequences, Value, value,
                                                values)
-from flashtile.kernels.launch import launch
+from flashtile.kernels.launch import Descriptor, Fixed, launch
+from flashtile.kernels.problem import remembered
 from flashtile.kernels.tiles import LOG2E, load_tile, row_delta
 
 # 12 warps (8 consumer, one producer warp rounded up to a warpgroup): 168 registers each at
@@ -1057,9 +1058,18 @@ def backward(plan, p, dout, dlse, q, k, v, out, lse, saved):
     """dq, dk, dv by the plan's kernels: the two passes ("v3-gluon") or the single pass adding dQ
     by TMA reduce-add ("v3-gluon-reduce").  ``dlse`` (gradient reaching the logsumexp) may be None."""
     q, k, v, dout = (tma_host.ready(x) for x in (q, k, v, dout))
-    if plan.kernel == "v3-gluon-reduce":
-        return _single_pass(plan.config, p, dout, dlse, q, k, v, out, lse)
-    return _two_passes(plan.config, p, dout, dlse, q, k, v, out, lse)
+    dq_reduce = plan.kernel == "v3-gluon-reduce"
+    if dq_reduce:
+        _check_single_pass(p)
+    # Everything but the tensors' addresses fixes the launches' arguments: the tensors TMA reads
+    # are aligned (ready), the outputs fresh; the two that come from outside, their alignment.
+    kind = (plan.config, dq_reduce, q.dtype, q.stride(), k.stride(), v.stride(), dout.stride(), out.stride(),
+            out.data_ptr() % 16 == 0, None if dlse is None else dlse.data_ptr() % 16 == 0, lse.stride(),
+            q.device.index)
+    launches = _backward_launches(p, *kind)
+    if dq_reduce:
+        return _single_pass(launches, p, dout, dlse, q, k, v, out, lse)
+    return _two_passes(launches, p, dout, dlse, q, k, v, out, lse)
 
 
 class PassTiles(NamedTuple):
@@ -1072,14 +1082,21 @@ class PassTiles(NamedTuple):
     m_blocks: int
 
 
+def pass_count(p, rows, heads, keys) -> int:
+    """How many tiles of ``rows`` stationary rows a pass has (packed: at most)."""
+    if p.varlen:
+        return packed_tiles.entries(p, rows, keys) * heads
+    return p.batch * heads * (p.key_blocks(rows) if keys else p.query_blocks(rows))
+
+
 def pass_tiles(p, rows, heads, keys, device) -> PassTiles:
     """The tiles of ``rows`` stationary query rows (``keys``: key rows) of ``heads`` heads each."""
+    count = pass_count(p, rows, heads, keys)
     if p.varlen:
         tiles, listed = packed_tiles.tile_list(p, rows, device, keys)
-        return PassTiles(tiles.numel() * heads, tiles, listed, p.key_blocks(rows) if keys else p.query_blocks(rows))
-    blocks = p.key_blocks(rows) if keys else p.query_blocks(rows)
+        return PassTiles(count, tiles, listed, p.key_blocks(rows) if keys else p.query_blocks(rows))
     placeholder = p.cu_pointers(device)[0]
-    return PassTiles(p.batch * heads * blocks, placeholder, placeholder, 1)
+    return PassTiles(count, placeholder, placeholder, 1)
 
 
 def _packed_views(p, *tensors):
@@ -1087,48 +1104,41 @@ def _packed_views(p, *tensors):
     return tuple(x.unsqueeze(0) for x in tensors) if p.varlen else tensors
 
 
-def _two_passes(cfg, p, dout, dlse, q, k, v, out, lse):
+def _two_passes(launches, p, dout, dlse, q, k, v, out, lse):
     dq, dk, dv = p.gradients(q, k, v)
     delta = torch.empty_like(lse)
-    pad, pad_v = p.head_dim_pad, p.head_dim_v_pad
-    rows = gluon_bwd_stationary_rows(pad)
-    walked = pass_tiles(p, rows, p.heads_q, False, q.device)
-    schedule = pass_schedule(p, cfg, walked.count, q.device)
     q4, k4, v4, dout4, dq4 = _packed_views(p, q, k, v, dout, dq)
     cu_q, cu_k = p.cu_pointers(q.device)
-    launch(
-        _dq_kernel, (schedule.ctas,),
-        tma_host.descriptor(q4, rows, pad), tma_host.descriptor(dout4, rows, pad_v),
-        tma_host.descriptor(k4, cfg.dq_block_n, pad), tma_host.descriptor(v4, cfg.dq_block_n, pad_v),
-        tma_host.descriptor(dq4, partition_rows(pad), pad),
+    fixed = launches.dq
+    walked = fixed.walked(p, q.device)
+    fixed.launch(
+        Descriptor(q4, *fixed.q_spec), Descriptor(dout4, *fixed.dout_spec), Descriptor(k4, *fixed.k_spec),
+        Descriptor(v4, *fixed.v_spec), Descriptor(dq4, *fixed.out_spec),
         out, *p.seq_strides(out), p.head_dims, lse, delta if dlse is None else dlse, delta,
-        *p.row_stat_strides(lse), walked.count, p.heads_q, p.group,
-        walk_head_group(p, walked.count, p.batch * p.heads_q, p.seqlen_k * (pad + pad_v) * q.element_size(),
-                        q.device),
-        p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
-        schedule.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles, walked.listed,
-        walked.m_blocks, dq, dq.stride(-3), dq.stride(-2), dropout.seed_argument(p, cu_q), p.dropout_p,
-        BLOCK_M=rows, BLOCK_N=cfg.dq_block_n, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, HAS_DLSE=dlse is not None,
-        SPLIT_D=split_head_dim(pad), SCORE=score.mod_of(p), VARLEN=p.varlen, DROPOUT=p.dropout, **schedule.constants(),
-        HEAD_DIM_V_PAD=pad_v, QK_LANES=configs.qk_lanes(p), **launch_options(pad))
+        *p.row_stat_strides(lse), *fixed.walk,
+        fixed.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles, walked.listed,
+        walked.m_blocks, dq, dq.stride(-3), dq.stride(-2), dropout.seed_argument(p, cu_q), p.dropout_p)
     # D, written by the dQ pass, is read here: launched after it on the same stream.
-    _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, None)
+    _launch_dkdv(launches.dkdv, p, q, k, v, dout, lse, delta, dk, dv, None)
     return dq, dk, dv
 
 
-def _single_pass(cfg, p, dout, dlse, q, k, v, out, lse):
-    """dq, dk, dv in one K/V-stationary pass, FlashAttention-3's: each Q block's dQ share added
-    in fp32 by TMA reduce-add (summation order varies from run to run), after D = rowsum(dO * O)
-    - dlse (_delta).  Head dims up to 128 (the fp32 dQ staging of SPLIT_D's 64-row blocks does
-    not fit in shared memory next to its operands)."""
+def _check_single_pass(p):
     if split_head_dim(p.head_dim_pad):
         raise ValueError("the single-pass Gluon backward takes head dims up to 128")
     if p.own_head_dim_v:  # (D's kernel and the dQ staging take one head dim)
         raise ValueError("the single-pass Gluon backward takes one head dim for Q, K and V")
+
+
+def _single_pass(launches, p, dout, dlse, q, k, v, out, lse):
+    """dq, dk, dv in one K/V-stationary pass, FlashAttention-3's: each Q block's dQ share added
+    in fp32 by TMA reduce-add (summation order varies from run to run), after D = rowsum(dO * O)
+    - dlse (_delta).  Head dims up to 128 (the fp32 dQ staging of SPLIT_D's 64-row blocks does
+    not fit in shared memory next to its operands: _check_single_pass)."""
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     delta = _delta(p, out, dout, dlse, lse, dq_acc)
-    _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc)
+    _launch_dkdv(launches.dkdv, p, q, k, v, dout, lse, delta, dk, dv, dq_acc)
     return dq_acc.to(q.dtype), dk, dv
 
 
@@ -1168,33 +1178,88 @@ def _delta(p, out, dout, dlse, lse, dq_acc):
     return delta
 
 
-def _launch_dkdv(p, cfg, q, k, v, dout, lse, delta, dk, dv, dq_acc):
-    pad, pad_v = p.head_dim_pad, p.head_dim_v_pad
-    rows = gluon_bwd_stationary_rows(pad)
-    out_rows = partition_rows(pad, dq_acc is not None)
+def _launch_dkdv(fixed, p, q, k, v, dout, lse, delta, dk, dv, dq_acc):
     q4, k4, v4, dout4, dk4, dv4 = _packed_views(p, q, k, v, dout, dk, dv)
-    dk_desc = tma_host.descriptor(dk4, out_rows, pad)
-    dq_reduce = dq_acc is not None
-    walked = pass_tiles(p, rows, p.heads_k, True, q.device)
-    schedule = pass_schedule(p, cfg, walked.count, q.device, dq_reduce)
+    dk_desc = Descriptor(dk4, *fixed.out_spec)
+    walked = fixed.walked(p, q.device)
     cu_q, cu_k = p.cu_pointers(q.device)
-    launch(
-        _dkdv_kernel, (schedule.ctas,),
-        tma_host.descriptor(q4, cfg.kv_block_m, pad), tma_host.descriptor(k4, rows, pad),
-        tma_host.descriptor(v4, rows, pad_v), tma_host.descriptor(dout4, cfg.kv_block_m, pad_v), dk_desc,
-        tma_host.descriptor(dv4, out_rows, pad_v),
-        dk_desc if dq_acc is None else tma_host.descriptor(dq_acc, cfg.kv_block_m, pad),  # not read without dq_acc
-        lse, delta, *p.row_stat_strides(lse), walked.count, p.heads_k, p.group,
-        walk_head_group(p, walked.count, p.batch * p.heads_k,
-                        p.group * p.seqlen_q * (pad + pad_v) * q.element_size(), q.device),
-        p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.softmax_scale, p.scale_log2,
-        schedule.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles, walked.listed,
-        walked.m_blocks, dk, dv, dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), p.head_dims,
-        dropout.seed_argument(p, cu_q), p.dropout_p,
-        BLOCK_M=cfg.kv_block_m, BLOCK_N=rows, HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, DQ_REDUCE=dq_reduce,
-        SPLIT_D=split_head_dim(pad), SHARED_SCORES=shared_scores(cfg, pad, dq_reduce), SCORE=score.mod_of(p),
-        VARLEN=p.varlen, DROPOUT=p.dropout, HEAD_DIM_V_PAD=pad_v, QK_LANES=configs.qk_lanes(p), **schedule.constants(),
-        **launch_options(pad, dq_reduce))
+    fixed.launch(
+        Descriptor(q4, *fixed.q_spec), Descriptor(k4, *fixed.k_spec), Descriptor(v4, *fixed.v_spec),
+        Descriptor(dout4, *fixed.dout_spec), dk_desc, Descriptor(dv4, *fixed.out_v_spec),
+        dk_desc if dq_acc is None else Descriptor(dq_acc, *fixed.dq_acc_spec),  # not read without dq_acc
+        lse, delta, *p.row_stat_strides(lse), *fixed.walk, fixed.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles,
+        walked.listed, walked.m_blocks, dk, dv, dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2),
+        p.head_dims, dropout.seed_argument(p, cu_q), p.dropout_p)
+
+
+class _BackwardLaunches(NamedTuple):
+    dq: "_PassLaunch"  # None for the single pass
+    dkdv: "_PassLaunch"
+
+
+@remembered
+def _backward_launches(p, cfg, dq_reduce, dtype, q_strides, k_strides, v_strides, dout_strides, out_strides,
+                       out_aligned, dlse_aligned, lse_strides, device_index) -> _BackwardLaunches:
+    """The backward's launches for one kind of call (the arguments besides the problem: what fixes
+    every launch argument's class; remembered where the problem holds no tensor)."""
+    has_dlse = dlse_aligned is not None
+    dq = None if dq_reduce else _PassLaunch(_dq_kernel, p, cfg, dtype, device_index, False, False, has_dlse)
+    return _BackwardLaunches(dq, _PassLaunch(_dkdv_kernel, p, cfg, dtype, device_index, True, dq_reduce, has_dlse))
+
+
+class _PassLaunch:
+    """One pass's launch for a kind of call (_backward_launches): its grid and constexprs
+    (launch.Fixed), the tensors' TMA blocks, and its walk's arguments from the tile count to the
+    scale; ``walked`` and ``counter`` what each call takes anew (packed sequences' tile lists,
+    the stream's tile counter)."""
+
+    def __init__(self, kernel, p, cfg, dtype, device_index, keys, dq_reduce, has_dlse):
+        pad, pad_v = p.head_dim_pad, p.head_dim_v_pad
+        rows = gluon_bwd_stationary_rows(pad)
+        block = cfg.kv_block_m if keys else cfg.dq_block_n  # the streamed tensors' rows
+        heads = p.heads_k if keys else p.heads_q
+        device = torch.device("cuda", device_index)
+        count = pass_count(p, rows, heads, keys)
+        self.schedule = pass_schedule(p, cfg, count, device, dq_reduce)
+        self.rows, self.keys, self.heads = rows, keys, heads
+        out_rows = partition_rows(pad, dq_reduce)
+        grad_dtype = torch.float32 if p.fp8 else dtype  # (p.gradients')
+        if keys:
+            self.q_spec = tma_host.block_spec(block, pad, dtype)
+            self.k_spec = tma_host.block_spec(rows, pad, dtype)
+            self.v_spec = tma_host.block_spec(rows, pad_v, dtype)
+            self.dout_spec = tma_host.block_spec(block, pad_v, dtype)
+            self.out_spec = tma_host.block_spec(out_rows, pad, grad_dtype)
+            self.out_v_spec = tma_host.block_spec(out_rows, pad_v, grad_dtype)
+            self.dq_acc_spec = tma_host.block_spec(block, pad, torch.float32)
+            streamed_bytes = p.group * p.seqlen_q * (pad + pad_v) * dtype.itemsize
+            batch_heads = p.batch * p.heads_k
+        else:
+            self.q_spec = tma_host.block_spec(rows, pad, dtype)
+            self.dout_spec = tma_host.block_spec(rows, pad_v, dtype)
+            self.k_spec = tma_host.block_spec(block, pad, dtype)
+            self.v_spec = tma_host.block_spec(block, pad_v, dtype)
+            self.out_spec = tma_host.block_spec(partition_rows(pad), pad, grad_dtype)
+            streamed_bytes = p.seqlen_k * (pad + pad_v) * dtype.itemsize
+            batch_heads = p.batch * p.heads_q
+        self.walk = (count, heads, p.group, walk_head_group(p, count, batch_heads, streamed_bytes, device),
+                     p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.softmax_scale, p.scale_log2)
+        common = dict(HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, SPLIT_D=split_head_dim(pad), SCORE=score.mod_of(p),
+                      VARLEN=p.varlen, DROPOUT=p.dropout, HEAD_DIM_V_PAD=pad_v, QK_LANES=configs.qk_lanes(p),
+                      **self.schedule.constants())
+        if keys:
+            constants = dict(BLOCK_M=block, BLOCK_N=rows, DQ_REDUCE=dq_reduce,
+                             SHARED_SCORES=shared_scores(cfg, pad, dq_reduce), **common,
+                             **launch_options(pad, dq_reduce))
+        else:
+            constants = dict(BLOCK_M=rows, BLOCK_N=block, HAS_DLSE=has_dlse, **common, **launch_options(pad))
+        self.launch = Fixed(kernel, (self.schedule.ctas,), constants)
+
+    def walked(self, p, device) -> "PassTiles":
+        return pass_tiles(p, self.rows, self.heads, self.keys, device)
+
+    def counter(self, device):
+        return self.schedule.counter(device)
 
 
 class Schedule(NamedTuple):

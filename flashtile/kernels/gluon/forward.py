@@ -60,8 +60,8 @@ from flashtile.kernels.gluon.pipeline import lanes_product
 from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter,
                                                packed_tile, publish_tile, read_next_tile, read_tile, sm_count,
                                                start_tiles, tile_counter, Sequences, Value, value, values)
-from flashtile.kernels.launch import launch
-from flashtile.kernels.problem import remembered
+from flashtile.kernels.launch import Descriptor, Fixed
+from flashtile.kernels.problem import contiguous_strides, remembered
 from flashtile.kernels.tiles import FP8_P_SCALE, FP8_PER_BLOCK, LOG2E, finalize_rows, scaled_softmax_step
 
 PRODUCER_REGS = gl.constexpr(24)      # the TMA-issuing warp needs almost none
@@ -1087,37 +1087,70 @@ def forward(plan, p, q, k, v):
     Packed sequences (varlen: (total, heads, head dim)) are seen by TMA as one batch entry, (1,
     total, heads, head dim)."""
     q, k, v = (tma_host.ready(x) for x in (q, k, v))
-    cfg = plan.config
-    out = torch.empty((*q.shape[:-1], p.head_dim_v), dtype=p.out_dtype(q), device=q.device)
-    lse = torch.empty(p.row_stat_shape(q.shape[0]), dtype=torch.float32, device=q.device)
-    consts = kernel_constants(p, cfg, q.element_size(), out.element_size(), q.dtype)
-    rows = consts["ROWS"]
-    m_blocks = p.query_blocks(cfg.tile_m)
-    batch_heads = p.batch * p.heads_q
-    num_tiles = m_blocks * batch_heads
-    programs = min(num_tiles, sm_count(q.device.index)) if consts["PERSISTENT"] else num_tiles
-    kv_bytes = p.seqlen_k * (p.head_dim_pad + p.head_dim_v_pad) * q.element_size()
-    head_group = heads_sharing_l2(p, batch_heads, kv_bytes)
-    pad, pad_v = p.head_dim_pad, p.head_dim_v_pad
-    q4, k4, v4, out4 = (x.unsqueeze(0) for x in (q, k, v, out)) if p.varlen else (q, k, v, out)
-    cu_q, cu_k = p.cu_pointers(q.device)
-    # A packed batch's tiles, listed on the device (num_tiles bounds their count); else placeholders.
-    tiles, count = packed_tiles.tile_list(p, cfg.tile_m, q.device) if p.varlen else (cu_q, cu_q)
-    if p.fp8:
-        v_desc = tma_host.keys_contiguous_descriptor(v4, cfg.block_n, pad_v)
-        descale = p.fp8_descale
-    else:
-        v_desc = tma_host.descriptor(v4, cfg.block_n, pad_v)
-        descale = lse  # a placeholder, never read
-    launch(
-        _fwd_kernel, (programs,),
-        tma_host.descriptor(q4, rows, pad), tma_host.descriptor(k4, cfg.block_n, pad),
-        v_desc, tma_host.descriptor(out4, rows, pad_v),
-        q, *p.seq_strides(q), k, *p.seq_strides(k), v, *p.seq_strides(v), out, *p.seq_strides(out),
-        p.head_dims, lse, *p.row_stat_strides(lse),
-        batch_heads, p.heads_q, p.group, head_group, m_blocks, num_tiles,
-        p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, cu_q, cu_k, p.totals, tiles, count, p.scale_log2,
-        tile_counter(q.device) if consts["DYNAMIC"] else no_counter(q.device), score.args_of(p),
-        descale, *(descale.stride()[:3] if p.fp8 else (0, 0, 0)), dropout.seed_argument(p, cu_q), p.dropout_p,
-        **consts, **launch_options(cfg.consumers))
-    return out, lse, lse.new_empty(0)
+    prepared = _forward_launch(p, plan.config, q.dtype, q.shape, q.stride(), k.stride(), v.stride(), q.device.index)
+    return prepared(p, q, k, v)
+
+
+def _seq_strides(p, strides):
+    """Problem.seq_strides of a tensor of these strides."""
+    return (0, *strides[:2]) if p.varlen else tuple(strides[:3])
+
+
+class _ForwardLaunch:
+    """The forward's launch for one kind of call: problem ``p``, schedule ``cfg``, the inputs'
+    dtype, q's shape and the strides of q, k and v (aligned for TMA), the device.  Everything
+    derived from them is computed once per kind (``_forward_launch``: remembered where the
+    problem holds no tensor), so that a call allocates the output, describes the tensors and
+    launches: every argument's class is then fixed by the kind (launch.Fixed)."""
+
+    def __init__(self, p, cfg, dtype, q_shape, q_strides, k_strides, v_strides, device_index):
+        self.out_dtype = torch.bfloat16 if p.fp8 else dtype
+        self.out_shape = (*q_shape[:-1], p.head_dim_v)
+        self.lse_shape = p.row_stat_shape(q_shape[0])
+        consts = kernel_constants(p, cfg, dtype.itemsize, self.out_dtype.itemsize, dtype)
+        rows, pad, pad_v = consts["ROWS"], p.head_dim_pad, p.head_dim_v_pad
+        self.dynamic = consts["DYNAMIC"]
+        self.block_n, self.tile_m, self.pad_v = cfg.block_n, cfg.tile_m, pad_v
+        self.q_spec = tma_host.block_spec(rows, pad, dtype)
+        self.k_spec = tma_host.block_spec(cfg.block_n, pad, dtype)
+        self.v_spec = tma_host.block_spec(cfg.block_n, pad_v, dtype)
+        self.o_spec = tma_host.block_spec(rows, pad_v, self.out_dtype)
+        out_strides = contiguous_strides(self.out_shape)
+        lse_strides = contiguous_strides(self.lse_shape)
+        self.strides = tuple(_seq_strides(p, x) for x in (q_strides, k_strides, v_strides, out_strides))
+        self.lse_strides = (0, lse_strides[0]) if p.varlen else lse_strides[:2]
+        m_blocks = p.query_blocks(cfg.tile_m)
+        batch_heads = p.batch * p.heads_q
+        num_tiles = m_blocks * batch_heads
+        programs = min(num_tiles, sm_count(device_index)) if consts["PERSISTENT"] else num_tiles
+        kv_bytes = p.seqlen_k * (pad + pad_v) * dtype.itemsize
+        self.walk = (batch_heads, p.heads_q, p.group, heads_sharing_l2(p, batch_heads, kv_bytes), m_blocks, num_tiles,
+                     p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
+        self.launch = Fixed(_fwd_kernel, (programs,), dict(consts, **launch_options(cfg.consumers)))
+
+    def __call__(self, p, q, k, v):
+        device = q.device
+        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        q4, k4, v4, out4 = (x.unsqueeze(0) for x in (q, k, v, out)) if p.varlen else (q, k, v, out)
+        cu_q, cu_k = p.cu_pointers(device)
+        # A packed batch's tiles, listed on the device (num_tiles bounds their count); else placeholders.
+        tiles, count = packed_tiles.tile_list(p, self.tile_m, device) if p.varlen else (cu_q, cu_q)
+        if p.fp8:
+            v_desc = tma_host.keys_contiguous_descriptor(v4, self.block_n, self.pad_v)
+            descale, descale_strides = p.fp8_descale, p.fp8_descale.stride()[:3]
+        else:
+            v_desc = Descriptor(v4, *self.v_spec)
+            descale, descale_strides = lse, (0, 0, 0)  # a placeholder, never read
+        sq, sk, sv, so = self.strides
+        self.launch(
+            Descriptor(q4, *self.q_spec), Descriptor(k4, *self.k_spec), v_desc, Descriptor(out4, *self.o_spec),
+            q, *sq, k, *sk, v, *sv, out, *so, p.head_dims, lse, *self.lse_strides, *self.walk, cu_q, cu_k, p.totals,
+            tiles, count, p.scale_log2, tile_counter(device) if self.dynamic else no_counter(device), score.args_of(p),
+            descale, *descale_strides, dropout.seed_argument(p, cu_q), p.dropout_p)
+        return out, lse, lse.new_empty(0)
+
+
+@remembered
+def _forward_launch(p, *kind) -> _ForwardLaunch:
+    return _ForwardLaunch(p, *kind)
