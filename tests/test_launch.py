@@ -12,6 +12,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile import flash_attn_func, options
 from flashtile.kernels import launch
+from flashtile.kernels.gluon import backward as gluon_backward
+from flashtile.kernels.gluon import forward as gluon_forward
 from flashtile.kernels.tma import block_layout
 
 
@@ -144,6 +146,8 @@ def test_cached_launches_match_the_compiling_launch(monkeypatch, causal):
     # compiled binary with unchecked descriptors: bitwise the same (both backwards here are
     # the two deterministic passes).
     monkeypatch.setattr(launch, "_COMPILED", {})
+    gluon_forward._forward_launch.cache_clear()  # (launches kept per kind of call find their kernel once)
+    gluon_backward._backward_launches.cache_clear()
     q, k, v = (x.requires_grad_() for x in make_qkv(2, 300, 300, 4, 2, 128, torch.bfloat16, DEVICE))
     dout = torch.randn_like(q)
     results = []
