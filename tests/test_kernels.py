@@ -280,7 +280,7 @@ def test_v3_tile_counter_survives_a_stale_value():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon backward runs on the GPU only")
-def test_v3_causal_backward_takes_its_tiles_from_the_counter(monkeypatch):
+def test_v3_causal_backward_takes_its_tiles_from_the_counter(monkeypatch, fresh_launches):
     # The two Gluon passes over causal tiles on persistent CTAs (here 3) take each tile from the
     # stream's counter, as the forward does: backwards back to back give the same gradients bit
     # for bit.
@@ -312,7 +312,7 @@ def test_v3_causal_forward_replays_in_a_cuda_graph():
 @pytest.mark.parametrize("kernels, head_dim", [("gluon", 64), ("gluon", 128), ("gluon", 192), ("gluon", 256),
                                                ("gluon-reduce", 64), ("gluon-reduce", 128)])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 8)])
-def test_v3_gluon_backward(monkeypatch, kernels, head_dim, window, tiles=""):
+def test_v3_gluon_backward(monkeypatch, fresh_launches, kernels, head_dim, window, tiles=""):
     # v3's Gluon backwards (on the GPU; the interpreter keeps v2's), two passes or one with dQ by
     # TMA reduce-add (d64 and d128; the two passes split the head dim at d256), against the
     # oracle: GQA, seqlens that are not block multiples, causal and a sliding window.  As if the
@@ -327,7 +327,7 @@ def test_v3_gluon_backward(monkeypatch, kernels, head_dim, window, tiles=""):
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon kernels run on the GPU only")
 @pytest.mark.parametrize("l2_budget", [768_000, 1_100_000])
 @pytest.mark.parametrize("kernels", ["gluon", "gluon-reduce"])
-def test_v3_bands_walk_heads_in_uneven_groups(monkeypatch, kernels, l2_budget):
+def test_v3_bands_walk_heads_in_uneven_groups(monkeypatch, fresh_launches, kernels, l2_budget):
     # A band's tiles are walked in groups of the heads whose streamed blocks fit in L2: with this
     # budget 3 heads (16 = 5 x 3 + 1) in the forward and the dQ pass and 2 in the dK/dV pass,
     # or 4 and 3 (8 = 3 + 3 + 2), on 3 persistent CTAs (the backward's passes walk heads
@@ -368,10 +368,10 @@ def test_single_pass_delta_zeroes_the_dq_accumulator(head_dim, dlse):
 
 
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 8)])
-def test_v3_single_pass_with_64_row_q_blocks(monkeypatch, window):
+def test_v3_single_pass_with_64_row_q_blocks(monkeypatch, fresh_launches, window):
     # d64's single pass runs 128-row Q blocks (_kv_consumers_shared_scores, in
     # test_v3_gluon_backward); with 64-row ones (a tile override) it runs d128's consumers.
-    test_v3_gluon_backward(monkeypatch, "gluon-reduce", 64, window, "tiles.v3_gluon_bwd_reduce=64,128,3")
+    test_v3_gluon_backward(monkeypatch, fresh_launches, "gluon-reduce", 64, window, "tiles.v3_gluon_bwd_reduce=64,128,3")
 
 
 @pytest.mark.parametrize("kernels", ["gluon", "gluon-reduce"])

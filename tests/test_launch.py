@@ -12,8 +12,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile import flash_attn_func, options
 from flashtile.kernels import launch
-from flashtile.kernels.gluon import backward as gluon_backward
-from flashtile.kernels.gluon import forward as gluon_forward
 from flashtile.kernels.tma import block_layout
 
 
@@ -161,13 +159,11 @@ def test_launch_under_the_interpreter_goes_through_the_kernel(monkeypatch):
 
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon kernels run on the GPU only")
 @pytest.mark.parametrize("causal", [False, True])
-def test_cached_launches_match_the_compiling_launch(monkeypatch, causal):
+def test_cached_launches_match_the_compiling_launch(monkeypatch, fresh_launches, causal):
     # The first call of each kernel goes through JITFunction.run, the second through the
     # compiled binary with unchecked descriptors: bitwise the same (both backwards here are
     # the two deterministic passes).
-    monkeypatch.setattr(launch, "_COMPILED", {})
-    gluon_forward._forward_launch.cache_clear()  # (launches kept per kind of call find their kernel once)
-    gluon_backward._backward_launches.cache_clear()
+    monkeypatch.setattr(launch, "_COMPILED", {})  # (fresh_launches: the kept launches look their kernels up again)
     q, k, v = (x.requires_grad_() for x in make_qkv(2, 300, 300, 4, 2, 128, torch.bfloat16, DEVICE))
     dout = torch.randn_like(q)
     results = []
