@@ -71,7 +71,8 @@ def attend(run, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         q, k, v = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
     per_sequence = before + cdiv(max_seqlen_k, chunk)
     cu_q, cu_k = _pieces(cu_seqlens_q, cu_seqlens_k, before, per_sequence - before, chunk)
-    # The pieces tile checked offsets: no need to read them back on the host.
+    # The pieces tile checked offsets: no need to read them back on the host (validation's
+    # remembered offsets; nothing is kept while torch.compile traces or in inference mode).
     validation.trust_offsets(cu_q, q.shape[0], min(chunk, max_seqlen_q))
     validation.trust_offsets(cu_k, k.shape[0], min(chunk, max_seqlen_k))
     per_piece = tuple(None if d is None else d.repeat_interleave(per_sequence, 0) for d in descales)

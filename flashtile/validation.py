@@ -194,15 +194,25 @@ def varlen_arguments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dev
 
 # Offsets whose values passed check_offset_values (or were built valid: trust_offsets): tensor ->
 # (its version counter and address then, its last value, its longest sequence).  A model passes
-# the same offsets to every layer, so they are read on the host once, not once a layer; an
-# in-place change or a new tensor is read again.
+# the same offsets to every layer, so they are read on the host once, not once a layer; a change
+# through PyTorch (which counts versions) is read again.  Memory written behind PyTorch's back (a
+# custom kernel, ``.data``) is not seen: offsets kept in such a buffer are re-read only when a
+# call's token counts or longest sequence disagree with what was read.
 _CHECKED_OFFSETS = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def _state(cu):
+    """What identifies the offsets' values as PyTorch tracks them, or None where it does not (an
+    inference-mode tensor counts no versions; nothing is kept while torch.compile traces)."""
+    if torch.compiler.is_compiling() or cu.is_inference():
+        return None
+    return cu._version, cu.data_ptr()
 
 
 def _remembered(cu):
     """(last value, longest sequence) of offsets checked in their present state, else None."""
     found = _CHECKED_OFFSETS.get(cu)
-    if found is None or found[0] != (cu._version, cu.data_ptr()):
+    if found is None or found[0] != _state(cu):
         return None
     return found[1:]
 
@@ -210,7 +220,9 @@ def _remembered(cu):
 def trust_offsets(cu, last: int, longest: int):
     """Take offsets built from checked ones as checked: from 0 (or a checked start), non-decreasing,
     ending at ``last``, no sequence longer than ``longest``."""
-    _CHECKED_OFFSETS[cu] = ((cu._version, cu.data_ptr()), last, longest)
+    state = _state(cu)
+    if state is not None:
+        _CHECKED_OFFSETS[cu] = (state, last, longest)
 
 
 def check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
@@ -223,18 +235,18 @@ def check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
                                      ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
         known = _remembered(cu)
-        if known is None:
-            values = cu.cpu()
-            lengths = values[1:] - values[:-1]
-            if values[0] != 0 or (lengths < 0).any():
-                raise ValueError(f"{name} must start at 0 and be non-decreasing, got {values.tolist()}")
-            known = int(values[-1]), int(lengths.max()) if lengths.numel() else 0
-            trust_offsets(cu, *known)
-        last, longest = known
+        if known is not None and known[0] == total and known[1] <= max_len:
+            continue
+        values = cu.cpu()  # (read again where what was kept disagrees: it may have been written since)
+        lengths = values[1:] - values[:-1]
+        if values[0] != 0 or (lengths < 0).any():
+            raise ValueError(f"{name} must start at 0 and be non-decreasing, got {values.tolist()}")
+        last, longest = int(values[-1]), int(lengths.max()) if lengths.numel() else 0
         if last != total:
             raise ValueError(f"{name}[-1] = {last} but the tensor has {total} tokens")
         if max_len < longest:
             raise ValueError(f"max_seqlen for {name} must be >= the longest sequence ({longest}), got {max_len}")
+        trust_offsets(cu, last, longest)
 
 
 def feature_options(dropout_p, softcap) -> tuple[float, float]:

@@ -170,6 +170,26 @@ def test_offsets_read_once_until_changed(monkeypatch):
     refused(ValueError, "non-decreasing", flash_attn_varlen_func, q, k, v, cu, cu, 7, 7)
 
 
+def test_offsets_written_behind_pytorchs_back_are_read_again():
+    # A buffer rewritten where PyTorch counts no version (a kernel, .data): a call whose token
+    # counts disagree with what was read reads the offsets again rather than refusing them.
+    q, k, v, cu = _varlen()  # lengths 5, 7
+    flash_attn_varlen_func(q, k, v, cu, cu, 7, 7)
+    cu.data.copy_(torch.tensor([0, 4, 9], dtype=torch.int32))
+    q9, k9, v9 = (x[:9] for x in (q, k, v))
+    torch.testing.assert_close(flash_attn_varlen_func(q9, k9, v9, cu, cu, 5, 5),
+                               flash_attn_varlen_func(q9, k9, v9, cu.clone(), cu.clone(), 5, 5))
+
+
+def test_offsets_of_inference_mode_are_read_at_each_call():
+    # Inference tensors count no versions: nothing is kept, every call reads them.
+    with torch.inference_mode():
+        q, k, v, cu = _varlen()
+        first = flash_attn_varlen_func(q, k, v, cu, cu, 7, 7)
+        torch.testing.assert_close(flash_attn_varlen_func(q, k, v, cu, cu, 7, 7), first)
+        refused(ValueError, "longest sequence", flash_attn_varlen_func, q, k, v, cu, cu, 5, 7)
+
+
 def test_numbers_are_taken_as_what_they_are(qkv):
     # numpy scalars and 0-d tensors where a number goes, as flash_attn's own tests pass them.
     q, k, v = qkv

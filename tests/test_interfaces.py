@@ -163,6 +163,15 @@ def test_flash_attention_3_attention_chunk(seqlen_q, seqlen_k, chunk, window_siz
         assert_within_rule(name, g, g_pt, g_ref, (3.0, 1e-4))
 
 
+def test_flash_attention_3_attention_chunk_compiles_without_a_break():
+    # The pieces' offsets are made inside the traced graph: torch.compile(fullgraph=True) takes
+    # the chunked call, and it matches eager.
+    q, k, v = make_qkv(1, 40, 40, 2, 2, 32, DTYPE, DEVICE)
+    chunked = lambda a, b, c: fa3.flash_attn_func(a, b, c, causal=True, attention_chunk=16)
+    compiled = torch.compile(chunked, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v), chunked(q, k, v))
+
+
 def test_flash_attention_3_attention_chunk_varlen_packed_and_lse():
     # Packed sequences are cut sequence by sequence; the logsumexp comes back in the call's
     # layout; the packed-qkv form takes the same chunks.

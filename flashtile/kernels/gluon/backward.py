@@ -1062,10 +1062,10 @@ def backward(plan, p, dout, dlse, q, k, v, out, lse, saved):
     if dq_reduce:
         _check_single_pass(p)
     # Everything but the tensors' addresses fixes the launches' arguments: the tensors TMA reads
-    # are aligned (ready), the outputs fresh; the two that come from outside, their alignment.
+    # are aligned (ready), the gradients fresh; out, lse and dlse come from outside: their alignment.
     kind = (plan.config, dq_reduce, q.dtype, q.stride(), k.stride(), v.stride(), dout.stride(), out.stride(),
-            out.data_ptr() % 16 == 0, None if dlse is None else dlse.data_ptr() % 16 == 0, lse.stride(),
-            q.device.index)
+            lse.stride(), tuple(x.data_ptr() % 16 == 0 for x in (out, lse)),
+            None if dlse is None else dlse.data_ptr() % 16 == 0, q.device.index)
     launches = _backward_launches(p, *kind)
     if dq_reduce:
         return _single_pass(launches, p, dout, dlse, q, k, v, out, lse)
@@ -1186,10 +1186,11 @@ def _launch_dkdv(fixed, p, q, k, v, dout, lse, delta, dk, dv, dq_acc):
     fixed.launch(
         Descriptor(q4, *fixed.q_spec), Descriptor(k4, *fixed.k_spec), Descriptor(v4, *fixed.v_spec),
         Descriptor(dout4, *fixed.dout_spec), dk_desc, Descriptor(dv4, *fixed.out_v_spec),
-        dk_desc if dq_acc is None else Descriptor(dq_acc, *fixed.dq_acc_spec),  # not read without dq_acc
-        lse, delta, *p.row_stat_strides(lse), *fixed.walk, fixed.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles,
-        walked.listed, walked.m_blocks, dk, dv, dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2),
-        p.head_dims, dropout.seed_argument(p, cu_q), p.dropout_p)
+        # (dK's stands in for dQ's accumulator where there is none: not read)
+        dk_desc if dq_acc is None else Descriptor(dq_acc, *fixed.dq_acc_spec),
+        lse, delta, *p.row_stat_strides(lse), *fixed.walk, fixed.counter(lse.device), score.args_of(p), cu_q, cu_k,
+        p.totals, walked.tiles, walked.listed, walked.m_blocks, dk, dv, dk.stride(-3), dk.stride(-2), dv.stride(-3),
+        dv.stride(-2), p.head_dims, dropout.seed_argument(p, cu_q), p.dropout_p)
 
 
 class _BackwardLaunches(NamedTuple):
@@ -1199,7 +1200,7 @@ class _BackwardLaunches(NamedTuple):
 
 @remembered
 def _backward_launches(p, cfg, dq_reduce, dtype, q_strides, k_strides, v_strides, dout_strides, out_strides,
-                       out_aligned, dlse_aligned, lse_strides, device_index) -> _BackwardLaunches:
+                       lse_strides, aligned, dlse_aligned, device_index) -> _BackwardLaunches:
     """The backward's launches for one kind of call (the arguments besides the problem: what fixes
     every launch argument's class; remembered where the problem holds no tensor)."""
     has_dlse = dlse_aligned is not None
