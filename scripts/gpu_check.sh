@@ -25,6 +25,8 @@
 #           protocol, RMSE against float64 (fp8_accuracy.json, .md: scripts/fp8_accuracy.py)
 #   train   scripts/train_llama.py: "sdpa", "flashtile" and (TRAIN_ARGS, e.g. --fp8) more, loss curves,
 #           throughput, generation (training.*)
+#   host    host time per call, flashtile against SDPA (scripts/host_time.py): HOST_ROUNDS processes (2),
+#           alternating with HOST_TREE's flashtile where set (another checkout's root), one table (host_time.md)
 #   decode  decoding over a KV cache: TB/s of K/V read by flashtile (contiguous, paged 16) and
 #           SDPA's backends, batch 1-64 x cache 4k-128k, 32/8 heads, d128 (decode.*; DECODE_ARGS, e.g.
 #           --kernel-options "tiles.decode_paged=128,4,4" for a tile candidate)
@@ -109,6 +111,14 @@ for stage in $stages; do
       python scripts/fp8_accuracy.py --out "$OUT/fp8_accuracy.json" | tee "$OUT/fp8_accuracy.md" || status=1 ;;
     train)
       python scripts/train_llama.py ${TRAIN_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/training.log" || status=1 ;;
+    host)
+      for i in $(seq "${HOST_ROUNDS:-2}"); do
+        python scripts/host_time.py --out "$OUT/host_tree_$i.json" || status=1
+        if [ -n "${HOST_TREE:-}" ]; then
+          PYTHONPATH="$HOST_TREE:$PYTHONPATH" python scripts/host_time.py --out "$OUT/host_other_$i.json" || status=1
+        fi
+      done > "$OUT/host_time.log"
+      python scripts/host_time.py --table "$OUT"/host_*.json | tee "$OUT/host_time.md" || status=1 ;;
     decode)
       python -m flashtile decode ${DECODE_ARGS:-} --out "$OUT" --name decode 2>&1 | tee "$OUT/decode.log" || status=1 ;;
     gluon)

@@ -134,3 +134,15 @@ def test_train_llama_fp8_attention_matches_sdpa(monkeypatch):
     assert cosine > 0.95, cosine
     with pytest.raises(NotImplementedError, match="attn_implementation='fp8' takes unpadded"):
         model(input_ids=tokens, attention_mask=torch.ones_like(tokens).index_fill_(1, torch.tensor([0], device=device), 0))
+
+
+def test_host_time_table_takes_each_trees_median():
+    # scripts/host_time.py --table: runs of two trees joined, the median per tree and call, the
+    # number of runs beside it; a call one tree lacks stays empty.
+    import host_time
+    runs = [dict(tree="a", host_us={"flashtile forward": x, "sdpa forward": 20.0}) for x in (100.0, 140.0, 120.0)]
+    runs.append(dict(tree="b", host_us={"flashtile forward": 80.0}))
+    out = host_time.table(runs)
+    assert "| call | a | b |" in out
+    assert "| flashtile forward | 120.0 (3) | 80.0 (1) |" in out
+    assert "| sdpa forward | 20.0 (3) |  |" in out
