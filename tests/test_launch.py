@@ -149,6 +149,80 @@ def test_fixed_launch_finds_its_kernel_once(monkeypatch):
     assert len(kernel.compiles) == 2 and len(binary.launches) == 2 and len(launch._COMPILED[kernel]) == 2
 
 
+class _Recorder:
+    """Stands for a compiled kernel: records each launch's kernel, grid, constexprs and arguments."""
+    function = packed_metadata = None
+
+    def __init__(self, kernel, constants, launches):
+        self.name, self.constants, self.launches = kernel.__name__, sorted(constants.items()), launches
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, grid_x, grid_y, grid_z, stream, function, metadata, launch_metadata, enter, leave, *args):
+        self.launches.append((self.name, (grid_x, grid_y, grid_z), self.constants, args))
+
+
+def _described(x, inputs):
+    """What a launch argument is, comparable across calls: an input by name, another tensor by
+    its layout, a descriptor by its tensor and block."""
+    if isinstance(x, torch.Tensor):
+        return next((name for name, t in inputs.items() if t is x),
+                    ("tensor", tuple(x.shape), x.stride(), x.dtype, x.data_ptr() % 16))
+    if isinstance(x, launch.Descriptor):
+        return ("descriptor", _described(x.base, inputs), tuple(x.block_shape), x.spec)
+    if isinstance(x, tuple):
+        return tuple(_described(y, inputs) for y in x)
+    return (type(x).__name__, x)
+
+
+@pytest.mark.parametrize("head_dim, causal, window, heads_k, options_text", [
+    (64, True, (-1, -1), 2, None), (128, False, (-1, -1), 4, None), (256, True, (-1, -1), 2, None),
+    (128, False, (48, 16), 2, "backward=gluon-reduce"), (64, True, (-1, -1), 4, "backward=gluon-reduce")])
+def test_kept_gluon_launches_pass_what_a_fresh_build_passes(monkeypatch, fresh_launches, head_dim, causal, window,
+                                                            heads_k, options_text):
+    # The Gluon forward and backward keep their launches per kind of call: a call through the
+    # kept ones passes every kernel what launches built afresh for it pass (the host side on CPU
+    # tensors as on a 132-SM Hopper GPU, the kernels not run).
+    from flashtile import dispatch
+    from flashtile.kernels.gluon import backward as gluon_backward
+    from flashtile.kernels.gluon import forward as gluon_forward
+    launches = []
+    monkeypatch.setattr(options, "interpreting", lambda: False)
+    active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 7)
+    monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=active))
+    monkeypatch.setattr(launch, "_compiled", lambda kernel, grid, device, args, constants: (
+        (_Recorder(kernel, constants, launches), ()), False))
+    counter = torch.zeros(1, dtype=torch.int64)
+    for module in (gluon_forward, gluon_backward):
+        monkeypatch.setattr(module, "sm_count", lambda index: 132)
+        monkeypatch.setattr(module, "tile_counter", lambda device: (counter, 1 << 32))
+        monkeypatch.setattr(module, "no_counter", lambda device: (counter, 1 << 32))
+    monkeypatch.setattr(dispatch, "target_of", lambda p, *tensors: dispatch.HOPPER)
+    monkeypatch.setattr(dispatch, "resolve_version", lambda version, device: "v3")
+    contiguous = [x.requires_grad_() for x in make_qkv(2, 200, 333, 4, heads_k, head_dim, torch.bfloat16, "cpu")]
+    # The same problem in (batch, heads, seqlen, headdim) storage: another kind of call.
+    heads_major = [x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in contiguous]
+    dout = torch.randn(2, 4, 200, head_dim, dtype=torch.bfloat16).transpose(1, 2)
+
+    def step(q, k, v):
+        launches.clear()
+        out = flash_attn_func(q, k, v, causal=causal, window_size=window, kernel_options=options_text)
+        torch.autograd.grad(out, (q, k, v), dout)
+        inputs = dict(q=q, k=k, v=v, dout=dout)
+        return [(name, grid, constants, _described(args, inputs)) for name, grid, constants, args in launches]
+
+    step(*contiguous)
+    kept = step(*heads_major)  # built for its own kind, not the first call's launches
+    assert kept == step(*heads_major)
+    gluon_forward._forward_launch.cache_clear()
+    gluon_backward._backward_launches.cache_clear()
+    fresh = step(*heads_major)
+    assert [name for name, *_ in kept] == (["_fwd_kernel", "_dq_kernel", "_dkdv_kernel"] if options_text is None
+                                           else ["_fwd_kernel", "_delta_kernel", "_dkdv_kernel"])
+    assert kept == fresh
+
+
 def test_launch_under_the_interpreter_goes_through_the_kernel(monkeypatch):
     monkeypatch.setattr(options, "interpreting", lambda: True)
     kernel = _FakeKernel()
