@@ -1109,14 +1109,14 @@ def _two_passes(launches, p, dout, dlse, q, k, v, out, lse):
     delta = torch.empty_like(lse)
     q4, k4, v4, dout4, dq4 = _packed_views(p, q, k, v, dout, dq)
     cu_q, cu_k = p.cu_pointers(q.device)
-    fixed = launches.dq
-    walked = fixed.walked(p, q.device)
-    fixed.launch(
-        Descriptor(q4, *fixed.q_spec), Descriptor(dout4, *fixed.dout_spec), Descriptor(k4, *fixed.k_spec),
-        Descriptor(v4, *fixed.v_spec), Descriptor(dq4, *fixed.out_spec),
+    dq_pass = launches.dq
+    walked = dq_pass.walked(p, q.device)
+    dq_pass.launch(
+        Descriptor(q4, *dq_pass.q_spec), Descriptor(dout4, *dq_pass.dout_spec), Descriptor(k4, *dq_pass.k_spec),
+        Descriptor(v4, *dq_pass.v_spec), Descriptor(dq4, *dq_pass.out_spec),
         out, *p.seq_strides(out), p.head_dims, lse, delta if dlse is None else dlse, delta,
-        *p.row_stat_strides(lse), *fixed.walk,
-        fixed.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles, walked.listed,
+        *p.row_stat_strides(lse), *dq_pass.walk,
+        dq_pass.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles, walked.listed,
         walked.m_blocks, dq, dq.stride(-3), dq.stride(-2), dropout.seed_argument(p, cu_q), p.dropout_p)
     # D, written by the dQ pass, is read here: launched after it on the same stream.
     _launch_dkdv(launches.dkdv, p, q, k, v, dout, lse, delta, dk, dv, None)
@@ -1178,17 +1178,17 @@ def _delta(p, out, dout, dlse, lse, dq_acc):
     return delta
 
 
-def _launch_dkdv(fixed, p, q, k, v, dout, lse, delta, dk, dv, dq_acc):
+def _launch_dkdv(kv_pass, p, q, k, v, dout, lse, delta, dk, dv, dq_acc):
     q4, k4, v4, dout4, dk4, dv4 = _packed_views(p, q, k, v, dout, dk, dv)
-    dk_desc = Descriptor(dk4, *fixed.out_spec)
-    walked = fixed.walked(p, q.device)
+    dk_desc = Descriptor(dk4, *kv_pass.out_spec)
+    walked = kv_pass.walked(p, q.device)
     cu_q, cu_k = p.cu_pointers(q.device)
-    fixed.launch(
-        Descriptor(q4, *fixed.q_spec), Descriptor(k4, *fixed.k_spec), Descriptor(v4, *fixed.v_spec),
-        Descriptor(dout4, *fixed.dout_spec), dk_desc, Descriptor(dv4, *fixed.out_v_spec),
+    kv_pass.launch(
+        Descriptor(q4, *kv_pass.q_spec), Descriptor(k4, *kv_pass.k_spec), Descriptor(v4, *kv_pass.v_spec),
+        Descriptor(dout4, *kv_pass.dout_spec), dk_desc, Descriptor(dv4, *kv_pass.out_v_spec),
         # (dK's stands in for dQ's accumulator where there is none: not read)
-        dk_desc if dq_acc is None else Descriptor(dq_acc, *fixed.dq_acc_spec),
-        lse, delta, *p.row_stat_strides(lse), *fixed.walk, fixed.counter(lse.device), score.args_of(p), cu_q, cu_k,
+        dk_desc if dq_acc is None else Descriptor(dq_acc, *kv_pass.dq_acc_spec),
+        lse, delta, *p.row_stat_strides(lse), *kv_pass.walk, kv_pass.counter(lse.device), score.args_of(p), cu_q, cu_k,
         p.totals, walked.tiles, walked.listed, walked.m_blocks, dk, dv, dk.stride(-3), dk.stride(-2), dv.stride(-3),
         dv.stride(-2), p.head_dims, dropout.seed_argument(p, cu_q), p.dropout_p)
 
@@ -1223,26 +1223,21 @@ class _PassLaunch:
         count = pass_count(p, rows, heads, keys)
         self.schedule = pass_schedule(p, cfg, count, device, dq_reduce)
         self.rows, self.keys, self.heads = rows, keys, heads
-        out_rows = partition_rows(pad, dq_reduce)
-        grad_dtype = torch.float32 if p.fp8 else dtype  # (p.gradients')
+        # The stationary tensors' blocks are ``rows`` rows, the streamed ones' ``block``; the
+        # gradients (dQ; dK and dV) leave a consumer partition's rows at a time.
+        q_rows, kv_rows = (block, rows) if keys else (rows, block)
+        self.q_spec = tma_host.block_spec(q_rows, pad, dtype)
+        self.dout_spec = tma_host.block_spec(q_rows, pad_v, dtype)
+        self.k_spec = tma_host.block_spec(kv_rows, pad, dtype)
+        self.v_spec = tma_host.block_spec(kv_rows, pad_v, dtype)
+        out_rows, grad_dtype = partition_rows(pad, dq_reduce), torch.float32 if p.fp8 else dtype  # (p.gradients')
+        self.out_spec = tma_host.block_spec(out_rows, pad, grad_dtype)  # dQ's, or dK's
+        self.out_v_spec = tma_host.block_spec(out_rows, pad_v, grad_dtype)  # dV's
+        self.dq_acc_spec = tma_host.block_spec(block, pad, torch.float32)  # the single pass's dQ accumulator
         if keys:
-            self.q_spec = tma_host.block_spec(block, pad, dtype)
-            self.k_spec = tma_host.block_spec(rows, pad, dtype)
-            self.v_spec = tma_host.block_spec(rows, pad_v, dtype)
-            self.dout_spec = tma_host.block_spec(block, pad_v, dtype)
-            self.out_spec = tma_host.block_spec(out_rows, pad, grad_dtype)
-            self.out_v_spec = tma_host.block_spec(out_rows, pad_v, grad_dtype)
-            self.dq_acc_spec = tma_host.block_spec(block, pad, torch.float32)
-            streamed_bytes = p.group * p.seqlen_q * (pad + pad_v) * dtype.itemsize
-            batch_heads = p.batch * p.heads_k
+            streamed_bytes, batch_heads = p.group * p.seqlen_q * (pad + pad_v) * dtype.itemsize, p.batch * p.heads_k
         else:
-            self.q_spec = tma_host.block_spec(rows, pad, dtype)
-            self.dout_spec = tma_host.block_spec(rows, pad_v, dtype)
-            self.k_spec = tma_host.block_spec(block, pad, dtype)
-            self.v_spec = tma_host.block_spec(block, pad_v, dtype)
-            self.out_spec = tma_host.block_spec(partition_rows(pad), pad, grad_dtype)
-            streamed_bytes = p.seqlen_k * (pad + pad_v) * dtype.itemsize
-            batch_heads = p.batch * p.heads_q
+            streamed_bytes, batch_heads = p.seqlen_k * (pad + pad_v) * dtype.itemsize, p.batch * p.heads_q
         self.walk = (count, heads, p.group, walk_head_group(p, count, batch_heads, streamed_bytes, device),
                      p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.softmax_scale, p.scale_log2)
         common = dict(HEAD_DIM_PAD=pad, STAGES=cfg.num_stages, SPLIT_D=split_head_dim(pad), SCORE=score.mod_of(p),
