@@ -436,9 +436,16 @@ def host_cost(provider: str, case: Case, calls=300, device=None, kernel_options=
     (its own overhead inflates the host time)."""
     device = torch.device(device) if device else default_device()
     step = make_step(provider, case, device, kernel_options)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(min(calls, 20)):  # compile, warm the allocator and the clocks
         step()
+    return enqueue_time(step, calls, device, profiler)
+
+
+def enqueue_time(step, calls, device=None, profiler=None):
+    """(host ms, wall ms) per call of ``step`` over ``calls`` calls enqueued back to back from an
+    idle device (host_cost's measure, on any no-argument call)."""
+    device = torch.device(device) if device else default_device()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     if profiler:
         profiler.enable()

@@ -66,14 +66,7 @@ def make_call(provider, batch, cache, heads=32, heads_k=8, head_dim=128, page_si
 
 
 def _host_us(call, calls=100):
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    enqueued = time.perf_counter()
-    sync()
-    return 1e6 * (enqueued - start) / calls
+    return 1e3 * bench.enqueue_time(call, calls)[0]
 
 
 def measure(provider, batch, cache, **shape):

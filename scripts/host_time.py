@@ -1,7 +1,8 @@
-"""Host time per call: flashtile against SDPA on a call whose GPU time is well below its host
-time (b1, 256 tokens, 16/4 heads, d64, causal), forward, forward + backward, and a decoding step
-(one query, 32/8 heads, d128, cache 4k).  Measured per process (the CPU's speed varies from one
-process to the next): run it several times, alternating trees, and join the runs with --table.
+"""Host time per call: flashtile against SDPA on calls whose GPU time is well below their host
+time (b1, 256 tokens, 16/4 heads, d64, causal: forward, forward + backward; a decoding step of
+one query, 32/8 heads, d128, cache 4k), as bench.host_cost and the decode benchmark time them.
+The CPU's speed varies from one process to the next: run it several times, alternating trees,
+and join the runs with --table.
 
     python scripts/host_time.py --out host_tree_1.json          (on a GPU; the flashtile imported)
     python scripts/host_time.py --table host_*.json              (median per tree and call)
@@ -11,52 +12,22 @@ import json
 import os
 import statistics
 import sys
-import time
 
-
-def host_us(call, calls=300, rounds=3):
-    """Microseconds of host time a call, the best of ``rounds`` rounds of ``calls`` calls (the
-    device synchronized between rounds, not inside them)."""
-    import torch
-    for _ in range(30):
-        call()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
+CALLS = 300
 
 
 def measure():
-    """{call: host microseconds} for flashtile (the one imported) and SDPA."""
-    import torch
-    import torch.nn.functional as F
-
+    """{call: best of three host microseconds per call} for flashtile (the one imported) and SDPA."""
     import flashtile
-    from flashtile import kvcache
-    q, k, v = (torch.randn(1, heads, 256, 64, dtype=torch.bfloat16, device="cuda").transpose(1, 2).requires_grad_()
-               for heads in (16, 4, 4))
-    dout = torch.randn(1, 256, 16, 64, dtype=torch.bfloat16, device="cuda")
-    calls = {"flashtile": lambda: flashtile.flash_attn_func(q, k, v, causal=True),
-             "sdpa": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                            is_causal=True, enable_gqa=True).transpose(1, 2)}
+    from flashtile import bench, decode_bench
     result = {}
-    for name, call in calls.items():
-        with torch.no_grad():
-            result[f"{name} forward"] = host_us(call)
-        result[f"{name} forward+backward"] = host_us(lambda: torch.autograd.backward(call(), dout))
-    query = torch.randn(1, 1, 32, 128, dtype=torch.bfloat16, device="cuda")
-    cache_k, cache_v = (torch.randn(1, 4096, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    lengths = torch.full((1,), 4096, dtype=torch.int32, device="cuda")
-    with torch.no_grad():
-        result["flashtile decode"] = host_us(lambda: kvcache.flash_attn_with_kvcache(query, cache_k, cache_v,
-                                                                                  cache_seqlens=lengths), 1000)
-        result["sdpa decode"] = host_us(lambda: F.scaled_dot_product_attention(
-            query.transpose(1, 2), cache_k.transpose(1, 2), cache_v.transpose(1, 2), enable_gqa=True), 1000)
+    for name, provider in (("flashtile", "flashtile-v3"), ("sdpa", "sdpa-cudnn")):
+        for label, mode in (("forward", "fwd"), ("forward+backward", "fwdbwd")):
+            case = bench.Case(1, 16, 4, 256, 256, 64, True, mode)
+            result[f"{name} {label}"] = 1e3 * min(bench.host_cost(provider, case, CALLS)[0] for _ in range(3))
+        decode = decode_bench.make_call(name if name == "flashtile" else provider, 1, 4096)
+        decode()
+        result[f"{name} decode"] = min(decode_bench._host_us(decode, CALLS) for _ in range(3))
     return dict(tree=os.path.dirname(os.path.dirname(os.path.abspath(flashtile.__file__))), host_us=result)
 
 
