@@ -129,13 +129,13 @@ def test_prepared_launch_keys_on_its_leading_arguments(monkeypatch):
             launch.Prepared(kernel, (1,), fixed, {})
 
 
-def test_fixed_launch_finds_its_kernel_once(monkeypatch):
+def test_vouched_launch_finds_its_kernel_once(monkeypatch):
     monkeypatch.setattr(options, "interpreting", lambda: False)
     active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 7)
     monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=active))
     kernel, x, desc = _FakeKernel(), torch.empty(8), _descriptor()
     launch.launch(kernel, (3,), desc, x, 32, 0.5, BLOCK=64, FLAG=True)  # compiled by an earlier launch
-    fixed = launch.Fixed(kernel, (3,), dict(BLOCK=64, FLAG=True))
+    fixed = launch.Prepared(kernel, (3,), (), dict(BLOCK=64, FLAG=True), vouched=True)
     fixed(desc, x, 48, 0.25)  # found under its full key: no compile
     assert len(kernel.compiles) == 1
     binary = next(iter(launch._COMPILED[kernel].values()))[0]
@@ -144,7 +144,7 @@ def test_fixed_launch_finds_its_kernel_once(monkeypatch):
     y = x[1:]
     fixed(desc, y, 64, 0.25)  # after that nothing is looked over: the caller vouches for the classes
     assert len(kernel.compiles) == 1 and binary.launches[-1][9:] == (desc, y, 64, 0.25, 64, True)
-    other = launch.Fixed(kernel, (3,), dict(BLOCK=128, FLAG=True))
+    other = launch.Prepared(kernel, (3,), (), dict(BLOCK=128, FLAG=True), vouched=True)
     other(desc, x, 48, 0.25)  # another kind compiles (and launches) through the kernel
     assert len(kernel.compiles) == 2 and len(binary.launches) == 2 and len(launch._COMPILED[kernel]) == 2
 

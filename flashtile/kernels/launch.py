@@ -148,22 +148,27 @@ class Prepared:
     ``prepared(*leading)`` launches it.  The fixed arguments' share of the launch key is taken
     once, so a launch classifies only the leading ones before the driver call: for launches
     repeated on the same shapes (decoding steps, kvcache.py).  ``fixed`` holds no tensor (a
-    tensor's address must be read at each launch)."""
-    __slots__ = ("kernel", "grid", "fixed", "constants", "_grid", "_tail", "_binaries")
+    tensor's address must be read at each launch).  ``vouched``: the caller vouches that every
+    call's leading arguments specialize as the first call's (the same dtypes, shapes, strides and
+    options; tensors it has made aligned), so none is looked over after the first call, which
+    finds the kernel under its full key (the Gluon kernels' launches kept per kind of call)."""
+    __slots__ = ("kernel", "grid", "fixed", "constants", "vouched", "_grid", "_tail", "_binaries")
 
-    def __init__(self, kernel, grid, fixed, constants):
+    def __init__(self, kernel, grid, fixed, constants, vouched=False):
         if any(isinstance(x, (torch.Tensor, Descriptor)) for x in _flat(fixed)):
             raise TypeError("a prepared launch's fixed arguments hold no tensor: pass it among the leading ones")
         self.kernel, self.grid, self.fixed, self.constants = kernel, tuple(grid), tuple(fixed), constants
+        self.vouched = vouched
         self._grid = (*grid, 1, 1)
         self._tail = None  # fixed + the constexprs in signature order, once compiled
-        self._binaries = {}  # (device, the leading arguments' specialization_key) -> compiled kernel
+        # (device, the leading arguments' specialization_key; vouched: the device alone) -> compiled kernel
+        self._binaries = {}
 
     def __call__(self, *leading):
         if options.interpreting():
             return launch(self.kernel, self.grid, *leading, *self.fixed, **self.constants)
         device = driver.active.get_current_device()
-        key = (device, specialization_key(leading))
+        key = device if self.vouched else (device, specialization_key(leading))
         binary = self._binaries.get(key)
         if binary is None:
             (binary, constexprs), launched = _compiled(self.kernel, self.grid, device, (*leading, *self.fixed),
@@ -173,33 +178,6 @@ class Prepared:
             if launched:
                 return
         _run(binary, self._grid, device, (*leading, *self._tail))
-
-
-class Fixed:
-    """``launch(kernel, grid, *args, **constants)`` for a caller that vouches that every call's
-    ``args`` specialize as the first call's (the same dtypes, shapes, strides and options; tensors
-    it has made aligned): ``fixed(*args)`` looks no argument over after the first call, which
-    compiles (or finds) the kernel under its full key.  For launches a caller keeps per kind of
-    call (the Gluon kernels' remembered launches); one made for a single call is ``launch``."""
-    __slots__ = ("kernel", "grid", "constants", "_grid", "_entries")
-
-    def __init__(self, kernel, grid, constants):
-        self.kernel, self.grid, self.constants = kernel, tuple(grid), constants
-        self._grid = (*grid, 1, 1)
-        self._entries = {}  # device -> (compiled kernel, constexpr values in signature order)
-
-    def __call__(self, *args):
-        if options.interpreting():
-            return launch(self.kernel, self.grid, *args, **self.constants)
-        device = driver.active.get_current_device()
-        entry = self._entries.get(device)
-        if entry is None:
-            entry, launched = _compiled(self.kernel, self.grid, device, args, self.constants)
-            self._entries[device] = entry
-            if launched:
-                return
-        binary, constexprs = entry
-        _run(binary, self._grid, device, (*args, *constexprs))
 
 
 def _flat(args):

@@ -66,7 +66,7 @@ from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next
                                                packed_tile, publish_tile, read_next_tile, read_tile, sm_count,
                                                start_tiles, stationary_tile, tile_counter, Sequences, Value, value,
                                                values)
-from flashtile.kernels.launch import Descriptor, Fixed, launch
+from flashtile.kernels.launch import Descriptor, Prepared, launch
 from flashtile.kernels.problem import remembered
 from flashtile.kernels.tiles import LOG2E, load_tile, row_delta
 
@@ -1210,7 +1210,7 @@ def _backward_launches(p, cfg, dq_reduce, dtype, q_strides, k_strides, v_strides
 
 class _PassLaunch:
     """One pass's launch for a kind of call (_backward_launches): its grid and constexprs
-    (launch.Fixed), the tensors' TMA blocks, and its walk's arguments from the tile count to the
+    (launch.Prepared, vouched), the tensors' TMA blocks, and its walk's arguments from the tile count to the
     scale; ``walked`` and ``counter`` what each call takes anew (packed sequences' tile lists,
     the stream's tile counter)."""
 
@@ -1249,7 +1249,7 @@ class _PassLaunch:
                              **launch_options(pad, dq_reduce))
         else:
             constants = dict(BLOCK_M=rows, BLOCK_N=block, HAS_DLSE=has_dlse, **common, **launch_options(pad))
-        self.launch = Fixed(kernel, (self.schedule.ctas,), constants)
+        self.launch = Prepared(kernel, (self.schedule.ctas,), (), constants, vouched=True)
 
     def walked(self, p, device) -> "PassTiles":
         return pass_tiles(p, self.rows, self.heads, self.keys, device)

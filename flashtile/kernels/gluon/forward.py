@@ -60,7 +60,7 @@ from flashtile.kernels.gluon.pipeline import lanes_product
 from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter,
                                                packed_tile, publish_tile, read_next_tile, read_tile, sm_count,
                                                start_tiles, tile_counter, Sequences, Value, value, values)
-from flashtile.kernels.launch import Descriptor, Fixed
+from flashtile.kernels.launch import Descriptor, Prepared
 from flashtile.kernels.problem import contiguous_strides, remembered
 from flashtile.kernels.tiles import FP8_P_SCALE, FP8_PER_BLOCK, LOG2E, finalize_rows, scaled_softmax_step
 
@@ -1101,7 +1101,7 @@ class _ForwardLaunch:
     dtype, q's shape and the strides of q, k and v (aligned for TMA), the device.  Everything
     derived from them is computed once per kind (``_forward_launch``: remembered where the
     problem holds no tensor), so that a call allocates the output, describes the tensors and
-    launches: every argument's class is then fixed by the kind (launch.Fixed)."""
+    launches: every argument's class is then fixed by the kind (launch.Prepared, vouched)."""
 
     def __init__(self, p, cfg, dtype, q_shape, q_strides, k_strides, v_strides, device_index):
         self.out_dtype = torch.bfloat16 if p.fp8 else dtype
@@ -1126,7 +1126,8 @@ class _ForwardLaunch:
         kv_bytes = p.seqlen_k * (pad + pad_v) * dtype.itemsize
         self.walk = (batch_heads, p.heads_q, p.group, heads_sharing_l2(p, batch_heads, kv_bytes), m_blocks, num_tiles,
                      p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
-        self.launch = Fixed(_fwd_kernel, (programs,), dict(consts, **launch_options(cfg.consumers)))
+        self.launch = Prepared(_fwd_kernel, (programs,), (), dict(consts, **launch_options(cfg.consumers)),
+                               vouched=True)
 
     def __call__(self, p, q, k, v):
         device = q.device
