@@ -214,15 +214,19 @@ class Problem:
 
     def seq_strides(self, x: torch.Tensor):
         """(batch, seq, head) strides of q/k/v/o-like tensors; the batch stride is 0 for varlen."""
-        if self.varlen:
-            return 0, x.stride(0), x.stride(1)
-        return x.stride(0), x.stride(1), x.stride(2)
+        return self.seq_strides_of(x.stride())
+
+    def seq_strides_of(self, strides: tuple):
+        """seq_strides of a tensor of these strides."""
+        return (0, *strides[:2]) if self.varlen else tuple(strides[:3])
 
     def row_stat_strides(self, x: torch.Tensor):
         """(batch, head) strides of lse-like tensors: (b, h, sq) batched, (h, total_q) varlen."""
-        if self.varlen:
-            return 0, x.stride(0)
-        return x.stride(0), x.stride(1)
+        return self.row_stat_strides_of(x.stride())
+
+    def row_stat_strides_of(self, strides: tuple):
+        """row_stat_strides of a tensor of these strides."""
+        return (0, strides[0]) if self.varlen else tuple(strides[:2])
 
     def row_stat_shape(self, total_q: int):
         return (self.heads_q, total_q) if self.varlen else (self.batch, self.heads_q, self.seqlen_q)

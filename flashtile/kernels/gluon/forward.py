@@ -1091,11 +1091,6 @@ def forward(plan, p, q, k, v):
     return prepared(p, q, k, v)
 
 
-def _seq_strides(p, strides):
-    """Problem.seq_strides of a tensor of these strides."""
-    return (0, *strides[:2]) if p.varlen else tuple(strides[:3])
-
-
 class _ForwardLaunch:
     """The forward's launch for one kind of call: problem ``p``, schedule ``cfg``, the inputs'
     dtype, q's shape and the strides of q, k and v (aligned for TMA), the device.  Everything
@@ -1116,9 +1111,8 @@ class _ForwardLaunch:
         self.v_spec = tma_host.block_spec(cfg.block_n, pad_v, dtype)
         self.o_spec = tma_host.block_spec(rows, pad_v, self.out_dtype)
         out_strides = contiguous_strides(self.out_shape)
-        lse_strides = contiguous_strides(self.lse_shape)
-        self.strides = tuple(_seq_strides(p, x) for x in (q_strides, k_strides, v_strides, out_strides))
-        self.lse_strides = (0, lse_strides[0]) if p.varlen else lse_strides[:2]
+        self.strides = tuple(p.seq_strides_of(x) for x in (q_strides, k_strides, v_strides, out_strides))
+        self.lse_strides = p.row_stat_strides_of(contiguous_strides(self.lse_shape))
         m_blocks = p.query_blocks(cfg.tile_m)
         batch_heads = p.batch * p.heads_q
         num_tiles = m_blocks * batch_heads
