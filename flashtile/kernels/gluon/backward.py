@@ -1073,10 +1073,9 @@ def backward(plan, p, dout, dlse, q, k, v, out, lse, saved):
 
 
 class PassTiles(NamedTuple):
-    """A pass's tiles as its kernel takes them: how many (packed: at most that many, the
-    list's entries times the heads), and for packed sequences their list, its length on the
-    device, and the blocks a sequence may have (placeholders batched, never read)."""
-    count: int
+    """A pass's tiles as its kernel takes them besides their count (pass_count): for packed
+    sequences their list, its length on the device, and the blocks a sequence may have
+    (placeholders batched, never read)."""
     tiles: torch.Tensor
     listed: torch.Tensor
     m_blocks: int
@@ -1089,14 +1088,13 @@ def pass_count(p, rows, heads, keys) -> int:
     return p.batch * heads * (p.key_blocks(rows) if keys else p.query_blocks(rows))
 
 
-def pass_tiles(p, rows, heads, keys, device) -> PassTiles:
-    """The tiles of ``rows`` stationary query rows (``keys``: key rows) of ``heads`` heads each."""
-    count = pass_count(p, rows, heads, keys)
+def pass_tiles(p, rows, keys, device) -> PassTiles:
+    """The tiles of ``rows`` stationary query rows (``keys``: key rows)."""
     if p.varlen:
         tiles, listed = packed_tiles.tile_list(p, rows, device, keys)
-        return PassTiles(count, tiles, listed, p.key_blocks(rows) if keys else p.query_blocks(rows))
+        return PassTiles(tiles, listed, p.key_blocks(rows) if keys else p.query_blocks(rows))
     placeholder = p.cu_pointers(device)[0]
-    return PassTiles(count, placeholder, placeholder, 1)
+    return PassTiles(placeholder, placeholder, 1)
 
 
 def _packed_views(p, *tensors):
@@ -1222,7 +1220,7 @@ class _PassLaunch:
         device = torch.device("cuda", device_index)
         count = pass_count(p, rows, heads, keys)
         self.schedule = pass_schedule(p, cfg, count, device, dq_reduce)
-        self.rows, self.keys, self.heads = rows, keys, heads
+        self.rows, self.keys = rows, keys
         # The stationary tensors' blocks are ``rows`` rows, the streamed ones' ``block``; the
         # gradients (dQ; dK and dV) leave a consumer partition's rows at a time.
         q_rows, kv_rows = (block, rows) if keys else (rows, block)
@@ -1252,7 +1250,7 @@ class _PassLaunch:
         self.launch = Prepared(kernel, (self.schedule.ctas,), (), constants, vouched=True)
 
     def walked(self, p, device) -> "PassTiles":
-        return pass_tiles(p, self.rows, self.heads, self.keys, device)
+        return pass_tiles(p, self.rows, self.keys, device)
 
     def counter(self, device):
         return self.schedule.counter(device)
