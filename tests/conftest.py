@@ -31,18 +31,20 @@ def run_outside_the_interpreter(*args, timeout=120):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
+def clear_kept_launches():
+    """Forget the Gluon launches kept per kind of call: the next call of each kind builds its own."""
+    from flashtile.kernels.gluon import backward, forward
+    forward._forward_launch.cache_clear()
+    backward._backward_launches.cache_clear()
+
+
 @pytest.fixture
 def fresh_launches():
     """The Gluon launches kept per kind of call built anew inside the test and dropped after it:
     for tests that patch what they are built from (the SM count, the L2 budget)."""
-    from flashtile.kernels.gluon import backward, forward
-
-    def clear():
-        forward._forward_launch.cache_clear()
-        backward._backward_launches.cache_clear()
-    clear()
+    clear_kept_launches()
     yield
-    clear()
+    clear_kept_launches()
 
 
 @pytest.fixture(autouse=True)

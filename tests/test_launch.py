@@ -5,7 +5,7 @@ import types
 import pytest
 import torch
 from attention_check import make_qkv
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE, ON_GPU, clear_kept_launches
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -67,16 +67,18 @@ class _FakeKernel:
 
 
 class _FakeBinary:
+    """Stands for a compiled kernel: records what each launch hands its launcher, in ``launches``
+    (a list of its own, or one shared by several binaries, each launch then under ``label``)."""
     function, packed_metadata = "function", "packed metadata"
 
-    def __init__(self):
-        self.launches = []
+    def __init__(self, label=None, launches=None):
+        self.label, self.launches = label, [] if launches is None else launches
 
     def launch_metadata(self, grid, stream, *args):
         return None
 
     def run(self, *args):
-        self.launches.append(args)
+        self.launches.append(args if self.label is None else (self.label, args))
 
 
 def test_launch_compiles_once_per_class_of_arguments(monkeypatch):
@@ -149,20 +151,6 @@ def test_vouched_launch_finds_its_kernel_once(monkeypatch):
     assert len(kernel.compiles) == 2 and len(binary.launches) == 2 and len(launch._COMPILED[kernel]) == 2
 
 
-class _Recorder:
-    """Stands for a compiled kernel: records each launch's kernel, grid, constexprs and arguments."""
-    function = packed_metadata = None
-
-    def __init__(self, kernel, constants, launches):
-        self.name, self.constants, self.launches = kernel.__name__, sorted(constants.items()), launches
-
-    def launch_metadata(self, grid, stream, *args):
-        return None
-
-    def run(self, grid_x, grid_y, grid_z, stream, function, metadata, launch_metadata, enter, leave, *args):
-        self.launches.append((self.name, (grid_x, grid_y, grid_z), self.constants, args))
-
-
 def _described(x, inputs):
     """What a launch argument is, comparable across calls: an input by name, another tensor by
     its layout, a descriptor by its tensor and block."""
@@ -192,7 +180,7 @@ def test_kept_gluon_launches_pass_what_a_fresh_build_passes(monkeypatch, fresh_l
     active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 7)
     monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=active))
     monkeypatch.setattr(launch, "_compiled", lambda kernel, grid, device, args, constants: (
-        (_Recorder(kernel, constants, launches), ()), False))
+        (_FakeBinary((kernel.__name__, sorted(constants.items())), launches), ()), False))
     counter = torch.zeros(1, dtype=torch.int64)
     for module in (gluon_forward, gluon_backward):
         monkeypatch.setattr(module, "sm_count", lambda index: 132)
@@ -210,13 +198,13 @@ def test_kept_gluon_launches_pass_what_a_fresh_build_passes(monkeypatch, fresh_l
         out = flash_attn_func(q, k, v, causal=causal, window_size=window, kernel_options=options_text)
         torch.autograd.grad(out, (q, k, v), dout)
         inputs = dict(q=q, k=k, v=v, dout=dout)
-        return [(name, grid, constants, _described(args, inputs)) for name, grid, constants, args in launches]
+        # (the launcher's arguments: the grid, stream, function, metadata and hooks, then the kernel's)
+        return [(name, args[:3], constants, _described(args[9:], inputs)) for (name, constants), args in launches]
 
     step(*contiguous)
     kept = step(*heads_major)  # built for its own kind, not the first call's launches
     assert kept == step(*heads_major)
-    gluon_forward._forward_launch.cache_clear()
-    gluon_backward._backward_launches.cache_clear()
+    clear_kept_launches()
     fresh = step(*heads_major)
     assert [name for name, *_ in kept] == (["_fwd_kernel", "_dq_kernel", "_dkdv_kernel"] if options_text is None
                                            else ["_fwd_kernel", "_delta_kernel", "_dkdv_kernel"])
