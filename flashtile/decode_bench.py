@@ -65,7 +65,8 @@ def make_call(provider, batch, cache, heads=32, heads_k=8, head_dim=128, page_si
     raise ValueError(f"unknown provider {provider!r}; choose from {PROVIDERS}")
 
 
-def _host_us(call, calls=100):
+def host_us(call, calls=100):
+    """Microseconds of host time per call of ``call`` (bench.enqueue_time)."""
     return 1e3 * bench.enqueue_time(call, calls)[0]
 
 
@@ -80,10 +81,10 @@ def measure(provider, batch, cache, **shape):
             t = time.perf_counter()
             call()
             times.append(1e3 * (time.perf_counter() - t))
-        return statistics.median(times), None, _host_us(call, 3)
+        return statistics.median(times), None, host_us(call, 3)
     ms = triton.testing.do_bench(call, warmup=50, rep=100, return_mode="median")
     graph_ms = triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median")
-    return ms, graph_ms, _host_us(call)
+    return ms, graph_ms, host_us(call)
 
 
 def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size=16, on_error=print,
@@ -98,9 +99,9 @@ def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size
             kv_bytes = 2 * batch * cache * heads_k * head_dim * 2
             for provider in providers:
                 try:
-                    ms, graph_ms, host_us = measure(provider, batch, cache, heads=heads, heads_k=heads_k,
-                                                    head_dim=head_dim, page_size=page_size,
-                                                    kernel_options=kernel_options)
+                    ms, graph_ms, host = measure(provider, batch, cache, heads=heads, heads_k=heads_k,
+                                                 head_dim=head_dim, page_size=page_size,
+                                                 kernel_options=kernel_options)
                 except Exception as e:  # one provider failing must not stop the grid
                     on_error(f"{provider} batch {batch} cache {cache}: {type(e).__name__}: {str(e)[:160]}")
                     continue
@@ -110,7 +111,7 @@ def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size
                 records.append(dict(provider=provider, batch=batch, cache=cache, heads=heads, heads_k=heads_k,
                                     head_dim=head_dim, page_size=page_size, dtype="bf16", ms=ms,
                                     tbps=kv_bytes / ms / 1e9, graph_ms=graph_ms,
-                                    graph_tbps=graph_ms and kv_bytes / graph_ms / 1e9, host_us=host_us,
+                                    graph_tbps=graph_ms and kv_bytes / graph_ms / 1e9, host_us=host,
                                     copy_tbps=copy_tbps, kernel_options=str(kernel_options or ""), **env))
     return records
 

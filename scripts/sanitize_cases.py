@@ -3,8 +3,9 @@
 Each version (v1, v2, v3) on shapes that hit every code path once: sequence lengths that are not
 block multiples (masked tails), a block-multiple length (v3's unmasked TMA path), causal with
 seqlen_q != seqlen_k, a sliding window, GQA, varlen (with offsets given as a strided view),
-softcap, ALiBi, sinks, head dims that need padding, and V with a head dim of its own; with v3, float8 inputs (FlashAttention-3's interface, and
-fp8_attn_func per block with both backwards).  Prints one line per case; memcheck
+softcap, ALiBi, sinks, head dims that need padding, and V with a head dim of its own; with v3,
+float8 inputs (FlashAttention-3's interface, and fp8_attn_func per block with both backwards).
+Prints one line per case; memcheck
 reports any out-of-bounds or misaligned access.
 
     compute-sanitizer --tool memcheck python scripts/sanitize_cases.py --kernel-options "backward=gluon"
