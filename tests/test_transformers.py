@@ -157,6 +157,32 @@ def test_packed_sequences(calls):
     assert calls["varlen"] == TINY["num_hidden_layers"]
 
 
+def test_one_row_packing_read_once_per_position_ids(calls, monkeypatch):
+    """transformers reads a single row's position_ids in every layer to tell packed sequences from
+    one; flashtile decides it once per tensor (and again after an in-place change)."""
+    checks = []
+    check = fa_utils._is_packed_sequence
+    # (counting the checks that read values: transformers still calls it with position_ids None)
+    monkeypatch.setattr(fa_utils, "_is_packed_sequence",
+                        lambda position_ids, *args: checks.append(position_ids is not None and position_ids.numel() > 1)
+                        or check(position_ids, *args))
+    torch.manual_seed(0)
+    lengths = (6, 7)
+    ids, _ = batch_of(1, sum(lengths))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(DEVICE)
+    flash, pytorch, oracle = trio(llama(), "sdpa")
+    layers = TINY["num_hidden_layers"]
+    with torch.no_grad():
+        packed = flash(input_ids=ids, position_ids=positions).logits[0]
+        assert (sum(checks), calls) == (1, {"dense": 0, "varlen": layers})
+        assert torch.equal(flash(input_ids=ids, position_ids=positions).logits[0], packed)
+        assert (sum(checks), calls["varlen"]) == (1, 2 * layers)
+        positions.copy_(torch.arange(ids.shape[1]))  # one sequence now: decided again, the dense path
+        whole = flash(input_ids=ids, position_ids=positions).logits[0]
+        assert (sum(checks), calls) == (2, {"dense": layers, "varlen": 2 * layers})
+        within_rule("one row's logits", whole, pytorch(input_ids=ids).logits[0], oracle(input_ids=ids).logits[0])
+
+
 def test_fully_padded_row_is_finite():
     torch.manual_seed(0)
     ids, mask = batch_of(2, 11, pads=[(1, 11, 0)])

@@ -19,6 +19,7 @@ import functools
 import torch
 import transformers
 from packaging.version import Version
+from torch.utils.weak import WeakIdKeyDictionary
 
 if Version(transformers.__version__).release < (5, 0):
     raise ImportError(f"flashtile's transformers integration needs transformers 5.0 or newer (5.3 for gpt-oss); "
@@ -65,11 +66,43 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def attention_forward(module, query, key, value, attention_mask, **kwargs):
     """transformers' flash_attention_forward (query, key, value (batch, heads, seqlen, headdim)),
-    refusing the 4-D masks it would misread as padding masks."""
+    refusing the 4-D masks it would misread as padding masks; a single row's packing is found
+    once per position_ids tensor (``_with_packing``)."""
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"attn_implementation='flashtile' takes a 2-D padding mask (batch, seqlen_k) or None, as "
                          f"FlashAttention does; this model passed a mask of shape {tuple(attention_mask.shape)}")
+    if attention_mask is None and query.shape[0] == 1:
+        kwargs = _with_packing(kwargs)
     return _hf_flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+# position_ids tensor -> ((version, address), None or its varlen keywords).  On one unpadded row
+# transformers tells packed sequences from one by reading position_ids' values (a wait on the
+# device) in every layer; the layers of a forward share one position_ids tensor.
+_PACKING = WeakIdKeyDictionary()
+
+
+def _with_packing(kwargs):
+    """``kwargs`` for one unpadded row, the packing of its position_ids decided once per tensor
+    state: without it (position_ids None: transformers' check skipped), or as the varlen keywords
+    transformers takes as given (cu_seq_lens_q/k, max_length_q/k; the lengths as ints, so no layer
+    reads them).  Left as they are under torch.compile, for inference tensors (no version
+    counter) and where transformers lacks the helpers."""
+    position_ids = kwargs.get("position_ids")
+    if (position_ids is None or position_ids.shape[-1] == 1 or kwargs.get("cu_seq_lens_q") is not None
+            or not hasattr(_fa_utils, "prepare_fa_kwargs_from_position_ids")
+            or not hasattr(_fa_utils, "_is_packed_sequence") or position_ids.is_inference()
+            or torch.compiler.is_compiling()):
+        return kwargs
+    state = (position_ids._version, position_ids.data_ptr())
+    kept = _PACKING.get(position_ids)
+    if kept is None or kept[0] != state:
+        varlen = None
+        if bool(_fa_utils._is_packed_sequence(position_ids, 1)):
+            (cu_q, cu_k), (max_q, max_k) = _fa_utils.prepare_fa_kwargs_from_position_ids(position_ids)
+            varlen = dict(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=int(max_q), max_length_k=int(max_k))
+        kept = _PACKING[position_ids] = (state, varlen)
+    return {**kwargs, "position_ids": None} if kept[1] is None else {**kwargs, **kept[1]}
 
 
 def _functions():
