@@ -246,13 +246,17 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
                                  f"tiles.v2_bwd_q; the forward's descale blocks {p.fp8_rows})")
         _dropout_keys(p, kv.block_n, "v2_bwd_kv", kv)
         return Plan("v2", (kv, _dropout_keys(p, dq.block_n, "v2_bwd_q", dq)))
-    reduce = kernel == "v3-gluon-reduce"
+    return Plan(kernel, gluon_backward_config(p, opts, kernel == "v3-gluon-reduce"))
+
+
+def gluon_backward_config(p, opts, reduce: bool) -> configs.GluonBackward:
+    """The Gluon backward's tiles for ``p``: the single pass's (``reduce``) or the two passes'."""
     table = "v3_gluon_bwd_reduce" if reduce else "v3_gluon_bwd"
     override = opts.tile(table)
     cfg = (configs.GluonBackward(*override) if override is not None else
            configs.by_head_dim(configs.V3_GLUON_BWD_REDUCE if reduce else configs.V3_GLUON_BWD, p.head_dim_pad))
     cfg = _dropout_keys(p, cfg.dq_block_n, table, cfg)
-    return Plan(kernel, replace(cfg, persistent="persistent" not in opts.ablate))
+    return replace(cfg, persistent="persistent" not in opts.ablate)
 
 
 def _gluon_backward_takes(p, target, opts) -> bool:

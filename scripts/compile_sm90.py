@@ -134,50 +134,30 @@ def walk_constants(p):
 
 def gluon_bwd_case(head_dim, opts, dq_pass, dq_reduce=False, persistent=True, causal=False, softcap=0.0,
                    alibi=False, varlen=False, dropout=False, head_dim_v=None):
-    """One of v3's Gluon backward kernels with the constants and launch options gluon/backward.py
-    would use; ``dq_reduce``: the dK/dV kernel adding dQ by TMA (the single pass);
-    ``persistent``: as launched persistent where the pass can be (two stationary slots, tiles
-    strided over or, ``causal`` or ``varlen``, taken from the tile counter), else a CTA per tile;
-    ``varlen``: on packed sequences (the two passes); ``dropout``: with dropout (the two passes);
-    ``head_dim_v``: V's own head dim (the two passes)."""
+    """One of v3's Gluon backward kernels with the constants, launch options and descriptor blocks
+    of its launch as gluon/backward.py builds it (_PassLaunch, on a GPU of 132 SMs);
+    ``dq_reduce``: the dK/dV kernel adding dQ by TMA (the single pass); ``persistent``: 4k tokens,
+    more tiles than SMs, so persistent where the pass can be (two stationary slots, tiles strided
+    over or, ``causal`` or ``varlen``, taken from the tile counter), else 1k tokens, as few tiles
+    as SMs (a CTA per tile); ``varlen``: on packed sequences (the two passes); ``dropout``: with
+    dropout (the two passes); ``head_dim_v``: V's own head dim (the two passes)."""
     b = gluon_bwd
-    p = problem(head_dim, causal, softcap=softcap, alibi=alibi)
-    head_dim_pad = p.head_dim_pad
+    p = problem(head_dim, causal, softcap=softcap, alibi=alibi, seqlen=4096 if persistent else 1024)
     if head_dim_v not in (None, head_dim):
         p = replace(p, own_head_dim_v=head_dim_v)
-    pad_v = p.head_dim_v_pad
+    if dropout:
+        p = replace(p, dropout_p=0.1)
     if varlen:
         offsets = torch.zeros(2, dtype=torch.int32)
-        p = replace(p, cu_seqlens_q=offsets, cu_seqlens_k=offsets, total_q=4096, total_k=4096)
-    table = configs.V3_GLUON_BWD_REDUCE if dq_reduce else configs.V3_GLUON_BWD
-    override = opts.tile("v3_gluon_bwd_reduce" if dq_reduce else "v3_gluon_bwd")
-    cfg = configs.GluonBackward(*override) if override else configs.by_head_dim(table, head_dim_pad)
-    rows = configs.gluon_bwd_stationary_rows(head_dim_pad)
-    block_m, block_n = (rows, cfg.dq_block_n) if dq_pass else (cfg.kv_block_m, rows)
-    q_block = tma.block_layout(block_m, head_dim_pad, torch.bfloat16)
-    kv_block = tma.block_layout(block_n, head_dim_pad, torch.bfloat16)
-    descriptors = {"q_desc": q_block, "do_desc": tma.block_layout(block_m, pad_v, torch.bfloat16), "dq_desc": q_block,
-                   "k_desc": kv_block, "v_desc": tma.block_layout(block_n, pad_v, torch.bfloat16), "dk_desc": kv_block,
-                   "dv_desc": kv_block}
-    schedule = b.Schedule(1, 1, False, False)
-    if persistent:  # as launched on a GPU of 132 SMs, 1024 tiles
-        with mock.patch.object(b, "sm_count", lambda index: 132):
-            schedule = b.pass_schedule(p, cfg, 1024, torch.device("cuda", 0), dq_reduce)
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PAD=head_dim_pad, STAGES=cfg.num_stages,
-                  SPLIT_D=configs.split_head_dim(head_dim_pad), SCORE=score.mod_of(p), VARLEN=varlen,
-                  DROPOUT=dropout, HEAD_DIM_V_PAD=pad_v, QK_LANES=configs.qk_lanes(p), **schedule.constants())
-    out_block = tma.block_layout(b.partition_rows(head_dim_pad, dq_reduce), head_dim_pad, torch.bfloat16)
-    if dq_pass:
-        consts["HAS_DLSE"] = False
-        descriptors["dq_desc"] = out_block
-    else:
-        consts["DQ_REDUCE"] = dq_reduce
-        consts["SHARED_SCORES"] = b.shared_scores(cfg, head_dim_pad, dq_reduce)
-        descriptors.update(dk_desc=out_block,
-                           dv_desc=tma.block_layout(b.partition_rows(head_dim_pad, dq_reduce), pad_v, torch.bfloat16))
-        descriptors["dq_desc"] = (*tma.block_layout(block_m, head_dim_pad, torch.float32), "fp32") \
-            if dq_reduce else out_block
-    return {**consts, **walk_constants(p)}, dict(b.launch_options(head_dim_pad, dq_reduce)), descriptors
+        p = replace(p, cu_seqlens_q=offsets, cu_seqlens_k=offsets, total_q=p.seqlen_q, total_k=p.seqlen_k)
+    cfg = dispatch.gluon_backward_config(p, opts, dq_reduce)
+    with mock.patch.object(b, "sm_count", lambda index: 132):
+        kernel = b._dq_kernel if dq_pass else b._dkdv_kernel
+        launch = b._PassLaunch(kernel, p, cfg, torch.bfloat16, 0, not dq_pass, dq_reduce, False)
+    consts = dict(launch.launch.constants)
+    options = {name: consts.pop(name) for name in ("num_warps", "maxnreg")}
+    descriptors = {name: (*spec[:2], *(("fp32",) if "float32" in spec[2] else ())) for name, spec in launch.specs.items()}
+    return {**consts, **walk_constants(p)}, options, descriptors
 
 
 def _options(cfg):

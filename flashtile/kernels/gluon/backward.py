@@ -1109,9 +1109,10 @@ def _two_passes(launches, p, dout, dlse, q, k, v, out, lse):
     cu_q, cu_k = p.cu_pointers(q.device)
     dq_pass = launches.dq
     walked = dq_pass.walked(p, q.device)
+    specs = dq_pass.specs
     dq_pass.launch(
-        Descriptor(q4, *dq_pass.q_spec), Descriptor(dout4, *dq_pass.dout_spec), Descriptor(k4, *dq_pass.k_spec),
-        Descriptor(v4, *dq_pass.v_spec), Descriptor(dq4, *dq_pass.out_spec),
+        Descriptor(q4, *specs["q_desc"]), Descriptor(dout4, *specs["do_desc"]), Descriptor(k4, *specs["k_desc"]),
+        Descriptor(v4, *specs["v_desc"]), Descriptor(dq4, *specs["dq_desc"]),
         out, *p.seq_strides(out), p.head_dims, lse, delta if dlse is None else dlse, delta,
         *p.row_stat_strides(lse), *dq_pass.walk,
         dq_pass.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles, walked.listed,
@@ -1178,14 +1179,14 @@ def _delta(p, out, dout, dlse, lse, dq_acc):
 
 def _launch_dkdv(kv_pass, p, q, k, v, dout, lse, delta, dk, dv, dq_acc):
     q4, k4, v4, dout4, dk4, dv4 = _packed_views(p, q, k, v, dout, dk, dv)
-    dk_desc = Descriptor(dk4, *kv_pass.out_spec)
+    specs = kv_pass.specs
+    dk_desc = Descriptor(dk4, *specs["dk_desc"])
     walked = kv_pass.walked(p, q.device)
     cu_q, cu_k = p.cu_pointers(q.device)
     kv_pass.launch(
-        Descriptor(q4, *kv_pass.q_spec), Descriptor(k4, *kv_pass.k_spec), Descriptor(v4, *kv_pass.v_spec),
-        Descriptor(dout4, *kv_pass.dout_spec), dk_desc, Descriptor(dv4, *kv_pass.out_v_spec),
-        # (dK's stands in for dQ's accumulator where there is none: not read)
-        dk_desc if dq_acc is None else Descriptor(dq_acc, *kv_pass.dq_acc_spec),
+        Descriptor(q4, *specs["q_desc"]), Descriptor(k4, *specs["k_desc"]), Descriptor(v4, *specs["v_desc"]),
+        Descriptor(dout4, *specs["do_desc"]), dk_desc, Descriptor(dv4, *specs["dv_desc"]),
+        dk_desc if dq_acc is None else Descriptor(dq_acc, *specs["dq_desc"]),
         lse, delta, *p.row_stat_strides(lse), *kv_pass.walk, kv_pass.counter(lse.device), score.args_of(p), cu_q, cu_k,
         p.totals, walked.tiles, walked.listed, walked.m_blocks, dk, dv, dk.stride(-3), dk.stride(-2), dv.stride(-3),
         dv.stride(-2), p.head_dims, dropout.seed_argument(p, cu_q), p.dropout_p)
@@ -1224,14 +1225,18 @@ class _PassLaunch:
         # The stationary tensors' blocks are ``rows`` rows, the streamed ones' ``block``; the
         # gradients (dQ; dK and dV) leave a consumer partition's rows at a time.
         q_rows, kv_rows = (block, rows) if keys else (rows, block)
-        self.q_spec = tma_host.block_spec(q_rows, pad, dtype)
-        self.dout_spec = tma_host.block_spec(q_rows, pad_v, dtype)
-        self.k_spec = tma_host.block_spec(kv_rows, pad, dtype)
-        self.v_spec = tma_host.block_spec(kv_rows, pad_v, dtype)
+        q_spec, dout_spec = tma_host.block_spec(q_rows, pad, dtype), tma_host.block_spec(q_rows, pad_v, dtype)
+        k_spec, v_spec = tma_host.block_spec(kv_rows, pad, dtype), tma_host.block_spec(kv_rows, pad_v, dtype)
         out_rows, grad_dtype = partition_rows(pad, dq_reduce), torch.float32 if p.fp8 else dtype  # (p.gradients')
-        self.out_spec = tma_host.block_spec(out_rows, pad, grad_dtype)  # dQ's, or dK's
-        self.out_v_spec = tma_host.block_spec(out_rows, pad_v, grad_dtype)  # dV's
-        self.dq_acc_spec = tma_host.block_spec(block, pad, torch.float32)  # the single pass's dQ accumulator
+        out_spec = tma_host.block_spec(out_rows, pad, grad_dtype)  # dQ's, or dK's
+        out_v_spec = tma_host.block_spec(out_rows, pad_v, grad_dtype)  # dV's
+        dq_acc_spec = tma_host.block_spec(block, pad, torch.float32)  # the single pass's dQ accumulator
+        # Each tensor descriptor's (block_shape, layout, spec), by the kernel's parameter name.
+        self.specs = dict(q_desc=q_spec, do_desc=dout_spec, k_desc=k_spec, v_desc=v_spec)
+        if keys:  # (dK's stands in for dQ's accumulator where there is none: not read)
+            self.specs.update(dk_desc=out_spec, dv_desc=out_v_spec, dq_desc=dq_acc_spec if dq_reduce else out_spec)
+        else:
+            self.specs.update(dq_desc=out_spec)
         if keys:
             streamed_bytes, batch_heads = p.group * p.seqlen_q * (pad + pad_v) * dtype.itemsize, p.batch * p.heads_k
         else:
