@@ -27,7 +27,8 @@ def measure():
             result[f"{name} {label}"] = 1e3 * min(bench.host_cost(provider, case, CALLS)[0] for _ in range(3))
         decode = decode_bench.make_call(name if name == "flashtile" else provider, 1, 4096)
         decode()
-        result[f"{name} decode"] = min(decode_bench.host_us(decode, CALLS) for _ in range(3))
+        host_us = getattr(decode_bench, "host_us", None) or decode_bench._host_us  # (older trees: private)
+        result[f"{name} decode"] = min(host_us(decode, CALLS) for _ in range(3))
     return dict(tree=os.path.dirname(os.path.dirname(os.path.abspath(flashtile.__file__))), host_us=result)
 
 
