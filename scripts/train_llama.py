@@ -12,11 +12,13 @@ straight through in bf16); its loss curve, final loss and throughput join the ot
    float32 weights under bf16 autocast, AdamW with warmup and gradient clipping (bf16 weights
    without warmup make the trajectory chaotic: two runs whose gradients agree to a cosine of
    0.99999 at every step still part ways).
-2. Throughput: training steps timed in alternating order (sdpa, flashtile, sdpa, ...), median of
-   ``--rounds`` rounds per implementation, at ``--seqlen`` and at ``--long-seqlen``; peak memory.
+2. Throughput (measured first): training steps timed in alternating order (sdpa, flashtile, sdpa,
+   ...), median of ``--rounds`` rounds per implementation, at ``--seqlen`` and at ``--long-seqlen``;
+   peak memory.
 3. Greedy generation with the KV cache: 64 new tokens from a fixed prompt on the sdpa-trained
    weights, with each implementation; at the first differing token, the sdpa logits' margin
-   between its top two tokens (bf16 rounding flips a token only where that margin is tiny).
+   between its top two tokens, and between the two chosen tokens in the float32 model on the
+   common prefix (bf16 rounding flips a token only where that margin is tiny).
 
 Writes DIR/training.json and DIR/training.png (loss curves) and prints a Markdown summary.
 """
@@ -152,6 +154,11 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     implementations = IMPLEMENTATIONS + ((FP8,) if args.fp8 else ())
 
+    # Throughput first, in a process that has not yet trained or generated: a 4k step is close to
+    # bound by the host's enqueueing, which the phases below leave slower (docs/README.md).
+    speed = {"seqlen_%d" % args.seqlen: throughput(args, args.seqlen, args.batch, implementations),
+             "seqlen_%d" % args.long_seqlen: throughput(args, args.long_seqlen, 1, implementations)}
+
     data = batches(args.vocab, args.batch, args.seqlen, args.steps)
     losses, models = {}, {}
     for name in implementations:
@@ -177,19 +184,25 @@ def main():
         tokens = {name: generate(model, prompt, name, args.new_tokens) for name in IMPLEMENTATIONS}
     ours, theirs = tokens["flashtile"][0], tokens["sdpa"][0]
     first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    margin = None
+    margin = margin32 = None
     if first is not None:
         top = tokens["sdpa"][1][first].topk(2).values
         margin = float(top[0] - top[1])
+        # bf16 logits step by 2**-6 to 2**-4 at their usual magnitudes: the margin between the two
+        # tokens also from the float32 model (no autocast) on the common prefix.
+        prefix = torch.cat([prompt, torch.tensor([theirs[:first]], device=prompt.device, dtype=prompt.dtype)], 1)
+        model.set_attn_implementation("sdpa")
+        with torch.no_grad():
+            logits = model(input_ids=prefix).logits[0, -1].float()
+        margin32 = float(logits[theirs[first]] - logits[ours[first]])
     del model, models
     torch.cuda.empty_cache()
 
-    speed = {"seqlen_%d" % args.seqlen: throughput(args, args.seqlen, args.batch, implementations),
-             "seqlen_%d" % args.long_seqlen: throughput(args, args.long_seqlen, 1, implementations)}
     record = dict(config=vars(args), losses=losses, final_loss=final,
                   final_loss_ratio=final["flashtile"] / final["sdpa"], throughput=speed,
                   generation=dict(sdpa=theirs, flashtile=ours, equal=first is None, first_difference=first,
-                                  sdpa_top2_margin_there=margin), **bench.environment())
+                                  sdpa_top2_margin_there=margin, float32_margin_there=margin32),
+                  **bench.environment())
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(record, f, indent=1)
     if args.fp8:
@@ -218,7 +231,8 @@ def summary(record):
     lines.append("")
     lines.append("greedy generation: " + ("identical" if g["equal"] else
                  f"first difference at token {g['first_difference']}, sdpa top-2 logit margin there "
-                 f"{g['sdpa_top2_margin_there']:.4f}"))
+                 f"{g['sdpa_top2_margin_there']:.4f} (bf16), the two tokens' logits "
+                 f"{g.get('float32_margin_there') or 0:.4f} apart in float32"))
     return "\n".join(lines)
 
 

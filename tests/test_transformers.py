@@ -164,8 +164,9 @@ def test_one_row_packing_read_once_per_position_ids(calls, monkeypatch):
     check = fa_utils._is_packed_sequence
     # (counting the checks that read values: transformers still calls it with position_ids None)
     monkeypatch.setattr(fa_utils, "_is_packed_sequence",
-                        lambda position_ids, *args: checks.append(position_ids is not None and position_ids.numel() > 1)
-                        or check(position_ids, *args))
+                        lambda position_ids, *args, **kwargs: checks.append(position_ids is not None
+                                                                            and position_ids.numel() > 1)
+                        or check(position_ids, *args, **kwargs))
     torch.manual_seed(0)
     lengths = (6, 7)
     ids, _ = batch_of(1, sum(lengths))
