@@ -18,10 +18,10 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from flashtile import dispatch, sinks
-from flashtile.kernels import configs, decode, dropout, packed_tiles, quantize, score, tma, v1, v2, v3
+from flashtile.kernels import configs, decode, dropout, packed_tiles, quantize, score, v1, v2, v3
 from flashtile.kernels.gluon import backward as gluon_bwd
 from flashtile.kernels.gluon import forward as gluon_fwd
-from flashtile.kernels.problem import Problem, padded_head_dim
+from flashtile.kernels.problem import Problem, contiguous_strides, padded_head_dim
 from flashtile.options import KernelOptions
 from sass_loops import describe
 
@@ -97,10 +97,11 @@ SHARED_MEMORY_LIMIT = 232448  # bytes a block may take on sm_90
 
 def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0, alibi=False, fp8=None, fp8_mode=1,
                varlen=False, dropout=False, head_dim_v=None):
-    """v3's Gluon forward with the constants and launch options gluon/forward.py would use;
-    ``window_left`` >= 0: a sliding window's left edge, tested in the kernel only then; ``fp8``
-    (a triton float8 type name): float8 inputs with descales per head (``fp8_mode`` 1) or block (2);
-    ``varlen``: packed sequences (cu_seqlens); ``dropout``: with dropout; ``head_dim_v``: V's own."""
+    """v3's Gluon forward with the constants, launch options and descriptor blocks of its launch as
+    gluon/forward.py builds it (_ForwardLaunch, on a GPU of 132 SMs); ``window_left`` >= 0: a
+    sliding window's left edge, tested in the kernel only then; ``fp8`` (a triton float8 type
+    name): float8 inputs with descales per head (``fp8_mode`` 1) or block (2); ``varlen``: packed
+    sequences (cu_seqlens); ``dropout``: with dropout; ``head_dim_v``: V's own."""
     p = problem(head_dim, causal, window_left, softcap, alibi=alibi)
     if head_dim_v not in (None, head_dim):
         p = replace(p, own_head_dim_v=head_dim_v)
@@ -113,14 +114,22 @@ def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0, alibi=
         p = replace(p, fp8=True, fp8_per_block=fp8_mode == 2)
     dtype = FP8_DTYPES[fp8] if fp8 else torch.bfloat16
     cfg = dispatch.gluon_schedule(p, opts)
-    consts = gluon_fwd.kernel_constants(p, cfg, dtype.itemsize, 2, dtype)
-    q_block = tma.block_layout(consts["ROWS"], p.head_dim_pad, dtype)
-    kv_block = tma.block_layout(cfg.block_n, p.head_dim_pad, dtype)
-    o_block = (*tma.block_layout(consts["ROWS"], p.head_dim_v_pad, torch.bfloat16), "bf16")
-    v_block = (tma._keys_block_spec(p.head_dim_v_pad, cfg.block_n, dtype)[:2] if fp8 else
-               tma.block_layout(cfg.block_n, p.head_dim_v_pad, dtype))
-    descriptors = {"q_desc": q_block, "o_desc": o_block, "k_desc": kv_block, "v_desc": v_block}
-    return {**consts, **walk_constants(p)}, gluon_fwd.launch_options(cfg.consumers), descriptors
+    q_shape = (p.total_q, p.heads_q, p.head_dim) if varlen else (p.batch, p.seqlen_q, p.heads_q, p.head_dim)
+    k_shape = (*q_shape[:-2], p.heads_k, p.head_dim)
+    v_shape = (*k_shape[:-1], p.head_dim_v)
+    with mock.patch.object(gluon_fwd, "sm_count", lambda index: 132):
+        strides = (contiguous_strides(shape) for shape in (q_shape, k_shape, v_shape))
+        launch = gluon_fwd._ForwardLaunch(p, cfg, dtype, q_shape, *strides, 0)
+    consts = dict(launch.launch.constants)
+    options = {name: consts.pop(name) for name in ("num_warps", "maxnreg") if name in consts}
+    return {**consts, **walk_constants(p)}, options, descriptor_blocks(launch.specs)
+
+
+def descriptor_blocks(specs):
+    """compile_one's descriptor blocks, (block, layout[, element type where not the inputs'])."""
+    extra = {"torch.float32": ("fp32",), "torch.bfloat16": ("bf16",)}
+    return {name: (block, layout, *next((e for t, e in extra.items() if spec.startswith(t)), ()))
+            for name, (block, layout, spec) in specs.items()}
 
 
 def walk_constants(p):
@@ -156,8 +165,7 @@ def gluon_bwd_case(head_dim, opts, dq_pass, dq_reduce=False, persistent=True, ca
         launch = b._PassLaunch(kernel, p, cfg, torch.bfloat16, 0, not dq_pass, dq_reduce, False)
     consts = dict(launch.launch.constants)
     options = {name: consts.pop(name) for name in ("num_warps", "maxnreg")}
-    descriptors = {name: (*spec[:2], *(("fp32",) if "float32" in spec[2] else ())) for name, spec in launch.specs.items()}
-    return {**consts, **walk_constants(p)}, options, descriptors
+    return {**consts, **walk_constants(p)}, options, descriptor_blocks(launch.specs)
 
 
 def _options(cfg):

@@ -51,7 +51,9 @@ def descriptor(x, rows, head_dim_pad):
 
 
 @functools.lru_cache(maxsize=None)
-def _keys_block_spec(head_dim_pad, keys, dtype):
+def keys_block_spec(head_dim_pad, keys, dtype):
+    """Descriptor's (block_shape, layout, spec) for ``keys`` keys of one head of a keys_contiguous
+    operand (``keys_contiguous_operand``)."""
     block = [1, 1, head_dim_pad, keys]
     layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[dtype])
     return block, layout, descriptor_spec(dtype, block, layout)
@@ -66,10 +68,9 @@ def keys_contiguous(v):
     return keys_contiguous_copy(v, row, mma_order=False)[..., :seqlen]
 
 
-def keys_contiguous_descriptor(v, keys, head_dim_pad):
+def keys_contiguous_operand(v):
     """A batched V laid out as keys_contiguous lays it out, but with the keys of each 16 in the
-    float8 register operand's order (kernels/keys_contiguous.py), as TMA reads it ``keys`` keys of
-    one head at a time (the Gluon forward).  The keys are padded with zeros to a multiple of 16
-    (the order mixes the last group's)."""
-    vt = keys_contiguous_copy(v, cdiv(v.shape[1], 16) * 16, mma_order=True)
-    return Descriptor(vt, *_keys_block_spec(head_dim_pad, keys, v.dtype))
+    float8 register operand's order (kernels/keys_contiguous.py), which TMA reads a block of keys
+    of one head at a time (the Gluon forward: keys_block_spec).  The keys are padded with zeros to
+    a multiple of 16 (the order mixes the last group's)."""
+    return keys_contiguous_copy(v, cdiv(v.shape[1], 16) * 16, mma_order=True)

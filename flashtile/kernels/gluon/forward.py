@@ -1105,11 +1105,14 @@ class _ForwardLaunch:
         consts = kernel_constants(p, cfg, dtype.itemsize, self.out_dtype.itemsize, dtype)
         rows, pad, pad_v = consts["ROWS"], p.head_dim_pad, p.head_dim_v_pad
         self.dynamic = consts["DYNAMIC"]
-        self.block_n, self.tile_m, self.pad_v = cfg.block_n, cfg.tile_m, pad_v
-        self.q_spec = tma_host.block_spec(rows, pad, dtype)
-        self.k_spec = tma_host.block_spec(cfg.block_n, pad, dtype)
-        self.v_spec = tma_host.block_spec(cfg.block_n, pad_v, dtype)
-        self.o_spec = tma_host.block_spec(rows, pad_v, self.out_dtype)
+        self.tile_m = cfg.tile_m
+        # Each tensor descriptor's (block_shape, layout, spec), by the kernel's parameter name;
+        # float8 V is read from its keys-contiguous copy (tma.keys_contiguous_operand).
+        self.specs = dict(
+            q_desc=tma_host.block_spec(rows, pad, dtype), k_desc=tma_host.block_spec(cfg.block_n, pad, dtype),
+            v_desc=(tma_host.keys_block_spec(pad_v, cfg.block_n, dtype) if p.fp8 else
+                    tma_host.block_spec(cfg.block_n, pad_v, dtype)),
+            o_desc=tma_host.block_spec(rows, pad_v, self.out_dtype))
         out_strides = contiguous_strides(self.out_shape)
         self.strides = tuple(p.seq_strides_of(x) for x in (q_strides, k_strides, v_strides, out_strides))
         self.lse_strides = p.row_stat_strides_of(contiguous_strides(self.lse_shape))
@@ -1131,15 +1134,17 @@ class _ForwardLaunch:
         cu_q, cu_k = p.cu_pointers(device)
         # A packed batch's tiles, listed on the device (num_tiles bounds their count); else placeholders.
         tiles, count = packed_tiles.tile_list(p, self.tile_m, device) if p.varlen else (cu_q, cu_q)
+        specs = self.specs
         if p.fp8:
-            v_desc = tma_host.keys_contiguous_descriptor(v4, self.block_n, self.pad_v)
+            v_desc = Descriptor(tma_host.keys_contiguous_operand(v4), *specs["v_desc"])
             descale, descale_strides = p.fp8_descale, p.fp8_descale.stride()[:3]
         else:
-            v_desc = Descriptor(v4, *self.v_spec)
+            v_desc = Descriptor(v4, *specs["v_desc"])
             descale, descale_strides = lse, (0, 0, 0)  # a placeholder, never read
         sq, sk, sv, so = self.strides
         self.launch(
-            Descriptor(q4, *self.q_spec), Descriptor(k4, *self.k_spec), v_desc, Descriptor(out4, *self.o_spec),
+            Descriptor(q4, *specs["q_desc"]), Descriptor(k4, *specs["k_desc"]), v_desc,
+            Descriptor(out4, *specs["o_desc"]),
             q, *sq, k, *sk, v, *sv, out, *so, p.head_dims, lse, *self.lse_strides, *self.walk, cu_q, cu_k, p.totals,
             tiles, count, p.scale_log2, tile_counter(device) if self.dynamic else no_counter(device), score.args_of(p),
             descale, *descale_strides, dropout.seed_argument(p, cu_q), p.dropout_p)
