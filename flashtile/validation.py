@@ -8,7 +8,8 @@ import math
 import numbers
 
 import torch
-import torch.utils.weak
+
+from flashtile.tensor_state import KeptByTensor
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -192,37 +193,18 @@ def varlen_arguments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dev
             integer("max_seqlen_k", max_seqlen_k, minimum=0))
 
 
-# Offsets whose values passed check_offset_values (or were built valid: trust_offsets): tensor ->
-# (its version counter and address then, its last value, its longest sequence).  A model passes
-# the same offsets to every layer, so they are read on the host once, not once a layer; a change
-# through PyTorch (which counts versions) is read again.  Memory written behind PyTorch's back (a
-# custom kernel, ``.data``) is not seen: offsets kept in such a buffer are re-read only when a
-# call's token counts or longest sequence disagree with what was read.
-_CHECKED_OFFSETS = torch.utils.weak.WeakIdKeyDictionary()
-
-
-def _state(cu):
-    """What identifies the offsets' values as PyTorch tracks them, or None where it does not (an
-    inference-mode tensor counts no versions; nothing is kept while torch.compile traces)."""
-    if torch.compiler.is_compiling() or cu.is_inference():
-        return None
-    return cu._version, cu.data_ptr()
-
-
-def _remembered(cu):
-    """(last value, longest sequence) of offsets checked in their present state, else None."""
-    found = _CHECKED_OFFSETS.get(cu)
-    if found is None or found[0] != _state(cu):
-        return None
-    return found[1:]
+# Offsets whose values passed check_offset_values (or were built valid: trust_offsets) -> (their
+# last value, their longest sequence).  A model passes the same offsets to every layer, so they
+# are read on the host once, not once a layer (tensor_state: re-read after a change through
+# PyTorch); offsets kept in a buffer written behind PyTorch's back are re-read only when a call's
+# token counts or longest sequence disagree with what was read.
+_CHECKED_OFFSETS = KeptByTensor()
 
 
 def trust_offsets(cu, last: int, longest: int):
     """Take offsets built from checked ones as checked: from 0 (or a checked start), non-decreasing,
     ending at ``last``, no sequence longer than ``longest``."""
-    state = _state(cu)
-    if state is not None:
-        _CHECKED_OFFSETS[cu] = (state, last, longest)
+    _CHECKED_OFFSETS.put(cu, (last, longest))
 
 
 def check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
@@ -234,7 +216,7 @@ def check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         return
     for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
                                      ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
-        known = _remembered(cu)
+        known = _CHECKED_OFFSETS.get(cu)
         if known is not None and known[0] == total and known[1] <= max_len:
             continue
         values = cu.cpu()  # (read again where what was kept disagrees: it may have been written since)

@@ -19,7 +19,6 @@ import functools
 import torch
 import transformers
 from packaging.version import Version
-from torch.utils.weak import WeakIdKeyDictionary
 
 if Version(transformers.__version__).release < (5, 0):
     raise ImportError(f"flashtile's transformers integration needs transformers 5.0 or newer (5.3 for gpt-oss); "
@@ -32,6 +31,7 @@ from transformers.integrations.flash_attention import (  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask  # noqa: E402
 
 from flashtile import api  # noqa: E402
+from flashtile.tensor_state import KeptByTensor  # noqa: E402
 
 NAME = "flashtile"
 __all__ = ["NAME", "register", "attention_forward", "flash_attn_func", "flash_attn_varlen_func"]
@@ -76,33 +76,32 @@ def attention_forward(module, query, key, value, attention_mask, **kwargs):
     return _hf_flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-# position_ids tensor -> ((version, address), None or its varlen keywords).  On one unpadded row
-# transformers tells packed sequences from one by reading position_ids' values (a wait on the
-# device) in every layer; the layers of a forward share one position_ids tensor.
-_PACKING = WeakIdKeyDictionary()
+# position_ids tensor -> the keywords its packing changes.  On one unpadded row transformers tells
+# packed sequences from one by reading position_ids' values (a wait on the device) in every layer;
+# the layers of a forward share one position_ids tensor (tensor_state: kept while unchanged).
+_PACKING = KeptByTensor()
 
 
 def _with_packing(kwargs):
     """``kwargs`` for one unpadded row, the packing of its position_ids decided once per tensor
     state: without it (position_ids None: transformers' check skipped), or as the varlen keywords
     transformers takes as given (cu_seq_lens_q/k, max_length_q/k; the lengths as ints, so no layer
-    reads them).  Left as they are under torch.compile, for inference tensors (no version
-    counter) and where transformers lacks the helpers."""
+    reads them).  Left as they are under torch.compile (a traced graph branches on no values) and
+    where transformers lacks the helpers; for inference-mode tensors (no version counter) decided
+    at each call."""
     position_ids = kwargs.get("position_ids")
     if (position_ids is None or position_ids.shape[-1] == 1 or kwargs.get("cu_seq_lens_q") is not None
             or not hasattr(_fa_utils, "prepare_fa_kwargs_from_position_ids")
-            or not hasattr(_fa_utils, "_is_packed_sequence") or position_ids.is_inference()
-            or torch.compiler.is_compiling()):
+            or not hasattr(_fa_utils, "_is_packed_sequence") or torch.compiler.is_compiling()):
         return kwargs
-    state = (position_ids._version, position_ids.data_ptr())
-    kept = _PACKING.get(position_ids)
-    if kept is None or kept[0] != state:
-        varlen = None
+    change = _PACKING.get(position_ids)
+    if change is None:
+        change = dict(position_ids=None)
         if bool(_fa_utils._is_packed_sequence(position_ids, 1)):
             (cu_q, cu_k), (max_q, max_k) = _fa_utils.prepare_fa_kwargs_from_position_ids(position_ids)
-            varlen = dict(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=int(max_q), max_length_k=int(max_k))
-        kept = _PACKING[position_ids] = (state, varlen)
-    return {**kwargs, "position_ids": None} if kept[1] is None else {**kwargs, **kept[1]}
+            change = dict(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=int(max_q), max_length_k=int(max_k))
+        _PACKING.put(position_ids, change)
+    return {**kwargs, **change}
 
 
 def _functions():
