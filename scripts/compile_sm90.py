@@ -18,7 +18,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from flashtile import dispatch, sinks
-from flashtile.kernels import configs, decode, dropout, packed_tiles, quantize, score, v1, v2, v3
+from flashtile.kernels import configs, decode, dropout, packed_tiles, quantize, score, tma, v1, v2, v3
 from flashtile.kernels.gluon import backward as gluon_bwd
 from flashtile.kernels.gluon import forward as gluon_fwd
 from flashtile.kernels.problem import Problem, contiguous_strides, padded_head_dim
@@ -126,10 +126,13 @@ def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0, alibi=
 
 
 def descriptor_blocks(specs):
-    """compile_one's descriptor blocks, (block, layout[, element type where not the inputs'])."""
-    extra = {"torch.float32": ("fp32",), "torch.bfloat16": ("bf16",)}
-    return {name: (block, layout, *next((e for t, e in extra.items() if spec.startswith(t)), ()))
-            for name, (block, layout, spec) in specs.items()}
+    """compile_one's descriptor blocks, (block, layout, element type), of a launch's descriptor
+    specs (launch.descriptor_spec: the string starts with the torch dtype)."""
+    blocks = {}
+    for name, (block, layout, spec) in specs.items():
+        dtype = getattr(torch, spec.split("[", 1)[0].removeprefix("torch."))
+        blocks[name] = (block, layout, str(tma._GL_DTYPES[dtype]))
+    return blocks
 
 
 def walk_constants(p):

@@ -1225,16 +1225,15 @@ class _PassLaunch:
         # The stationary tensors' blocks are ``rows`` rows, the streamed ones' ``block``; the
         # gradients (dQ; dK and dV) leave a consumer partition's rows at a time.
         q_rows, kv_rows = (block, rows) if keys else (rows, block)
-        q_spec, dout_spec = tma_host.block_spec(q_rows, pad, dtype), tma_host.block_spec(q_rows, pad_v, dtype)
-        k_spec, v_spec = tma_host.block_spec(kv_rows, pad, dtype), tma_host.block_spec(kv_rows, pad_v, dtype)
         out_rows, grad_dtype = partition_rows(pad, dq_reduce), torch.float32 if p.fp8 else dtype  # (p.gradients')
-        out_spec = tma_host.block_spec(out_rows, pad, grad_dtype)  # dQ's, or dK's
-        out_v_spec = tma_host.block_spec(out_rows, pad_v, grad_dtype)  # dV's
-        dq_acc_spec = tma_host.block_spec(block, pad, torch.float32)  # the single pass's dQ accumulator
         # Each tensor descriptor's (block_shape, layout, spec), by the kernel's parameter name.
-        self.specs = dict(q_desc=q_spec, do_desc=dout_spec, k_desc=k_spec, v_desc=v_spec)
-        if keys:  # (dK's stands in for dQ's accumulator where there is none: not read)
-            self.specs.update(dk_desc=out_spec, dv_desc=out_v_spec, dq_desc=dq_acc_spec if dq_reduce else out_spec)
+        spec = tma_host.block_spec
+        self.specs = dict(q_desc=spec(q_rows, pad, dtype), do_desc=spec(q_rows, pad_v, dtype),
+                          k_desc=spec(kv_rows, pad, dtype), v_desc=spec(kv_rows, pad_v, dtype))
+        out_spec = spec(out_rows, pad, grad_dtype)  # dQ's, or dK's
+        if keys:  # dQ's: the single pass's fp32 accumulator, else dK's stands in (not read)
+            self.specs.update(dk_desc=out_spec, dv_desc=spec(out_rows, pad_v, grad_dtype),
+                              dq_desc=spec(block, pad, torch.float32) if dq_reduce else out_spec)
         else:
             self.specs.update(dq_desc=out_spec)
         if keys:
