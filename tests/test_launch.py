@@ -81,10 +81,15 @@ class _FakeBinary:
         self.launches.append(args if self.label is None else (self.label, args))
 
 
-def test_launch_compiles_once_per_class_of_arguments(monkeypatch):
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Launches leave the interpreter's path for the compiled one, on device 0 and stream 7."""
     monkeypatch.setattr(options, "interpreting", lambda: False)
     active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 7)
     monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=active))
+
+
+def test_launch_compiles_once_per_class_of_arguments(fake_gpu):
     kernel, x, desc = _FakeKernel(), torch.empty(8), _descriptor()
     launch.launch(kernel, (3,), desc, x, 32, 0.5, BLOCK=64, FLAG=True, num_warps=4)
     (grid, args, constants), = kernel.compiles
@@ -106,10 +111,7 @@ def test_launch_compiles_once_per_class_of_arguments(monkeypatch):
     assert len(kernel.compiles) == 4
 
 
-def test_prepared_launch_keys_on_its_leading_arguments(monkeypatch):
-    monkeypatch.setattr(options, "interpreting", lambda: False)
-    active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 7)
-    monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=active))
+def test_prepared_launch_keys_on_its_leading_arguments(fake_gpu):
     kernel, x = _FakeKernel(), torch.empty(8)
     kernel.arg_names = ["x", "n", "stride", "scale", "BLOCK"]
     prepared = launch.Prepared(kernel, (4,), (16, 0.5), dict(BLOCK=64))
@@ -131,10 +133,7 @@ def test_prepared_launch_keys_on_its_leading_arguments(monkeypatch):
             launch.Prepared(kernel, (1,), fixed, {})
 
 
-def test_vouched_launch_finds_its_kernel_once(monkeypatch):
-    monkeypatch.setattr(options, "interpreting", lambda: False)
-    active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 7)
-    monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=active))
+def test_vouched_launch_finds_its_kernel_once(fake_gpu):
     kernel, x, desc = _FakeKernel(), torch.empty(8), _descriptor()
     launch.launch(kernel, (3,), desc, x, 32, 0.5, BLOCK=64, FLAG=True)  # compiled by an earlier launch
     fixed = launch.Prepared(kernel, (3,), (), dict(BLOCK=64, FLAG=True), vouched=True)
@@ -167,8 +166,8 @@ def _described(x, inputs):
 @pytest.mark.parametrize("head_dim, causal, window, heads_k, options_text", [
     (64, True, (-1, -1), 2, None), (128, False, (-1, -1), 4, None), (256, True, (-1, -1), 2, None),
     (128, False, (48, 16), 2, "backward=gluon-reduce"), (64, True, (-1, -1), 4, "backward=gluon-reduce")])
-def test_kept_gluon_launches_pass_what_a_fresh_build_passes(monkeypatch, fresh_launches, head_dim, causal, window,
-                                                            heads_k, options_text):
+def test_kept_gluon_launches_pass_what_a_fresh_build_passes(monkeypatch, fake_gpu, fresh_launches, head_dim, causal,
+                                                            window, heads_k, options_text):
     # The Gluon forward and backward keep their launches per kind of call: a call through the
     # kept ones passes every kernel what launches built afresh for it pass (the host side on CPU
     # tensors as on a 132-SM Hopper GPU, the kernels not run).
@@ -176,9 +175,6 @@ def test_kept_gluon_launches_pass_what_a_fresh_build_passes(monkeypatch, fresh_l
     from flashtile.kernels.gluon import backward as gluon_backward
     from flashtile.kernels.gluon import forward as gluon_forward
     launches = []
-    monkeypatch.setattr(options, "interpreting", lambda: False)
-    active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 7)
-    monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=active))
     monkeypatch.setattr(launch, "_compiled", lambda kernel, grid, device, args, constants: (
         (_FakeBinary((kernel.__name__, sorted(constants.items())), launches), ()), False))
     counter = torch.zeros(1, dtype=torch.int64)
