@@ -11,9 +11,10 @@ import, in the same text form::
 import os
 from dataclasses import dataclass, field
 
-# What v3's forward and backward can be forced to run (dispatch.py says what each is).
+# What v3's forward and backward can be forced to run (dispatch.py says what each is);
+# "gluon-fp8" asks for the Gluon backward of FP8 problems alone (others run as by default).
 FORWARD_KERNELS = ("gluon", "triton", "v2")
-BACKWARD_KERNELS = ("gluon", "gluon-reduce", "v2")
+BACKWARD_KERNELS = ("gluon", "gluon-reduce", "gluon-fp8", "v2")
 # FlashAttention-3 techniques of the Gluon kernels that an ablation can switch off.
 TECHNIQUES = ("pingpong", "overlap", "persistent", "next_q", "q_registers")
 # Tile tables an override can replace, and how many integers each takes (configs.py): block_m,

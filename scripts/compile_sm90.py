@@ -20,12 +20,13 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from flashtile import dispatch, sinks
 from flashtile.kernels import configs, decode, dropout, packed_tiles, quantize, score, tma, v1, v2, v3
 from flashtile.kernels.gluon import backward as gluon_bwd
+from flashtile.kernels.gluon import backward_fp8 as gluon_bwd_fp8
 from flashtile.kernels.gluon import forward as gluon_fwd
 from flashtile.kernels.problem import Problem, contiguous_strides, padded_head_dim
 from flashtile.options import KernelOptions
 from sass_loops import describe
 
-FP32_POINTERS = {"DESCALE", "DO_DESCALE", "LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE", "SINKS", "JOINED", "SHARE", "PART_O",
+FP32_POINTERS = {"DESCALE", "DO_DESCALE", "DO_BOUND", "DO_FACTORS", "LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE", "SINKS", "JOINED", "SHARE", "PART_O",
                  "PART_LSE"}
 INT_POINTERS = {"CU", "CU_Q", "CU_K", "ENDS", "LEFTPAD", "BATCH_IDX", "BLOCK_TABLE", "TILES", "COUNT"}
 INT64_POINTERS = {"SEED"}
@@ -171,6 +172,20 @@ def gluon_bwd_case(head_dim, opts, dq_pass, dq_reduce=False, persistent=True, ca
     return {**consts, **walk_constants(p)}, options, descriptor_blocks(launch.specs)
 
 
+def gluon_bwd_fp8_case(head_dim, opts, fp8, causal=False, softcap=0.0, alibi=False):
+    """The float8 dK/dV pass (gluon/backward_fp8.py) as its launch builds it (PassLaunch, 132
+    SMs, 4k tokens): descales per block of the Gluon forward's float8 tiles."""
+    p = problem(head_dim, causal, softcap=softcap, alibi=alibi)
+    rows = (configs.WARPGROUP_ROWS, configs.by_head_dim(configs.V3_GLUON_FP8, p.head_dim_pad).block_n)
+    p = replace(p, fp8=True, fp8_per_block=True, fp8_rows=rows)
+    cfg = dispatch.gluon_backward_config(p, opts, False)
+    with mock.patch.object(gluon_bwd, "sm_count", lambda index: 132):
+        launch = gluon_bwd_fp8.PassLaunch(p, cfg, FP8_DTYPES[fp8], 0)
+    consts = dict(launch.constants)
+    options = {name: consts.pop(name) for name in ("num_warps", "maxnreg")}
+    return {**consts, **walk_constants(p)}, options, descriptor_blocks(launch.specs)
+
+
 def _options(cfg):
     return dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -303,6 +318,12 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
             # The single pass (it does not split the head dim), after D and its zeroed dQ.
             yield ("v3.bwd_reduce_gluon", gluon_bwd._dkdv_kernel,
                    *gluon_bwd_case(head_dim, opts, False, True, **features))
+            if fp8:
+                features_fp8 = dict(softcap=softcap, alibi=alibi)
+                yield ("v3.bwd_dkdv_gluon_fp8", gluon_bwd_fp8._dkdv_kernel,
+                       *gluon_bwd_fp8_case(head_dim, opts, fp8, **features_fp8))
+                yield ("v3.bwd_dkdv_gluon_fp8_causal", gluon_bwd_fp8._dkdv_kernel,
+                       *gluon_bwd_fp8_case(head_dim, opts, fp8, causal=True, **features_fp8))
             yield ("v3.bwd_delta", gluon_bwd._delta_kernel, dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad,
                    BLOCK_M=64, HAS_DLSE=False), dict(num_warps=4), None)
 
@@ -335,12 +356,14 @@ def main():
             if args.only and name != args.only:
                 continue
             try:
-                fp8 = args.fp8 and (name.startswith("v2.") or name.startswith("v3.fwd_gluon"))
+                fp8 = args.fp8 and (name.startswith("v2.") or name.startswith("v3.fwd_gluon") or name.endswith(
+                    ("_fp8", "_fp8_causal")))
                 if fp8 and name == "v2.fwd":  # V keys-contiguous (tma.keys_contiguous)
                     constexprs = {**{k: v for k, v in constexprs.items() if k != "svd"}, "FP8": args.fp8_mode, "svs": 1}
                 # The FP8 backward's gradients are float32; its dQ pass reads the bf16 dO for D.
                 pointers = (dict(DQ="*fp32", DK="*fp32", DV="*fp32", **({"DO": "*bf16"} if name == "v2.bwd_dq" else {}))
-                            if fp8 and name.startswith("v2.bwd") else None)
+                            if fp8 and name.startswith("v2.bwd") else
+                            dict(DK="*fp32", DV="*fp32") if fp8 and "_fp8" in name else None)
                 k = compile_one(fn, args.fp8 if fp8 else "bf16", constexprs, options, descriptors, tuples, args.aligned,
                                 pointers)
             except Exception as e:  # report and go on: one broken kernel should not hide the rest

@@ -319,6 +319,78 @@ def emulated_backward(qx, kx, vx, dout, out, lse, causal, softcap, dtype=None, d
     return dq, *(x.unflatten(2, (-1, group)).sum(3) for x in (dk, dv))
 
 
+class BackwardRun:
+    """One fp8_attn_func forward and backward on inputs drawn for the backward tests: heads and
+    rows of different magnitudes, so that a descale read for the wrong head or block is far off;
+    ``zeros``: whole blocks of Q, K and dO zero (padded tokens), whose descales must stay usable.
+    Keeps the leaves (their gradients), the float8 operands the kernels saw dequantized (qx, kx,
+    vx), the FP8 backward's problem and plan, and the float64 oracle's gradients with respect
+    to qx, kx, vx."""
+
+    def __init__(self, fp8_backward, causal, heads_k, incoherent, scaling, softcap, zeros, tiles):
+        torch.manual_seed(5)
+        dtype = torch.float8_e4m3fn
+        seqlen_q, seqlen_k = (300, 420) if ON_GPU else (70, 90)
+
+        def drawn(n, h, s):
+            magnitudes = torch.linspace(0.5, 2.0, n, device=DEVICE)[:, None] * torch.arange(1, h + 1, device=DEVICE)
+            return (torch.randn(2, n, h, HEAD_DIM, device=DEVICE) * s * magnitudes[..., None] ** 0.5).bfloat16()
+        q, k, v = (drawn(n, h, s) for n, h, s in ((seqlen_q, 4, 1), (seqlen_k, heads_k, 2), (seqlen_k, heads_k, 0.5)))
+        dout = torch.randn(2, seqlen_q, 4, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+        if zeros:
+            q[:, :seqlen_q // 2], k[:, -seqlen_k // 2:], dout[:, :seqlen_q // 2] = 0, 0, 0
+        self.leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        self.out, self.lse = flashtile.fp8_attn_func(*self.leaves, causal=causal, incoherent=incoherent,
+                                                     scaling=scaling, softcap=softcap, return_softmax_lse=True,
+                                                     fp8_backward=fp8_backward, kernel_options=tiles)
+        self.out.backward(dout)
+        self.dout = dout
+        # The operands the kernels saw: per block, the forward's float8 blocks (quantizing is
+        # deterministic; tested against PyTorch's below); per head, this file's own quantize.
+        scale = HEAD_DIM ** -0.5
+        left, right = band(causal, (-1, -1), seqlen_q, seqlen_k)
+        version = dispatch.resolve_version("auto", q.device)
+        self.rows = rows = fp8._kernel_tiles(q, k, v, scale, left, right, softcap, None, version, tiles)
+        q8, k8, v8, descale = fp8._quantized(q, k, v, dtype, True, rows, incoherent)
+        if scaling == "head":
+            m = fp8.rotation(HEAD_DIM, q.device) if incoherent else None
+            self.operands = tuple(dequantized(*quantize(x.float() @ m if rotate else x, heads_k, dtype))
+                                  for x, rotate in ((q, incoherent), (k, incoherent), (v, False)))
+        else:
+            self.operands = tuple(dequantize_blocks(x8, d, n)
+                                  for x8, d, n in zip((q8, k8, v8), descale, (*rows, rows[1])))
+        p = fp8.Problem.of(q8, k8, None, None, seqlen_q, seqlen_k, scale, left, right, softcap, fp8_descale=descale,
+                           fp8_rows=tuple(rows))
+        self.plan = dispatch.backward_plan(p, version, dispatch.target_of(p, q8, k8, v8), fp8.ops._options(tiles))
+        doubles = [x.clone().requires_grad_() for x in self.operands]
+        standard_attention(*doubles, causal=causal, upcast=True, softcap=softcap).backward(dout.double())
+        self.oracle = [x.grad for x in doubles]
+        self.rotation = fp8.rotation(HEAD_DIM, q.device).double() if incoherent else None
+
+    def emulated(self, causal, softcap, *rounding):
+        """emulated_backward of these operands (``rounding``: its float8 arguments, or none)."""
+        return emulated_backward(*self.operands, self.dout, self.out, self.lse, causal, softcap, *rounding)
+
+    def check(self, emulation, near="qkv"):
+        """Each leaf's gradient against the oracle by the FA rule for gradients with ``emulation``
+        (dq, dk, dv with respect to the operands) as the same-precision reference, and those
+        named in ``near`` (rounded as the emulation rounds) near it."""
+        oracle = self.oracle
+        if self.rotation is not None:  # gradients of Q M and K M: back to Q's and K's
+            m = self.rotation
+            emulation = (emulation[0] @ m.T, emulation[1] @ m.T, emulation[2])
+            oracle = (oracle[0] @ m.T, oracle[1] @ m.T, oracle[2])
+        for name, leaf, ref, emulated_grad in zip("qkv", self.leaves, oracle, emulation):
+            assert leaf.grad.dtype == torch.bfloat16
+            emulated_grad = emulated_grad.bfloat16().double()  # as the gradients are returned
+            assert_within_rule(f"d{name}", leaf.grad, emulated_grad, ref, GRAD_RULE)
+            # and near the emulation itself, up to the bf16 gradients' own rounding: a descale
+            # lost or applied twice, or other operands than the forward's, is far off
+            if name in near:
+                assert rmse(leaf.grad, emulated_grad) < (0.25 * rmse(emulated_grad, ref)
+                                                         + 2 ** -7 * ref.square().mean().sqrt())
+
+
 @pytest.mark.parametrize("fp8_backward, causal, heads_k, incoherent, scaling, softcap, zeros, tiles", [
     (True, False, 2, False, "block", 0.0, False, ""), (True, True, 2, False, "block", 0.0, False, ""),
     (True, True, 4, True, "block", 0.0, False, ""), (True, True, 2, False, "head", 0.0, False, ""),
@@ -329,68 +401,41 @@ def emulated_backward(qx, kx, vx, dout, out, lse, causal, softcap, dtype=None, d
     (False, True, 2, False, "head", 1.5, True, "")])
 def test_fp8_backward_against_emulation(fp8_backward, causal, heads_k, incoherent, scaling, softcap, zeros, tiles):
     # fp8_attn_func's backward: by default the input type's kernels on the forward's dequantized
-    # operands, with fp8_backward=True the five matmuls in float8.  The gradients with respect to
-    # those operands (rotated back) against float64, by the FA rule for gradients with the
-    # emulated roundings as the same-precision reference.  Heads and rows of different
-    # magnitudes, so that a descale read for the wrong head or block is far off; ``zeros``: whole
-    # blocks of Q, K and dO zero (padded tokens), whose descales must stay usable; ``tiles``:
-    # descale blocks larger than the backward's tiles.
-    torch.manual_seed(5)
-    dtype = torch.float8_e4m3fn
-    seqlen_q, seqlen_k = (300, 420) if ON_GPU else (70, 90)
-
-    def drawn(n, h, s):
-        magnitudes = torch.linspace(0.5, 2.0, n, device=DEVICE)[:, None] * torch.arange(1, h + 1, device=DEVICE)
-        return (torch.randn(2, n, h, HEAD_DIM, device=DEVICE) * s * magnitudes[..., None] ** 0.5).bfloat16()
-    q, k, v = (drawn(n, h, s) for n, h, s in ((seqlen_q, 4, 1), (seqlen_k, heads_k, 2), (seqlen_k, heads_k, 0.5)))
-    dout = torch.randn(2, seqlen_q, 4, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
-    if zeros:
-        q[:, :seqlen_q // 2], k[:, -seqlen_k // 2:], dout[:, :seqlen_q // 2] = 0, 0, 0
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out, lse = flashtile.fp8_attn_func(*leaves, causal=causal, incoherent=incoherent, scaling=scaling,
-                                       softcap=softcap, return_softmax_lse=True, fp8_backward=fp8_backward,
-                                       kernel_options=tiles)
-    out.backward(dout)
-    # The operands the kernels saw: per block, the forward's float8 blocks (quantizing is
-    # deterministic; tested against PyTorch's below); per head, this file's own quantize.
-    scale = HEAD_DIM ** -0.5
-    left, right = band(causal, (-1, -1), seqlen_q, seqlen_k)
-    version = dispatch.resolve_version("auto", q.device)
-    rows = fp8._kernel_tiles(q, k, v, scale, left, right, softcap, None, version, tiles)
-    q8, k8, v8, descale = fp8._quantized(q, k, v, dtype, True, rows, incoherent)
-    if scaling == "head":
-        m = fp8.rotation(HEAD_DIM, q.device) if incoherent else None
-        qx, kx, vx = (dequantized(*quantize(x.float() @ m if rotate else x, heads_k, dtype))
-                      for x, rotate in ((q, incoherent), (k, incoherent), (v, False)))
-    else:
-        qx, kx, vx = (dequantize_blocks(x8, d, n) for x8, d, n in zip((q8, k8, v8), descale, (*rows, rows[1])))
+    # operands, with fp8_backward=True the five matmuls in float8 (v2's kernels).  The gradients
+    # with respect to those operands (rotated back) against float64, by the FA rule for
+    # gradients with the emulated roundings as the same-precision reference; ``tiles``: descale
+    # blocks larger than the backward's tiles.
+    run = BackwardRun(fp8_backward, causal, heads_k, incoherent, scaling, softcap, zeros, tiles)
     if fp8_backward:
-        p = fp8.Problem.of(q8, k8, None, None, seqlen_q, seqlen_k, scale, left, right, softcap, fp8_descale=descale,
-                           fp8_rows=tuple(rows))
-        plan = dispatch.backward_plan(p, version, dispatch.target_of(p, q8, k8, v8), fp8.ops._options(tiles))
-        assert plan.kernel == "v2"
-        kv_cfg, q_cfg = plan.config
+        rows = run.rows
+        assert run.plan.kernel == "v2"
+        kv_cfg, q_cfg = run.plan.config
         assert rows[0] % kv_cfg.block_m == 0 and rows[1] % q_cfg.block_n == 0
         if tiles and not ON_GPU:
             assert rows[0] > kv_cfg.block_m and rows[1] > q_cfg.block_n
-        emulation = emulated_backward(qx, kx, vx, dout, out, lse, causal, softcap, dtype, kv_cfg.block_m,
-                                      q_cfg.block_n, kv_cfg.block_m)
+        emulation = run.emulated(causal, softcap, torch.float8_e4m3fn, kv_cfg.block_m, q_cfg.block_n, kv_cfg.block_m)
     else:  # the kernels' gradients are bf16 before the rotation back
-        emulation = [x.bfloat16().double() for x in emulated_backward(qx, kx, vx, dout, out, lse, causal, softcap)]
-    doubles = [x.clone().requires_grad_() for x in (qx, kx, vx)]
-    standard_attention(*doubles, causal=causal, upcast=True, softcap=softcap).backward(dout.double())
-    oracle = [x.grad for x in doubles]
-    if incoherent:  # gradients of Q M and K M: back to Q's and K's
-        m = fp8.rotation(HEAD_DIM, q.device).double()
-        emulation = (emulation[0] @ m.T, emulation[1] @ m.T, emulation[2])
-        oracle = (oracle[0] @ m.T, oracle[1] @ m.T, oracle[2])
-    for name, leaf, ref, emulated_grad in zip("qkv", leaves, oracle, emulation):
-        assert leaf.grad.dtype == torch.bfloat16
-        emulated_grad = emulated_grad.bfloat16().double()  # as the gradients are returned
-        assert_within_rule(f"d{name}", leaf.grad, emulated_grad, ref, GRAD_RULE)
-        # and near the emulation itself, up to the bf16 gradients' own rounding: a descale lost or
-        # applied twice, or other operands than the forward's, is far off
-        assert rmse(leaf.grad, emulated_grad) < 0.25 * rmse(emulated_grad, ref) + 2 ** -7 * ref.square().mean().sqrt()
+        emulation = [x.bfloat16().double() for x in run.emulated(causal, softcap)]
+    run.check(emulation)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernels run on the GPU only")
+@pytest.mark.parametrize("causal, heads_k, incoherent, scaling, softcap, zeros", [
+    (False, 2, False, "block", 0.0, False), (True, 4, True, "block", 0.0, False),
+    (True, 2, False, "head", 1.5, True)])
+def test_gluon_fp8_backward_against_emulation(causal, heads_k, incoherent, scaling, softcap, zeros):
+    # fp8_backward=True with kernel option backward=gluon: dQ from the Gluon dQ pass on the
+    # dequantized operands (bf16), dK and dV from the float8 Gluon pass (gluon/backward_fp8.py:
+    # dO per 64-row block, dV's P^T in one unit per KV head, dS^T per key row in a running unit).
+    # The same-precision references: the bf16 emulation for dQ (which it rounds as dQ is
+    # rounded: near it), the float8 one (dS per key row of each 64-row block) for dK and dV
+    # (rounded otherwise: by the FA rule only).
+    run = BackwardRun(True, causal, heads_k, incoherent, scaling, softcap, zeros, "backward=gluon")
+    assert run.plan.kernel == "v3-gluon-fp8"
+    block = run.plan.config.kv_block_m
+    bf16_dq = run.emulated(causal, softcap)[0].bfloat16().double()
+    _, float8_dk, float8_dv = run.emulated(causal, softcap, torch.float8_e4m3fn, block, block, block)
+    run.check((bf16_dq, float8_dk, float8_dv), near="q")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -464,3 +509,18 @@ def test_keys_contiguous_copy(shape, strided, mma_order):
     if mma_order:
         with pytest.raises(ValueError, match="row=20"):
             keys_contiguous.copy(v, 20, mma_order)
+
+
+def test_gluon_fp8_backward_do_factors():
+    # The float8 dK/dV pass's dO factors: per block (descale, log2 f, 1 / f) with f = 2^8 x the
+    # block's descale over the largest of its (sequence, KV head), that largest per KV head.
+    from flashtile.kernels.gluon.backward_fp8 import do_factors
+    p = fp8.Problem(2, 6, 3, 256, 256, 64, 0.125, -1, -1, None, None)
+    descale = torch.rand(2, 6, 4) + 0.01
+    factors, bound = do_factors(p, descale)
+    largest = descale.view(2, 3, 8).amax(-1)
+    assert torch.equal(bound, largest) and bound.is_contiguous()
+    f = 256 * descale / largest.repeat_interleave(2, 1)[..., None]
+    assert factors.shape == (3, 2, 6, 4) and torch.equal(factors[0], descale)
+    assert torch.allclose(factors[1].exp2(), f) and torch.allclose(factors[2] * f, torch.ones_like(f))
+    assert f.max() <= 256 and torch.allclose(f.amax(-1).view(2, 3, 2).amax(-1), torch.full((2, 3), 256.0))

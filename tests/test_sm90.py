@@ -345,6 +345,27 @@ def test_gluon_fp8_forward_runs_float8_warpgroup_mmas(tmp_path, monkeypatch, fp8
         assert mma == head_dim // 32 + block_n // 32 and spills == 0, (size, mma, spills)
 
 
+@pytest.mark.parametrize("fp8, head_dim", [("fp8e4nv", 128), ("fp8e5", 64)])
+def test_gluon_fp8_dkdv_pass_runs_float8_warpgroup_mmas(tmp_path, monkeypatch, fp8, head_dim):
+    # The float8 dK/dV pass (gluon/backward_fp8.py): its four products float8 warpgroup MMAs
+    # (k32; S^T and dP^T 64 x 64, dV and dK 64 x head dim with their first operand in
+    # registers), Q, dO and their keys-contiguous copies read by TMA, no spills in the loop.
+    compile_for_sm90(tmp_path, "v3.bwd_dkdv_gluon_fp8", head_dim, fp8=fp8, fp8_mode=2)
+    ptx = (tmp_path / f"v3.bwd_dkdv_gluon_fp8_d{head_dim}.ptx").read_text()
+    kind = "e4m3.e4m3" if fp8 == "fp8e4nv" else "e5m2.e5m2"
+    products = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.{kind}", ptx)
+    assert {"64", str(head_dim)} <= set(products), products
+    assert "bf16" not in " ".join(re.findall(r"wgmma\.mma_async\S*", ptx))
+    assert ptx.count("cp.async.bulk.tensor.4d.shared::cluster.global") == 6  # K, V, Q, dO, both copies
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    from sass_loops import hot_loops, loop_stats, sass
+    loops = hot_loops(sass((tmp_path / f"v3.bwd_dkdv_gluon_fp8_d{head_dim}.cubin").read_bytes()))
+    assert loops
+    for loop in loops:
+        size, mma, spills, _ = loop_stats(loop)
+        assert mma == 2 * head_dim // 32 + 2 * 64 // 32 and spills == 0, (size, mma, spills)
+
+
 def test_sink_kernels_compile_for_sm90(tmp_path):
     # The interpreter runs what the compiler refuses (a plain global inside a kernel): the sinks'
     # join and gradient compile for sm_90 here.

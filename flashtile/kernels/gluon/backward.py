@@ -90,13 +90,17 @@ _STATS_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 @aggregate
 class PassBuffers:
     """Shared memory of one pass: SLOTS buffers of the stationary pair of tiles (a, b), one per
-    tile in flight, and a ring of STAGES streamed pairs (c, d); mbarriers (stationary slot ready,
-    stationary slot empty, ring slot ready, ring slot empty; "empty" ones take one arrival from
-    each consumer partition); the producer's tile numbers for the consumers (two: tile parity)."""
+    tile in flight, and a ring of STAGES streamed pairs (c, d), with TRANSPOSED a second pair
+    (e, f) beside each (the float8 pass's keys-contiguous copies of c and d; else e and f are c
+    and d); mbarriers (stationary slot ready, stationary slot empty, ring slot ready, ring slot
+    empty; "empty" ones take one arrival from each consumer partition); the producer's tile
+    numbers for the consumers (two: tile parity)."""
     a: gl.shared_memory_descriptor
     b: gl.shared_memory_descriptor
     c: gl.shared_memory_descriptor
     d: gl.shared_memory_descriptor
+    e: gl.shared_memory_descriptor
+    f: gl.shared_memory_descriptor
     tile_ids: gl.shared_memory_descriptor
     stationary_ready: gl.shared_memory_descriptor
     stationary_empty: gl.shared_memory_descriptor
@@ -104,11 +108,13 @@ class PassBuffers:
     ring_empty: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, a, b, c, d, tile_ids, stationary_ready, stationary_empty, ring_ready, ring_empty):
+    def __init__(self, a, b, c, d, e, f, tile_ids, stationary_ready, stationary_empty, ring_ready, ring_empty):
         self.a = a
         self.b = b
         self.c = c
         self.d = d
+        self.e = e
+        self.f = f
         self.tile_ids = tile_ids
         self.stationary_ready = stationary_ready
         self.stationary_empty = stationary_empty
@@ -116,12 +122,16 @@ class PassBuffers:
         self.ring_empty = ring_empty
 
     @gluon.jit
-    def allocate(a_desc, b_desc, c_desc, d_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                 SLOTS: gl.constexpr):
+    def allocate(a_desc, b_desc, c_desc, d_desc, e_desc, f_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                 SLOTS: gl.constexpr, TRANSPOSED: gl.constexpr):
         a = gl.allocate_shared_memory(a_desc.dtype, [SLOTS] + a_desc.block_type.shape, a_desc.layout)
         b = gl.allocate_shared_memory(b_desc.dtype, [SLOTS] + b_desc.block_type.shape, b_desc.layout)
         c = gl.allocate_shared_memory(c_desc.dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
         d = gl.allocate_shared_memory(d_desc.dtype, [STAGES] + d_desc.block_type.shape, d_desc.layout)
+        e, f = c, d
+        if TRANSPOSED:
+            e = gl.allocate_shared_memory(e_desc.dtype, [STAGES] + e_desc.block_type.shape, e_desc.layout)
+            f = gl.allocate_shared_memory(f_desc.dtype, [STAGES] + f_desc.block_type.shape, f_desc.layout)
         stationary_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
         stationary_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
         ring_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -133,7 +143,7 @@ class PassBuffers:
             mbarrier.init(ring_ready.index(i), count=1)
             mbarrier.init(ring_empty.index(i), count=CONSUMERS)
         tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        return PassBuffers(a, b, c, d, tile_ids, stationary_ready, stationary_empty, ring_ready, ring_empty)
+        return PassBuffers(a, b, c, d, e, f, tile_ids, stationary_ready, stationary_empty, ring_ready, ring_empty)
 
 
 @aggregate
@@ -227,16 +237,17 @@ class DeltaInputs:
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, c_desc, d_desc, buf, walk, stats, counter, ROWS: gl.constexpr, BLOCK: gl.constexpr,
-              STAGES: gl.constexpr, KEY_ROWS: gl.constexpr, STATS_IN_RING: gl.constexpr, PERSISTENT: gl.constexpr,
-              DYNAMIC: gl.constexpr):
+def _producer(a_desc, b_desc, c_desc, d_desc, e_desc, f_desc, buf, walk, stats, counter, ROWS: gl.constexpr,
+              BLOCK: gl.constexpr, STAGES: gl.constexpr, KEY_ROWS: gl.constexpr, STATS_IN_RING: gl.constexpr,
+              PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, TRANSPOSED: gl.constexpr):
     """The producer warp of either pass, over the CTA's tiles of ``walk`` (scheduler.next_tile:
     one, every num_programs-th, or taken from the counter), each tile's number handed to the
     consumers: its stationary pair (a, b), ROWS rows of one head, into a free slot of its
     buffers; then the streamed pairs (c, d), BLOCK rows at a time, over the band of the
-    stationary rows, through the STAGES-slot ring.  KEY_ROWS (the dK/dV pass): the stationary
-    rows are key rows of a K/V head, and every query head of its group streams by; else one
-    query head's rows, against its K/V head's blocks."""
+    stationary rows, through the STAGES-slot ring (TRANSPOSED: with the blocks of (e, f), c's and
+    d's keys-contiguous copies, (batch, heads, head dim, rows), beside them).  KEY_ROWS (the
+    dK/dV pass): the stationary rows are key rows of a K/V head, and every query head of its
+    group streams by; else one query head's rows, against its K/V head's blocks."""
     num_tiles, group = walk.num_tiles, walk.group
     SLOTS: gl.constexpr = buf.a.shape[0]
     stats_layout: gl.constexpr = gl.BlockedLayout([BLOCK // 32], [32], [1], [0])
@@ -266,16 +277,17 @@ def _producer(a_desc, b_desc, c_desc, d_desc, buf, walk, stats, counter, ROWS: g
         tma.async_copy_global_to_shared(b_desc, [coord_b, row0, head, 0], stationary, buf.b.index(s))
         dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(r0, ROWS, BLOCK, seqlen_q, seqlen_k,
                                                                walk.window_left, walk.window_right, KEY_ROWS)
-        it = _stream(c_desc, d_desc, buf, batch, coord_b, streamed_row0, q_start, first_head, streamed_heads, lo,
-                     n_blocks, it, seqlen_q, stats, offs, BLOCK, STAGES, STATS_IN_RING)
+        it = _stream(c_desc, d_desc, e_desc, f_desc, buf, batch, coord_b, streamed_row0, q_start, first_head,
+                     streamed_heads, lo, n_blocks, it, seqlen_q, stats, offs, BLOCK, STAGES, STATS_IN_RING, TRANSPOSED)
         t = following
         tile_i += 1
     end_tiles(buf.tile_ids, tile_i, buf.stationary_ready, buf.stationary_empty, num_tiles, PERSISTENT)
 
 
 @gluon.jit
-def _stream(c_desc, d_desc, buf, batch, coord_b, row0, q_start, first_head, heads, lo, n_blocks, it, seqlen_q, stats,
-            offs, BLOCK: gl.constexpr, STAGES: gl.constexpr, STATS_IN_RING: gl.constexpr):
+def _stream(c_desc, d_desc, e_desc, f_desc, buf, batch, coord_b, row0, q_start, first_head, heads, lo, n_blocks, it,
+            seqlen_q, stats, offs, BLOCK: gl.constexpr, STAGES: gl.constexpr, STATS_IN_RING: gl.constexpr,
+            TRANSPOSED: gl.constexpr):
     """One tile's streamed pairs: n_blocks blocks from row lo (of the sequence that starts at
     row ``row0`` of TMA batch entry ``coord_b``) of each of ``heads`` heads from ``first_head``,
     the first into the ring's slot of block ``it``; returns the next block's count.  Their
@@ -296,10 +308,18 @@ def _stream(c_desc, d_desc, buf, batch, coord_b, row0, q_start, first_head, head
                 async_copy.async_copy_global_to_shared(stats.delta_smem.index(slot), stats.DELTA + at,
                                                        mask=rows < seqlen_q)
                 async_copy.mbarrier_arrive(buf.ring_ready.index(slot))
-            mbarrier.expect(buf.ring_ready.index(slot), c_desc.block_type.nbytes + d_desc.block_type.nbytes)
+            if TRANSPOSED:
+                mbarrier.expect(buf.ring_ready.index(slot), c_desc.block_type.nbytes + d_desc.block_type.nbytes
+                                + e_desc.block_type.nbytes + f_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(buf.ring_ready.index(slot), c_desc.block_type.nbytes + d_desc.block_type.nbytes)
             coord = [coord_b, row0 + lo + i * BLOCK, first_head + g, 0]
             tma.async_copy_global_to_shared(c_desc, coord, buf.ring_ready.index(slot), buf.c.index(slot))
             tma.async_copy_global_to_shared(d_desc, coord, buf.ring_ready.index(slot), buf.d.index(slot))
+            if TRANSPOSED:
+                coord_t = [coord_b, first_head + g, 0, row0 + lo + i * BLOCK]
+                tma.async_copy_global_to_shared(e_desc, coord_t, buf.ring_ready.index(slot), buf.e.index(slot))
+                tma.async_copy_global_to_shared(f_desc, coord_t, buf.ring_ready.index(slot), buf.f.index(slot))
             it += 1
     return it
 
@@ -314,11 +334,12 @@ def _add_dq(dq, staging, dq_desc, batch, m0, head):
 
 
 @gluon.constexpr_function
-def _wgmma_layout(columns, row_groups, col_groups):
+def _wgmma_layout(columns, row_groups, col_groups, k=16):
     """The accumulator layout of a consumer partition's tile of ``columns`` columns: its
-    warpgroups stack ``row_groups`` 64-row slices, or take 1/``col_groups`` of the columns each."""
+    warpgroups stack ``row_groups`` 64-row slices, or take 1/``col_groups`` of the columns each;
+    ``k``: what one MMA instruction reduces over (32 bytes of its operands' type)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * row_groups, col_groups],
-                                     instr_shape=[16, columns // col_groups, 16])
+                                     instr_shape=[16, columns // col_groups, k])
 
 
 @gluon.jit
@@ -778,7 +799,8 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
     gl.static_assert(not (DROPOUT and ONE_PARTITION), "dropout: the two passes up to d128")
     dropped = (SEED, dropout_p)
     # The stationary pair is K and V, the streamed one Q and dO.
-    buf = PassBuffers.allocate(k_desc, v_desc, q_desc, do_desc, STAGES, 1 if ONE_PARTITION else 2, SLOTS)
+    buf = PassBuffers.allocate(k_desc, v_desc, q_desc, do_desc, q_desc, do_desc, STAGES, 1 if ONE_PARTITION else 2,
+                               SLOTS, False)
     if VARLEN:  # the packed list's length, written on the device
         num_tiles = gl.load(COUNT) * heads_k
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
@@ -794,8 +816,8 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
             (_kv_consumers_split_d, (buf, walk, stats, dk_desc, dv_desc, ds_smem, p_smem, softmax_scale, scale_log2,
                                      score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, PERSISTENT, SCORE,
                                      HEAD_DIM_V_PAD, QK_LANES)),
-            (_producer, (k_desc, v_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M, STAGES, True,
-                         False, PERSISTENT, DYNAMIC)),
+            (_producer, (k_desc, v_desc, q_desc, do_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M,
+                         STAGES, True, False, PERSISTENT, DYNAMIC, False)),
         ], [1], [PRODUCER_REGS])
     else:
         # lse and D of each streamed block, in the ring beside it (SPLIT_D's: _kv_consumers_split_d).
@@ -811,8 +833,8 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
                 (_kv_consumers_shared_scores, (buf, walk, stats, dk_desc, dv_desc, p_smem, ds_smem, staging, dq_desc,
                                                softmax_scale, scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD,
                                                STAGES, PERSISTENT, SCORE)),
-                (_producer, (k_desc, v_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M, STAGES,
-                             True, True, PERSISTENT, DYNAMIC)),
+                (_producer, (k_desc, v_desc, q_desc, do_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N,
+                             BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, False)),
             ], [1], [PRODUCER_REGS])
         elif DQ_REDUCE:
             # dS^T of both warpgroups and the fp32 dQ block the TMA reduce reads, two buffers each.
@@ -822,8 +844,8 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
                 (_kv_consumer, (0, 2, buf, walk, stats, dk_desc, dv_desc, ds_smem, dq_smem, dq_desc, packed_grads,
                                 softmax_scale, scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
                                 True, PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
-                (_producer, (k_desc, v_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M, STAGES,
-                             True, True, PERSISTENT, DYNAMIC)),
+                (_producer, (k_desc, v_desc, q_desc, do_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N,
+                             BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, False)),
             ], [1], [PRODUCER_REGS])
         else:  # (buf.a stands for the buffers only DQ_REDUCE reads)
             gl.warp_specialize([
@@ -833,8 +855,8 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
                 (_kv_consumer, (1, 1, buf, walk, stats, dk_desc, dv_desc, buf.a, buf.a, dq_desc, packed_grads,
                                 softmax_scale, scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
                                 False, PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
-                (_producer, (k_desc, v_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M, STAGES,
-                             True, True, PERSISTENT, DYNAMIC)),
+                (_producer, (k_desc, v_desc, q_desc, do_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N,
+                             BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, False)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -1023,7 +1045,8 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
     dropped = (SEED, dropout_p)
     # With SPLIT_D both consumer warpgroups are one partition; else each is its own.  The
     # stationary pair is Q and dO, the streamed one K and V.
-    buf = PassBuffers.allocate(q_desc, do_desc, k_desc, v_desc, STAGES, 1 if SPLIT_D else 2, SLOTS)
+    buf = PassBuffers.allocate(q_desc, do_desc, k_desc, v_desc, k_desc, v_desc, STAGES, 1 if SPLIT_D else 2, SLOTS,
+                               False)
     if VARLEN:  # the packed list's length, written on the device
         num_tiles = gl.load(COUNT) * heads_q
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
@@ -1038,8 +1061,8 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
             (_dq_consumers, (0, buf, walk, stats, delta_in, ds_smem, dq_desc, packed_grads, softmax_scale,
                              scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE,
                              SPLIT_D, PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, buf, walk, stats, counter, BLOCK_M, BLOCK_N, STAGES, False,
-                         False, PERSISTENT, DYNAMIC)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, k_desc, v_desc, buf, walk, stats, counter, BLOCK_M, BLOCK_N,
+                         STAGES, False, False, PERSISTENT, DYNAMIC, False)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -1049,8 +1072,8 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
             (_dq_consumers, (1, buf, walk, stats, delta_in, buf.a, dq_desc, packed_grads, softmax_scale, scale_log2,
                              score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D,
                              PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, buf, walk, stats, counter, BLOCK_M, BLOCK_N, STAGES, False,
-                         False, PERSISTENT, DYNAMIC)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, k_desc, v_desc, buf, walk, stats, counter, BLOCK_M, BLOCK_N,
+                         STAGES, False, False, PERSISTENT, DYNAMIC, False)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -1061,15 +1084,20 @@ def backward(plan, p, dout, dlse, q, k, v, out, lse, saved):
     dq_reduce = plan.kernel == "v3-gluon-reduce"
     if dq_reduce:
         _check_single_pass(p)
-    # Everything but the tensors' addresses fixes the launches' arguments: the tensors TMA reads
-    # are aligned (ready), the gradients fresh; out, lse and dlse come from outside: their alignment.
-    kind = (plan.config, dq_reduce, q.dtype, q.stride(), k.stride(), v.stride(), dout.stride(), out.stride(),
-            lse.stride(), tuple(x.data_ptr() % 16 == 0 for x in (out, lse)),
-            None if dlse is None else dlse.data_ptr() % 16 == 0, q.device.index)
-    launches = _backward_launches(p, *kind)
+    launches = kept_launches(p, plan.config, dq_reduce, dout, dlse, q, k, v, out, lse)
     if dq_reduce:
         return _single_pass(launches, p, dout, dlse, q, k, v, out, lse)
     return _two_passes(launches, p, dout, dlse, q, k, v, out, lse)
+
+
+def kept_launches(p, cfg, dq_reduce, dout, dlse, q, k, v, out, lse) -> "_BackwardLaunches":
+    """The passes' launches for this kind of call (q, k, v and dout aligned for TMA: ``ready``)."""
+    # Everything but the tensors' addresses fixes the launches' arguments: the tensors TMA reads
+    # are aligned (ready), the gradients fresh; out, lse and dlse come from outside: their alignment.
+    kind = (cfg, dq_reduce, q.dtype, q.stride(), k.stride(), v.stride(), dout.stride(), out.stride(),
+            lse.stride(), tuple(x.data_ptr() % 16 == 0 for x in (out, lse)),
+            None if dlse is None else dlse.data_ptr() % 16 == 0, q.device.index)
+    return _backward_launches(p, *kind)
 
 
 class PassTiles(NamedTuple):
@@ -1104,10 +1132,18 @@ def _packed_views(p, *tensors):
 
 def _two_passes(launches, p, dout, dlse, q, k, v, out, lse):
     dq, dk, dv = p.gradients(q, k, v)
+    delta = launch_dq(launches.dq, p, dout, dlse, q, k, v, out, lse, dq)
+    # D, written by the dQ pass, is read here: launched after it on the same stream.
+    _launch_dkdv(launches.dkdv, p, q, k, v, dout, lse, delta, dk, dv, None)
+    return dq, dk, dv
+
+
+def launch_dq(dq_pass, p, dout, dlse, q, k, v, out, lse, dq):
+    """The dQ pass into ``dq``; returns D = rowsum(dO * O) - dlse, which it writes for the dK/dV
+    pass (launched after it on the same stream)."""
     delta = torch.empty_like(lse)
     q4, k4, v4, dout4, dq4 = _packed_views(p, q, k, v, dout, dq)
     cu_q, cu_k = p.cu_pointers(q.device)
-    dq_pass = launches.dq
     walked = dq_pass.walked(p, q.device)
     specs = dq_pass.specs
     dq_pass.launch(
@@ -1117,9 +1153,7 @@ def _two_passes(launches, p, dout, dlse, q, k, v, out, lse):
         *p.row_stat_strides(lse), *dq_pass.walk,
         dq_pass.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles, walked.listed,
         walked.m_blocks, dq, dq.stride(-3), dq.stride(-2), dropout.seed_argument(p, cu_q), p.dropout_p)
-    # D, written by the dQ pass, is read here: launched after it on the same stream.
-    _launch_dkdv(launches.dkdv, p, q, k, v, dout, lse, delta, dk, dv, None)
-    return dq, dk, dv
+    return delta
 
 
 def _check_single_pass(p):

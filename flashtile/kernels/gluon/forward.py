@@ -56,6 +56,7 @@ from flashtile.kernels import configs, dropout, packed_tiles, score
 from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile
 from flashtile.kernels.configs import WARPGROUP_ROWS
+from flashtile.kernels.gluon import float8
 from flashtile.kernels.gluon.pipeline import lanes_product
 from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter,
                                                packed_tile, publish_tile, read_next_tile, read_tile, sm_count,
@@ -531,43 +532,18 @@ def _values(buf, slot, S: gl.constexpr):
 def _p_operand(p, dtype: gl.constexpr, layout: gl.constexpr, FP8: gl.constexpr):
     """P as O += P V's register operand (_issue_values takes it).  Float8 P takes its keys in the
     order V's copy holds them (kernels/keys_contiguous.py), so that the change of layout moves no
-    value between threads, and is kept four keys to an int32 until its MMA (_float8_operand)."""
+    value between threads, and is kept four keys to an int32 until its MMA (float8.py)."""
     if FP8:
-        ROWS: gl.constexpr = p.shape[0]
-        KEYS: gl.constexpr = p.shape[1]
-        p = p.reshape([ROWS, KEYS // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([ROWS, KEYS])
-        p = gl.convert_layout(p, layout).reshape([ROWS, KEYS // 4, 2, 2])
-        even, odd = gl.split(p)
-        k0, k2 = gl.split(even)
-        k1, k3 = gl.split(odd)
-        if dtype == gl.float8e5:
-            cvt: gl.constexpr = "cvt.rn.satfinite.e5m2x2.f32"
-        else:
-            cvt: gl.constexpr = "cvt.rn.satfinite.e4m3x2.f32"
-        return gl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; " + cvt + " lo, $2, $1; " + cvt + " hi, $4, $3; mov.b32 $0, {lo, hi}; }",
-            "=r,r,r,r,r", [k0, k1, k2, k3], dtype=gl.int32, is_pure=True, pack=1)
+        return float8.packed_operand(p, dtype, layout)
     else:
         return gl.convert_layout(p.to(dtype), layout)
-
-
-@gluon.jit
-def _float8_operand(packed, dtype: gl.constexpr, layout: gl.constexpr):
-    """_p_operand's packed float8 P as the MMA's register operand."""
-    b0 = packed.to(gl.int8)
-    b1 = (packed >> 8).to(gl.int8)
-    b2 = (packed >> 16).to(gl.int8)
-    b3 = (packed >> 24).to(gl.int8)
-    x = gl.join(gl.join(b0, b2), gl.join(b1, b3))
-    x = x.reshape([x.shape[0], x.shape[1] * 4]).to(dtype, bitcast=True)
-    return gl.convert_layout(x, layout)
 
 
 @gluon.jit
 def _issue_values(p_op, v, acc, o_zero, S: gl.constexpr):
     """Start O += P V; with FRESH_PV the product goes to a zeroed accumulator (_add_values)."""
     if S.FP8:
-        p_op = _float8_operand(p_op, v.dtype, gl.DotOperandLayout(operand_index=0, parent=acc.type.layout,
+        p_op = float8.register_operand(p_op, v.dtype, gl.DotOperandLayout(operand_index=0, parent=acc.type.layout,
                                                                    k_width=4))
     if S.FRESH_PV:
         return warpgroup_mma(p_op, v, o_zero, use_acc=False, is_async=True)
@@ -595,7 +571,7 @@ def _add_values(acc, pv, alpha, alpha_prev, v_unit, v_pv, v_next, FRESH_PV: gl.c
 @gluon.jit
 def _wait_values(pv, p_op):
     """Wait for the P V product; P's registers (read by it in flight) are kept alive up to here.
-    Float8 P is tied as the packed int32 that _float8_operand unpacks into the MMA's operand
+    Float8 P is tied as the packed int32 that float8.register_operand unpacks into the MMA's operand
     (the same registers once the compiler folds the unpacking; ptxas keeps an asynchronous MMA's
     registers until its wait either way)."""
     pv, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
