@@ -17,16 +17,14 @@ and the two Gluon backward passes (batched, without dropout), else v2's kernels.
 With dropout (kernels/dropout.py) the Gluon forward where it runs (else v2's) and v2's
 backward (the Gluon two passes when the options ask for them).  FP8 inputs run the Gluon
 forward where it takes the problem, else v2's; their backward (fp8_attn_func's FP8 backward)
-is v2's in its FP8 mode, or when the options ask for the Gluon backward (backward=gluon or
-gluon-fp8; not yet measured against it) the Gluon dQ pass on their dequantized copies and the
-float8 Gluon dK/dV pass.
+is v2's in its FP8 mode, or with backward=gluon-fp8 (not yet measured against it) the two
+Gluon passes on float8 MMAs.
 Backward kernels:
   "tiled", "v1", "v2"   as above
   "v3-gluon"     two warp-specialized Gluon passes, dQ then dK/dV, bitwise reproducible
                  (kernels/gluon/backward.py); packed sequences only when kernel options force it
   "v3-gluon-reduce"  one K/V-stationary Gluon pass adding dQ by TMA reduce-add (FlashAttention-3's)
-  "v3-gluon-fp8" FP8 inputs: the dQ pass on their dequantized copies, then a dK/dV pass on
-                 float8 MMAs (kernels/gluon/backward_fp8.py)
+  "v3-gluon-fp8" FP8 inputs: the two passes on float8 MMAs (kernels/gluon/backward_fp8.py)
 
 ``decode_plan`` does the same for queries against a KV cache (the split-KV kernel of
 kernels/decode.py, flash_attn_with_kvcache).
@@ -232,7 +230,7 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
     if version == "v1":
         return _v1_plan(p, target, opts, "bwd")
     gluon = _gluon_backward_takes(p, target, opts)
-    if p.fp8 and version != "v2" and gluon and opts.backward in ("gluon", "gluon-fp8"):
+    if p.fp8 and version != "v2" and gluon and opts.backward == "gluon-fp8":
         cfg = gluon_backward_config(p, opts, False)
         if _fp8_gluon_backward_takes(p, cfg):
             return Plan("v3-gluon-fp8", cfg)
@@ -268,11 +266,15 @@ def gluon_backward_config(p, opts, reduce: bool) -> configs.GluonBackward:
 
 
 def _fp8_gluon_backward_takes(p, cfg) -> bool:
-    """Whether the float8 Gluon dK/dV pass takes FP8 problem ``p`` with tiles ``cfg``: descales
-    per block, each streamed Q block inside one of Q's, batched, one head dim up to 128 and a
-    multiple of 32 (a float8 MMA reduces over 32), no dropout."""
-    return (p.fp8_per_block and p.fp8_rows[0] % cfg.kv_block_m == 0 and not p.varlen and not p.own_head_dim_v
-            and not p.dropout and not configs.split_head_dim(p.head_dim_pad) and p.head_dim_pad % 32 == 0)
+    """Whether the float8 Gluon passes take FP8 problem ``p`` with tiles ``cfg``: descales per
+    block, each block a pass streams (the dK/dV pass's Q and dO blocks, quantized dO's blocks
+    too; the dQ pass's K/V blocks) inside one descale block, a consumer warpgroup's 64 stationary
+    rows inside one of Q's and dO's; batched, one head dim up to 128 and a multiple of 32 (a
+    float8 MMA reduces over 32), no dropout."""
+    q_rows, kv_rows = p.fp8_rows
+    return (p.fp8_per_block and q_rows % cfg.kv_block_m == 0 and cfg.kv_block_m % configs.WARPGROUP_ROWS == 0
+            and kv_rows % cfg.dq_block_n == 0 and not p.varlen and not p.own_head_dim_v and not p.dropout
+            and not configs.split_head_dim(p.head_dim_pad) and p.head_dim_pad % 32 == 0)
 
 
 def _gluon_backward_takes(p, target, opts) -> bool:

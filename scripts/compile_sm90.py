@@ -172,15 +172,16 @@ def gluon_bwd_case(head_dim, opts, dq_pass, dq_reduce=False, persistent=True, ca
     return {**consts, **walk_constants(p)}, options, descriptor_blocks(launch.specs)
 
 
-def gluon_bwd_fp8_case(head_dim, opts, fp8, causal=False, softcap=0.0, alibi=False):
-    """The float8 dK/dV pass (gluon/backward_fp8.py) as its launch builds it (PassLaunch, 132
-    SMs, 4k tokens): descales per block of the Gluon forward's float8 tiles."""
+def gluon_bwd_fp8_case(head_dim, opts, fp8, keys, causal=False, softcap=0.0, alibi=False):
+    """A float8 pass (gluon/backward_fp8.py; ``keys``: the dK/dV pass, else the dQ pass) as its
+    launch builds it (PassLaunch, 132 SMs, 4k tokens): descales per block of the Gluon forward's
+    float8 tiles."""
     p = problem(head_dim, causal, softcap=softcap, alibi=alibi)
     rows = (configs.WARPGROUP_ROWS, configs.by_head_dim(configs.V3_GLUON_FP8, p.head_dim_pad).block_n)
     p = replace(p, fp8=True, fp8_per_block=True, fp8_rows=rows)
     cfg = dispatch.gluon_backward_config(p, opts, False)
     with mock.patch.object(gluon_bwd, "sm_count", lambda index: 132):
-        launch = gluon_bwd_fp8.PassLaunch(p, cfg, FP8_DTYPES[fp8], 0)
+        launch = gluon_bwd_fp8.PassLaunch(p, cfg, FP8_DTYPES[fp8], 0, keys)
     consts = dict(launch.constants)
     options = {name: consts.pop(name) for name in ("num_warps", "maxnreg")}
     return {**consts, **walk_constants(p)}, options, descriptor_blocks(launch.specs)
@@ -320,12 +321,14 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
                    *gluon_bwd_case(head_dim, opts, False, True, **features))
             if fp8:
                 features_fp8 = dict(softcap=softcap, alibi=alibi)
-                yield ("v3.bwd_dkdv_gluon_fp8", gluon_bwd_fp8._dkdv_kernel,
-                       *gluon_bwd_fp8_case(head_dim, opts, fp8, **features_fp8))
-                yield ("v3.bwd_dkdv_gluon_fp8_causal", gluon_bwd_fp8._dkdv_kernel,
-                       *gluon_bwd_fp8_case(head_dim, opts, fp8, causal=True, **features_fp8))
+                for keys, name, kernel in ((False, "dq", gluon_bwd_fp8._dq_kernel),
+                                           (True, "dkdv", gluon_bwd_fp8._dkdv_kernel)):
+                    yield (f"v3.bwd_{name}_gluon_fp8", kernel,
+                           *gluon_bwd_fp8_case(head_dim, opts, fp8, keys, **features_fp8))
+                    yield (f"v3.bwd_{name}_gluon_fp8_causal", kernel,
+                           *gluon_bwd_fp8_case(head_dim, opts, fp8, keys, causal=True, **features_fp8))
             yield ("v3.bwd_delta", gluon_bwd._delta_kernel, dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad,
-                   BLOCK_M=64, HAS_DLSE=False), dict(num_warps=4), None)
+                   BLOCK_M=64, HAS_DLSE=False, ZERO_DQ=True), dict(num_warps=4), None)
 
 
 def main():
@@ -363,7 +366,7 @@ def main():
                 # The FP8 backward's gradients are float32; its dQ pass reads the bf16 dO for D.
                 pointers = (dict(DQ="*fp32", DK="*fp32", DV="*fp32", **({"DO": "*bf16"} if name == "v2.bwd_dq" else {}))
                             if fp8 and name.startswith("v2.bwd") else
-                            dict(DK="*fp32", DV="*fp32") if fp8 and "_fp8" in name else None)
+                            dict(DQ="*fp32", DK="*fp32", DV="*fp32") if fp8 and "_fp8" in name else None)
                 k = compile_one(fn, args.fp8 if fp8 else "bf16", constexprs, options, descriptors, tuples, args.aligned,
                                 pointers)
             except Exception as e:  # report and go on: one broken kernel should not hide the rest

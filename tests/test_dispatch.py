@@ -400,15 +400,14 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     with pytest.raises(ValueError, match="dQ pass 16 keys"):
         backward(problem(fp8=True, fp8_per_block=True, fp8_rows=(64, 128)),
                  opts=KernelOptions.parse("tiles.v2_bwd_q=64,16,4,1"))
-    # Asked for the Gluon backward: the float8 dK/dV pass after the dQ pass, with the two
-    # passes' tiles, where each streamed Q block lies in one of Q's descale blocks; batched, one
-    # head dim up to 128; elsewhere v2's.
-    gluon = KernelOptions(backward="gluon")
+    # Asked for (backward=gluon-fp8): the two float8 Gluon passes, with the two bf16 passes'
+    # tiles, where each block a pass streams lies in one descale block; batched, one head dim up
+    # to 128; elsewhere, and with backward=gluon, v2's.
+    gluon = KernelOptions(backward="gluon-fp8")
     for head_dim in (64, 128):
-        for opts in (gluon, KernelOptions(backward="gluon-fp8")):
-            plan = backward(problem(head_dim=head_dim, fp8=True, fp8_per_block=True, fp8_rows=(64, 128)), opts=opts)
-            assert plan.kernel == "v3-gluon-fp8"
-            assert plan.config == configs.by_head_dim(configs.V3_GLUON_BWD, head_dim)
+        plan = backward(problem(head_dim=head_dim, fp8=True, fp8_per_block=True, fp8_rows=(64, 128)), opts=gluon)
+        assert plan.kernel == "v3-gluon-fp8"
+        assert plan.config == configs.by_head_dim(configs.V3_GLUON_BWD, head_dim)
     # backward=gluon-fp8 leaves other problems to the default plan (a bench's bf16 cells beside).
     for p in (problem(seqlen=4096), problem(seqlen=512), problem(seqlen=4096, dropout_p=0.1)):
         assert backward(p, opts=KernelOptions(backward="gluon-fp8")) == backward(p)
@@ -419,7 +418,8 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
                       (replace(block_fp8, cu_seqlens_q=offsets, cu_seqlens_k=offsets, total_q=1024, total_k=1024),
                        {}),
                       (block_fp8, dict(version="v2")), (block_fp8, dict(target=Target(gluon=False, interpreter=False))),
-                      (block_fp8, dict(opts=NONE))):
+                      (problem(head_dim=128, fp8=True, fp8_per_block=True, fp8_rows=(64, 32)), {}),
+                      (block_fp8, dict(opts=NONE)), (block_fp8, dict(opts=KernelOptions(backward="gluon")))):
         assert backward(other, **{"opts": gluon, **kw}).kernel == "v2"
     # The seed and the descales are no part of a plan's key.
     assert problem(dropout_p=0.1, dropout_seed=seed) == problem(dropout_p=0.1, dropout_seed=seed.clone())

@@ -361,10 +361,12 @@ def test_single_pass_delta_zeroes_the_dq_accumulator(head_dim, dlse):
     grad_lse = torch.randn_like(lse) if dlse else None
     dq_acc = torch.full((BATCH, seqlen, HEADS, head_dim), float("nan"), device=DEVICE)
     p = Problem(BATCH, HEADS, HEADS, seqlen, seqlen, head_dim, 0.1, -1, -1, None, None)
-    delta = gluon_bwd._delta(p, out, dout, grad_lse, lse, dq_acc)
+    delta = gluon_bwd.delta_of(p, out, dout, grad_lse, lse, dq_acc)
     expected = (out.float() * dout.float()).sum(-1).transpose(1, 2) - (grad_lse if dlse else 0.0)
     torch.testing.assert_close(delta, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
+    # D alone (the float8 passes'): the same rows, no accumulator
+    torch.testing.assert_close(gluon_bwd.delta_of(p, out, dout, grad_lse, lse), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 8)])

@@ -346,24 +346,30 @@ def test_gluon_fp8_forward_runs_float8_warpgroup_mmas(tmp_path, monkeypatch, fp8
 
 
 @pytest.mark.parametrize("fp8, head_dim", [("fp8e4nv", 128), ("fp8e5", 64)])
-def test_gluon_fp8_dkdv_pass_runs_float8_warpgroup_mmas(tmp_path, monkeypatch, fp8, head_dim):
-    # The float8 dK/dV pass (gluon/backward_fp8.py): its four products float8 warpgroup MMAs
-    # (k32; S^T and dP^T 64 x 64, dV and dK 64 x head dim with their first operand in
-    # registers), Q, dO and their keys-contiguous copies read by TMA, no spills in the loop.
-    compile_for_sm90(tmp_path, "v3.bwd_dkdv_gluon_fp8", head_dim, fp8=fp8, fp8_mode=2)
-    ptx = (tmp_path / f"v3.bwd_dkdv_gluon_fp8_d{head_dim}.ptx").read_text()
+@pytest.mark.parametrize("kernel", ["dq", "dkdv"])
+def test_gluon_fp8_backward_passes_run_float8_warpgroup_mmas(tmp_path, monkeypatch, fp8, head_dim, kernel):
+    # The float8 Gluon backward (gluon/backward_fp8.py): every product a float8 warpgroup MMA
+    # (k32; none bf16), the dQ pass's S, dP (64 x its key block) and dQ (64 x head dim, dS in
+    # registers), the dK/dV pass's S^T, dP^T (64 x 64), dV and dK (64 x head dim, P^T and dS^T in
+    # registers); the tensors and the keys-contiguous copies read by TMA; no spills in the loop.
+    name = f"v3.bwd_{kernel}_gluon_fp8"
+    compile_for_sm90(tmp_path, name, head_dim, fp8=fp8, fp8_mode=2)
+    ptx = (tmp_path / f"{name}_d{head_dim}.ptx").read_text()
     kind = "e4m3.e4m3" if fp8 == "fp8e4nv" else "e5m2.e5m2"
-    products = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.{kind}", ptx)
-    assert {"64", str(head_dim)} <= set(products), products
+    products = set(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.{kind}", ptx))
+    block = configs.by_head_dim(configs.V3_GLUON_BWD, head_dim).dq_block_n if kernel == "dq" else 64
+    assert products == {str(block), str(head_dim)}, products
     assert "bf16" not in " ".join(re.findall(r"wgmma\.mma_async\S*", ptx))
-    assert ptx.count("cp.async.bulk.tensor.4d.shared::cluster.global") == 6  # K, V, Q, dO, both copies
+    # Q, dO, K, V and K's copy; K, V, Q, dO and Q's and dO's copies
+    assert ptx.count("cp.async.bulk.tensor.4d.shared::cluster.global") == (5 if kernel == "dq" else 6)
     monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
     from sass_loops import hot_loops, loop_stats, sass
-    loops = hot_loops(sass((tmp_path / f"v3.bwd_dkdv_gluon_fp8_d{head_dim}.cubin").read_bytes()))
+    loops = hot_loops(sass((tmp_path / f"{name}_d{head_dim}.cubin").read_bytes()))
     assert loops
     for loop in loops:
         size, mma, spills, _ = loop_stats(loop)
-        assert mma == 2 * head_dim // 32 + 2 * 64 // 32 and spills == 0, (size, mma, spills)
+        assert mma == 2 * head_dim // 32 + (block // 32 if kernel == "dq" else 2 * 64 // 32) and spills == 0, \
+            (size, mma, spills)
 
 
 def test_sink_kernels_compile_for_sm90(tmp_path):

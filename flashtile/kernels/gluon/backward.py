@@ -90,9 +90,9 @@ _STATS_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 @aggregate
 class PassBuffers:
     """Shared memory of one pass: SLOTS buffers of the stationary pair of tiles (a, b), one per
-    tile in flight, and a ring of STAGES streamed pairs (c, d), with TRANSPOSED a second pair
-    (e, f) beside each (the float8 pass's keys-contiguous copies of c and d; else e and f are c
-    and d); mbarriers (stationary slot ready, stationary slot empty, ring slot ready, ring slot
+    tile in flight, and a ring of STAGES streamed pairs (c, d), with TRANSPOSED copies beside
+    each, the float8 passes' keys-contiguous copies e of c (TRANSPOSED 1) and f of d (2) (else e
+    and f are c and d); mbarriers (stationary slot ready, stationary slot empty, ring slot ready, ring slot
     empty; "empty" ones take one arrival from each consumer partition); the producer's tile
     numbers for the consumers (two: tile parity)."""
     a: gl.shared_memory_descriptor
@@ -129,8 +129,9 @@ class PassBuffers:
         c = gl.allocate_shared_memory(c_desc.dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
         d = gl.allocate_shared_memory(d_desc.dtype, [STAGES] + d_desc.block_type.shape, d_desc.layout)
         e, f = c, d
-        if TRANSPOSED:
+        if TRANSPOSED >= 1:
             e = gl.allocate_shared_memory(e_desc.dtype, [STAGES] + e_desc.block_type.shape, e_desc.layout)
+        if TRANSPOSED == 2:
             f = gl.allocate_shared_memory(f_desc.dtype, [STAGES] + f_desc.block_type.shape, f_desc.layout)
         stationary_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
         stationary_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
@@ -244,8 +245,8 @@ def _producer(a_desc, b_desc, c_desc, d_desc, e_desc, f_desc, buf, walk, stats, 
     one, every num_programs-th, or taken from the counter), each tile's number handed to the
     consumers: its stationary pair (a, b), ROWS rows of one head, into a free slot of its
     buffers; then the streamed pairs (c, d), BLOCK rows at a time, over the band of the
-    stationary rows, through the STAGES-slot ring (TRANSPOSED: with the blocks of (e, f), c's and
-    d's keys-contiguous copies, (batch, heads, head dim, rows), beside them).  KEY_ROWS (the
+    stationary rows, through the STAGES-slot ring (with TRANSPOSED of their keys-contiguous copies,
+    (batch, heads, head dim, rows), beside them: e's, and with 2 f's; PassBuffers).  KEY_ROWS (the
     dK/dV pass): the stationary rows are key rows of a K/V head, and every query head of its
     group streams by; else one query head's rows, against its K/V head's blocks."""
     num_tiles, group = walk.num_tiles, walk.group
@@ -308,17 +309,21 @@ def _stream(c_desc, d_desc, e_desc, f_desc, buf, batch, coord_b, row0, q_start, 
                 async_copy.async_copy_global_to_shared(stats.delta_smem.index(slot), stats.DELTA + at,
                                                        mask=rows < seqlen_q)
                 async_copy.mbarrier_arrive(buf.ring_ready.index(slot))
-            if TRANSPOSED:
+            if TRANSPOSED == 2:
                 mbarrier.expect(buf.ring_ready.index(slot), c_desc.block_type.nbytes + d_desc.block_type.nbytes
                                 + e_desc.block_type.nbytes + f_desc.block_type.nbytes)
+            elif TRANSPOSED == 1:
+                mbarrier.expect(buf.ring_ready.index(slot), c_desc.block_type.nbytes + d_desc.block_type.nbytes
+                                + e_desc.block_type.nbytes)
             else:
                 mbarrier.expect(buf.ring_ready.index(slot), c_desc.block_type.nbytes + d_desc.block_type.nbytes)
             coord = [coord_b, row0 + lo + i * BLOCK, first_head + g, 0]
             tma.async_copy_global_to_shared(c_desc, coord, buf.ring_ready.index(slot), buf.c.index(slot))
             tma.async_copy_global_to_shared(d_desc, coord, buf.ring_ready.index(slot), buf.d.index(slot))
-            if TRANSPOSED:
-                coord_t = [coord_b, first_head + g, 0, row0 + lo + i * BLOCK]
+            coord_t = [coord_b, first_head + g, 0, row0 + lo + i * BLOCK]
+            if TRANSPOSED >= 1:
                 tma.async_copy_global_to_shared(e_desc, coord_t, buf.ring_ready.index(slot), buf.e.index(slot))
+            if TRANSPOSED == 2:
                 tma.async_copy_global_to_shared(f_desc, coord_t, buf.ring_ready.index(slot), buf.f.index(slot))
             it += 1
     return it
@@ -414,11 +419,12 @@ def _probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, scale_log2, site, SCORE: g
 
 
 @gluon.jit
-def _ds_t(pT_ds, dpT, delta, rows_k, m0, band, seqlen_q, ROW_BOUNDS: gl.constexpr):
-    """dS^T = P^T f' (dP^T - D), with respect to the scaled scores (``pT_ds``: P^T f', _probs_t);
-    a pair outside the band adds nothing, even where dP^T or D is not finite (a masked key's V,
-    or the row's output, holding inf)."""
-    return _in_band_t(pT_ds * (dpT - delta[None, :]), rows_k, m0, band, seqlen_q, ROW_BOUNDS)
+def _ds_t(pT_ds, dpT, delta, rows_k, m0, band, seqlen_q, dp_scale, ROW_BOUNDS: gl.constexpr):
+    """dS^T = P^T f' (dP^T - D), with respect to the scaled scores (``pT_ds``: P^T f', _probs_t;
+    dP^T the product times ``dp_scale``: 1, or the float8 pass's descales per key row); a pair
+    outside the band adds nothing, even where dP^T or D is not finite (a masked key's V, or the
+    row's output, holding inf)."""
+    return _in_band_t(pT_ds * (dpT * dp_scale - delta[None, :]), rows_k, m0, band, seqlen_q, ROW_BOUNDS)
 
 
 @gluon.jit
@@ -487,7 +493,7 @@ def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, k
     dpT = warpgroup_mma_wait(1, deps=[dpT])
     if DROPOUT:
         dpT = gl.where(keptT, dpT * (1.0 / (1.0 - drop[2])), 0.0)
-    dsT = _ds_t(pT_ds, dpT, delta, rows_k, m0, band, seqlen_q, True).to(q.dtype)
+    dsT = _ds_t(pT_ds, dpT, delta, rows_k, m0, band, seqlen_q, 1.0, True).to(q.dtype)
     dsT_op = gl.convert_layout(dsT, op_layout)
     dk = warpgroup_mma(dsT_op, q, dk, is_async=True)
     return dk, dv, dsT, pT_op, dsT_op
@@ -689,7 +695,7 @@ def _kv_consumers_split_d(bufs, walk, row_stats, dk_desc, dv_desc, ds_smem, p_sm
                 dpT = warpgroup_mma_wait(0, deps=[dpT])
                 buf = it % 2
                 p_smem.index(buf).store(pT.to(dtype))
-                dsT = _ds_t(pT_ds, dpT, delta, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, True)
+                dsT = _ds_t(pT_ds, dpT, delta, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, 1.0, True)
                 ds_smem.index(buf).store(dsT.to(dtype))
                 fence_async_shared()
                 gl.thread_barrier()  # both warpgroups' halves of P^T and dS^T written
@@ -758,7 +764,7 @@ def _kv_consumers_shared_scores(buf, walk, stats, dk_desc, dv_desc, p_smem, ds_s
                 p_smem.store(pT.to(dtype))
                 delta = delta_smem.index(slot).load(cols_layout)
                 dpT = warpgroup_mma_wait(0, deps=[dpT])
-                dsT = _ds_t(pT_ds, dpT, delta, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, False)
+                dsT = _ds_t(pT_ds, dpT, delta, rows_k, m0, (dlo, dhi, full_lo, full_hi), seqlen_q, 1.0, False)
                 ds_smem.store(dsT.to(dtype))
                 fence_async_shared()
                 tma.store_wait(0)  # the previous block's reduce has read the staging buffer
@@ -800,7 +806,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
     dropped = (SEED, dropout_p)
     # The stationary pair is K and V, the streamed one Q and dO.
     buf = PassBuffers.allocate(k_desc, v_desc, q_desc, do_desc, q_desc, do_desc, STAGES, 1 if ONE_PARTITION else 2,
-                               SLOTS, False)
+                               SLOTS, 0)
     if VARLEN:  # the packed list's length, written on the device
         num_tiles = gl.load(COUNT) * heads_k
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
@@ -817,7 +823,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
                                      score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, PERSISTENT, SCORE,
                                      HEAD_DIM_V_PAD, QK_LANES)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M,
-                         STAGES, True, False, PERSISTENT, DYNAMIC, False)),
+                         STAGES, True, False, PERSISTENT, DYNAMIC, 0)),
         ], [1], [PRODUCER_REGS])
     else:
         # lse and D of each streamed block, in the ring beside it (SPLIT_D's: _kv_consumers_split_d).
@@ -834,7 +840,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
                                                softmax_scale, scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD,
                                                STAGES, PERSISTENT, SCORE)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N,
-                             BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, False)),
+                             BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, 0)),
             ], [1], [PRODUCER_REGS])
         elif DQ_REDUCE:
             # dS^T of both warpgroups and the fp32 dQ block the TMA reduce reads, two buffers each.
@@ -845,7 +851,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
                                 softmax_scale, scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
                                 True, PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N,
-                             BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, False)),
+                             BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, 0)),
             ], [1], [PRODUCER_REGS])
         else:  # (buf.a stands for the buffers only DQ_REDUCE reads)
             gl.warp_specialize([
@@ -856,7 +862,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
                                 softmax_scale, scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
                                 False, PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N,
-                             BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, False)),
+                             BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, 0)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -922,11 +928,12 @@ def _probs(s, lse, rows, q0, n0, band, seqlen_k, scale_log2, site, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _ds(p_ds, dp, delta, n0, band):
-    """dS = P f' (dP - D), with respect to the scaled scores (``p_ds``: P f', _probs); where the
-    block crosses an edge of the band, a pair of probability 0 (outside it) adds nothing, even
-    where dP or D is not finite."""
-    ds = p_ds * (dp - delta[:, None])
+def _ds(p_ds, dp, delta, n0, band, dp_scale):
+    """dS = P f' (dP - D), with respect to the scaled scores (``p_ds``: P f', _probs; dP the
+    product times ``dp_scale``: 1, or the float8 pass's descales); where the block crosses an
+    edge of the band, a pair of probability 0 (outside it) adds nothing, even where dP or D is
+    not finite."""
+    ds = p_ds * (dp * dp_scale - delta[:, None])
     dlo, dhi, full_lo, full_hi = band
     if (n0 < full_lo) | (n0 >= full_hi):
         ds = gl.where(p_ds == 0.0, 0.0, ds)
@@ -940,6 +947,20 @@ def _store_dq(dq, q, q_smem, dq_desc, batch, m0, head, softmax_scale):
     fence_async_shared()
     tma.async_copy_shared_to_global(dq_desc, [batch, m0, head, 0], q_smem)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _q_tile(t, tile_i, walk, q_smem, do_smem, WHICH: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
+            HEAD_DIM_PAD: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr):
+    """Tile ``t`` of the dQ pass (BLOCK_M query rows), the CTA's ``tile_i``-th: (batch, head, first
+    row, its sequence (PassWalk.tile), its stationary slot, the Q block there, and the first row,
+    Q and dO of consumer WHICH's ROWS rows)."""
+    batch, head, m0, seq = walk.tile(t, BLOCK_M, False)
+    q_slot = buffer_of(tile_i, q_smem.shape[0])[0]
+    q_block = q_smem.index(q_slot)
+    q = q_block.reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
+    do = do_smem.index(q_slot).reshape([BLOCK_M, HEAD_DIM_V_PAD]).slice(WHICH * ROWS, ROWS)
+    return batch, head, m0, seq, q_slot, q_block, m0 + WHICH * ROWS, q, do
 
 
 @gluon.jit
@@ -974,13 +995,9 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
     tile_i = 0
     t = read_tile(tile_ids, tile_i, q_ready, SLOTS)  # the tile's Q and dO landed
     while t < num_tiles:
-        batch, head, m0, seq = walk.tile(t, BLOCK_M, False)
+        batch, head, m0, seq, q_slot, q_block, r0, q, do = _q_tile(t, tile_i, walk, q_smem, do_smem, WHICH, ROWS,
+                                                                   BLOCK_M, HEAD_DIM_PAD, HEAD_DIM_V_PAD)
         coord_b, q_start, k_start, seqlen_q, seqlen_k = seq
-        q_slot = buffer_of(tile_i, SLOTS)[0]
-        q_block = q_smem.index(q_slot)
-        r0 = m0 + WHICH * ROWS
-        q = q_block.reshape([BLOCK_M, HEAD_DIM_PAD]).slice(WHICH * ROWS, ROWS)
-        do = do_smem.index(q_slot).reshape([BLOCK_M, HEAD_DIM_V_PAD]).slice(WHICH * ROWS, ROWS)
         rows, lse, delta = _dq_row_stats(O, sob, sos, soh, head_dim_v, LSE, DLSE, DELTA, slb, slh, batch, head,
                                          r0, seqlen_q, q_start, do, gl.SliceLayout(1, s_layout), ROWS, HEAD_DIM_V_PAD,
                                          HAS_DLSE, 8 if SPLIT_D else 4)
@@ -1001,7 +1018,7 @@ def _dq_consumers(WHICH: gl.constexpr, bufs, walk, row_stats, delta_in, ds_smem,
             if DROPOUT:
                 kept = dropout.kept_mma(drop[0], drop[1], rows, n0, drop[2], BLOCK_N, s_layout)
                 dp = gl.where(kept, dp * (1.0 / (1.0 - drop[2])), 0.0)
-            ds = _ds(p_ds, dp, delta, n0, (dlo, dhi, full_lo, full_hi)).to(dtype)
+            ds = _ds(p_ds, dp, delta, n0, (dlo, dhi, full_lo, full_hi), 1.0).to(dtype)
             if SPLIT_D:
                 buf = j % 2
                 ds_smem.index(buf).store(ds)
@@ -1046,7 +1063,7 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
     # With SPLIT_D both consumer warpgroups are one partition; else each is its own.  The
     # stationary pair is Q and dO, the streamed one K and V.
     buf = PassBuffers.allocate(q_desc, do_desc, k_desc, v_desc, k_desc, v_desc, STAGES, 1 if SPLIT_D else 2, SLOTS,
-                               False)
+                               0)
     if VARLEN:  # the packed list's length, written on the device
         num_tiles = gl.load(COUNT) * heads_q
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
@@ -1062,7 +1079,7 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
                              scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE,
                              SPLIT_D, PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, k_desc, v_desc, buf, walk, stats, counter, BLOCK_M, BLOCK_N,
-                         STAGES, False, False, PERSISTENT, DYNAMIC, False)),
+                         STAGES, False, False, PERSISTENT, DYNAMIC, 0)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -1073,7 +1090,7 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
                              score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D,
                              PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, k_desc, v_desc, buf, walk, stats, counter, BLOCK_M, BLOCK_N,
-                         STAGES, False, False, PERSISTENT, DYNAMIC, False)),
+                         STAGES, False, False, PERSISTENT, DYNAMIC, 0)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -1166,11 +1183,11 @@ def _check_single_pass(p):
 def _single_pass(launches, p, dout, dlse, q, k, v, out, lse):
     """dq, dk, dv in one K/V-stationary pass, FlashAttention-3's: each Q block's dQ share added
     in fp32 by TMA reduce-add (summation order varies from run to run), after D = rowsum(dO * O)
-    - dlse (_delta).  Head dims up to 128 (the fp32 dQ staging of SPLIT_D's 64-row blocks does
+    - dlse (delta_of).  Head dims up to 128 (the fp32 dQ staging of SPLIT_D's 64-row blocks does
     not fit in shared memory next to its operands: _check_single_pass)."""
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    delta = _delta(p, out, dout, dlse, lse, dq_acc)
+    delta = delta_of(p, out, dout, dlse, lse, dq_acc)
     _launch_dkdv(launches.dkdv, p, q, k, v, dout, lse, delta, dk, dv, dq_acc)
     return dq_acc.to(q.dtype), dk, dv
 
@@ -1178,9 +1195,10 @@ def _single_pass(launches, p, dout, dlse, q, k, v, out, lse):
 @triton.jit
 def _delta_kernel(O, DO, DLSE, DELTA, DQACC, sob, sos, soh, sdb, sds, sdh, slb, slh, sqb, sqs, sqh, seqlen_q,
                   heads_q, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                  HAS_DLSE: tl.constexpr):
-    """D = rowsum(dO * O) - dlse for the rows of one block, before the single pass, and the
-    rows' float32 dQ accumulator zeroed for its reduce-adds (no memset launch of its own)."""
+                  HAS_DLSE: tl.constexpr, ZERO_DQ: tl.constexpr):
+    """D = rowsum(dO * O) - dlse for the rows of one block, before the single pass (or the float8
+    passes), and with ZERO_DQ the rows' float32 dQ accumulator zeroed for the single pass's
+    reduce-adds (no memset launch of its own)."""
     bh = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
     batch = (bh // heads_q).to(tl.int64)
@@ -1193,21 +1211,26 @@ def _delta_kernel(O, DO, DLSE, DELTA, DQACC, sob, sos, soh, sdb, sds, sdh, slb, 
                    rows, seqlen_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True, True)
     stat = batch * slb + head * slh + rows
     tl.store(DELTA + stat, row_delta(o, do, DLSE, stat, rows, seqlen_q, HAS_DLSE), mask=rows < seqlen_q)
-    tl.store(DQACC + batch * sqb + rows[:, None] * sqs + head * sqh + offs_d[None, :],
-             tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32),
-             mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
+    if ZERO_DQ:
+        tl.store(DQACC + batch * sqb + rows[:, None] * sqs + head * sqh + offs_d[None, :],
+                 tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32),
+                 mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
 
 
-def _delta(p, out, dout, dlse, lse, dq_acc):
-    """D = rowsum(dO * O) - dlse, for the single pass (the two passes compute it in their dQ pass),
-    and ``dq_acc`` zeroed."""
+def delta_of(p, out, dout, dlse, lse, dq_acc=None):
+    """D = rowsum(dO * O) - dlse, for the single pass and the float8 passes (the two passes
+    compute it in their dQ pass), and ``dq_acc`` zeroed where given."""
     delta = torch.empty_like(lse)
+    zero_dq = dq_acc is not None
+    if not zero_dq:
+        dq_acc = out.new_empty(0, 0, 0, dtype=torch.float32)  # (never written)
     launch(
         _delta_kernel, (p.batch * p.heads_q, p.query_blocks(64)),
         out, dout, delta if dlse is None else dlse, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1), dq_acc.stride(0),
         dq_acc.stride(1), dq_acc.stride(2), p.seqlen_q, p.heads_q,
-        HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=64, HAS_DLSE=dlse is not None, num_warps=4)
+        HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad, BLOCK_M=64, HAS_DLSE=dlse is not None, ZERO_DQ=zero_dq,
+        num_warps=4)
     return delta
 
 
