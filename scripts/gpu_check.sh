@@ -78,8 +78,9 @@ for stage in $stages; do
       # No caching allocator: an out-of-bounds access must leave the allocation to be seen.
       (rc=0
        # v3's kernels each: the Gluon and the plain-Triton forward; the Gluon backwards (two
-       # passes, one with TMA reduce-add) and v2's
-       for run in "backward=gluon v1,v2,v3,fp8" "backward=gluon-reduce v3" "forward=triton;backward=v2 v3"; do
+       # passes, one with TMA reduce-add), the float8 Gluon passes and v2's
+       for run in "backward=gluon v1,v2,v3,fp8" "backward=gluon-reduce v3" "backward=gluon-fp8 fp8" \
+                  "forward=triton;backward=v2 v3"; do
          set -- $run
          echo "kernel options: $1"
          PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck --error-exitcode 1 \
@@ -110,7 +111,8 @@ for stage in $stages; do
         --providers flashtile-v3,flashtile-v2 --baseline flashtile-v2 --repeats 2 --out "$OUT" --name fp8 2>&1 \
         | grep -v "bench:" | tee "$OUT/fp8.log" || status=1
       python -m flashtile bench --head-dims 64,128 --seqlens 4096,8192,16384 --modes bwd --dtype bf16,e4m3 \
-        --providers flashtile-v3 --repeats 2 --kernel-options backward=gluon-fp8 --out "$OUT" --name fp8_bwd_gluon \
+        --providers flashtile-v3 --baseline flashtile-v3 --repeats 2 --kernel-options backward=gluon-fp8 --out "$OUT" \
+        --name fp8_bwd_gluon --no-plots \
         2>&1 | grep -v "bench:" | tee "$OUT/fp8_bwd_gluon.log" || status=1
       python scripts/fp8_accuracy.py --out "$OUT/fp8_accuracy.json" | tee "$OUT/fp8_accuracy.md" || status=1 ;;
     train)

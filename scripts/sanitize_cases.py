@@ -4,7 +4,8 @@ Each version (v1, v2, v3) on shapes that hit every code path once: sequence leng
 block multiples (masked tails), a block-multiple length (v3's unmasked TMA path), causal with
 seqlen_q != seqlen_k, a sliding window, GQA, varlen (with offsets given as a strided view),
 softcap, ALiBi, sinks, head dims that need padding, and V with a head dim of its own; with v3,
-float8 inputs (FlashAttention-3's interface, and fp8_attn_func per block with both backwards).
+float8 inputs (FlashAttention-3's interface, and fp8_attn_func per block with both backwards:
+with ``backward=gluon-fp8`` the FP8 one on the float8 Gluon passes).
 Prints one line per case; memcheck
 reports any out-of-bounds or misaligned access.
 
@@ -84,7 +85,7 @@ def run_own_v(version, case, device, kernel_options):
         torch.cuda.synchronize()
 
 
-def run_fp8(case, device):
+def run_fp8(case, device, kernel_options):
     b, sq, sk, hq, hk, d, causal = case
     q = torch.randn(b, sq, hq, d, device=device, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(b, sk, hk, d, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -92,7 +93,7 @@ def run_fp8(case, device):
     (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x.detach(), hk, torch.float8_e4m3fn) for x in (q, k, v))
     fa3.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
     for fp8_backward in (False, True):
-        out = fp8.fp8_attn_func(q, k, v, causal=causal, fp8_backward=fp8_backward)
+        out = fp8.fp8_attn_func(q, k, v, causal=causal, fp8_backward=fp8_backward, kernel_options=kernel_options)
         out.backward(torch.randn_like(out))
     if device == "cuda":
         torch.cuda.synchronize()
@@ -133,7 +134,7 @@ def main():
                 print(f"{version} {case} own V head dim ok", flush=True)
     if "fp8" in versions:
         for case in FP8_CASES:
-            run_fp8(case, args.device)
+            run_fp8(case, args.device, args.kernel_options)
             print(f"fp8 {case} ok", flush=True)
 
 

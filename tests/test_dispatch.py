@@ -419,7 +419,8 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
                        {}),
                       (block_fp8, dict(version="v2")), (block_fp8, dict(target=Target(gluon=False, interpreter=False))),
                       (problem(head_dim=128, fp8=True, fp8_per_block=True, fp8_rows=(64, 32)), {}),
-                      (block_fp8, dict(opts=NONE)), (block_fp8, dict(opts=KernelOptions(backward="gluon")))):
+                      (block_fp8, dict(opts=NONE)), (block_fp8, dict(opts=KernelOptions(backward="gluon"))),
+                      (block_fp8, dict(opts=KernelOptions.parse("backward=gluon-fp8;tiles.v3_gluon_bwd=64,16,2")))):
         assert backward(other, **{"opts": gluon, **kw}).kernel == "v2"
     # The seed and the descales are no part of a plan's key.
     assert problem(dropout_p=0.1, dropout_seed=seed) == problem(dropout_p=0.1, dropout_seed=seed.clone())

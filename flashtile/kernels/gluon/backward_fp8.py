@@ -115,6 +115,11 @@ class Float8Scales:
         return gl.load(at), gl.load(at + self.sgt)
 
     @gluon.jit
+    def do_descale(self, batch, head, m0, DO_ROWS: gl.constexpr):
+        """dO's descale of the block of query rows from m0."""
+        return gl.load(self.do_at + batch * self.sgb + head * self.sgh + m0 // DO_ROWS)
+
+    @gluon.jit
     def do_bound(self, batch, head_k):
         """The largest dO descale of the KV head's query heads: dV's unit, over 2^8."""
         return gl.load(self.bound + batch * self.heads_k + head_k)
@@ -141,9 +146,10 @@ def _running_unit_operand(x, scale, unit, acc, dtype: gl.constexpr, op_layout: g
 @gluon.jit
 def _store_scaled(acc, unit, factor, PTR, batch, row0, rows_left, head, sgb, sgs, sgh, head_dim):
     """A gradient in its running ``unit`` (per row) times ``factor``, in float32 by pointer
-    (backward._store_rows: rows from row0, the first ``rows_left`` of them)."""
-    rows_unit = gl.convert_layout(unit * factor, gl.SliceLayout(1, acc.type.layout))
-    bwd._store_rows(acc * rows_unit[:, None], PTR + batch.to(gl.int64) * sgb, row0, rows_left, head, sgs, sgh,
+    (backward._store_rows: rows from row0, the first ``rows_left`` of them); the unit first, so
+    that a unit near float32's smallest normal is not taken below it."""
+    rows_unit = gl.convert_layout(unit, gl.SliceLayout(1, acc.type.layout))
+    bwd._store_rows(acc * rows_unit[:, None] * factor, PTR + batch.to(gl.int64) * sgb, row0, rows_left, head, sgs, sgh,
                     head_dim)
 
 
@@ -328,8 +334,10 @@ def _dq_consumer(WHICH: gl.constexpr, buf, walk, stats, scales, grads, softmax_s
         lse = gl.load(stats.LSE + at, mask=rows < seqlen_q, other=float("inf")) * LOG2E
         delta = gl.load(stats.DELTA + at, mask=rows < seqlen_q, other=0.0)
         head_k = head // group
-        scale = scale_log2 * scales.query_block(batch, head, r0, Q_ROWS)
-        do_scale = scales.do_block(batch, head, r0, DO_ROWS)[0]
+        # (a consumer whose rows all lie past the sequence reads the last block's)
+        last = gl.minimum(r0, seqlen_q - 1)
+        scale = scale_log2 * scales.query_block(batch, head, last, Q_ROWS)
+        do_scale = scales.do_descale(batch, head, last, DO_ROWS)
         site = (batch, head, seqlen_k - seqlen_q, score_args)
         dq = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
         dq_unit = gl.zeros([ROWS], gl.float32, rows_layout)
