@@ -273,8 +273,9 @@ def _fp8_gluon_backward_takes(p, cfg) -> bool:
     float8 MMA reduces over 32), the head dim up to 128; no dropout."""
     q_rows, kv_rows = p.fp8_rows
     return (p.fp8_per_block and q_rows % cfg.kv_block_m == 0 and cfg.kv_block_m % configs.WARPGROUP_ROWS == 0
-            and kv_rows % cfg.dq_block_n == 0 and cfg.dq_block_n % 32 == 0 and not p.varlen and not p.own_head_dim_v and not p.dropout
-            and not configs.split_head_dim(p.head_dim_pad) and p.head_dim_pad % 32 == 0)
+            and kv_rows % cfg.dq_block_n == 0 and cfg.dq_block_n % 32 == 0 and not p.varlen
+            and not p.own_head_dim_v and not p.dropout and not configs.split_head_dim(p.head_dim_pad)
+            and p.head_dim_pad % 32 == 0)
 
 
 def _gluon_backward_takes(p, target, opts) -> bool:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from flashtile import dispatch, ops, options, validation
 from flashtile import sinks as attention_sinks
 from flashtile.kernels.configs import WARPGROUP_ROWS
-from flashtile.kernels.quantize import blocks as fused_quantize_blocks, dequantize
+from flashtile.kernels.quantize import blocks as fused_quantize_blocks
 from flashtile.kernels.problem import Problem, cdiv
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -118,6 +118,14 @@ def _quantized(q, k, v, dtype, per_block, tiles, incoherent):
     descale[1, :, :k.shape[2], :kd.shape[-1]] = kd
     descale[2, :, :k.shape[2], :vd.shape[-1]] = vd
     return q8, k8, v8, descale
+
+
+def dequantize(x8, descale, rows: int, dtype):
+    """x8 (batch, seqlen, heads, d) in float8 times its descales (batch, heads or more, blocks),
+    one per ``rows`` rows of a head, in ``dtype``."""
+    block = torch.arange(x8.shape[1], device=x8.device) // rows
+    per_row = descale[:, :x8.shape[2]].transpose(1, 2)[:, block]  # (batch, seqlen, heads)
+    return (x8.float() * per_row[..., None]).to(dtype)
 
 
 class _FP8Attention(torch.autograd.Function):

@@ -72,11 +72,3 @@ def blocks(x, rows: int, dtype, fp8_max: float, signs=None):
                HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, ROTATE=signs is not None, UPCAST=options.interpreting(),
                num_warps=4 if rows * head_dim_pad <= 8192 else 8)
     return out, descale
-
-
-def dequantize(x8, descale, rows: int, dtype):
-    """x8 (batch, seqlen, heads, d) in float8 times its descales (batch, heads or more, blocks),
-    one per ``rows`` rows of a head, in ``dtype``."""
-    block = torch.arange(x8.shape[1], device=x8.device) // rows
-    per_row = descale[:, :x8.shape[2]].transpose(1, 2)[:, block]  # (batch, seqlen, heads)
-    return (x8.float() * per_row[..., None]).to(dtype)

@@ -92,9 +92,9 @@ class PassBuffers:
     """Shared memory of one pass: SLOTS buffers of the stationary pair of tiles (a, b), one per
     tile in flight, and a ring of STAGES streamed pairs (c, d), with TRANSPOSED copies beside
     each, the float8 passes' keys-contiguous copies e of c (TRANSPOSED 1) and f of d (2) (else e
-    and f are c and d); mbarriers (stationary slot ready, stationary slot empty, ring slot ready, ring slot
-    empty; "empty" ones take one arrival from each consumer partition); the producer's tile
-    numbers for the consumers (two: tile parity)."""
+    and f are c and d); mbarriers (stationary slot ready, stationary slot empty, ring slot
+    ready, ring slot empty; "empty" ones take one arrival from each consumer partition); the
+    producer's tile numbers for the consumers (two: tile parity)."""
     a: gl.shared_memory_descriptor
     b: gl.shared_memory_descriptor
     c: gl.shared_memory_descriptor
@@ -309,14 +309,10 @@ def _stream(c_desc, d_desc, e_desc, f_desc, buf, batch, coord_b, row0, q_start, 
                 async_copy.async_copy_global_to_shared(stats.delta_smem.index(slot), stats.DELTA + at,
                                                        mask=rows < seqlen_q)
                 async_copy.mbarrier_arrive(buf.ring_ready.index(slot))
-            if TRANSPOSED == 2:
-                mbarrier.expect(buf.ring_ready.index(slot), c_desc.block_type.nbytes + d_desc.block_type.nbytes
-                                + e_desc.block_type.nbytes + f_desc.block_type.nbytes)
-            elif TRANSPOSED == 1:
-                mbarrier.expect(buf.ring_ready.index(slot), c_desc.block_type.nbytes + d_desc.block_type.nbytes
-                                + e_desc.block_type.nbytes)
-            else:
-                mbarrier.expect(buf.ring_ready.index(slot), c_desc.block_type.nbytes + d_desc.block_type.nbytes)
+            nbytes: gl.constexpr = (c_desc.block_type.nbytes + d_desc.block_type.nbytes
+                                    + (e_desc.block_type.nbytes if TRANSPOSED >= 1 else 0)
+                                    + (f_desc.block_type.nbytes if TRANSPOSED == 2 else 0))
+            mbarrier.expect(buf.ring_ready.index(slot), nbytes)
             coord = [coord_b, row0 + lo + i * BLOCK, first_head + g, 0]
             tma.async_copy_global_to_shared(c_desc, coord, buf.ring_ready.index(slot), buf.c.index(slot))
             tma.async_copy_global_to_shared(d_desc, coord, buf.ring_ready.index(slot), buf.d.index(slot))
@@ -1101,20 +1097,15 @@ def backward(plan, p, dout, dlse, q, k, v, out, lse, saved):
     dq_reduce = plan.kernel == "v3-gluon-reduce"
     if dq_reduce:
         _check_single_pass(p)
-    launches = kept_launches(p, plan.config, dq_reduce, dout, dlse, q, k, v, out, lse)
+    # Everything but the tensors' addresses fixes the launches' arguments: the tensors TMA reads
+    # are aligned (ready), the gradients fresh; out, lse and dlse come from outside: their alignment.
+    kind = (plan.config, dq_reduce, q.dtype, q.stride(), k.stride(), v.stride(), dout.stride(), out.stride(),
+            lse.stride(), tuple(x.data_ptr() % 16 == 0 for x in (out, lse)),
+            None if dlse is None else dlse.data_ptr() % 16 == 0, q.device.index)
+    launches = _backward_launches(p, *kind)
     if dq_reduce:
         return _single_pass(launches, p, dout, dlse, q, k, v, out, lse)
     return _two_passes(launches, p, dout, dlse, q, k, v, out, lse)
-
-
-def kept_launches(p, cfg, dq_reduce, dout, dlse, q, k, v, out, lse) -> "_BackwardLaunches":
-    """The passes' launches for this kind of call (q, k, v and dout aligned for TMA: ``ready``)."""
-    # Everything but the tensors' addresses fixes the launches' arguments: the tensors TMA reads
-    # are aligned (ready), the gradients fresh; out, lse and dlse come from outside: their alignment.
-    kind = (cfg, dq_reduce, q.dtype, q.stride(), k.stride(), v.stride(), dout.stride(), out.stride(),
-            lse.stride(), tuple(x.data_ptr() % 16 == 0 for x in (out, lse)),
-            None if dlse is None else dlse.data_ptr() % 16 == 0, q.device.index)
-    return _backward_launches(p, *kind)
 
 
 class PassTiles(NamedTuple):
@@ -1149,18 +1140,10 @@ def _packed_views(p, *tensors):
 
 def _two_passes(launches, p, dout, dlse, q, k, v, out, lse):
     dq, dk, dv = p.gradients(q, k, v)
-    delta = launch_dq(launches.dq, p, dout, dlse, q, k, v, out, lse, dq)
-    # D, written by the dQ pass, is read here: launched after it on the same stream.
-    _launch_dkdv(launches.dkdv, p, q, k, v, dout, lse, delta, dk, dv, None)
-    return dq, dk, dv
-
-
-def launch_dq(dq_pass, p, dout, dlse, q, k, v, out, lse, dq):
-    """The dQ pass into ``dq``; returns D = rowsum(dO * O) - dlse, which it writes for the dK/dV
-    pass (launched after it on the same stream)."""
     delta = torch.empty_like(lse)
     q4, k4, v4, dout4, dq4 = _packed_views(p, q, k, v, dout, dq)
     cu_q, cu_k = p.cu_pointers(q.device)
+    dq_pass = launches.dq
     walked = dq_pass.walked(p, q.device)
     specs = dq_pass.specs
     dq_pass.launch(
@@ -1170,7 +1153,9 @@ def launch_dq(dq_pass, p, dout, dlse, q, k, v, out, lse, dq):
         *p.row_stat_strides(lse), *dq_pass.walk,
         dq_pass.counter(lse.device), score.args_of(p), cu_q, cu_k, p.totals, walked.tiles, walked.listed,
         walked.m_blocks, dq, dq.stride(-3), dq.stride(-2), dropout.seed_argument(p, cu_q), p.dropout_p)
-    return delta
+    # D, written by the dQ pass, is read here: launched after it on the same stream.
+    _launch_dkdv(launches.dkdv, p, q, k, v, dout, lse, delta, dk, dv, None)
+    return dq, dk, dv
 
 
 def _check_single_pass(p):
