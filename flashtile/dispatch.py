@@ -17,8 +17,8 @@ and the two Gluon backward passes (batched, without dropout), else v2's kernels.
 With dropout (kernels/dropout.py) the Gluon forward where it runs (else v2's) and v2's
 backward (the Gluon two passes when the options ask for them).  FP8 inputs run the Gluon
 forward where it takes the problem, else v2's; their backward (fp8_attn_func's FP8 backward)
-is v2's in its FP8 mode, or with backward=gluon-fp8 (not yet measured against it) the two
-Gluon passes on float8 MMAs.
+the two Gluon passes on float8 MMAs where they take the problem, else (or with backward=v2)
+v2's kernels in their FP8 mode.
 Backward kernels:
   "tiled", "v1", "v2"   as above
   "v3-gluon"     two warp-specialized Gluon passes, dQ then dK/dV, bitwise reproducible
@@ -230,11 +230,11 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
     if version == "v1":
         return _v1_plan(p, target, opts, "bwd")
     gluon = _gluon_backward_takes(p, target, opts)
-    if p.fp8 and version != "v2" and gluon and opts.backward == "gluon-fp8":
+    if p.fp8 and version != "v2" and gluon and opts.backward != "v2":
         cfg = gluon_backward_config(p, opts, False)
         if _fp8_gluon_backward_takes(p, cfg):
             return Plan("v3-gluon-fp8", cfg)
-    # Float8 inputs (fp8_attn_func's FP8 backward) run v2's kernels in their FP8 mode.
+    # Float8 inputs the float8 passes do not take run v2's kernels in their FP8 mode.
     v2 = version == "v2" or p.fp8 or not gluon
     kernel = "v2" if v2 else _v3_backward_kernel(p, opts)
     if kernel == "v2":

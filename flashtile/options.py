@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass, field
 
 # What v3's forward and backward can be forced to run (dispatch.py says what each is);
-# "gluon-fp8" asks for the float8 Gluon backward of FP8 problems (others run as by default).
+# "gluon-fp8" names the float8 Gluon backward of FP8 problems (their default where it takes
+# them; others run as by default).
 FORWARD_KERNELS = ("gluon", "triton", "v2")
 BACKWARD_KERNELS = ("gluon", "gluon-reduce", "gluon-fp8", "v2")
 # FlashAttention-3 techniques of the Gluon kernels that an ablation can switch off.

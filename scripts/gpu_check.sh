@@ -21,9 +21,8 @@
 #           and SDPA's backends that take the pair (headdimv.*)
 #   fp8     FP8 forwards and backwards beside bf16 in one run: flashtile-v3 (and v2's forward) on bf16,
 #           e4m3 and e5m2 inputs (the backward: fp8_attn_func's FP8 backward), d64/d128/d256, causal
-#           and not, 4k-16k, 2 passes (fp8.*); the FP8 backward on the float8 Gluon dK/dV pass
-#           (backward=gluon-fp8) beside the bf16 backward, d64/d128 (fp8_bwd_gluon.*); FlashAttention-3's accuracy
-#           protocol, RMSE against float64 (fp8_accuracy.json, .md: scripts/fp8_accuracy.py)
+#           and not, 4k-16k, 2 passes (fp8.*); FlashAttention-3's accuracy protocol, RMSE against
+#           float64 (fp8_accuracy.json, .md: scripts/fp8_accuracy.py)
 #   train   scripts/train_llama.py: "sdpa", "flashtile" and (TRAIN_ARGS, e.g. --fp8) more, loss curves,
 #           throughput, generation (training.*)
 #   host    host time per call, flashtile against SDPA (scripts/host_time.py): HOST_ROUNDS processes (2),
@@ -78,8 +77,8 @@ for stage in $stages; do
       # No caching allocator: an out-of-bounds access must leave the allocation to be seen.
       (rc=0
        # v3's kernels each: the Gluon and the plain-Triton forward; the Gluon backwards (two
-       # passes, one with TMA reduce-add), the float8 Gluon passes and v2's
-       for run in "backward=gluon v1,v2,v3,fp8" "backward=gluon-reduce v3" "backward=gluon-fp8 fp8" \
+       # passes, one with TMA reduce-add; the float8 passes) and v2's, FP8 mode too
+       for run in "backward=gluon v1,v2,v3,fp8" "backward=gluon-reduce v3" "backward=v2 fp8" \
                   "forward=triton;backward=v2 v3"; do
          set -- $run
          echo "kernel options: $1"
@@ -110,10 +109,6 @@ for stage in $stages; do
       python -m flashtile bench --head-dims 64,128,256 --seqlens 4096,8192,16384 --modes fwd,bwd --dtype bf16,e4m3,e5m2 \
         --providers flashtile-v3,flashtile-v2 --baseline flashtile-v2 --repeats 2 --out "$OUT" --name fp8 2>&1 \
         | grep -v "bench:" | tee "$OUT/fp8.log" || status=1
-      python -m flashtile bench --head-dims 64,128 --seqlens 4096,8192,16384 --modes bwd --dtype bf16,e4m3 \
-        --providers flashtile-v3 --baseline flashtile-v3 --repeats 2 --kernel-options backward=gluon-fp8 --out "$OUT" \
-        --name fp8_bwd_gluon --no-plots \
-        2>&1 | grep -v "bench:" | tee "$OUT/fp8_bwd_gluon.log" || status=1
       python scripts/fp8_accuracy.py --out "$OUT/fp8_accuracy.json" | tee "$OUT/fp8_accuracy.md" || status=1 ;;
     train)
       python scripts/train_llama.py ${TRAIN_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/training.log" || status=1 ;;

@@ -5,7 +5,7 @@ block multiples (masked tails), a block-multiple length (v3's unmasked TMA path)
 seqlen_q != seqlen_k, a sliding window, GQA, varlen (with offsets given as a strided view),
 softcap, ALiBi, sinks, head dims that need padding, and V with a head dim of its own; with v3,
 float8 inputs (FlashAttention-3's interface, and fp8_attn_func per block with both backwards:
-with ``backward=gluon-fp8`` the FP8 one on the float8 Gluon passes).
+the FP8 one on the float8 Gluon passes, or with ``backward=v2`` on v2's kernels).
 Prints one line per case; memcheck
 reports any out-of-bounds or misaligned access.
 

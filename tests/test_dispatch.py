@@ -385,11 +385,12 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     assert all(consumers[n, -1, fp8] == (3 if n >= 2048 else 2) for n in (1024, 2048, 4096, 8192)
                for fp8 in (False, True))
     assert forward(problem()).kernel == "v3-gluon" and backward(problem()).kernel.startswith("v3-gluon")
-    # The FP8 backward (fp8_attn_func's) is v2's, its tiles within the descales' blocks: the dK/dV
-    # pass's query blocks divide Q's, the dQ pass's key blocks K's and V's.
+    # The FP8 backward (fp8_attn_func's) on v2's kernels, its tiles within the descales' blocks:
+    # the dK/dV pass's query blocks divide Q's, the dQ pass's key blocks K's and V's.
     for head_dim in (64, 128, 256):
         for rows in ((64, 128), (64, 64), (32, 32), (128, 64)):
-            plan = backward(problem(head_dim=head_dim, fp8=True, fp8_per_block=True, fp8_rows=rows))
+            plan = backward(problem(head_dim=head_dim, fp8=True, fp8_per_block=True, fp8_rows=rows),
+                            opts=KernelOptions(backward="v2"))
             kv, dq = plan.config
             assert plan.kernel == "v2" and rows[0] % kv.block_m == 0 and rows[1] % dq.block_n == 0
             plain_kv, plain_dq = backward(problem(head_dim=head_dim), version="v2").config
@@ -399,19 +400,19 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
         backward(problem(fp8=True, fp8_per_block=True, fp8_rows=(16, 64)))
     with pytest.raises(ValueError, match="dQ pass 16 keys"):
         backward(problem(fp8=True, fp8_per_block=True, fp8_rows=(64, 128)),
-                 opts=KernelOptions.parse("tiles.v2_bwd_q=64,16,4,1"))
-    # Asked for (backward=gluon-fp8): the two float8 Gluon passes, with the two bf16 passes'
-    # tiles, where each block a pass streams lies in one descale block; batched, one head dim up
-    # to 128; elsewhere, and with backward=gluon, v2's.
-    gluon = KernelOptions(backward="gluon-fp8")
-    for head_dim in (64, 128):
-        plan = backward(problem(head_dim=head_dim, fp8=True, fp8_per_block=True, fp8_rows=(64, 128)), opts=gluon)
-        assert plan.kernel == "v3-gluon-fp8"
-        assert plan.config == configs.by_head_dim(configs.V3_GLUON_BWD, head_dim)
+                 opts=KernelOptions.parse("backward=v2;tiles.v2_bwd_q=64,16,4,1"))
+    # By default (or asked for by backward=gluon-fp8): the two float8 Gluon passes, with the two
+    # bf16 passes' tiles, where each block a pass streams lies in one descale block; batched, one
+    # head dim up to 128; elsewhere, and with backward=v2, v2's.
+    block_fp8 = problem(fp8=True, fp8_per_block=True, fp8_rows=(64, 128))
+    for opts in (NONE, KernelOptions(backward="gluon-fp8"), KernelOptions(backward="gluon")):
+        for head_dim in (64, 128):
+            plan = backward(problem(head_dim=head_dim, fp8=True, fp8_per_block=True, fp8_rows=(64, 128)), opts=opts)
+            assert plan.kernel == "v3-gluon-fp8"
+            assert plan.config == configs.by_head_dim(configs.V3_GLUON_BWD, head_dim)
     # backward=gluon-fp8 leaves other problems to the default plan (a bench's bf16 cells beside).
     for p in (problem(seqlen=4096), problem(seqlen=512), problem(seqlen=4096, dropout_p=0.1)):
         assert backward(p, opts=KernelOptions(backward="gluon-fp8")) == backward(p)
-    block_fp8 = problem(fp8=True, fp8_per_block=True, fp8_rows=(64, 128))
     offsets = torch.tensor([0, 100, 1024], dtype=torch.int32)
     for other, kw in ((problem(head_dim=256, fp8=True, fp8_per_block=True, fp8_rows=(64, 64)), {}),
                       (problem(fp8=True, fp8_per_block=True, fp8_rows=(32, 128)), {}),
@@ -419,9 +420,9 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
                        {}),
                       (block_fp8, dict(version="v2")), (block_fp8, dict(target=Target(gluon=False, interpreter=False))),
                       (problem(head_dim=128, fp8=True, fp8_per_block=True, fp8_rows=(64, 32)), {}),
-                      (block_fp8, dict(opts=NONE)), (block_fp8, dict(opts=KernelOptions(backward="gluon"))),
-                      (block_fp8, dict(opts=KernelOptions.parse("backward=gluon-fp8;tiles.v3_gluon_bwd=64,16,2")))):
-        assert backward(other, **{"opts": gluon, **kw}).kernel == "v2"
+                      (block_fp8, dict(opts=KernelOptions(backward="v2"))),
+                      (block_fp8, dict(opts=KernelOptions.parse("tiles.v3_gluon_bwd=64,16,2")))):
+        assert backward(other, **kw).kernel == "v2"
     # The seed and the descales are no part of a plan's key.
     assert problem(dropout_p=0.1, dropout_seed=seed) == problem(dropout_p=0.1, dropout_seed=seed.clone())
     assert problem(dropout_p=0.1, dropout_seed=seed).holds_tensors

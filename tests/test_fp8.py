@@ -401,11 +401,13 @@ class BackwardRun:
     (False, True, 2, False, "head", 1.5, True, "")])
 def test_fp8_backward_against_emulation(fp8_backward, causal, heads_k, incoherent, scaling, softcap, zeros, tiles):
     # fp8_attn_func's backward: by default the input type's kernels on the forward's dequantized
-    # operands, with fp8_backward=True the five matmuls in float8 (v2's kernels).  The gradients
+    # operands, with fp8_backward=True the five matmuls in float8 (v2's kernels, which kernel
+    # option backward=v2 keeps on the GPU; the Gluon ones: below).  The gradients
     # with respect to those operands (rotated back) against float64, by the FA rule for
     # gradients with the emulated roundings as the same-precision reference; ``tiles``: descale
     # blocks larger than the backward's tiles.
-    run = BackwardRun(fp8_backward, causal, heads_k, incoherent, scaling, softcap, zeros, tiles)
+    options = ";".join(x for x in ("backward=v2" if fp8_backward else "", tiles) if x)
+    run = BackwardRun(fp8_backward, causal, heads_k, incoherent, scaling, softcap, zeros, options)
     if fp8_backward:
         rows = run.rows
         assert run.plan.kernel == "v2"
@@ -424,11 +426,11 @@ def test_fp8_backward_against_emulation(fp8_backward, causal, heads_k, incoheren
     (False, 2, False, "block", 0.0, False), (True, 4, True, "block", 0.0, False),
     (True, 2, False, "head", 1.5, True)])
 def test_gluon_fp8_backward_against_emulation(causal, heads_k, incoherent, scaling, softcap, zeros):
-    # fp8_backward=True with kernel option backward=gluon-fp8: the two float8 Gluon passes
+    # fp8_backward=True on the GPU: by default the two float8 Gluon passes
     # (gluon/backward_fp8.py: dO per 64-row block, dV's P^T in one unit per KV head, dS and dS^T
     # per row of the gradient in a running unit).  The same-precision reference: the float8
     # emulation (dS rounded per row of each block), which rounds otherwise: by the FA rule only.
-    run = BackwardRun(True, causal, heads_k, incoherent, scaling, softcap, zeros, "backward=gluon-fp8")
+    run = BackwardRun(True, causal, heads_k, incoherent, scaling, softcap, zeros, "")
     assert run.plan.kernel == "v3-gluon-fp8"
     cfg = run.plan.config
     run.check(run.emulated(causal, softcap, torch.float8_e4m3fn, cfg.kv_block_m, cfg.dq_block_n, cfg.kv_block_m),
