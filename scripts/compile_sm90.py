@@ -363,10 +363,11 @@ def main():
                     ("_fp8", "_fp8_causal")))
                 if fp8 and name == "v2.fwd":  # V keys-contiguous (tma.keys_contiguous)
                     constexprs = {**{k: v for k, v in constexprs.items() if k != "svd"}, "FP8": args.fp8_mode, "svs": 1}
-                # The FP8 backward's gradients are float32; its dQ pass reads the bf16 dO for D.
+                # The FP8 backward's gradients: v2's float32 (its dQ pass reads the bf16 dO for D),
+                # the float8 Gluon passes' in dO's type.
                 pointers = (dict(DQ="*fp32", DK="*fp32", DV="*fp32", **({"DO": "*bf16"} if name == "v2.bwd_dq" else {}))
                             if fp8 and name.startswith("v2.bwd") else
-                            dict(DQ="*fp32", DK="*fp32", DV="*fp32") if fp8 and "_fp8" in name else None)
+                            dict(DQ="*bf16", DK="*bf16", DV="*bf16") if fp8 and "_fp8" in name else None)
                 k = compile_one(fn, args.fp8 if fp8 else "bf16", constexprs, options, descriptors, tuples, args.aligned,
                                 pointers)
             except Exception as e:  # report and go on: one broken kernel should not hide the rest

@@ -21,7 +21,8 @@ bf16 dO and output.  Every product is a float8 MMA:
   unit, the largest row amax over the float8 type's top seen so far, the gradient rescaled when
   it grows, as the online softmax rescales O (_running_unit_operand).
 
-Batched problems up to d128 with one head dim; the gradients leave in float32 by pointer.  Gluon
+Batched problems up to d128 with one head dim; the gradients leave in dO's type by pointer
+(one rounding, at the end: no float32 copies written and read back).  Gluon
 does not run under the interpreter: the CPU suite compiles the kernels for sm_90, the GPU suite
 checks their numerics.
 """
@@ -145,7 +146,7 @@ def _running_unit_operand(x, scale, unit, acc, dtype: gl.constexpr, op_layout: g
 
 @gluon.jit
 def _store_scaled(acc, unit, factor, PTR, batch, row0, rows_left, head, sgb, sgs, sgh, head_dim):
-    """A gradient in its running ``unit`` (per row) times ``factor``, in float32 by pointer
+    """A gradient in its running ``unit`` (per row) times ``factor``, by pointer
     (backward._store_rows: rows from row0, the first ``rows_left`` of them); the unit first, so
     that a unit near float32's smallest normal is not taken below it."""
     rows_unit = gl.convert_layout(unit, gl.SliceLayout(1, acc.type.layout))
@@ -200,7 +201,7 @@ def _kv_consumer(WHICH: gl.constexpr, buf, walk, stats, scales, grads, softmax_s
                  PERSISTENT: gl.constexpr, SCORE: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr, Q_ROWS: gl.constexpr,
                  KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr):
     """dK and dV of consumer warpgroup WHICH's 64 key rows of each of the CTA's tiles, a
-    partition of its own (as backward._kv_consumer's two passes); ``grads``: dK, dV (float32),
+    partition of its own (as backward._kv_consumer's two passes); ``grads``: dK, dV (dO's type),
     their batch, row and head strides, and the head dims (Problem.head_dims)."""
     k_smem, v_smem, tile_ids = buf.a, buf.b, buf.tile_ids
     kv_ready, kv_empty = buf.stationary_ready, buf.stationary_empty
@@ -431,7 +432,7 @@ def do_factors(p, do_descale):
 
 
 def backward(plan, p, dout, dlse, q8, k8, v8, out, lse, saved):
-    """(dq, dk, dv), float32, of float8 q8, k8, v8 with descales per block (``p.fp8_descale``,
+    """(dq, dk, dv), in dout's type, of float8 q8, k8, v8 with descales per block (``p.fp8_descale``,
     ``p.fp8_rows``), with respect to their dequantized values: D, then the dQ pass, then the
     dK/dV pass."""
     cfg, device, dtype = plan.config, q8.device, q8.dtype
@@ -442,7 +443,7 @@ def backward(plan, p, dout, dlse, q8, k8, v8, out, lse, saved):
     do8, do_descale = quantize.blocks(dout, cfg.kv_block_m, dtype, torch.finfo(dtype).max)
     factors, do_bound = do_factors(p, do_descale)
     q8, k8, v8 = (tma_host.ready(x) for x in (q8, k8, v8))
-    dq, dk, dv = (torch.empty(x.shape, dtype=torch.float32, device=device) for x in (q8, k8, v8))
+    dq, dk, dv = (torch.empty(x.shape, dtype=dout.dtype, device=device) for x in (q8, k8, v8))
     descale, cu_q, cu_k = p.fp8_descale, *p.cu_pointers(device)
     scales = (descale, *descale.stride()[:3], factors, *factors.stride()[:3])
     walked = (score.args_of(p), cu_q, cu_k, p.totals, cu_q, 1)  # (the packed walk's placeholders)
