@@ -12,10 +12,9 @@ import os
 from dataclasses import dataclass, field
 
 # What v3's forward and backward can be forced to run (dispatch.py says what each is);
-# "gluon-fp8" names the float8 Gluon backward of FP8 problems (their default where it takes
-# them; others run as by default).
+# "v2" also keeps FP8 problems off the float8 Gluon passes, their default where they take them.
 FORWARD_KERNELS = ("gluon", "triton", "v2")
-BACKWARD_KERNELS = ("gluon", "gluon-reduce", "gluon-fp8", "v2")
+BACKWARD_KERNELS = ("gluon", "gluon-reduce", "v2")
 # FlashAttention-3 techniques of the Gluon kernels that an ablation can switch off.
 TECHNIQUES = ("pingpong", "overlap", "persistent", "next_q", "q_registers")
 # Tile tables an override can replace, and how many integers each takes (configs.py): block_m,

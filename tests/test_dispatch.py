@@ -401,18 +401,15 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     with pytest.raises(ValueError, match="dQ pass 16 keys"):
         backward(problem(fp8=True, fp8_per_block=True, fp8_rows=(64, 128)),
                  opts=KernelOptions.parse("backward=v2;tiles.v2_bwd_q=64,16,4,1"))
-    # By default (or asked for by backward=gluon-fp8): the two float8 Gluon passes, with the two
-    # bf16 passes' tiles, where each block a pass streams lies in one descale block; batched, one
-    # head dim up to 128; elsewhere, and with backward=v2, v2's.
+    # By default (also with backward=gluon): the two float8 Gluon passes, with the two bf16
+    # passes' tiles, where each block a pass streams lies in one descale block; batched, one head
+    # dim up to 128; elsewhere, and with backward=v2, v2's.
     block_fp8 = problem(fp8=True, fp8_per_block=True, fp8_rows=(64, 128))
-    for opts in (NONE, KernelOptions(backward="gluon-fp8"), KernelOptions(backward="gluon")):
+    for opts in (NONE, KernelOptions(backward="gluon")):
         for head_dim in (64, 128):
             plan = backward(problem(head_dim=head_dim, fp8=True, fp8_per_block=True, fp8_rows=(64, 128)), opts=opts)
             assert plan.kernel == "v3-gluon-fp8"
             assert plan.config == configs.by_head_dim(configs.V3_GLUON_BWD, head_dim)
-    # backward=gluon-fp8 leaves other problems to the default plan (a bench's bf16 cells beside).
-    for p in (problem(seqlen=4096), problem(seqlen=512), problem(seqlen=4096, dropout_p=0.1)):
-        assert backward(p, opts=KernelOptions(backward="gluon-fp8")) == backward(p)
     offsets = torch.tensor([0, 100, 1024], dtype=torch.int32)
     for other, kw in ((problem(head_dim=256, fp8=True, fp8_per_block=True, fp8_rows=(64, 64)), {}),
                       (problem(fp8=True, fp8_per_block=True, fp8_rows=(32, 128)), {}),

@@ -110,15 +110,19 @@ class Float8Scales:
         return gl.load(self.at + batch * self.sdb + head * self.sdh + m0 // Q_ROWS)
 
     @gluon.jit
+    def _do_at(self, batch, head, m0, DO_ROWS: gl.constexpr):
+        return self.do_at + batch * self.sgb + head * self.sgh + m0 // DO_ROWS
+
+    @gluon.jit
     def do_block(self, batch, head, m0, DO_ROWS: gl.constexpr):
         """(dO's descale, f) of the block of query rows from m0."""
-        at = self.do_at + batch * self.sgb + head * self.sgh + m0 // DO_ROWS
+        at = self._do_at(batch, head, m0, DO_ROWS)
         return gl.load(at), gl.load(at + self.sgt)
 
     @gluon.jit
     def do_descale(self, batch, head, m0, DO_ROWS: gl.constexpr):
         """dO's descale of the block of query rows from m0."""
-        return gl.load(self.do_at + batch * self.sgb + head * self.sgh + m0 // DO_ROWS)
+        return gl.load(self._do_at(batch, head, m0, DO_ROWS))
 
     @gluon.jit
     def do_bound(self, batch, head_k):
