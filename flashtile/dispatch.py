@@ -270,12 +270,11 @@ def _fp8_gluon_backward_takes(p, cfg) -> bool:
     block, each block a pass streams (the dK/dV pass's Q and dO blocks, quantized dO's blocks
     too; the dQ pass's K/V blocks) inside one descale block, a consumer warpgroup's 64 stationary
     rows inside one of Q's and dO's; batched, one head dim and key block a multiple of 32 (a
-    float8 MMA reduces over 32), the head dim up to 128; no dropout."""
+    float8 MMA reduces over 32); no dropout."""
     q_rows, kv_rows = p.fp8_rows
     return (p.fp8_per_block and q_rows % cfg.kv_block_m == 0 and cfg.kv_block_m % configs.WARPGROUP_ROWS == 0
             and kv_rows % cfg.dq_block_n == 0 and cfg.dq_block_n % 32 == 0 and not p.varlen
-            and not p.own_head_dim_v and not p.dropout and not configs.split_head_dim(p.head_dim_pad)
-            and p.head_dim_pad % 32 == 0)
+            and not p.own_head_dim_v and not p.dropout and p.head_dim_pad % 32 == 0)
 
 
 def _gluon_backward_takes(p, target, opts) -> bool:

@@ -172,19 +172,33 @@ def gluon_bwd_case(head_dim, opts, dq_pass, dq_reduce=False, persistent=True, ca
     return {**consts, **walk_constants(p)}, options, descriptor_blocks(launch.specs)
 
 
-def gluon_bwd_fp8_case(head_dim, opts, fp8, keys, causal=False, softcap=0.0, alibi=False):
-    """A float8 pass (gluon/backward_fp8.py; ``keys``: the dK/dV pass, else the dQ pass) as its
-    launch builds it (PassLaunch, 132 SMs, 4k tokens): descales per block of the Gluon forward's
-    float8 tiles."""
+def gluon_bwd_fp8_case(head_dim, opts, fp8, keys, causal=False, softcap=0.0, alibi=False, grads=None):
+    """A float8 pass (gluon/backward_fp8.py; ``keys``: a dK/dV pass, forming ``grads``, else the
+    dQ pass) as its launch builds it (PassLaunch, 132 SMs, 4k tokens): descales per block of the
+    Gluon forward's float8 tiles."""
     p = problem(head_dim, causal, softcap=softcap, alibi=alibi)
     rows = (configs.WARPGROUP_ROWS, configs.by_head_dim(configs.V3_GLUON_FP8, p.head_dim_pad).block_n)
     p = replace(p, fp8=True, fp8_per_block=True, fp8_rows=rows)
     cfg = dispatch.gluon_backward_config(p, opts, False)
     with mock.patch.object(gluon_bwd, "sm_count", lambda index: 132):
         launch = gluon_bwd_fp8.PassLaunch(p, cfg, FP8_DTYPES[fp8], 0, keys)
-    consts = dict(launch.constants)
+    consts = dict(launch.constants, **(dict(GRADS=grads) if keys else {}))
     options = {name: consts.pop(name) for name in ("num_warps", "maxnreg")}
     return {**consts, **walk_constants(p)}, options, descriptor_blocks(launch.specs)
+
+
+def gluon_bwd_fp8_cases(head_dim, opts, fp8, **features):
+    """(name, kernel, constants, options, descriptors) of the float8 passes, plain and causal:
+    the dQ pass, and the dK/dV pass (at d256 a dV pass and a dK pass: backward_fp8.key_passes)."""
+    pad = problem(head_dim, False).head_dim_pad
+    passes = [("dq", gluon_bwd_fp8._dq_kernel, False, None)]
+    names = {gluon_bwd_fp8.GRAD_DK.value | gluon_bwd_fp8.GRAD_DV.value: "dkdv", gluon_bwd_fp8.GRAD_DK.value: "dk",
+             gluon_bwd_fp8.GRAD_DV.value: "dv"}
+    passes += [(names[grads], gluon_bwd_fp8._dkdv_kernel, True, grads) for grads in gluon_bwd_fp8.key_passes(pad)]
+    for name, kernel, keys, grads in passes:
+        for causal, suffix in ((False, ""), (True, "_causal")):
+            yield (f"v3.bwd_{name}_gluon_fp8{suffix}", kernel,
+                   *gluon_bwd_fp8_case(head_dim, opts, fp8, keys, causal=causal, grads=grads, **features))
 
 
 def _options(cfg):
@@ -319,14 +333,9 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
             # The single pass (it does not split the head dim), after D and its zeroed dQ.
             yield ("v3.bwd_reduce_gluon", gluon_bwd._dkdv_kernel,
                    *gluon_bwd_case(head_dim, opts, False, True, **features))
-            if fp8:
-                features_fp8 = dict(softcap=softcap, alibi=alibi)
-                for keys, name, kernel in ((False, "dq", gluon_bwd_fp8._dq_kernel),
-                                           (True, "dkdv", gluon_bwd_fp8._dkdv_kernel)):
-                    yield (f"v3.bwd_{name}_gluon_fp8", kernel,
-                           *gluon_bwd_fp8_case(head_dim, opts, fp8, keys, **features_fp8))
-                    yield (f"v3.bwd_{name}_gluon_fp8_causal", kernel,
-                           *gluon_bwd_fp8_case(head_dim, opts, fp8, keys, causal=True, **features_fp8))
+        if fp8:
+            yield from gluon_bwd_fp8_cases(head_dim, opts, fp8, softcap=softcap, alibi=alibi)
+        if not configs.split_head_dim(p.head_dim_pad):
             yield ("v3.bwd_delta", gluon_bwd._delta_kernel, dict(HEAD_DIM=p.head_dim, HEAD_DIM_PAD=p.head_dim_pad,
                    BLOCK_M=64, HAS_DLSE=False, ZERO_DQ=True), dict(num_warps=4), None)
 

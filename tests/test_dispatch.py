@@ -10,6 +10,7 @@ from flashtile.dispatch import HOPPER, Plan, Target
 from flashtile.kernels import configs, tma
 from flashtile.kernels.configs import Config, GluonBackward, GluonSchedule
 from flashtile.kernels.gluon import backward as gluon_bwd
+from flashtile.kernels.gluon import backward_fp8 as gluon_bwd_fp8
 from flashtile.kernels.gluon import forward as gluon_fwd
 from flashtile.kernels.gluon import scheduler
 from flashtile.kernels.problem import Problem
@@ -403,15 +404,16 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
                  opts=KernelOptions.parse("backward=v2;tiles.v2_bwd_q=64,16,4,1"))
     # By default (also with backward=gluon): the two float8 Gluon passes, with the two bf16
     # passes' tiles, where each block a pass streams lies in one descale block; batched, one head
-    # dim up to 128; elsewhere, and with backward=v2, v2's.
+    # dim (d256 too: a dV pass and a dK pass); elsewhere, and with backward=v2, v2's.
     block_fp8 = problem(fp8=True, fp8_per_block=True, fp8_rows=(64, 128))
     for opts in (NONE, KernelOptions(backward="gluon")):
-        for head_dim in (64, 128):
+        for head_dim in (64, 128, 192, 256):
             plan = backward(problem(head_dim=head_dim, fp8=True, fp8_per_block=True, fp8_rows=(64, 128)), opts=opts)
             assert plan.kernel == "v3-gluon-fp8"
             assert plan.config == configs.by_head_dim(configs.V3_GLUON_BWD, head_dim)
     offsets = torch.tensor([0, 100, 1024], dtype=torch.int32)
-    for other, kw in ((problem(head_dim=256, fp8=True, fp8_per_block=True, fp8_rows=(64, 64)), {}),
+    assert [gluon_bwd_fp8.key_passes(pad) for pad in (64, 128, 256)] == [(3,), (3,), (2, 1)]  # dV, then dK
+    for other, kw in ((problem(head_dim=256, fp8=True, fp8_per_block=True, fp8_rows=(64, 32)), {}),
                       (problem(fp8=True, fp8_per_block=True, fp8_rows=(32, 128)), {}),
                       (replace(block_fp8, cu_seqlens_q=offsets, cu_seqlens_k=offsets, total_q=1024, total_k=1024),
                        {}),

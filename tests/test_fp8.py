@@ -327,16 +327,17 @@ class BackwardRun:
     vx), the FP8 backward's problem and plan, and the float64 oracle's gradients with respect
     to qx, kx, vx."""
 
-    def __init__(self, fp8_backward, causal, heads_k, incoherent, scaling, softcap, zeros, tiles):
+    def __init__(self, fp8_backward, causal, heads_k, incoherent, scaling, softcap, zeros, tiles,
+                 head_dim=HEAD_DIM):
         torch.manual_seed(5)
         dtype = torch.float8_e4m3fn
         seqlen_q, seqlen_k = (300, 420) if ON_GPU else (70, 90)
 
         def drawn(n, h, s):
             magnitudes = torch.linspace(0.5, 2.0, n, device=DEVICE)[:, None] * torch.arange(1, h + 1, device=DEVICE)
-            return (torch.randn(2, n, h, HEAD_DIM, device=DEVICE) * s * magnitudes[..., None] ** 0.5).bfloat16()
+            return (torch.randn(2, n, h, head_dim, device=DEVICE) * s * magnitudes[..., None] ** 0.5).bfloat16()
         q, k, v = (drawn(n, h, s) for n, h, s in ((seqlen_q, 4, 1), (seqlen_k, heads_k, 2), (seqlen_k, heads_k, 0.5)))
-        dout = torch.randn(2, seqlen_q, 4, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+        dout = torch.randn(2, seqlen_q, 4, head_dim, device=DEVICE, dtype=torch.bfloat16)
         if zeros:
             q[:, :seqlen_q // 2], k[:, -seqlen_k // 2:], dout[:, :seqlen_q // 2] = 0, 0, 0
         self.leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -347,13 +348,13 @@ class BackwardRun:
         self.dout = dout
         # The operands the kernels saw: per block, the forward's float8 blocks (quantizing is
         # deterministic; tested against PyTorch's below); per head, this file's own quantize.
-        scale = HEAD_DIM ** -0.5
+        scale = head_dim ** -0.5
         left, right = band(causal, (-1, -1), seqlen_q, seqlen_k)
         version = dispatch.resolve_version("auto", q.device)
         self.rows = rows = fp8._kernel_tiles(q, k, v, scale, left, right, softcap, None, version, tiles)
         q8, k8, v8, descale = fp8._quantized(q, k, v, dtype, True, rows, incoherent)
         if scaling == "head":
-            m = fp8.rotation(HEAD_DIM, q.device) if incoherent else None
+            m = fp8.rotation(head_dim, q.device) if incoherent else None
             self.operands = tuple(dequantized(*quantize(x.float() @ m if rotate else x, heads_k, dtype))
                                   for x, rotate in ((q, incoherent), (k, incoherent), (v, False)))
         else:
@@ -365,7 +366,7 @@ class BackwardRun:
         doubles = [x.clone().requires_grad_() for x in self.operands]
         standard_attention(*doubles, causal=causal, upcast=True, softcap=softcap).backward(dout.double())
         self.oracle = [x.grad for x in doubles]
-        self.rotation = fp8.rotation(HEAD_DIM, q.device).double() if incoherent else None
+        self.rotation = fp8.rotation(head_dim, q.device).double() if incoherent else None
 
     def emulated(self, causal, softcap, *rounding):
         """emulated_backward of these operands (``rounding``: its float8 arguments, or none)."""
@@ -422,15 +423,17 @@ def test_fp8_backward_against_emulation(fp8_backward, causal, heads_k, incoheren
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon kernels run on the GPU only")
-@pytest.mark.parametrize("causal, heads_k, incoherent, scaling, softcap, zeros", [
-    (False, 2, False, "block", 0.0, False), (True, 4, True, "block", 0.0, False),
-    (True, 2, False, "head", 1.5, True)])
-def test_gluon_fp8_backward_against_emulation(causal, heads_k, incoherent, scaling, softcap, zeros):
-    # fp8_backward=True on the GPU: by default the two float8 Gluon passes
-    # (gluon/backward_fp8.py: dO per 64-row block, dV's P^T in one unit per KV head, dS and dS^T
-    # per row of the gradient in a running unit).  The same-precision reference: the float8
-    # emulation (dS rounded per row of each block), which rounds otherwise: by the FA rule only.
-    run = BackwardRun(True, causal, heads_k, incoherent, scaling, softcap, zeros, "")
+@pytest.mark.parametrize("causal, heads_k, incoherent, scaling, softcap, zeros, head_dim", [
+    (False, 2, False, "block", 0.0, False, HEAD_DIM), (True, 4, True, "block", 0.0, False, HEAD_DIM),
+    (True, 2, False, "head", 1.5, True, HEAD_DIM), (False, 4, True, "block", 0.0, False, 256),
+    (True, 2, False, "block", 1.5, True, 256), (True, 2, False, "block", 0.0, False, 192)])
+def test_gluon_fp8_backward_against_emulation(causal, heads_k, incoherent, scaling, softcap, zeros, head_dim):
+    # fp8_backward=True on the GPU: by default the float8 Gluon passes (gluon/backward_fp8.py:
+    # dO per 64-row block, dV's P^T in one unit per KV head, dS and dS^T per row of the gradient
+    # in a running unit; above d128 a dV pass and a dK pass).  The same-precision reference: the
+    # float8 emulation (dS rounded per row of each block), which rounds otherwise: by the FA
+    # rule only.
+    run = BackwardRun(True, causal, heads_k, incoherent, scaling, softcap, zeros, "", head_dim)
     assert run.plan.kernel == "v3-gluon-fp8"
     cfg = run.plan.config
     run.check(run.emulated(causal, softcap, torch.float8_e4m3fn, cfg.kv_block_m, cfg.dq_block_n, cfg.kv_block_m),

@@ -345,13 +345,26 @@ def test_gluon_fp8_forward_runs_float8_warpgroup_mmas(tmp_path, monkeypatch, fp8
         assert mma == head_dim // 32 + block_n // 32 and spills == 0, (size, mma, spills)
 
 
-@pytest.mark.parametrize("fp8, head_dim", [("fp8e4nv", 128), ("fp8e5", 64)])
-@pytest.mark.parametrize("kernel", ["dq", "dkdv"])
+# Per float8 pass: the producer's TMA copies, (tiles whose head dim is contiguous, of which a
+# copy moves 128 bytes of a row: two at d256; keys-contiguous copies), and the loop's MMAs, k32
+# each, as functions of the head dim and the streamed block.
+FP8_PASSES = {
+    "dq": ((4, 1), lambda d, block: 2 * d // 32 + block // 32),  # Q, dO, K, V; K's copy: S, dP, dQ
+    "dkdv": ((4, 2), lambda d, block: 2 * d // 32 + 2 * block // 32),  # K, V, Q, dO; Q's, dO's: S^T, dP^T, dV, dK
+    "dv": ((3, 1), lambda d, block: d // 32 + block // 32),  # K, V, Q; dO's copy: S^T, dV
+    "dk": ((4, 1), lambda d, block: 2 * d // 32 + block // 32),  # K, V, Q, dO; Q's copy: S^T, dP^T, dK
+}
+
+
+@pytest.mark.parametrize("fp8, head_dim, kernel", [
+    ("fp8e4nv", 128, "dq"), ("fp8e4nv", 128, "dkdv"), ("fp8e5", 64, "dq"), ("fp8e5", 64, "dkdv"),
+    ("fp8e4nv", 256, "dq"), ("fp8e4nv", 256, "dv"), ("fp8e4nv", 256, "dk")])
 def test_gluon_fp8_backward_passes_run_float8_warpgroup_mmas(tmp_path, monkeypatch, fp8, head_dim, kernel):
     # The float8 Gluon backward (gluon/backward_fp8.py): every product a float8 warpgroup MMA
     # (k32; none bf16), the dQ pass's S, dP (64 x its key block) and dQ (64 x head dim, dS in
     # registers), the dK/dV pass's S^T, dP^T (64 x 64), dV and dK (64 x head dim, P^T and dS^T in
-    # registers); the tensors and the keys-contiguous copies read by TMA; no spills in the loop.
+    # registers), at d256 a dV pass (S^T, dV) and a dK pass (S^T, dP^T, dK); the tensors and the
+    # keys-contiguous copies read by TMA; no spills in the loop.
     name = f"v3.bwd_{kernel}_gluon_fp8"
     compile_for_sm90(tmp_path, name, head_dim, fp8=fp8, fp8_mode=2)
     ptx = (tmp_path / f"{name}_d{head_dim}.ptx").read_text()
@@ -360,16 +373,15 @@ def test_gluon_fp8_backward_passes_run_float8_warpgroup_mmas(tmp_path, monkeypat
     block = configs.by_head_dim(configs.V3_GLUON_BWD, head_dim).dq_block_n if kernel == "dq" else 64
     assert products == {str(block), str(head_dim)}, products
     assert "bf16" not in " ".join(re.findall(r"wgmma\.mma_async\S*", ptx))
-    # Q, dO, K, V and K's copy; K, V, Q, dO and Q's and dO's copies
-    assert ptx.count("cp.async.bulk.tensor.4d.shared::cluster.global") == (5 if kernel == "dq" else 6)
+    (wide, keys), mmas = FP8_PASSES[kernel]
+    assert ptx.count("cp.async.bulk.tensor.4d.shared::cluster.global") == wide * -(-head_dim // 128) + keys
     monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
     from sass_loops import hot_loops, loop_stats, sass
     loops = hot_loops(sass((tmp_path / f"{name}_d{head_dim}.cubin").read_bytes()))
     assert loops
     for loop in loops:
         size, mma, spills, _ = loop_stats(loop)
-        assert mma == 2 * head_dim // 32 + (block // 32 if kernel == "dq" else 2 * 64 // 32) and spills == 0, \
-            (size, mma, spills)
+        assert mma == mmas(head_dim, block) and spills == 0, (size, mma, spills)
 
 
 def test_sink_kernels_compile_for_sm90(tmp_path):

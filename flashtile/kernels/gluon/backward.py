@@ -83,6 +83,12 @@ WARPGROUP_ROWS = gl.constexpr(configs.WARPGROUP_ROWS)  # the rows of an accumula
 _SCORES_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 # Per-row statistics (lse, D) of the streamed blocks, one fp32 row per ring slot.
 _STATS_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+# Which streamed tiles ride a pass's ring (PassBuffers.allocate, _stream; c always): the pair c,
+# d the scores read, and the float8 passes' keys-contiguous copies e of c and f of d.
+RING_D = gl.constexpr(2)
+RING_E = gl.constexpr(4)
+RING_F = gl.constexpr(8)
+RING_PAIR = gl.constexpr(1 | 2)
 
 
 
@@ -90,9 +96,9 @@ _STATS_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 @aggregate
 class PassBuffers:
     """Shared memory of one pass: SLOTS buffers of the stationary pair of tiles (a, b), one per
-    tile in flight, and a ring of STAGES streamed pairs (c, d), with TRANSPOSED copies beside
-    each, the float8 passes' keys-contiguous copies e of c (TRANSPOSED 1) and f of d (2) (else e
-    and f are c and d); mbarriers (stationary slot ready, stationary slot empty, ring slot
+    tile in flight, and a ring of STAGES streamed tiles, those RING names (RING_C | RING_D ...):
+    the pair (c, d) and the float8 passes' keys-contiguous copies e of c and f of d (a tile not
+    in the ring is an alias of c, never read); mbarriers (stationary slot ready, stationary slot empty, ring slot
     ready, ring slot empty; "empty" ones take one arrival from each consumer partition); the
     producer's tile numbers for the consumers (two: tile parity)."""
     a: gl.shared_memory_descriptor
@@ -123,15 +129,16 @@ class PassBuffers:
 
     @gluon.jit
     def allocate(a_desc, b_desc, c_desc, d_desc, e_desc, f_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                 SLOTS: gl.constexpr, TRANSPOSED: gl.constexpr):
+                 SLOTS: gl.constexpr, RING: gl.constexpr):
         a = gl.allocate_shared_memory(a_desc.dtype, [SLOTS] + a_desc.block_type.shape, a_desc.layout)
         b = gl.allocate_shared_memory(b_desc.dtype, [SLOTS] + b_desc.block_type.shape, b_desc.layout)
         c = gl.allocate_shared_memory(c_desc.dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
-        d = gl.allocate_shared_memory(d_desc.dtype, [STAGES] + d_desc.block_type.shape, d_desc.layout)
-        e, f = c, d
-        if TRANSPOSED >= 1:
+        d, e, f = c, c, c
+        if RING & RING_D:
+            d = gl.allocate_shared_memory(d_desc.dtype, [STAGES] + d_desc.block_type.shape, d_desc.layout)
+        if RING & RING_E:
             e = gl.allocate_shared_memory(e_desc.dtype, [STAGES] + e_desc.block_type.shape, e_desc.layout)
-        if TRANSPOSED == 2:
+        if RING & RING_F:
             f = gl.allocate_shared_memory(f_desc.dtype, [STAGES] + f_desc.block_type.shape, f_desc.layout)
         stationary_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
         stationary_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
@@ -240,13 +247,13 @@ class DeltaInputs:
 @gluon.jit
 def _producer(a_desc, b_desc, c_desc, d_desc, e_desc, f_desc, buf, walk, stats, counter, ROWS: gl.constexpr,
               BLOCK: gl.constexpr, STAGES: gl.constexpr, KEY_ROWS: gl.constexpr, STATS_IN_RING: gl.constexpr,
-              PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, TRANSPOSED: gl.constexpr):
+              PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, RING: gl.constexpr):
     """The producer warp of either pass, over the CTA's tiles of ``walk`` (scheduler.next_tile:
     one, every num_programs-th, or taken from the counter), each tile's number handed to the
     consumers: its stationary pair (a, b), ROWS rows of one head, into a free slot of its
-    buffers; then the streamed pairs (c, d), BLOCK rows at a time, over the band of the
-    stationary rows, through the STAGES-slot ring (with TRANSPOSED of their keys-contiguous copies,
-    (batch, heads, head dim, rows), beside them: e's, and with 2 f's; PassBuffers).  KEY_ROWS (the
+    buffers; then the streamed tiles RING names (c, d and their keys-contiguous copies e, f:
+    (batch, heads, head dim, rows); PassBuffers), BLOCK rows at a time, over the band of the
+    stationary rows, through the STAGES-slot ring.  KEY_ROWS (the
     dK/dV pass): the stationary rows are key rows of a K/V head, and every query head of its
     group streams by; else one query head's rows, against its K/V head's blocks."""
     num_tiles, group = walk.num_tiles, walk.group
@@ -279,7 +286,7 @@ def _producer(a_desc, b_desc, c_desc, d_desc, e_desc, f_desc, buf, walk, stats, 
         dlo, dhi, lo, full_lo, full_hi, n_blocks = band_blocks(r0, ROWS, BLOCK, seqlen_q, seqlen_k,
                                                                walk.window_left, walk.window_right, KEY_ROWS)
         it = _stream(c_desc, d_desc, e_desc, f_desc, buf, batch, coord_b, streamed_row0, q_start, first_head,
-                     streamed_heads, lo, n_blocks, it, seqlen_q, stats, offs, BLOCK, STAGES, STATS_IN_RING, TRANSPOSED)
+                     streamed_heads, lo, n_blocks, it, seqlen_q, stats, offs, BLOCK, STAGES, STATS_IN_RING, RING)
         t = following
         tile_i += 1
     end_tiles(buf.tile_ids, tile_i, buf.stationary_ready, buf.stationary_empty, num_tiles, PERSISTENT)
@@ -288,8 +295,8 @@ def _producer(a_desc, b_desc, c_desc, d_desc, e_desc, f_desc, buf, walk, stats, 
 @gluon.jit
 def _stream(c_desc, d_desc, e_desc, f_desc, buf, batch, coord_b, row0, q_start, first_head, heads, lo, n_blocks, it,
             seqlen_q, stats, offs, BLOCK: gl.constexpr, STAGES: gl.constexpr, STATS_IN_RING: gl.constexpr,
-            TRANSPOSED: gl.constexpr):
-    """One tile's streamed pairs: n_blocks blocks from row lo (of the sequence that starts at
+            RING: gl.constexpr):
+    """One tile's streamed tiles (those RING names): n_blocks blocks from row lo (of the sequence that starts at
     row ``row0`` of TMA batch entry ``coord_b``) of each of ``heads`` heads from ``first_head``,
     the first into the ring's slot of block ``it``; returns the next block's count.  Their
     query rows' statistics from row ``q_start`` of sequence ``batch``'s."""
@@ -309,17 +316,19 @@ def _stream(c_desc, d_desc, e_desc, f_desc, buf, batch, coord_b, row0, q_start, 
                 async_copy.async_copy_global_to_shared(stats.delta_smem.index(slot), stats.DELTA + at,
                                                        mask=rows < seqlen_q)
                 async_copy.mbarrier_arrive(buf.ring_ready.index(slot))
-            nbytes: gl.constexpr = (c_desc.block_type.nbytes + d_desc.block_type.nbytes
-                                    + (e_desc.block_type.nbytes if TRANSPOSED >= 1 else 0)
-                                    + (f_desc.block_type.nbytes if TRANSPOSED == 2 else 0))
+            nbytes: gl.constexpr = (c_desc.block_type.nbytes
+                                    + (d_desc.block_type.nbytes if RING & RING_D else 0)
+                                    + (e_desc.block_type.nbytes if RING & RING_E else 0)
+                                    + (f_desc.block_type.nbytes if RING & RING_F else 0))
             mbarrier.expect(buf.ring_ready.index(slot), nbytes)
             coord = [coord_b, row0 + lo + i * BLOCK, first_head + g, 0]
             tma.async_copy_global_to_shared(c_desc, coord, buf.ring_ready.index(slot), buf.c.index(slot))
-            tma.async_copy_global_to_shared(d_desc, coord, buf.ring_ready.index(slot), buf.d.index(slot))
+            if RING & RING_D:
+                tma.async_copy_global_to_shared(d_desc, coord, buf.ring_ready.index(slot), buf.d.index(slot))
             coord_t = [coord_b, first_head + g, 0, row0 + lo + i * BLOCK]
-            if TRANSPOSED >= 1:
+            if RING & RING_E:
                 tma.async_copy_global_to_shared(e_desc, coord_t, buf.ring_ready.index(slot), buf.e.index(slot))
-            if TRANSPOSED == 2:
+            if RING & RING_F:
                 tma.async_copy_global_to_shared(f_desc, coord_t, buf.ring_ready.index(slot), buf.f.index(slot))
             it += 1
     return it
@@ -802,7 +811,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
     dropped = (SEED, dropout_p)
     # The stationary pair is K and V, the streamed one Q and dO.
     buf = PassBuffers.allocate(k_desc, v_desc, q_desc, do_desc, q_desc, do_desc, STAGES, 1 if ONE_PARTITION else 2,
-                               SLOTS, 0)
+                               SLOTS, RING_PAIR)
     if VARLEN:  # the packed list's length, written on the device
         num_tiles = gl.load(COUNT) * heads_k
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
@@ -819,7 +828,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
                                      score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, PERSISTENT, SCORE,
                                      HEAD_DIM_V_PAD, QK_LANES)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N, BLOCK_M,
-                         STAGES, True, False, PERSISTENT, DYNAMIC, 0)),
+                         STAGES, True, False, PERSISTENT, DYNAMIC, RING_PAIR)),
         ], [1], [PRODUCER_REGS])
     else:
         # lse and D of each streamed block, in the ring beside it (SPLIT_D's: _kv_consumers_split_d).
@@ -836,7 +845,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
                                                softmax_scale, scale_log2, score_args, BLOCK_M, BLOCK_N, HEAD_DIM_PAD,
                                                STAGES, PERSISTENT, SCORE)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N,
-                             BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, 0)),
+                             BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, RING_PAIR)),
             ], [1], [PRODUCER_REGS])
         elif DQ_REDUCE:
             # dS^T of both warpgroups and the fp32 dQ block the TMA reduce reads, two buffers each.
@@ -847,7 +856,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
                                 softmax_scale, scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
                                 True, PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N,
-                             BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, 0)),
+                             BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, RING_PAIR)),
             ], [1], [PRODUCER_REGS])
         else:  # (buf.a stands for the buffers only DQ_REDUCE reads)
             gl.warp_specialize([
@@ -858,7 +867,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
                                 softmax_scale, scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
                                 False, PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, q_desc, do_desc, buf, walk, stats, counter, BLOCK_N,
-                             BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, 0)),
+                             BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, RING_PAIR)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -1059,7 +1068,7 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
     # With SPLIT_D both consumer warpgroups are one partition; else each is its own.  The
     # stationary pair is Q and dO, the streamed one K and V.
     buf = PassBuffers.allocate(q_desc, do_desc, k_desc, v_desc, k_desc, v_desc, STAGES, 1 if SPLIT_D else 2, SLOTS,
-                               0)
+                               RING_PAIR)
     if VARLEN:  # the packed list's length, written on the device
         num_tiles = gl.load(COUNT) * heads_q
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
@@ -1075,7 +1084,7 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
                              scale_log2, score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE,
                              SPLIT_D, PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, k_desc, v_desc, buf, walk, stats, counter, BLOCK_M, BLOCK_N,
-                         STAGES, False, False, PERSISTENT, DYNAMIC, 0)),
+                         STAGES, False, False, PERSISTENT, DYNAMIC, RING_PAIR)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -1086,7 +1095,7 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, O, sob, sos, soh, head_
                              score_args, dropped, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES, HAS_DLSE, SPLIT_D,
                              PERSISTENT, SCORE, DROPOUT, HEAD_DIM_V_PAD, QK_LANES)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, k_desc, v_desc, buf, walk, stats, counter, BLOCK_M, BLOCK_N,
-                         STAGES, False, False, PERSISTENT, DYNAMIC, 0)),
+                         STAGES, False, False, PERSISTENT, DYNAMIC, RING_PAIR)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

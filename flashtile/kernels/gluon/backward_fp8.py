@@ -35,13 +35,19 @@ from triton.language.core import _aggregate as aggregate
 from flashtile.kernels import quantize, score
 from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks
-from flashtile.kernels.configs import gluon_bwd_stationary_rows
+from flashtile.kernels.configs import GLUON_TILE_M
 from flashtile.kernels.gluon import backward as bwd
 from flashtile.kernels.gluon import float8
-from flashtile.kernels.gluon.pipeline import release
+from flashtile.kernels.gluon.pipeline import buffer_of, lanes_product, release
 from flashtile.kernels.gluon.scheduler import read_next_tile, read_tile, value, values, Value
 from flashtile.kernels.launch import Descriptor, launch
 from flashtile.kernels.tiles import FP8_P_SCALE, LOG2E, TINY
+
+
+# The gradients a dK/dV pass forms (GRADS): both up to d128; above, where a warpgroup's
+# registers hold one of them for its 64 rows, a pass each.
+GRAD_DK = gl.constexpr(1)
+GRAD_DV = gl.constexpr(2)
 
 
 @gluon.constexpr_function
@@ -159,42 +165,71 @@ def _store_scaled(acc, unit, factor, PTR, batch, row0, rows_left, head, sgb, sgs
 
 
 @gluon.jit
+def _key_scores(k_rows, c_smem, ready, count, s_zero, ROWS: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                STAGES: gl.constexpr):
+    """The dV pass's backward._scores: streamed block ``count``'s Q tile in its ring slot, once
+    landed, and S^T of the stationary key rows against it, issued and left in flight (no dP^T:
+    dV needs P alone).  Returns the slot and S^T."""
+    slot, phase = buffer_of(count, STAGES)
+    mbarrier.wait(ready.index(slot), phase)
+    q = c_smem.index(slot).reshape([ROWS, HEAD_DIM_PAD])
+    return slot, lanes_product(k_rows, q, s_zero, HEAD_DIM_PAD)
+
+
+@gluon.jit
 def _kv_block(k_smem, v_smem, kv_slot, buf, stats, scales, dk, dv, dk_unit, s_zero, rows_k, k0, it, m0, band, batch,
               head, seqlen_q, scale_log2, site, k_scale, v_scale, op_layout: gl.constexpr,
               v_op_layout: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, SCORE: gl.constexpr,
-              HEAD_DIM_V_PAD: gl.constexpr, Q_ROWS: gl.constexpr, DO_ROWS: gl.constexpr):
+              HEAD_DIM_V_PAD: gl.constexpr, Q_ROWS: gl.constexpr, DO_ROWS: gl.constexpr, GRADS: gl.constexpr):
     """The dK/dV pass's step: one streamed Q block (query rows from m0 of ``head``, ring block
     ``it``) against the partition's ROWS key rows from ROW0 of the K/V tile in stationary slot
-    ``kv_slot``; returns dK, dV and dK's running row unit after it."""
+    ``kv_slot``; returns dK, dV and dK's running row unit after it (GRADS: those of GRAD_DK,
+    GRAD_DV it forms; the others pass through)."""
     dtype: gl.constexpr = buf.c.dtype
     s_layout: gl.constexpr = s_zero.type.layout
     if HEAD_DIM_PAD > 64:  # (as backward._kv_block: the wgmma descriptors are not held across the loop)
         kv_slot = bwd._per_iteration(kv_slot, it)
     k_rows = k_smem.index(kv_slot).reshape([BLOCK_N, HEAD_DIM_PAD]).slice(ROW0, ROWS)
-    v_rows = v_smem.index(kv_slot).reshape([BLOCK_N, HEAD_DIM_V_PAD]).slice(ROW0, ROWS)
-    slot, q, do, sT, dpT = bwd._scores(k_rows, v_rows, buf.c, buf.d, buf.ring_ready, it, s_zero, BLOCK_M,
-                                       HEAD_DIM_PAD, STAGES, HEAD_DIM_V_PAD, HEAD_DIM_PAD)
+    if GRADS & GRAD_DK:
+        v_rows = v_smem.index(kv_slot).reshape([BLOCK_N, HEAD_DIM_V_PAD]).slice(ROW0, ROWS)
+        slot, q, do, sT, dpT = bwd._scores(k_rows, v_rows, buf.c, buf.d, buf.ring_ready, it, s_zero, BLOCK_M,
+                                           HEAD_DIM_PAD, STAGES, HEAD_DIM_V_PAD, HEAD_DIM_PAD)
+        sT = warpgroup_mma_wait(1, deps=[sT])
+    else:
+        slot, sT = _key_scores(k_rows, buf.c, buf.ring_ready, it, s_zero, BLOCK_M, HEAD_DIM_PAD, STAGES)
+        sT = warpgroup_mma_wait(0, deps=[sT])
     q_scale = scales.query_block(batch, head, m0, Q_ROWS)
-    do_scale, p_factor = scales.do_block(batch, head, m0, DO_ROWS)
     lse = stats.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * LOG2E
-    sT = warpgroup_mma_wait(1, deps=[sT])
     # The dequantized scores' scale per key row: K's descale, Q's block's and the softmax's.
     pT, pT_ds = bwd._probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, (scale_log2 * q_scale * k_scale)[:, None],
                              site, SCORE, True, False)
-    # dV's operand: P^T times 2^8 x this block's dO descale over the head's largest, dV's unit.
-    pT_op = float8.packed_operand(pT * p_factor, dtype, v_op_layout)
-    do_keys = buf.f.index(slot).reshape([HEAD_DIM_V_PAD, BLOCK_M]).permute((1, 0))
-    dv = warpgroup_mma(float8.register_operand(pT_op, dtype, v_op_layout), do_keys, dv, is_async=True)
-    delta = stats.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
-    dpT = warpgroup_mma_wait(1, deps=[dpT])
-    # dS^T = P^T f' (dP^T - D), dP^T dequantized by V's descale per row and dO's block's; dK's
-    # operand dS^T times Q's block descale.
-    dsT = bwd._ds_t(pT_ds, dpT, delta, rows_k, m0, band, seqlen_q, (v_scale * do_scale)[:, None], True)
-    ds_op, dk, dk_unit = _running_unit_operand(dsT, q_scale, dk_unit, dk, dtype, op_layout)
-    q_keys = buf.e.index(slot).reshape([HEAD_DIM_PAD, BLOCK_M]).permute((1, 0))
-    dk = warpgroup_mma(float8.register_operand(ds_op, dtype, op_layout), q_keys, dk, is_async=True)
-    dv, dk, pT_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, pT_op, ds_op])
+    if GRADS & GRAD_DV:
+        # dV's operand: P^T times 2^8 x this block's dO descale over the head's largest, dV's unit.
+        do_scale, p_factor = scales.do_block(batch, head, m0, DO_ROWS)
+        pT_op = float8.packed_operand(pT * p_factor, dtype, v_op_layout)
+        do_keys = buf.f.index(slot).reshape([HEAD_DIM_V_PAD, BLOCK_M]).permute((1, 0))
+        dv = warpgroup_mma(float8.register_operand(pT_op, dtype, v_op_layout), do_keys, dv, is_async=True)
+    else:
+        do_scale = scales.do_descale(batch, head, m0, DO_ROWS)
+    if GRADS & GRAD_DK:
+        delta = stats.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        if GRADS & GRAD_DV:
+            dpT = warpgroup_mma_wait(1, deps=[dpT])
+        else:
+            dpT = warpgroup_mma_wait(0, deps=[dpT])
+        # dS^T = P^T f' (dP^T - D), dP^T dequantized by V's descale per row and dO's block's; dK's
+        # operand dS^T times Q's block descale.
+        dsT = bwd._ds_t(pT_ds, dpT, delta, rows_k, m0, band, seqlen_q, (v_scale * do_scale)[:, None], True)
+        ds_op, dk, dk_unit = _running_unit_operand(dsT, q_scale, dk_unit, dk, dtype, op_layout)
+        q_keys = buf.e.index(slot).reshape([HEAD_DIM_PAD, BLOCK_M]).permute((1, 0))
+        dk = warpgroup_mma(float8.register_operand(ds_op, dtype, op_layout), q_keys, dk, is_async=True)
+        if GRADS & GRAD_DV:
+            dv, dk, pT_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, pT_op, ds_op])
+        else:
+            dk, ds_op = warpgroup_mma_wait(0, deps=[dk, ds_op])
+    else:
+        dv, pT_op = warpgroup_mma_wait(0, deps=[dv, pT_op])
     mbarrier.arrive(buf.ring_empty.index(slot))
     return dk, dv, dk_unit
 
@@ -203,10 +238,10 @@ def _kv_block(k_smem, v_smem, kv_slot, buf, stats, scales, dk, dv, dk_unit, s_ze
 def _kv_consumer(WHICH: gl.constexpr, buf, walk, stats, scales, grads, softmax_scale, scale_log2, score_args,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr,
                  PERSISTENT: gl.constexpr, SCORE: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr, Q_ROWS: gl.constexpr,
-                 KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr):
-    """dK and dV of consumer warpgroup WHICH's 64 key rows of each of the CTA's tiles, a
-    partition of its own (as backward._kv_consumer's two passes); ``grads``: dK, dV (dO's type),
-    their batch, row and head strides, and the head dims (Problem.head_dims)."""
+                 KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr, GRADS: gl.constexpr):
+    """dK and dV (those GRADS names) of consumer warpgroup WHICH's 64 key rows of each of the
+    CTA's tiles, a partition of its own (as backward._kv_consumer's two passes); ``grads``: dK,
+    dV (dO's type), their batch, row and head strides, and the head dims (Problem.head_dims)."""
     k_smem, v_smem, tile_ids = buf.a, buf.b, buf.tile_ids
     kv_ready, kv_empty = buf.stationary_ready, buf.stationary_empty
     num_tiles, group = walk.num_tiles, walk.group
@@ -228,8 +263,9 @@ def _kv_consumer(WHICH: gl.constexpr, buf, walk, stats, scales, grads, softmax_s
         r0 = n0 + WHICH * ROWS
         rows_k = r0 + gl.arange(0, ROWS, layout=rows_layout)
         k_scale, v_scale = scales.key_rows(batch, head_k, rows_k, seqlen_k, KV_ROWS)
-        dk = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout)
-        dv = gl.zeros([ROWS, HEAD_DIM_V_PAD], gl.float32, v_acc_layout)
+        # (a gradient the pass does not form is a scalar carried along, never read)
+        dk = gl.zeros([ROWS, HEAD_DIM_PAD], gl.float32, acc_layout) if GRADS & GRAD_DK else 0.0
+        dv = gl.zeros([ROWS, HEAD_DIM_V_PAD], gl.float32, v_acc_layout) if GRADS & GRAD_DV else 0.0
         dk_unit = gl.zeros([ROWS], gl.float32, rows_layout)
         for g in range(group):
             head = head_k * group + g
@@ -239,12 +275,14 @@ def _kv_consumer(WHICH: gl.constexpr, buf, walk, stats, scales, grads, softmax_s
                                             rows_k, r0, it, lo + i * BLOCK_M, (dlo, dhi, full_lo, full_hi), batch,
                                             head, seqlen_q, scale_log2, site, k_scale, v_scale, op_layout,
                                             v_op_layout, WHICH * ROWS, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, STAGES,
-                                            SCORE, HEAD_DIM_V_PAD, Q_ROWS, DO_ROWS)
+                                            SCORE, HEAD_DIM_V_PAD, Q_ROWS, DO_ROWS, GRADS)
                 it += 1
-        _store_scaled(dk, dk_unit, softmax_scale, DK, batch, r0, seqlen_k - r0, head_k, sdkb, sdks, sdkh,
-                      head_dims & 0xFFFF)
-        bwd._store_rows(dv * (scales.do_bound(batch, head_k) / FP8_P_SCALE), DV + batch.to(gl.int64) * sdvb, r0,
-                        seqlen_k - r0, head_k, sdvs, sdvh, head_dims >> 16)
+        if GRADS & GRAD_DK:
+            _store_scaled(dk, dk_unit, softmax_scale, DK, batch, r0, seqlen_k - r0, head_k, sdkb, sdks, sdkh,
+                          head_dims & 0xFFFF)
+        if GRADS & GRAD_DV:
+            bwd._store_rows(dv * (scales.do_bound(batch, head_k) / FP8_P_SCALE), DV + batch.to(gl.int64) * sdvb, r0,
+                            seqlen_k - r0, head_k, sdvs, sdvh, head_dims >> 16)
         release(kv_empty, kv_slot)
         tile_i += 1
         t = read_next_tile(tile_ids, tile_i, kv_ready, num_tiles, SLOTS, PERSISTENT)
@@ -257,13 +295,18 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, qt_desc, dot_desc, LSE, DELTA,
                  DO_BOUND, DK, DV, sdkb, sdks, sdkh, sdvb, sdvs, sdvh, head_dims, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr,
                  PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SCORE: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr,
-                 Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr):
-    """The dK/dV pass: the stationary pair is K and V, the streamed ones Q and dO and their
-    keys-contiguous copies (qt_desc, dot_desc: (batch, heads, head dim, rows)); lse and D of
-    each streamed block ride the ring beside it.  CU_Q, CU_K, totals, TILES, m_blocks: the walk's
-    placeholders for packed sequences (never read)."""
-    gl.static_assert(HEAD_DIM_PAD <= 128, "the float8 passes take head dims up to 128")
-    buf = bwd.PassBuffers.allocate(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, STAGES, 2, SLOTS, 2)
+                 Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr, GRADS: gl.constexpr):
+    """The dK/dV pass, or (GRADS) a pass of dK or of dV alone: the stationary pair is K and V,
+    the streamed ones what the gradients read of Q, dO and their keys-contiguous copies
+    (qt_desc, dot_desc: (batch, heads, head dim, rows)); lse and D of each streamed block ride
+    the ring beside it.  CU_Q, CU_K, totals, TILES, m_blocks: the walk's placeholders for packed
+    sequences (never read)."""
+    gl.static_assert(HEAD_DIM_PAD <= 256, "the float8 passes take head dims up to 256")
+    gl.static_assert(HEAD_DIM_PAD <= 128 or GRADS != GRAD_DK | GRAD_DV, "one gradient a pass above d128")
+    # S^T reads Q (c); dV dO's copy (f); dP^T dO (d) and dK Q's copy (e).
+    RING: gl.constexpr = (1 | (bwd.RING_F if GRADS & GRAD_DV else 0)
+                          | (bwd.RING_D | bwd.RING_E if GRADS & GRAD_DK else 0))
+    buf = bwd.PassBuffers.allocate(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, STAGES, 2, SLOTS, RING)
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
     walk = bwd.PassWalk(num_tiles, heads_k, group, head_group, seqlen_q, seqlen_k, window_left, window_right, CU_Q,
                         CU_K, totals, TILES, m_blocks, False)
@@ -274,11 +317,11 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, qt_desc, dot_desc, LSE, DELTA,
     grads = (DK, DV, sdkb, sdks, sdkh, sdvb, sdvs, sdvh, head_dims)
     gl.warp_specialize([
         (_kv_consumer, (0, buf, walk, stats, scales, grads, softmax_scale, scale_log2, score_args, BLOCK_M, BLOCK_N,
-                        HEAD_DIM_PAD, STAGES, PERSISTENT, SCORE, HEAD_DIM_V_PAD, Q_ROWS, KV_ROWS, DO_ROWS)),
+                        HEAD_DIM_PAD, STAGES, PERSISTENT, SCORE, HEAD_DIM_V_PAD, Q_ROWS, KV_ROWS, DO_ROWS, GRADS)),
         (_kv_consumer, (1, buf, walk, stats, scales, grads, softmax_scale, scale_log2, score_args, BLOCK_M, BLOCK_N,
-                        HEAD_DIM_PAD, STAGES, PERSISTENT, SCORE, HEAD_DIM_V_PAD, Q_ROWS, KV_ROWS, DO_ROWS)),
+                        HEAD_DIM_PAD, STAGES, PERSISTENT, SCORE, HEAD_DIM_V_PAD, Q_ROWS, KV_ROWS, DO_ROWS, GRADS)),
         (bwd._producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, buf, walk, stats, counter, BLOCK_N,
-                         BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, 2)),
+                         BLOCK_M, STAGES, True, True, PERSISTENT, DYNAMIC, RING)),
     ], [4, 1], [bwd.CONSUMER_REGS, bwd.PRODUCER_REGS])
 
 
@@ -372,8 +415,9 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, LSE, DELTA, slb, slh, n
     """The dQ pass: the stationary pair is Q and dO, the streamed one K and V with K's
     keys-contiguous copy (kt_desc: (batch, heads_k, head dim, keys)); lse and D (delta_of) by
     pointer.  CU_Q, CU_K, totals, TILES, m_blocks: as _dkdv_kernel's."""
-    gl.static_assert(HEAD_DIM_PAD <= 128, "the float8 passes take head dims up to 128")
-    buf = bwd.PassBuffers.allocate(q_desc, do_desc, k_desc, v_desc, kt_desc, kt_desc, STAGES, 2, SLOTS, 1)
+    gl.static_assert(HEAD_DIM_PAD <= 256, "the float8 passes take head dims up to 256")
+    buf = bwd.PassBuffers.allocate(q_desc, do_desc, k_desc, v_desc, kt_desc, kt_desc, STAGES, 2, SLOTS,
+                                   bwd.RING_PAIR | bwd.RING_E)
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
     walk = bwd.PassWalk(num_tiles, heads_q, group, head_group, seqlen_q, seqlen_k, window_left, window_right, CU_Q,
                         CU_K, totals, TILES, m_blocks, False)
@@ -386,7 +430,7 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, LSE, DELTA, slb, slh, n
         (_dq_consumer, (1, buf, walk, stats, scales, grads, softmax_scale, scale_log2, score_args, BLOCK_M, BLOCK_N,
                         HEAD_DIM_PAD, STAGES, PERSISTENT, SCORE, HEAD_DIM_V_PAD, Q_ROWS, KV_ROWS, DO_ROWS)),
         (bwd._producer, (q_desc, do_desc, k_desc, v_desc, kt_desc, kt_desc, buf, walk, stats, counter, BLOCK_M,
-                         BLOCK_N, STAGES, False, False, PERSISTENT, DYNAMIC, 1)),
+                         BLOCK_N, STAGES, False, False, PERSISTENT, DYNAMIC, bwd.RING_PAIR | bwd.RING_E)),
     ], [4, 1], [bwd.CONSUMER_REGS, bwd.PRODUCER_REGS])
 
 
@@ -399,7 +443,7 @@ class PassLaunch:
     dQ pass."""
 
     def __init__(self, p, cfg, dtype, device_index, keys):
-        rows = gluon_bwd_stationary_rows(p.head_dim_pad)
+        rows = GLUON_TILE_M  # (64 a consumer warpgroup, d256 too: its passes hold one gradient each)
         q_rows, kv_rows = p.fp8_rows
         do_rows, pad = cfg.kv_block_m, p.head_dim_pad
         block = cfg.kv_block_m if keys else cfg.dq_block_n  # the streamed tensors' rows
@@ -435,10 +479,18 @@ def do_factors(p, do_descale):
     return torch.stack((do_descale, f)), bound.contiguous()
 
 
+def key_passes(head_dim_pad):
+    """The GRADS of the dK/dV passes: one pass of both up to d128, else a pass of dV, then one of
+    dK (a warpgroup's registers hold one d256 gradient of its 64 rows, not two)."""
+    if head_dim_pad <= 128:
+        return (GRAD_DK.value | GRAD_DV.value,)
+    return GRAD_DV.value, GRAD_DK.value
+
+
 def backward(plan, p, dout, dlse, q8, k8, v8, out, lse, saved):
     """(dq, dk, dv), in dout's type, of float8 q8, k8, v8 with descales per block (``p.fp8_descale``,
     ``p.fp8_rows``), with respect to their dequantized values: D, then the dQ pass, then the
-    dK/dV pass."""
+    dK/dV pass (key_passes)."""
     cfg, device, dtype = plan.config, q8.device, q8.dtype
     dq_pass = PassLaunch(p, cfg, dtype, device.index, False)
     kv_pass = PassLaunch(p, cfg, dtype, device.index, True)
@@ -460,11 +512,13 @@ def backward(plan, p, dout, dlse, q8, k8, v8, out, lse, saved):
         lse, delta, *p.row_stat_strides(lse), *dq_pass.walk, dq_pass.schedule.counter(device), *walked, *scales,
         dq, *dq.stride()[:3], p.head_dims, **dq_pass.constants)
     specs = kv_pass.specs
-    launch(
-        _dkdv_kernel, kv_pass.grid,
-        Descriptor(q8, *specs["q_desc"]), Descriptor(k8, *specs["k_desc"]), Descriptor(v8, *specs["v_desc"]),
-        Descriptor(do8, *specs["do_desc"]), Descriptor(tma_host.keys_contiguous_operand(q8), *specs["qt_desc"]),
-        Descriptor(tma_host.keys_contiguous_operand(do8), *specs["dot_desc"]), lse, delta, *p.row_stat_strides(lse),
-        *kv_pass.walk, kv_pass.schedule.counter(device), *walked, *scales, do_bound, dk, dv, *dk.stride()[:3],
-        *dv.stride()[:3], p.head_dims, **kv_pass.constants)
+    descriptors = (Descriptor(q8, *specs["q_desc"]), Descriptor(k8, *specs["k_desc"]), Descriptor(v8, *specs["v_desc"]),
+                   Descriptor(do8, *specs["do_desc"]),
+                   Descriptor(tma_host.keys_contiguous_operand(q8), *specs["qt_desc"]),
+                   Descriptor(tma_host.keys_contiguous_operand(do8), *specs["dot_desc"]))
+    for grads in key_passes(p.head_dim_pad):
+        launch(
+            _dkdv_kernel, kv_pass.grid, *descriptors, lse, delta, *p.row_stat_strides(lse), *kv_pass.walk,
+            kv_pass.schedule.counter(device), *walked, *scales, do_bound, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
+            p.head_dims, GRADS=grads, **kv_pass.constants)
     return dq, dk, dv
