@@ -21,8 +21,11 @@ bf16 dO and output.  Every product is a float8 MMA:
   unit, the largest row amax over the float8 type's top seen so far, the gradient rescaled when
   it grows, as the online softmax rescales O (_running_unit_operand).
 
-Batched problems up to d128 with one head dim; the gradients leave in dO's type by pointer
-(one rounding, at the end: no float32 copies written and read back).  Gluon
+Above d128 a consumer warpgroup's registers hold one gradient of its 64 rows, not two: the
+dK/dV kernel runs as a dV pass (S^T and dV: Q and dO's copy stream) and then a dK pass (S^T,
+dP^T and dK: Q, dO and Q's copy), 8 products a block where one pass would make 7 (key_passes).
+Batched problems with one head dim; the gradients leave in dO's type by pointer (one rounding,
+at the end: no float32 copies written and read back).  Gluon
 does not run under the interpreter: the CPU suite compiles the kernels for sm_90, the GPU suite
 checks their numerics.
 """
