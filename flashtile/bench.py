@@ -550,7 +550,8 @@ def markdown_table(records, baseline=None, failures=()):
     if not records:
         return "\n".join(["(no results)"] + failed) + "\n"
     # (records joined from several runs name each run's value: "commit a, b")
-    env = {k: ", ".join(dict.fromkeys(str(r[k]) for r in records)) for k in ("gpu", "torch", "triton", "commit", "date")}
+    env = {k: ", ".join(dict.fromkeys(str(r[k]) for r in records))
+           for k in ("gpu", "torch", "triton", "commit", "date")}
     dtypes = list(dict.fromkeys(r["dtype"] for r in records))
     float8_backward = any(r["dtype"] in FLOAT8 and r["mode"] != "fwd" for r in records)
     flops_formula = "2*b*h*sq*sk*(d + dv)" if any(r.get("dv") for r in records) else "4*b*h*sq*sk*d"

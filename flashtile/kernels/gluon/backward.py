@@ -457,6 +457,15 @@ def _store_rows(x, PTR, row0, rows_left, head, sgs, sgh, head_dim):
 
 
 @gluon.jit
+def _landed(c_smem, ready, count, ROWS: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr):
+    """Streamed tile c of block ``count``, once landed in its ring slot: (the slot, c as a 2-D
+    tile of ROWS rows)."""
+    slot, phase = buffer_of(count, STAGES)
+    mbarrier.wait(ready.index(slot), phase)
+    return slot, c_smem.index(slot).reshape([ROWS, HEAD_DIM_PAD])
+
+
+@gluon.jit
 def _scores(a, b, c_smem, d_smem, ready, count, s_zero, ROWS: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
             STAGES: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr, QK_LANES: gl.constexpr):
     """The streamed pair (c, d) of block ``count`` in its ring slot, once landed, and the
@@ -464,9 +473,7 @@ def _scores(a, b, c_smem, d_smem, ready, count, s_zero, ROWS: gl.constexpr, HEAD
     b d^T (S and dP in the dQ pass, S^T and dP^T in the dK/dV pass; c is Q or K, of Q's head
     dim, d dO or V, of V's; a c^T over the first QK_LANES lanes: pipeline.lanes_product).  Returns the
     slot, the pair as 2-D tiles of ROWS rows and the two products."""
-    slot, phase = buffer_of(count, STAGES)
-    mbarrier.wait(ready.index(slot), phase)
-    c = c_smem.index(slot).reshape([ROWS, HEAD_DIM_PAD])
+    slot, c = _landed(c_smem, ready, count, ROWS, HEAD_DIM_PAD, STAGES)
     d = d_smem.index(slot).reshape([ROWS, HEAD_DIM_V_PAD])
     s = lanes_product(a, c, s_zero, QK_LANES)
     dp = warpgroup_mma(b, d.permute((1, 0)), s_zero, use_acc=False, is_async=True)

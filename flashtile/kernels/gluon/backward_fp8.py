@@ -38,10 +38,10 @@ from triton.language.core import _aggregate as aggregate
 from flashtile.kernels import quantize, score
 from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks
-from flashtile.kernels.configs import GLUON_TILE_M
+from flashtile.kernels.configs import GLUON_TILE_M, split_head_dim
 from flashtile.kernels.gluon import backward as bwd
 from flashtile.kernels.gluon import float8
-from flashtile.kernels.gluon.pipeline import buffer_of, lanes_product, release
+from flashtile.kernels.gluon.pipeline import lanes_product, release
 from flashtile.kernels.gluon.scheduler import read_next_tile, read_tile, value, values, Value
 from flashtile.kernels.launch import Descriptor, launch
 from flashtile.kernels.tiles import FP8_P_SCALE, LOG2E, TINY
@@ -168,18 +168,6 @@ def _store_scaled(acc, unit, factor, PTR, batch, row0, rows_left, head, sgb, sgs
 
 
 @gluon.jit
-def _key_scores(k_rows, c_smem, ready, count, s_zero, ROWS: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                STAGES: gl.constexpr):
-    """The dV pass's backward._scores: streamed block ``count``'s Q tile in its ring slot, once
-    landed, and S^T of the stationary key rows against it, issued and left in flight (no dP^T:
-    dV needs P alone).  Returns the slot and S^T."""
-    slot, phase = buffer_of(count, STAGES)
-    mbarrier.wait(ready.index(slot), phase)
-    q = c_smem.index(slot).reshape([ROWS, HEAD_DIM_PAD])
-    return slot, lanes_product(k_rows, q, s_zero, HEAD_DIM_PAD)
-
-
-@gluon.jit
 def _kv_block(k_smem, v_smem, kv_slot, buf, stats, scales, dk, dv, dk_unit, s_zero, rows_k, k0, it, m0, band, batch,
               head, seqlen_q, scale_log2, site, k_scale, v_scale, op_layout: gl.constexpr,
               v_op_layout: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -200,7 +188,9 @@ def _kv_block(k_smem, v_smem, kv_slot, buf, stats, scales, dk, dv, dk_unit, s_ze
                                            HEAD_DIM_PAD, STAGES, HEAD_DIM_V_PAD, HEAD_DIM_PAD)
         sT = warpgroup_mma_wait(1, deps=[sT])
     else:
-        slot, sT = _key_scores(k_rows, buf.c, buf.ring_ready, it, s_zero, BLOCK_M, HEAD_DIM_PAD, STAGES)
+        # (no dP^T: dV needs P alone)
+        slot, q = bwd._landed(buf.c, buf.ring_ready, it, BLOCK_M, HEAD_DIM_PAD, STAGES)
+        sT = lanes_product(k_rows, q, s_zero, HEAD_DIM_PAD)
         sT = warpgroup_mma_wait(0, deps=[sT])
     q_scale = scales.query_block(batch, head, m0, Q_ROWS)
     lse = stats.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * LOG2E
@@ -485,7 +475,7 @@ def do_factors(p, do_descale):
 def key_passes(head_dim_pad):
     """The GRADS of the dK/dV passes: one pass of both up to d128, else a pass of dV, then one of
     dK (a warpgroup's registers hold one d256 gradient of its 64 rows, not two)."""
-    if head_dim_pad <= 128:
+    if not split_head_dim(head_dim_pad):
         return (GRAD_DK.value | GRAD_DV.value,)
     return GRAD_DV.value, GRAD_DK.value
 
