@@ -259,8 +259,16 @@ def gluon_backward_config(p, opts, reduce: bool) -> configs.GluonBackward:
     """The Gluon backward's tiles for ``p``: the single pass's (``reduce``) or the two passes'."""
     table = "v3_gluon_bwd_reduce" if reduce else "v3_gluon_bwd"
     override = opts.tile(table)
-    cfg = (configs.GluonBackward(*override) if override is not None else
-           configs.by_head_dim(configs.V3_GLUON_BWD_REDUCE if reduce else configs.V3_GLUON_BWD, p.head_dim_pad))
+    if override is not None:
+        cfg = configs.GluonBackward(*override)
+    elif p.fp8 and not reduce:
+        # The float8 passes' own tiles where the dQ pass's key blocks lie within the forward's
+        # descale blocks of K and V, else the bf16 passes'.
+        cfg = configs.by_head_dim(configs.V3_GLUON_BWD_FP8, p.head_dim_pad)
+        if p.fp8_rows and p.fp8_rows[1] % cfg.dq_block_n:
+            cfg = configs.by_head_dim(configs.V3_GLUON_BWD, p.head_dim_pad)
+    else:
+        cfg = configs.by_head_dim(configs.V3_GLUON_BWD_REDUCE if reduce else configs.V3_GLUON_BWD, p.head_dim_pad)
     cfg = _dropout_keys(p, cfg.dq_block_n, table, cfg)
     return replace(cfg, persistent="persistent" not in opts.ablate)
 

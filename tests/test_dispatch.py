@@ -410,7 +410,11 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
         for head_dim in (64, 128, 192, 256):
             plan = backward(problem(head_dim=head_dim, fp8=True, fp8_per_block=True, fp8_rows=(64, 128)), opts=opts)
             assert plan.kernel == "v3-gluon-fp8"
-            assert plan.config == configs.by_head_dim(configs.V3_GLUON_BWD, head_dim)
+            assert plan.config == configs.by_head_dim(configs.V3_GLUON_BWD_FP8, head_dim)
+    # The float8 dQ pass's key blocks within K's descale blocks: 128 at d128, 64 under 64-row ones.
+    assert backward(problem(fp8=True, fp8_per_block=True, fp8_rows=(64, 128))).config.dq_block_n == 128
+    plan = backward(problem(fp8=True, fp8_per_block=True, fp8_rows=(64, 64)))
+    assert plan.kernel == "v3-gluon-fp8" and plan.config.dq_block_n == 64
     offsets = torch.tensor([0, 100, 1024], dtype=torch.int32)
     assert [gluon_bwd_fp8.key_passes(pad) for pad in (64, 128, 256)] == [(3,), (3,), (2, 1)]  # dV, then dK
     for other, kw in ((problem(head_dim=256, fp8=True, fp8_per_block=True, fp8_rows=(64, 32)), {}),

@@ -370,7 +370,7 @@ def test_gluon_fp8_backward_passes_run_float8_warpgroup_mmas(tmp_path, monkeypat
     ptx = (tmp_path / f"{name}_d{head_dim}.ptx").read_text()
     kind = "e4m3.e4m3" if fp8 == "fp8e4nv" else "e5m2.e5m2"
     products = set(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.{kind}", ptx))
-    block = configs.by_head_dim(configs.V3_GLUON_BWD, head_dim).dq_block_n if kernel == "dq" else 64
+    block = configs.by_head_dim(configs.V3_GLUON_BWD_FP8, head_dim).dq_block_n if kernel == "dq" else 64
     assert products == {str(block), str(head_dim)}, products
     assert "bf16" not in " ".join(re.findall(r"wgmma\.mma_async\S*", ptx))
     (wide, keys), mmas = FP8_PASSES[kernel]

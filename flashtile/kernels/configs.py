@@ -134,6 +134,10 @@ class GluonBackward:
 # The two passes: at d64 the dQ pass streams 128-row K/V blocks; d128 has no shared memory for
 # a third ring slot; d256 takes 64-row blocks both ways.
 V3_GLUON_BWD = [(64, GluonBackward(64, 128, 3)), (128, GluonBackward(64, 64, 2)), (256, GluonBackward(64, 64, 2))]
+# The float8 passes (fp8_attn_func's FP8 backward; half the shared memory per tile): the dQ pass
+# streams 128-row K/V blocks at d128 too, where its S and dP fit in registers beside dQ.
+V3_GLUON_BWD_FP8 = [(64, GluonBackward(64, 128, 3)), (128, GluonBackward(64, 128, 2)),
+                    (256, GluonBackward(64, 64, 2))]
 # The single pass: FlashAttention-3's 128-row Q blocks at d64 (P^T and dS^T through shared
 # memory), 64-row blocks at d128.  It does not split the head dim (no d256).
 V3_GLUON_BWD_REDUCE = [(64, GluonBackward(128, 128, 2)), (128, GluonBackward(64, 64, 2))]
