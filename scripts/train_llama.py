@@ -16,9 +16,10 @@ straight through in bf16); its loss curve, final loss and throughput join the ot
    ...), median of ``--rounds`` rounds per implementation, at ``--seqlen`` and at ``--long-seqlen``;
    peak memory.
 3. Greedy generation with the KV cache: 64 new tokens from a fixed prompt on the sdpa-trained
-   weights, with each implementation; at the first differing token, the sdpa logits' margin
-   between its top two tokens, and between the two chosen tokens in the float32 model on the
-   common prefix (bf16 rounding flips a token only where that margin is tiny).
+   weights, with each implementation and with transformers' "eager" attention as a control (a
+   second exact implementation); at the first token either differs from sdpa's, the sdpa logits'
+   margin between its top two tokens, and between the two chosen tokens in the float32 model on
+   the common prefix (bf16 rounding flips a token only where that margin is tiny).
 
 Writes DIR/training.json and DIR/training.png (loss curves) and prints a Markdown summary.
 """
@@ -36,6 +37,9 @@ import flashtile.integrations.transformers  # noqa: F401  registers attn_impleme
 from flashtile import bench, fp8
 
 IMPLEMENTATIONS = ("sdpa", "flashtile")
+# Generation's control: transformers' own attention in PyTorch, a second exact implementation whose
+# greedy tokens part from sdpa's where bf16 rounding decides a near tie, as flashtile's may.
+CONTROL = "eager"
 # No "flash" in the name: transformers would take it for a FlashAttention kernel to load.
 FP8 = "fp8"
 
@@ -134,6 +138,23 @@ def generate(model, prompt, name, new_tokens):
     return out.sequences[0, prompt.shape[1]:].tolist(), [x[0].float() for x in out.logits]
 
 
+def parting(model, prompt, reference, other):
+    """Where greedy generation ``other`` ((tokens, logits), generate's) first leaves ``reference``:
+    (its index, the reference's top-2 bf16 logit margin there, the two tokens' logits apart in
+    the float32 model with sdpa on the common prefix), or (None, None, None) where they agree.
+    bf16 logits step by 2**-6 to 2**-4 at their usual magnitudes."""
+    ours, theirs = other[0], reference[0]
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if first is None:
+        return None, None, None
+    top = reference[1][first].topk(2).values
+    prefix = torch.cat([prompt, torch.tensor([theirs[:first]], device=prompt.device, dtype=prompt.dtype)], 1)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        logits = model(input_ids=prefix).logits[0, -1].float()
+    return first, float(top[0] - top[1]), float(logits[theirs[first]] - logits[ours[first]])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)
@@ -181,27 +202,19 @@ def main():
     torch.cuda.empty_cache()
     prompt = data[0][:1, :32].cuda()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        tokens = {name: generate(model, prompt, name, args.new_tokens) for name in IMPLEMENTATIONS}
-    ours, theirs = tokens["flashtile"][0], tokens["sdpa"][0]
-    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    margin = margin32 = None
-    if first is not None:
-        top = tokens["sdpa"][1][first].topk(2).values
-        margin = float(top[0] - top[1])
-        # bf16 logits step by 2**-6 to 2**-4 at their usual magnitudes: the margin between the two
-        # tokens also from the float32 model (no autocast) on the common prefix.
-        prefix = torch.cat([prompt, torch.tensor([theirs[:first]], device=prompt.device, dtype=prompt.dtype)], 1)
-        model.set_attn_implementation("sdpa")
-        with torch.no_grad():
-            logits = model(input_ids=prefix).logits[0, -1].float()
-        margin32 = float(logits[theirs[first]] - logits[ours[first]])
+        tokens = {name: generate(model, prompt, name, args.new_tokens) for name in (*IMPLEMENTATIONS, CONTROL)}
+    first, margin, margin32 = parting(model, prompt, tokens["sdpa"], tokens["flashtile"])
+    control = dict(zip(("first_difference", "sdpa_top2_margin_there", "float32_margin_there"),
+                       parting(model, prompt, tokens["sdpa"], tokens[CONTROL])))
     del model, models
     torch.cuda.empty_cache()
 
     record = dict(config=vars(args), losses=losses, final_loss=final,
                   final_loss_ratio=final["flashtile"] / final["sdpa"], throughput=speed,
-                  generation=dict(sdpa=theirs, flashtile=ours, equal=first is None, first_difference=first,
-                                  sdpa_top2_margin_there=margin, float32_margin_there=margin32),
+                  generation=dict(sdpa=tokens["sdpa"][0], flashtile=tokens["flashtile"][0], equal=first is None,
+                                  first_difference=first, sdpa_top2_margin_there=margin,
+                                  float32_margin_there=margin32, control=dict(name=CONTROL,
+                                                                              tokens=tokens[CONTROL][0], **control)),
                   **bench.environment())
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(record, f, indent=1)
@@ -228,12 +241,18 @@ def summary(record):
         lines += ["", f"FP8 attention: final loss {record['final_loss'][FP8]:.4f} (ratio to sdpa "
                       f"{record['fp8_final_loss_ratio']:.4f}); tokens/s " + ", ".join(speeds)]
     g = record["generation"]
-    lines.append("")
-    lines.append("greedy generation: " + ("identical" if g["equal"] else
-                 f"first difference at token {g['first_difference']}, sdpa top-2 logit margin there "
-                 f"{g['sdpa_top2_margin_there']:.4f} (bf16), the two tokens' logits "
-                 f"{g.get('float32_margin_there') or 0:.4f} apart in float32"))
+    lines += ["", "greedy generation against sdpa's: flashtile " + _parted(g)]
+    if "control" in g:
+        lines.append(f"  {g['control']['name']} (the control) " + _parted(g["control"]))
     return "\n".join(lines)
+
+
+def _parted(g):
+    if g["first_difference"] is None:
+        return "identical"
+    return (f"parts at token {g['first_difference']}, where sdpa's top-2 logits are "
+            f"{g['sdpa_top2_margin_there']:.4f} apart (bf16), the two tokens' {g['float32_margin_there'] or 0:.4f} "
+            f"in float32")
 
 
 def plot(losses, path, args):

@@ -136,6 +136,31 @@ def test_train_llama_fp8_attention_matches_sdpa(monkeypatch):
         model(input_ids=tokens, attention_mask=torch.ones_like(tokens).index_fill_(1, torch.tensor([0], device=device), 0))
 
 
+def test_train_llama_parting_finds_the_first_difference_and_its_margins():
+    # scripts/train_llama.py's generation check on a tiny random Llama (CPU): identical greedy
+    # tokens part nowhere; tokens changed from index 3 part there, with the reference's top-2
+    # margin and the float32 model's logit difference between the two tokens on the prefix.
+    import pytest
+    import torch
+    pytest.importorskip("transformers")
+    import train_llama
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    prompt = torch.randint(0, 64, (1, 8))
+    reference = train_llama.generate(model, prompt, "sdpa", 6)
+    assert train_llama.parting(model, prompt, reference, reference) == (None, None, None)
+    other = (reference[0][:3] + [(t + 1) % 64 for t in reference[0][3:]], reference[1])
+    first, margin, margin32 = train_llama.parting(model, prompt, reference, other)
+    top = reference[1][3].topk(2).values
+    assert first == 3 and margin == pytest.approx(float(top[0] - top[1]))
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([prompt, torch.tensor([reference[0][:3]])], 1)).logits[0, -1]
+    assert margin32 == pytest.approx(float(logits[reference[0][3]] - logits[other[0][3]]), abs=1e-5)
+
+
 def test_host_time_table_takes_each_trees_median():
     # scripts/host_time.py --table: runs of two trees joined, the median per tree and call, the
     # number of runs beside it; a call one tree lacks stays empty.
