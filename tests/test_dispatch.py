@@ -402,9 +402,9 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     with pytest.raises(ValueError, match="dQ pass 16 keys"):
         backward(problem(fp8=True, fp8_per_block=True, fp8_rows=(64, 128)),
                  opts=KernelOptions.parse("backward=v2;tiles.v2_bwd_q=64,16,4,1"))
-    # By default (also with backward=gluon): the two float8 Gluon passes, with the two bf16
-    # passes' tiles, where each block a pass streams lies in one descale block; batched, one head
-    # dim (d256 too: a dV pass and a dK pass); elsewhere, and with backward=v2, v2's.
+    # By default (also with backward=gluon): the two float8 Gluon passes, with their own tiles,
+    # where each block a pass streams lies in one descale block; batched, one head dim (d256 too:
+    # a dV pass and a dK pass); elsewhere, and with backward=v2, v2's.
     block_fp8 = problem(fp8=True, fp8_per_block=True, fp8_rows=(64, 128))
     for opts in (NONE, KernelOptions(backward="gluon")):
         for head_dim in (64, 128, 192, 256):
