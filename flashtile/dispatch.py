@@ -256,16 +256,15 @@ def backward_plan(p, version: str, target: Target, opts) -> Plan:
 
 
 def gluon_backward_config(p, opts, reduce: bool) -> configs.GluonBackward:
-    """The Gluon backward's tiles for ``p``: the single pass's (``reduce``) or the two passes'."""
+    """The Gluon backward's tiles for ``p``: the single pass's (``reduce``) or the two passes'
+    (on float8 inputs the float8 passes' own, where they take the problem with them)."""
     table = "v3_gluon_bwd_reduce" if reduce else "v3_gluon_bwd"
     override = opts.tile(table)
     if override is not None:
         cfg = configs.GluonBackward(*override)
     elif p.fp8 and not reduce:
-        # The float8 passes' own tiles where the dQ pass's key blocks lie within the forward's
-        # descale blocks of K and V, else the bf16 passes'.
         cfg = configs.by_head_dim(configs.V3_GLUON_BWD_FP8, p.head_dim_pad)
-        if p.fp8_rows and p.fp8_rows[1] % cfg.dq_block_n:
+        if not _fp8_gluon_backward_takes(p, cfg):  # (e.g. K's descale blocks shorter than its key blocks)
             cfg = configs.by_head_dim(configs.V3_GLUON_BWD, p.head_dim_pad)
     else:
         cfg = configs.by_head_dim(configs.V3_GLUON_BWD_REDUCE if reduce else configs.V3_GLUON_BWD, p.head_dim_pad)

@@ -251,7 +251,7 @@ def _parted(g):
     if g["first_difference"] is None:
         return "identical"
     return (f"parts at token {g['first_difference']}, where sdpa's top-2 logits are "
-            f"{g['sdpa_top2_margin_there']:.4f} apart (bf16), the two tokens' {g['float32_margin_there'] or 0:.4f} "
+            f"{g['sdpa_top2_margin_there']:.4f} apart (bf16), the two tokens' {g['float32_margin_there']:.4f} "
             f"in float32")
 
 
