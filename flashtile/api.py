@@ -36,6 +36,34 @@ def _unused_rows_cleared(out, lse, bounds_q):
     return torch.where(used[:, None, None], out, 0.0), torch.where(used, lse, float("inf"))
 
 
+# Batched calls checked and planned once per kind (``_kind``): a model makes the same few kinds
+# of call in every layer and step, and what validation and the dispatcher decide for a call
+# with no tensor besides q, k, v is a function of its kind alone (ops.KeptCall).
+_KEPT_CALLS = {}
+_MAX_KEPT_CALLS = 256
+_PLAIN = (bool, int, float, str, type(None), options.KernelOptions)
+
+
+def _kind(q, k, v, *arguments):
+    """The kind of a call on plain tensors q, k, v with ``arguments`` (the other options): their
+    shapes, strides, dtypes and devices and the options' values; None where it is not kept (a
+    tensor subclass, an option that is not a plain value, as a tensor whose value may change)."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return None
+    plain = []
+    for x in arguments:
+        kind = type(x)  # (kept with the value: True == 1 == 1.0, which validation may tell apart)
+        if kind in (tuple, list):
+            if not all(type(y) is int for y in x):
+                return None
+            x = tuple(x)
+        elif kind not in _PLAIN:
+            return None
+        plain.append((kind, x))
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            k.device, v.device, *plain)
+
+
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                window_size, softcap, alibi_slopes, deterministic, return_attn_probs, sinks, version, kernel_options,
                fp8_descales=None, seqused=None):
@@ -45,6 +73,15 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     sequence used; the others of the output are 0 (logsumexp +inf) and get no gradient."""
     varlen = cu_seqlens_q is not None
     fp8 = fp8_descales is not None
+    given, kind = (q, k, v), None
+    if not (torch.compiler.is_compiling() or varlen or fp8 or return_attn_probs or alibi_slopes is not None
+            or sinks is not None):
+        kind = _kind(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, version,
+                     kernel_options)
+        kept = _KEPT_CALLS.get(kind) if kind is not None else None
+        if kept is not None:
+            _check_differentiation_mode(q, k, v)
+            return ops.attention_kept(q, k, v, kept)[0]
     dropout_p, softcap = validation.feature_options(dropout_p, softcap)
     if version not in dispatch.VERSION_CHOICES:
         raise ValueError(f"version must be one of {dispatch.VERSION_CHOICES}, got {version!r}")
@@ -87,9 +124,15 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         v = F.pad(v, (0, pad_v))
     q, k, v = (validation.last_dim_contiguous(x) for x in (q, k, v))
     seed = dropout.new_seed(q.device) if dropout_p else None
-    out, lse, _ = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, fp8_descale,
-                                max_seqlen_q, max_seqlen_k, scale, left, right, softcap, dropout_p, version,
-                                bool(deterministic), options.text(opts))
+    args = (cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, fp8_descale, max_seqlen_q, max_seqlen_k, scale, left,
+            right, softcap, dropout_p, version, bool(deterministic), options.text(opts))
+    if kind is not None and seed is None and all(x is y for x, y in zip((q, k, v), given)):
+        # (no padding, unit stride along the head dim: the caller's tensors are the kernels')
+        if len(_KEPT_CALLS) >= _MAX_KEPT_CALLS:
+            _KEPT_CALLS.clear()
+        kept = _KEPT_CALLS[kind] = ops.KeptCall(q, k, v, args)
+        return ops.attention_kept(q, k, v, kept)[0]
+    out, lse, _ = ops.attention(q, k, v, *args)
     if pad_v:
         out = out[..., :head_dim_v]
     if varlen and cu_seqlens_q.dim() == 2:

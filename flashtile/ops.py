@@ -106,10 +106,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _gradients(ctx, dout, dlse, backward_op):
-    """(dq, dk, dv, None...) for the op's inputs.  Under ``create_graph=True`` the gradients
-    come back through a node that raises if they are differentiated again (as
-    ``once_differentiable``'s, but also when only q, k, v need gradients: a gradient penalty's
-    second-order term would otherwise be missing without a word)."""
+    """(dq, dk, dv, d sinks or None).  Under ``create_graph=True`` the gradients come back
+    through a node that raises if they are differentiated again (as ``once_differentiable``'s,
+    but also when only q, k, v need gradients: a gradient penalty's second-order term would
+    otherwise be missing without a word)."""
     saved = ctx.saved_tensors  # unpacked once: each read unpacks every saved tensor
     with torch.no_grad():
         grads = _first_derivatives(ctx, saved, dout, dlse, backward_op)
@@ -121,7 +121,13 @@ def _gradients(ctx, dout, dlse, backward_op):
             b"its backward, e.g. a gradient penalty) is not supported", len(grads))
         grads = refuse(*(g.detach().requires_grad_() for g in grads))
     dq, dk, dv, *dsinks = grads
-    return (dq, dk, dv, None, None, None, dsinks[0] if dsinks else None, None, None, *(None for _ in ctx.args))
+    return dq, dk, dv, dsinks[0] if dsinks else None
+
+
+def _input_gradients(ctx, grads):
+    """The op's inputs' gradients from (dq, dk, dv, d sinks): None for the others."""
+    dq, dk, dv, dsinks = grads
+    return (dq, dk, dv, None, None, None, dsinks, None, None, *(None for _ in ctx.args))
 
 
 def _first_derivatives(ctx, saved_tensors, dout, dlse, backward_op):
@@ -143,9 +149,10 @@ def _first_derivatives(ctx, saved_tensors, dout, dlse, backward_op):
     return (*grads, attention_sinks.gradient(cu_q is not None, sinks, out, lse, dout, dlse))
 
 
-torch.library.register_autograd("flashtile::attention_forward",
-                                lambda ctx, dout, dlse, dsaved: _gradients(ctx, dout, dlse, attention_backward),
-                                setup_context=_setup_context)
+torch.library.register_autograd(
+    "flashtile::attention_forward",
+    lambda ctx, dout, dlse, dsaved: _input_gradients(ctx, _gradients(ctx, dout, dlse, attention_backward)),
+    setup_context=_setup_context)
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -159,7 +166,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse, dsaved):
-        return _gradients(ctx, dout, dlse, _backward_kernels)
+        return _input_gradients(ctx, _gradients(ctx, dout, dlse, _backward_kernels))
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, dropout_seed, fp8_descale, max_seqlen_q,
@@ -175,3 +182,71 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, dropout_
                                          or (sinks is not None and sinks.requires_grad))):
         return _forward(*args)  # nothing to differentiate: no autograd node to build
     return _EagerAttention.apply(*args)
+
+
+class KeptCall:
+    """What a batched call of one kind runs (api.py keeps one per kind: the shapes, strides,
+    dtypes and devices of q, k, v and the options): the forward's and the backward's problems
+    and plans, worked out by the same functions as every other call, once.  Only calls with no
+    tensor besides q, k, v (no offsets, ALiBi, sinks, dropout seed or descales) are kept, so
+    the problems are fixed by the kind.  ``args``: what ``attention`` takes after q, k, v."""
+    __slots__ = ("args", "forward_problem", "forward_plan", "backward_problem", "_version", "_options",
+                 "_backward_plans")
+
+    def __init__(self, q, k, v, args):
+        (cu_q, cu_k, alibi, sinks, seed, fp8_descale, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
+         dropout_p, version, deterministic, kernel_options) = args
+        if any(x is not None for x in (cu_q, cu_k, alibi, sinks, seed, fp8_descale)):
+            raise ValueError("a kept call holds no tensor besides q, k and v")
+        self.args, self._version, self._options = args, version, _options(kernel_options)
+        fixed = (None, None, None, None, max_seqlen_q, max_seqlen_k, scale, left, right, softcap, dropout_p)
+        self.forward_problem = _problem(q, k, v, *fixed)
+        self.forward_plan = dispatch.forward_plan(self.forward_problem, version,
+                                                  dispatch.target_of(self.forward_problem, q, k, v), self._options)
+        self.backward_problem = _problem(q, k, v, *fixed, deterministic)
+        self._backward_plans = {}
+
+    def backward_plan(self, target):
+        """The backward's plan for a target (the gradient's layout takes part: dispatch.target_of)."""
+        plan = self._backward_plans.get(target)
+        if plan is None:
+            plan = self._backward_plans[target] = dispatch.backward_plan(self.backward_problem, self._version, target,
+                                                                        self._options)
+        return plan
+
+
+def _kept_forward(q, k, v, kept):
+    with on_device_of(q):
+        return dispatch.run_forward(kept.forward_plan, kept.forward_problem, q, k, v)
+
+
+def _kept_backward(dout, dlse, q, k, v, out, lse, saved, cu_q, cu_k, alibi, seed, kept):
+    p = kept.backward_problem
+    plan = kept.backward_plan(dispatch.target_of(p, q, k, v, dout))
+    with on_device_of(q):
+        return dispatch.run_backward(plan, p, dout, dlse, q, k, v, out, lse, saved)
+
+
+class _KeptAttention(torch.autograd.Function):
+    """``attention`` of a kept call: the same kernels and gradients as _EagerAttention's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kept):
+        out, lse, saved = output = _kept_forward(q, k, v, kept)
+        ctx.save_for_backward(q, k, v, out, lse, saved, None, None, None, None, None)
+        ctx.args = (kept,)
+        ctx.set_materialize_grads(False)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse, dsaved):
+        dq, dk, dv, _ = _gradients(ctx, dout, dlse, _kept_backward)
+        return dq, dk, dv, None
+
+
+def attention_kept(q, k, v, kept: KeptCall):
+    """``attention(q, k, v, *kept.args)`` outside torch.compile, without working out the problem
+    and plans again."""
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return _kept_forward(q, k, v, kept)
+    return _KeptAttention.apply(q, k, v, kept)

@@ -48,6 +48,15 @@ def fresh_launches():
 
 
 @pytest.fixture(autouse=True)
+def fresh_kept_calls():
+    """Each test's calls checked and planned afresh (api.py keeps them per kind of call): a test
+    may patch what they are planned from."""
+    from flashtile import api
+    api._KEPT_CALLS.clear()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def poison_allocations(monkeypatch):
     """Every float tensor flashtile allocates starts as NaN, so an unwritten element fails."""
     empty, empty_like = torch.empty, torch.empty_like

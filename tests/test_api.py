@@ -363,3 +363,55 @@ def test_a_second_gpu_while_the_first_is_current(version):
 def test_package_exports():
     assert set(flashtile.__all__) >= {"flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
                                       "flash_attn_kvpacked_func", "standard_attention"}
+
+
+def _outputs_and_gradients(q, k, v, dout, **kwargs):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = flash_attn_func(*leaves, **kwargs)
+    return (out, *torch.autograd.grad(out, leaves, dout))
+
+
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_kept_calls_match_calls_checked_afresh(monkeypatch, version):
+    # A batched call's checks and plans are kept per kind (api._kind): the calls that find them
+    # must give what a call checked and planned afresh gives, bit for bit, kind by kind.
+    from flashtile import api
+    q, k, v = make_qkv(1, 24, 40, 2, 1, 32, torch.float16, DEVICE)
+    dout = torch.randn_like(q)
+    strided = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)]  # (batch, heads, seqlen) storage
+    kinds = [(q, k, v, {}), (q, k, v, dict(causal=True)), (q, k, v, dict(causal=1)),
+             (q, k, v, dict(window_size=(6, 0))), (q, k, v, dict(softcap=5.0, softmax_scale=0.1)),
+             (*strided, dict(causal=True)), (q[:, :17], k, v, dict(causal=True)),
+             (q.bfloat16(), k.bfloat16(), v.bfloat16(), {}), (q, k, v, dict(deterministic=True))]
+    for x, y, z, kwargs in kinds:
+        first = _outputs_and_gradients(x, y, z, dout[:, :x.shape[1]].to(x.dtype), version=version, **kwargs)
+        again = _outputs_and_gradients(x, y, z, dout[:, :x.shape[1]].to(x.dtype), version=version, **kwargs)
+        with monkeypatch.context() as unkept:  # checked and planned as each call comes
+            unkept.setattr(api, "_kind", lambda *args: None)
+            fresh = _outputs_and_gradients(x, y, z, dout[:, :x.shape[1]].to(x.dtype), version=version, **kwargs)
+        for a, b, c in zip(first, again, fresh):
+            torch.testing.assert_close(a, c, atol=0, rtol=0)
+            torch.testing.assert_close(b, c, atol=0, rtol=0)
+    # One kept call per kind (True and 1 apart: validation may tell such values apart).
+    assert len(api._KEPT_CALLS) == len(kinds)
+
+
+def test_calls_not_kept(qkv):
+    # Refused calls are refused every time; options given as tensors (whose values may change)
+    # and calls with tensors besides q, k, v are checked at every call.
+    from flashtile import api
+    q, k, v = qkv
+    for _ in range(2):
+        refused(ValueError, "softcap", flash_attn_func, q, k, v, softcap=-1.0)
+    cap = torch.tensor(5.0)  # (a CPU scalar: its value read at each call)
+    first = flash_attn_func(q, k, v, softcap=cap)
+    cap.fill_(2.0)
+    torch.testing.assert_close(flash_attn_func(q, k, v, softcap=cap), flash_attn_func(q, k, v, softcap=2.0),
+                               atol=0, rtol=0)
+    assert not torch.equal(first, flash_attn_func(q, k, v, softcap=cap))
+    flash_attn_func(q, k, v, alibi_slopes=torch.rand(2, device=q.device))
+    flash_attn_func(q, k, v, sinks=torch.zeros(2, device=q.device))
+    flash_attn_func(q, k, v, dropout_p=0.1)
+    flash_attn_func(q, k, v, kernel_options={"tiles": {}})
+    flash_attn_func(q[..., :30], k[..., :30], v[..., :30])  # padded to a multiple of 8
+    assert list(api._KEPT_CALLS) == [api._kind(q, k, v, 0.0, None, False, (-1, -1), 2.0, False, "auto", None)]
