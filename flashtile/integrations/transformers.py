@@ -84,11 +84,12 @@ _PACKING = KeptByTensor()
 
 def _with_packing(kwargs):
     """``kwargs`` for one unpadded row, the packing of its position_ids decided once per tensor
-    state: without it (position_ids None: transformers' check skipped), or as the varlen keywords
-    transformers takes as given (cu_seq_lens_q/k, max_length_q/k; the lengths as ints, so no layer
-    reads them).  Left as they are under torch.compile (a traced graph branches on no values) and
-    where transformers lacks the helpers; for inference-mode tensors (no version counter) decided
-    at each call."""
+    state: position_ids None (transformers' check reads nothing; releases up to 5.17 check it
+    before the varlen keywords), and for packed sequences the varlen keywords transformers takes
+    as given (cu_seq_lens_q/k, max_length_q/k; the lengths as ints, so no layer reads them).
+    Left as they are under torch.compile (a traced graph branches on no values) and where
+    transformers lacks the helpers; for inference-mode tensors (no version counter) decided at
+    each call."""
     position_ids = kwargs.get("position_ids")
     if (position_ids is None or position_ids.shape[-1] == 1 or kwargs.get("cu_seq_lens_q") is not None
             or not hasattr(_fa_utils, "prepare_fa_kwargs_from_position_ids")
@@ -99,7 +100,7 @@ def _with_packing(kwargs):
         change = dict(position_ids=None)
         if bool(_fa_utils._is_packed_sequence(position_ids, 1)):
             (cu_q, cu_k), (max_q, max_k) = _fa_utils.prepare_fa_kwargs_from_position_ids(position_ids)
-            change = dict(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=int(max_q), max_length_k=int(max_k))
+            change.update(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=int(max_q), max_length_k=int(max_k))
         _PACKING.put(position_ids, change)
     return {**kwargs, **change}
 
