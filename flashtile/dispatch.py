@@ -367,6 +367,12 @@ class DecodePlan:
 # Keys a split should have at least: fewer make the combine's reads weigh.
 DECODE_MIN_SPLIT_KEYS = 256
 DECODE_MAX_SPLITS = 64
+# Two programs per SM, unless that cuts each row block's keys into more than DECODE_MANY_SPLITS
+# splits of fewer than DECODE_SHORT_SPLIT_KEYS keys: there one per SM runs faster (H100, batch 1,
+# 32/8 heads, d128, graph replay: caches 16k and 32k 1.09x and 1.07x with 16 splits against 33),
+# while two per SM stay faster with fewer or longer splits (batch 4 and 8 at 4k, batch 1 at 128k).
+DECODE_MANY_SPLITS = 16
+DECODE_SHORT_SPLIT_KEYS = 1024
 
 
 def decode_plan(q, heads_k: int, capacity: int, num_splits: int, paged: bool = False,
@@ -375,7 +381,8 @@ def decode_plan(q, heads_k: int, capacity: int, num_splits: int, paged: bool = F
     ``capacity`` keys per sequence (``paged``: in pages, through a block table).  ``num_splits``
     0: as many programs as two per SM hold, where the row blocks alone are fewer (two reside
     beside each other; a count between one and two per SM, or past two, leaves a partial wave),
-    each split at least DECODE_MIN_SPLIT_KEYS keys of the capacity (a static shape: no sequence
+    one per SM where two would make many short splits (DECODE_MANY_SPLITS), each split at
+    least DECODE_MIN_SPLIT_KEYS keys of the capacity (a static shape: no sequence
     length is read on the host); > 0: that many, at most DECODE_MAX_SPLITS (the combine holds
     every split's partial output of a row at once).  ``opts``: its tiles.decode / decode_paged
     override (keys a step, stages, warps[, registers a thread]).  ``shape``: (batch, seqlen_q,
@@ -401,7 +408,9 @@ def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capac
         from flashtile.kernels.gluon.scheduler import sm_count
         sms = 4 if interpreter or device is None else sm_count(device)
         programs = max(cdiv(rows, block_m) * batch * heads_k, 1)  # (no query at all: one split of nothing)
-        splits = max(1, min(2 * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
+        two = 2 * sms // programs
+        per_sm = 1 if two > DECODE_MANY_SPLITS and capacity < two * DECODE_SHORT_SPLIT_KEYS else 2
+        splits = max(1, min(per_sm * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
     upcast = interpreter and dtype == torch.bfloat16
     pdl = not interpreter and device is not None and _capability(device)[0] >= 9
     block_n, stages, warps, maxnreg = (*tiles, None)[:4] if tiles else (block_n, 4 if paged else 3, 4, None)

@@ -429,3 +429,21 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     # The seed and the descales are no part of a plan's key.
     assert problem(dropout_p=0.1, dropout_seed=seed) == problem(dropout_p=0.1, dropout_seed=seed.clone())
     assert problem(dropout_p=0.1, dropout_seed=seed).holds_tensors
+
+
+def test_decode_splits_two_per_sm_unless_many_short(monkeypatch):
+    # Two programs per SM (132 here), except where that would cut each row block's keys into
+    # more than DECODE_MANY_SPLITS splits shorter than DECODE_SHORT_SPLIT_KEYS: one per SM there.
+    from flashtile.kernels.gluon import scheduler
+    monkeypatch.setattr(scheduler, "sm_count", lambda index: 132)
+    monkeypatch.setattr(dispatch, "_CAPABILITIES", {5: (9, 0)})
+    dispatch._decode_plan.cache_clear()
+    try:
+        def splits(batch, cache):  # one query token, 32/8 heads: 8 row blocks a sequence
+            return dispatch._decode_plan(batch, 1, 32, 128, torch.bfloat16, 5, 8, cache, 0, False, False).splits
+        assert [splits(1, cache) for cache in (16384, 32768)] == [132 // 8] * 2  # 33 splits of < 1024 keys
+        assert splits(1, 131072) == 2 * 132 // 8  # long splits: two per SM
+        assert [splits(4, 4096), splits(8, 4096)] == [2 * 132 // 32, 2 * 132 // 64]  # few splits: two per SM
+        assert splits(1, 4096) == 4096 // dispatch.DECODE_MIN_SPLIT_KEYS
+    finally:
+        dispatch._decode_plan.cache_clear()
