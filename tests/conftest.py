@@ -48,6 +48,15 @@ def fresh_launches():
 
 
 @pytest.fixture(autouse=True)
+def cached_memory_released():
+    """On a GPU each test hands its cached blocks back: the suite's workers share one card, and a
+    worker holding what its largest test allocated left the others out of memory on 80 GB."""
+    yield
+    if ON_GPU:
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
 def fresh_kept_calls():
     """Each test's calls checked and planned afresh (api.py keeps them per kind of call): a test
     may patch what they are planned from."""
