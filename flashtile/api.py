@@ -128,8 +128,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
             right, softcap, dropout_p, version, bool(deterministic), options.text(opts))
     if kind is not None and seed is None and all(x is y for x, y in zip((q, k, v), given)):
         # (no padding, unit stride along the head dim: the caller's tensors are the kernels')
-        if len(_KEPT_CALLS) >= _MAX_KEPT_CALLS:
-            _KEPT_CALLS.clear()
+        if len(_KEPT_CALLS) >= _MAX_KEPT_CALLS:  # the oldest kind goes (a model's kinds come back)
+            _KEPT_CALLS.pop(next(iter(_KEPT_CALLS)), None)
         kept = _KEPT_CALLS[kind] = ops.KeptCall(q, k, v, args)
         return ops.attention_kept(q, k, v, kept)[0]
     out, lse, _ = ops.attention(q, k, v, *args)

@@ -415,3 +415,12 @@ def test_calls_not_kept(qkv):
     flash_attn_func(q, k, v, kernel_options={"tiles": {}})
     flash_attn_func(q[..., :30], k[..., :30], v[..., :30])  # padded to a multiple of 8
     assert list(api._KEPT_CALLS) == [api._kind(q, k, v, 0.0, None, False, (-1, -1), 2.0, False, "auto", None)]
+
+
+def test_kept_calls_are_bounded_oldest_first(monkeypatch, qkv):
+    from flashtile import api
+    monkeypatch.setattr(api, "_MAX_KEPT_CALLS", 2)
+    q, k, v = qkv
+    for n in (5, 6, 7):
+        flash_attn_func(q[:, :n], k, v)
+    assert [kind[0][1] for kind in api._KEPT_CALLS] == [6, 7]
