@@ -4,6 +4,9 @@ Layout (batch, seqlen, nheads, headdim); varlen (total_tokens, nheads, headdim) 
 cu_seqlens; causal masks are aligned bottom-right when seqlen_q != seqlen_k; the logsumexp is
 float32 in natural log, +inf for rows that see no key (their output is 0).
 """
+import collections
+import contextlib
+
 import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
@@ -39,7 +42,7 @@ def _unused_rows_cleared(out, lse, bounds_q):
 # Batched calls checked and planned once per kind (``_kind``): a model makes the same few kinds
 # of call in every layer and step, and what validation and the dispatcher decide for a call
 # with no tensor besides q, k, v is a function of its kind alone (ops.KeptCall).
-_KEPT_CALLS = {}
+_KEPT_CALLS = collections.OrderedDict()
 _MAX_KEPT_CALLS = 256
 _PLAIN = (bool, int, float, str, type(None), options.KernelOptions)
 
@@ -129,7 +132,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if kind is not None and seed is None and all(x is y for x, y in zip((q, k, v), given)):
         # (no padding, unit stride along the head dim: the caller's tensors are the kernels')
         if len(_KEPT_CALLS) >= _MAX_KEPT_CALLS:  # the oldest kind goes (a model's kinds come back)
-            _KEPT_CALLS.pop(next(iter(_KEPT_CALLS)), None)
+            with contextlib.suppress(KeyError):  # (emptied by another thread meanwhile)
+                _KEPT_CALLS.popitem(last=False)
         kept = _KEPT_CALLS[kind] = ops.KeptCall(q, k, v, args)
         return ops.attention_kept(q, k, v, kept)[0]
     out, lse, _ = ops.attention(q, k, v, *args)
