@@ -6,6 +6,8 @@ implementations.  Outside compilation the same two functions run under a plain
 ``torch.autograd.Function``, whose per-call cost is a fraction of the custom op's autograd
 wrapper.  Both differentiate once: a second derivative (``create_graph=True`` through the
 backward) is refused rather than silently missing attention's second-order term.
+``attention_kept`` runs a call whose problems and plans were worked out once for its kind
+(``KeptCall``, kept by api.py) through the same kernels and gradients.
 """
 import contextlib
 import functools
