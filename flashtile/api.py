@@ -39,9 +39,9 @@ def _unused_rows_cleared(out, lse, bounds_q):
     return torch.where(used[:, None, None], out, 0.0), torch.where(used, lse, float("inf"))
 
 
-# Batched calls checked and planned once per kind (``_kind``): a model makes the same few kinds
-# of call in every layer and step, and what validation and the dispatcher decide for a call
-# with no tensor besides q, k, v is a function of its kind alone (ops.KeptCall).
+# Batched calls checked once per kind (``_kind``): a model makes the same few kinds of call in
+# every layer and step, and what validation decides for a call with no tensor besides q, k, v
+# is a function of its kind alone: the arguments ops.attention takes after q, k, v.
 _KEPT_CALLS = collections.OrderedDict()
 _MAX_KEPT_CALLS = 256
 _PLAIN = (bool, int, float, str, type(None), options.KernelOptions)
@@ -84,7 +84,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         kept = _KEPT_CALLS.get(kind) if kind is not None else None
         if kept is not None:
             _check_differentiation_mode(q, k, v)
-            return ops.attention_kept(q, k, v, kept)[0]
+            return ops.attention(q, k, v, *kept)[0]
     dropout_p, softcap = validation.feature_options(dropout_p, softcap)
     if version not in dispatch.VERSION_CHOICES:
         raise ValueError(f"version must be one of {dispatch.VERSION_CHOICES}, got {version!r}")
@@ -134,8 +134,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         if len(_KEPT_CALLS) >= _MAX_KEPT_CALLS:  # the oldest kind goes (a model's kinds come back)
             with contextlib.suppress(KeyError):  # (emptied by another thread meanwhile)
                 _KEPT_CALLS.popitem(last=False)
-        kept = _KEPT_CALLS[kind] = ops.KeptCall(q, k, v, args)
-        return ops.attention_kept(q, k, v, kept)[0]
+        _KEPT_CALLS[kind] = args
     out, lse, _ = ops.attention(q, k, v, *args)
     if pad_v:
         out = out[..., :head_dim_v]

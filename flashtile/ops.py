@@ -6,8 +6,6 @@ implementations.  Outside compilation the same two functions run under a plain
 ``torch.autograd.Function``, whose per-call cost is a fraction of the custom op's autograd
 wrapper.  Both differentiate once: a second derivative (``create_graph=True`` through the
 backward) is refused rather than silently missing attention's second-order term.
-``attention_kept`` runs a call whose problems and plans were worked out once for its kind
-(``KeptCall``, kept by api.py) through the same kernels and gradients.
 """
 import contextlib
 import functools
@@ -35,11 +33,31 @@ def _options(text: str) -> options.KernelOptions:
     return options.KernelOptions.parse(text)
 
 
+# Problems that hold no tensor (batched, without ALiBi slopes, dropout seed or descales), by
+# the shapes and scalars they are made of: a model asks for the same few in every layer and
+# step, and the plans that follow are remembered per problem (dispatch.forward_plan).
+_BATCHED_PROBLEMS = {}
+_MAX_BATCHED_PROBLEMS = 1024
+
+
 def _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
              softmax_scale, window_left, window_right, softcap, dropout_p, deterministic=False, fp8_descale=None):
-    return Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                      window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_seed, v.shape[-1],
-                      fp8_descale)
+    def made():
+        return Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                          window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_seed, v.shape[-1],
+                          fp8_descale)
+
+    if (cu_seqlens_q is not None or alibi_slopes is not None or dropout_seed is not None or fp8_descale is not None
+            or torch.compiler.is_compiling()):  # (traced shapes may be symbolic)
+        return made()
+    # (batched: the sequence lengths are q's and k's)
+    key = (q.shape, k.shape, v.shape[-1], softmax_scale, window_left, window_right, softcap, dropout_p, deterministic)
+    p = _BATCHED_PROBLEMS.get(key)
+    if p is None:
+        if len(_BATCHED_PROBLEMS) >= _MAX_BATCHED_PROBLEMS:
+            _BATCHED_PROBLEMS.clear()
+        p = _BATCHED_PROBLEMS[key] = made()
+    return p
 
 
 def _saved_shape(p, version: str, lse_shape):
@@ -108,10 +126,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _gradients(ctx, dout, dlse, backward_op):
-    """(dq, dk, dv, d sinks or None).  Under ``create_graph=True`` the gradients come back
-    through a node that raises if they are differentiated again (as ``once_differentiable``'s,
-    but also when only q, k, v need gradients: a gradient penalty's second-order term would
-    otherwise be missing without a word)."""
+    """(dq, dk, dv, None...) for the op's inputs.  Under ``create_graph=True`` the gradients
+    come back through a node that raises if they are differentiated again (as
+    ``once_differentiable``'s, but also when only q, k, v need gradients: a gradient penalty's
+    second-order term would otherwise be missing without a word)."""
     saved = ctx.saved_tensors  # unpacked once: each read unpacks every saved tensor
     with torch.no_grad():
         grads = _first_derivatives(ctx, saved, dout, dlse, backward_op)
@@ -123,13 +141,7 @@ def _gradients(ctx, dout, dlse, backward_op):
             b"its backward, e.g. a gradient penalty) is not supported", len(grads))
         grads = refuse(*(g.detach().requires_grad_() for g in grads))
     dq, dk, dv, *dsinks = grads
-    return dq, dk, dv, dsinks[0] if dsinks else None
-
-
-def _input_gradients(ctx, grads):
-    """The op's inputs' gradients from (dq, dk, dv, d sinks): None for the others."""
-    dq, dk, dv, dsinks = grads
-    return (dq, dk, dv, None, None, None, dsinks, None, None, *(None for _ in ctx.args))
+    return (dq, dk, dv, None, None, None, dsinks[0] if dsinks else None, None, None, *(None for _ in ctx.args))
 
 
 def _first_derivatives(ctx, saved_tensors, dout, dlse, backward_op):
@@ -151,10 +163,9 @@ def _first_derivatives(ctx, saved_tensors, dout, dlse, backward_op):
     return (*grads, attention_sinks.gradient(cu_q is not None, sinks, out, lse, dout, dlse))
 
 
-torch.library.register_autograd(
-    "flashtile::attention_forward",
-    lambda ctx, dout, dlse, dsaved: _input_gradients(ctx, _gradients(ctx, dout, dlse, attention_backward)),
-    setup_context=_setup_context)
+torch.library.register_autograd("flashtile::attention_forward",
+                                lambda ctx, dout, dlse, dsaved: _gradients(ctx, dout, dlse, attention_backward),
+                                setup_context=_setup_context)
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -168,7 +179,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse, dsaved):
-        return _input_gradients(ctx, _gradients(ctx, dout, dlse, _backward_kernels))
+        return _gradients(ctx, dout, dlse, _backward_kernels)
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, dropout_seed, fp8_descale, max_seqlen_q,
@@ -184,71 +195,3 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, dropout_
                                          or (sinks is not None and sinks.requires_grad))):
         return _forward(*args)  # nothing to differentiate: no autograd node to build
     return _EagerAttention.apply(*args)
-
-
-class KeptCall:
-    """What a batched call of one kind runs (api.py keeps one per kind: the shapes, strides,
-    dtypes and devices of q, k, v and the options): the forward's and the backward's problems
-    and plans, worked out by the same functions as every other call, once.  Only calls with no
-    tensor besides q, k, v (no offsets, ALiBi, sinks, dropout seed or descales) are kept, so
-    the problems are fixed by the kind.  ``args``: what ``attention`` takes after q, k, v."""
-    __slots__ = ("args", "forward_problem", "forward_plan", "backward_problem", "_version", "_options",
-                 "_backward_plans")
-
-    def __init__(self, q, k, v, args):
-        (cu_q, cu_k, alibi, sinks, seed, fp8_descale, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
-         dropout_p, version, deterministic, kernel_options) = args
-        if any(x is not None for x in (cu_q, cu_k, alibi, sinks, seed, fp8_descale)):
-            raise ValueError("a kept call holds no tensor besides q, k and v")
-        self.args, self._version, self._options = args, version, _options(kernel_options)
-        fixed = (None, None, None, None, max_seqlen_q, max_seqlen_k, scale, left, right, softcap, dropout_p)
-        self.forward_problem = _problem(q, k, v, *fixed)
-        self.forward_plan = dispatch.forward_plan(self.forward_problem, version,
-                                                  dispatch.target_of(self.forward_problem, q, k, v), self._options)
-        self.backward_problem = _problem(q, k, v, *fixed, deterministic)
-        self._backward_plans = {}
-
-    def backward_plan(self, target):
-        """The backward's plan for a target (the gradient's layout takes part: dispatch.target_of)."""
-        plan = self._backward_plans.get(target)
-        if plan is None:
-            plan = self._backward_plans[target] = dispatch.backward_plan(self.backward_problem, self._version, target,
-                                                                        self._options)
-        return plan
-
-
-def _kept_forward(q, k, v, kept):
-    with on_device_of(q):
-        return dispatch.run_forward(kept.forward_plan, kept.forward_problem, q, k, v)
-
-
-def _kept_backward(dout, dlse, q, k, v, out, lse, saved, cu_q, cu_k, alibi, seed, kept):
-    p = kept.backward_problem
-    plan = kept.backward_plan(dispatch.target_of(p, q, k, v, dout))
-    with on_device_of(q):
-        return dispatch.run_backward(plan, p, dout, dlse, q, k, v, out, lse, saved)
-
-
-class _KeptAttention(torch.autograd.Function):
-    """``attention`` of a kept call: the same kernels and gradients as _EagerAttention's."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, kept):
-        out, lse, saved = output = _kept_forward(q, k, v, kept)
-        ctx.save_for_backward(q, k, v, out, lse, saved, None, None, None, None, None)
-        ctx.args = (kept,)
-        ctx.set_materialize_grads(False)
-        return output
-
-    @staticmethod
-    def backward(ctx, dout, dlse, dsaved):
-        dq, dk, dv, _ = _gradients(ctx, dout, dlse, _kept_backward)
-        return dq, dk, dv, None
-
-
-def attention_kept(q, k, v, kept: KeptCall):
-    """``attention(q, k, v, *kept.args)`` outside torch.compile, without working out the problem
-    and plans again."""
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        return _kept_forward(q, k, v, kept)
-    return _KeptAttention.apply(q, k, v, kept)

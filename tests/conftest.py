@@ -58,10 +58,11 @@ def cached_memory_released():
 
 @pytest.fixture(autouse=True)
 def fresh_kept_calls():
-    """Each test's calls checked and planned afresh (api.py keeps them per kind of call): a test
-    may patch what they are planned from."""
-    from flashtile import api
+    """Each test's calls checked and their problems made afresh (api.py and ops.py keep them per
+    kind of call): a test may patch what they are made from."""
+    from flashtile import api, ops
     api._KEPT_CALLS.clear()
+    ops._BATCHED_PROBLEMS.clear()
     yield
 
 

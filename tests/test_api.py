@@ -373,8 +373,8 @@ def _outputs_and_gradients(q, k, v, dout, **kwargs):
 
 @pytest.mark.parametrize("version", ["v2", "v3"])
 def test_kept_calls_match_calls_checked_afresh(monkeypatch, version):
-    # A batched call's checks and plans are kept per kind (api._kind): the calls that find them
-    # must give what a call checked and planned afresh gives, bit for bit, kind by kind.
+    # A batched call's checks are kept per kind (api._kind), its problem by shape (ops._problem):
+    # the calls that find them must give what a call checked afresh gives, bit for bit, kind by kind.
     from flashtile import api
     q, k, v = make_qkv(1, 24, 40, 2, 1, 32, torch.float16, DEVICE)
     dout = torch.randn_like(q)
@@ -386,8 +386,9 @@ def test_kept_calls_match_calls_checked_afresh(monkeypatch, version):
     for x, y, z, kwargs in kinds:
         first = _outputs_and_gradients(x, y, z, dout[:, :x.shape[1]].to(x.dtype), version=version, **kwargs)
         again = _outputs_and_gradients(x, y, z, dout[:, :x.shape[1]].to(x.dtype), version=version, **kwargs)
-        with monkeypatch.context() as unkept:  # checked and planned as each call comes
+        with monkeypatch.context() as unkept:  # checked, and its problem made, as each call comes
             unkept.setattr(api, "_kind", lambda *args: None)
+            unkept.setattr(ops, "_MAX_BATCHED_PROBLEMS", 0)
             fresh = _outputs_and_gradients(x, y, z, dout[:, :x.shape[1]].to(x.dtype), version=version, **kwargs)
         for a, b, c in zip(first, again, fresh):
             torch.testing.assert_close(a, c, atol=0, rtol=0)
@@ -424,3 +425,27 @@ def test_kept_calls_are_bounded_oldest_first(monkeypatch, qkv):
     for n in (5, 6, 7):
         flash_attn_func(q[:, :n], k, v)
     assert [kind[0][1] for kind in api._KEPT_CALLS] == [6, 7]
+
+
+def test_batched_problems_kept_by_shape_and_scalars(qkv):
+    # ops._problem keeps a problem with no tensor by the shapes and scalars it is made of: each
+    # variation gives the problem made afresh, and no two variations share one.
+    from flashtile.kernels.problem import Problem
+    q, k, v = qkv
+    base = dict(softmax_scale=0.125, window_left=-1, window_right=0, softcap=0.0, dropout_p=0.0, deterministic=False)
+    variations = [{}, dict(softmax_scale=0.25), dict(window_left=4), dict(window_right=-1), dict(softcap=5.0),
+                  dict(dropout_p=0.1), dict(deterministic=True), dict(q=q[:, :9]), dict(k=k[:, :9], v=v[:, :9]),
+                  dict(v=v[..., :16])]
+    kept = []
+    for change in variations:
+        args = {**base, **change}
+        x, y, z = (args.pop(name, t) for name, t in (("q", q), ("k", k), ("v", v)))
+        scalars = [args[name] for name in ("softmax_scale", "window_left", "window_right", "softcap", "dropout_p")]
+        problem = ops._problem(x, y, z, None, None, None, None, x.shape[1], y.shape[1], *scalars,
+                               args["deterministic"])
+        assert problem == Problem.of(x, y, None, None, x.shape[1], y.shape[1], *scalars[:4], args["deterministic"],
+                                     None, scalars[4], None, z.shape[-1])
+        assert ops._problem(x, y, z, None, None, None, None, x.shape[1], y.shape[1], *scalars,
+                            args["deterministic"]) is problem
+        kept.append(problem)
+    assert len(set(kept)) == len(variations)
