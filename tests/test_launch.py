@@ -231,3 +231,42 @@ def test_cached_launches_match_the_compiling_launch(monkeypatch, fresh_launches,
     assert len(launch._COMPILED) == 3  # the forward, the dQ pass, the dK/dV pass
     for first, second in zip(*results):
         assert torch.equal(first, second)
+
+
+HOOK_SOURCE = """
+from triton.runtime.jit import JITFunction
+
+
+def _cap(x):
+    return {body}
+
+
+cap = JITFunction(_cap)  # (compiled, as kernels on a GPU take it, even under the interpreter)
+"""
+
+
+def test_compiled_kernels_keyed_by_the_score_hooks_code(tmp_path, monkeypatch):
+    """A kernel compiled with a score hook must not be served from triton's cache for a hook of
+    the same name whose code has changed (a new version, or an edit): triton keys a constexpr by
+    its ``cache_key`` where it has one, else by its string, which names the hook's functions but
+    not their code (triton.compiler.ASTSource.hash)."""
+    import importlib
+    import sys
+
+    from flashtile.kernels import score
+
+    def triton_key(constexpr):
+        return constexpr.cache_key if hasattr(constexpr, "cache_key") else str(constexpr)
+
+    module = tmp_path / "edited_hook.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    keys = []
+    for body in ("x * 0.5", "x * 0.25"):
+        module.write_text(HOOK_SOURCE.format(body=body))
+        sys.modules.pop("edited_hook", None)
+        importlib.invalidate_caches()
+        hook = score.ScoreMod("cap", importlib.import_module("edited_hook").cap)
+        keys.append((triton_key(hook), str(hook)))
+    sys.modules.pop("edited_hook", None)
+    assert keys[0][0] != keys[1][0] and keys[0][1] != keys[1][1]
+    assert triton_key(score.SOFTCAP) != triton_key(score.SOFTCAP_ALIBI)

@@ -22,6 +22,7 @@ shaped to broadcast against the score tile; ``batch`` the sequence (varlen: its 
 diagonal); ``args`` a tuple of run-time values (``args_of``), tensors among them as pointers.  A
 feature is one such pair here and its arguments; no kernel changes.
 """
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,25 @@ class ScoreMod:
     # Whether the single-pass Gluon backward runs it without spilling: a modification whose
     # gradient needs the logits kept beside the bias's parts does not fit its registers.
     single_pass: bool = True
+
+    @property
+    def cache_key(self) -> str:
+        """What compiled kernels are keyed by: the name, the flag and the code of every function
+        (each JIT function's key covers its source and the functions it calls).  Triton keys a
+        constexpr by its ``cache_key`` where it has one, else by its repr, which would name the
+        functions but not their code: a kernel compiled against an older hook would be taken
+        from the cache for a newer one."""
+        parts = [self.name, str(self.single_pass), *map(_code_key, (self.forward, self.backward, self.slope, self.inner))]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+    def __repr__(self) -> str:  # (triton's in-process kernel key takes the repr)
+        return f"ScoreMod({self.name}, {self.cache_key})"
+
+
+def _code_key(x) -> str:
+    # A JIT function's or ScoreMod's cache key; under the interpreter (which compiles nothing)
+    # the functions have none, and their repr stands in.
+    return "-" if x is None else getattr(x, "cache_key", None) or repr(x)
 
 
 @triton.jit
