@@ -33,31 +33,26 @@ def _options(text: str) -> options.KernelOptions:
     return options.KernelOptions.parse(text)
 
 
-# Problems that hold no tensor (batched, without ALiBi slopes, dropout seed or descales), by
-# the shapes and scalars they are made of: a model asks for the same few in every layer and
-# step, and the plans that follow are remembered per problem (dispatch.forward_plan).
-_BATCHED_PROBLEMS = {}
-_MAX_BATCHED_PROBLEMS = 1024
-
-
 def _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
              softmax_scale, window_left, window_right, softcap, dropout_p, deterministic=False, fp8_descale=None):
-    def made():
+    if (cu_seqlens_q is not None or alibi_slopes is not None or dropout_seed is not None or fp8_descale is not None
+            or torch.compiler.is_compiling()):  # (traced shapes may be symbolic)
         return Problem.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
                           window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_seed, v.shape[-1],
                           fp8_descale)
+    return _batched_problem(q.shape, k.shape, v.shape[-1], softmax_scale, window_left, window_right, softcap,
+                            dropout_p, deterministic)
 
-    if (cu_seqlens_q is not None or alibi_slopes is not None or dropout_seed is not None or fp8_descale is not None
-            or torch.compiler.is_compiling()):  # (traced shapes may be symbolic)
-        return made()
-    # (batched: the sequence lengths are q's and k's)
-    key = (q.shape, k.shape, v.shape[-1], softmax_scale, window_left, window_right, softcap, dropout_p, deterministic)
-    p = _BATCHED_PROBLEMS.get(key)
-    if p is None:
-        if len(_BATCHED_PROBLEMS) >= _MAX_BATCHED_PROBLEMS:
-            _BATCHED_PROBLEMS.clear()
-        p = _BATCHED_PROBLEMS[key] = made()
-    return p
+
+@functools.lru_cache(maxsize=1024)
+def _batched_problem(q_shape, k_shape, head_dim_v, softmax_scale, window_left, window_right, softcap, dropout_p,
+                     deterministic):
+    """A batched problem that holds no tensor, by the shapes and scalars it is made of: a model asks
+    for the same few in every layer and step, and the plans that follow are remembered per problem
+    (dispatch.forward_plan).  (Problem.of reads only the shapes of batched q and k.)"""
+    q, k = torch.empty(q_shape, device="meta"), torch.empty(k_shape, device="meta")
+    return Problem.of(q, k, None, None, q_shape[1], k_shape[1], softmax_scale, window_left, window_right, softcap,
+                      deterministic, None, dropout_p, None, head_dim_v)
 
 
 def _saved_shape(p, version: str, lse_shape):

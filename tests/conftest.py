@@ -62,7 +62,7 @@ def fresh_kept_calls():
     kind of call): a test may patch what they are made from."""
     from flashtile import api, ops
     api._KEPT_CALLS.clear()
-    ops._BATCHED_PROBLEMS.clear()
+    ops._batched_problem.cache_clear()
     yield
 
 

@@ -388,7 +388,7 @@ def test_kept_calls_match_calls_checked_afresh(monkeypatch, version):
         again = _outputs_and_gradients(x, y, z, dout[:, :x.shape[1]].to(x.dtype), version=version, **kwargs)
         with monkeypatch.context() as unkept:  # checked, and its problem made, as each call comes
             unkept.setattr(api, "_kind", lambda *args: None)
-            unkept.setattr(ops, "_MAX_BATCHED_PROBLEMS", 0)
+            unkept.setattr(ops, "_batched_problem", ops._batched_problem.__wrapped__)
             fresh = _outputs_and_gradients(x, y, z, dout[:, :x.shape[1]].to(x.dtype), version=version, **kwargs)
         for a, b, c in zip(first, again, fresh):
             torch.testing.assert_close(a, c, atol=0, rtol=0)
