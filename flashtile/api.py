@@ -77,8 +77,9 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     varlen = cu_seqlens_q is not None
     fp8 = fp8_descales is not None
     given, kind = (q, k, v), None
+    # (a dropout call draws a new seed each time: never kept)
     if not (torch.compiler.is_compiling() or varlen or fp8 or return_attn_probs or alibi_slopes is not None
-            or sinks is not None):
+            or sinks is not None or (type(dropout_p) is float and dropout_p > 0.0)):
         kind = _kind(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, version,
                      kernel_options)
         kept = _KEPT_CALLS.get(kind) if kind is not None else None
