@@ -4,14 +4,11 @@ Layout (batch, seqlen, nheads, headdim); varlen (total_tokens, nheads, headdim) 
 cu_seqlens; causal masks are aligned bottom-right when seqlen_q != seqlen_k; the logsumexp is
 float32 in natural log, +inf for rows that see no key (their output is 0).
 """
-import collections
-import contextlib
-
 import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
-from flashtile import dispatch, ops, options, reference, validation
+from flashtile import dispatch, kept_calls, ops, options, reference, validation
 from flashtile.kernels import dropout
 
 
@@ -39,32 +36,9 @@ def _unused_rows_cleared(out, lse, bounds_q):
     return torch.where(used[:, None, None], out, 0.0), torch.where(used, lse, float("inf"))
 
 
-# Batched calls checked once per kind (``_kind``): a model makes the same few kinds of call in
-# every layer and step, and what validation decides for a call with no tensor besides q, k, v
-# is a function of its kind alone: the arguments ops.attention takes after q, k, v.
-_KEPT_CALLS = collections.OrderedDict()
-_MAX_KEPT_CALLS = 256
-_PLAIN = (bool, int, float, str, type(None), options.KernelOptions)
-
-
-def _kind(q, k, v, *arguments):
-    """The kind of a call on plain tensors q, k, v with ``arguments`` (the other options): their
-    shapes, strides, dtypes and devices and the options' values; None where it is not kept (a
-    tensor subclass, an option that is not a plain value, as a tensor whose value may change)."""
-    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-        return None
-    plain = []
-    for x in arguments:
-        kind = type(x)  # (kept with the value: True == 1 == 1.0, which validation may tell apart)
-        if kind in (tuple, list):
-            if not all(type(y) is int for y in x):
-                return None
-            x = tuple(x)
-        elif kind not in _PLAIN:
-            return None
-        plain.append((kind, x))
-    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-            k.device, v.device, *plain)
+# Batched calls with no tensor besides q, k, v checked once per kind (kept_calls): the arguments
+# ops.attention takes after q, k, v.
+_KEPT_CALLS = kept_calls.KeptCalls()
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
@@ -80,9 +54,9 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     # (a dropout call draws a new seed each time: never kept)
     if not (torch.compiler.is_compiling() or varlen or fp8 or return_attn_probs or alibi_slopes is not None
             or sinks is not None or (type(dropout_p) is float and dropout_p > 0.0)):
-        kind = _kind(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, version,
-                     kernel_options)
-        kept = _KEPT_CALLS.get(kind) if kind is not None else None
+        kind = kept_calls.kind((q, k, v), (dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                                           version, kernel_options))
+        kept = _KEPT_CALLS.get(kind)
         if kept is not None:
             _check_differentiation_mode(q, k, v)
             return ops.attention(q, k, v, *kept)[0]
@@ -130,12 +104,10 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     seed = dropout.new_seed(q.device) if dropout_p else None
     args = (cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, fp8_descale, max_seqlen_q, max_seqlen_k, scale, left,
             right, softcap, dropout_p, version, bool(deterministic), options.text(opts))
-    if kind is not None and seed is None and all(x is y for x, y in zip((q, k, v), given)):
-        # (no padding, unit stride along the head dim: the caller's tensors are the kernels')
-        if len(_KEPT_CALLS) >= _MAX_KEPT_CALLS:  # the oldest kind goes (a model's kinds come back)
-            with contextlib.suppress(KeyError):  # (emptied by another thread meanwhile)
-                _KEPT_CALLS.popitem(last=False)
-        _KEPT_CALLS[kind] = args
+    if seed is None and all(x is y for x, y in zip((q, k, v), given)):
+        # (no dropout seed drawn; no padding, unit stride along the head dim: the caller's tensors
+        # are the kernels')
+        _KEPT_CALLS.keep(kind, args)
     out, lse, _ = ops.attention(q, k, v, *args)
     if pad_v:
         out = out[..., :head_dim_v]

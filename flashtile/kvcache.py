@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from flashtile import dispatch, options, rotary, validation
+from flashtile import dispatch, kept_calls, options, rotary, validation
 from flashtile.kernels import decode
 from flashtile.kernels.problem import Problem
 
@@ -188,7 +188,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     kind = _kind(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                  block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
                  num_splits, version, kernel_options, cu_seqlens_q, max_seqlen_q)
-    step = None if kind is None else _STEPS.get(kind)
+    step = _STEPS.get(kind)
     if step is not None:
         out, lse = step.repeat(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad,
                                cache_batch_idx, block_table, alibi_slopes, cu_seqlens_q)
@@ -331,54 +331,43 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                            (batch, seqlen_q) if packed else None)
     step = _Step(rotate, append, attend, capacity, seqlen_new, None if rotary_cos is None else rotary_cos.shape[0],
                  rotary_span)
-    if kind is not None:
-        if len(_STEPS) >= _MAX_STEPS:
-            _STEPS.clear()
-        _STEPS[kind] = step
+    _STEPS.keep(kind, step)
     out, lse = step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, leftpad, batch_idx, block_table,
                     alibi_slopes, cu_seqlens_q)
     return (out, lse) if return_softmax_lse else out
 
 
-# Decoding steps checked and planned once per kind of call (``_kind``): _Step.  Cleared when full.
-_STEPS: dict = {}
-_MAX_STEPS = 256
+# Decoding steps checked and planned once per kind of call (``_kind``): _Step.
+_STEPS = kept_calls.KeptCalls()
 
 
 def _kind(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
           block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
           version, kernel_options, cu_seqlens_q, max_seqlen_q):
-    """The kind of a call, for ``_STEPS``: everything its checks, plan and launches depend on
-    (each tensor's shape, strides, dtype and device; the scalars; the options), with numbers of
-    their plain Python types and tensors of torch.Tensor's own type.  None for any other call,
-    which the full path checks every time.  ``cache_seqlens`` counts as an int, whatever its
-    value (checked at each call)."""
+    """The kind of a call, for ``_STEPS``: everything its checks, plan and launches depend on (the
+    tensors' kept_calls.tensors_kind; the scalars, each of one type, a stricter and quicker test
+    than kept_calls.kind's; the options).  None for any other call, or where q takes gradients:
+    the full path checks those every time.  ``cache_seqlens`` counts as an int, whatever its value
+    (checked at each call)."""
     if type(q) is not torch.Tensor or (q.requires_grad and torch.is_grad_enabled()):
         return None
     if not (type(causal) is bool and type(softcap) is float and type(num_splits) is int and type(version) is str
             and type(rotary_interleaved) is bool and (softmax_scale is None or type(softmax_scale) is float)
             and type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
-            and type(window_size[1]) is int):
+            and type(window_size[1]) is int and (max_seqlen_q is None or type(max_seqlen_q) is int)):
         return None
     if kernel_options is None:
         kernel_options = options.ENVIRONMENT
     elif not isinstance(kernel_options, (str, options.KernelOptions)):
         return None
-    if not (max_seqlen_q is None or type(max_seqlen_q) is int):
+    seqlens_int = type(cache_seqlens) is int
+    key = kept_calls.tensors_kind((q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                   None if seqlens_int else cache_seqlens, cache_batch_idx, cache_leftpad,
+                                   block_table, alibi_slopes, cu_seqlens_q))
+    if key is None:
         return None
-    kind = [softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, version, kernel_options,
-            max_seqlen_q]
-    for x in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-              block_table, alibi_slopes, cu_seqlens_q):
-        if x is None:
-            kind.append(None)
-        elif type(x) is torch.Tensor:
-            kind += (x.shape, x.stride(), x.dtype, x.device)
-        elif type(x) is int and x is cache_seqlens:
-            kind.append(int)
-        else:
-            return None
-    return tuple(kind)
+    return (*key, seqlens_int, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, version,
+            kernel_options, max_seqlen_q)
 
 
 class _Step(NamedTuple):

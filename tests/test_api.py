@@ -373,9 +373,9 @@ def _outputs_and_gradients(q, k, v, dout, **kwargs):
 
 @pytest.mark.parametrize("version", ["v2", "v3"])
 def test_kept_calls_match_calls_checked_afresh(monkeypatch, version):
-    # A batched call's checks are kept per kind (api._kind), its problem by shape (ops._problem):
+    # A batched call's checks are kept per kind (kept_calls.kind), its problem by shape (ops._problem):
     # the calls that find them must give what a call checked afresh gives, bit for bit, kind by kind.
-    from flashtile import api
+    from flashtile import api, kept_calls
     q, k, v = make_qkv(1, 24, 40, 2, 1, 32, torch.float16, DEVICE)
     dout = torch.randn_like(q)
     strided = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)]  # (batch, heads, seqlen) storage
@@ -387,7 +387,7 @@ def test_kept_calls_match_calls_checked_afresh(monkeypatch, version):
         first = _outputs_and_gradients(x, y, z, dout[:, :x.shape[1]].to(x.dtype), version=version, **kwargs)
         again = _outputs_and_gradients(x, y, z, dout[:, :x.shape[1]].to(x.dtype), version=version, **kwargs)
         with monkeypatch.context() as unkept:  # checked, and its problem made, as each call comes
-            unkept.setattr(api, "_kind", lambda *args: None)
+            unkept.setattr(api, "_KEPT_CALLS", kept_calls.KeptCalls(limit=0))
             unkept.setattr(ops, "_batched_problem", ops._batched_problem.__wrapped__)
             fresh = _outputs_and_gradients(x, y, z, dout[:, :x.shape[1]].to(x.dtype), version=version, **kwargs)
         for a, b, c in zip(first, again, fresh):
@@ -400,7 +400,7 @@ def test_kept_calls_match_calls_checked_afresh(monkeypatch, version):
 def test_calls_not_kept(qkv):
     # Refused calls are refused every time; options given as tensors (whose values may change)
     # and calls with tensors besides q, k, v are checked at every call.
-    from flashtile import api
+    from flashtile import api, kept_calls
     q, k, v = qkv
     for _ in range(2):
         refused(ValueError, "softcap", flash_attn_func, q, k, v, softcap=-1.0)
@@ -415,16 +415,16 @@ def test_calls_not_kept(qkv):
     flash_attn_func(q, k, v, dropout_p=0.1)
     flash_attn_func(q, k, v, kernel_options={"tiles": {}})
     flash_attn_func(q[..., :30], k[..., :30], v[..., :30])  # padded to a multiple of 8
-    assert list(api._KEPT_CALLS) == [api._kind(q, k, v, 0.0, None, False, (-1, -1), 2.0, False, "auto", None)]
+    assert list(api._KEPT_CALLS) == [kept_calls.kind((q, k, v), (0.0, None, False, (-1, -1), 2.0, False, "auto", None))]
 
 
-def test_kept_calls_are_bounded_oldest_first(monkeypatch, qkv):
+def test_kept_calls_are_bounded_least_recent_first(monkeypatch, qkv):
     from flashtile import api
-    monkeypatch.setattr(api, "_MAX_KEPT_CALLS", 2)
+    monkeypatch.setattr(api._KEPT_CALLS, "limit", 2)
     q, k, v = qkv
-    for n in (5, 6, 7):
+    for n in (5, 6, 5, 7):  # (5 used again after 6: 6 is the least recently used)
         flash_attn_func(q[:, :n], k, v)
-    assert [kind[0][1] for kind in api._KEPT_CALLS] == [6, 7]
+    assert [kind[0][1] for kind in api._KEPT_CALLS] == [5, 7]
 
 
 def test_batched_problems_kept_by_shape_and_scalars(qkv):

@@ -9,7 +9,7 @@ import torch
 from attention_check import assert_within_rule, max_err
 from conftest import DEVICE, ON_GPU, run_outside_the_interpreter
 
-from flashtile import dispatch, flash_attn_with_kvcache, kvcache, options, standard_attention
+from flashtile import dispatch, flash_attn_with_kvcache, kept_calls, kvcache, options, standard_attention
 from flashtile.kernels import decode
 
 DTYPE = torch.bfloat16 if ON_GPU else torch.float16
@@ -235,7 +235,7 @@ def test_repeated_steps_are_checked_once(seqlens, page_size, monkeypatch):
     # The common decoding step (attention over a cache its keys are already in) is checked and
     # planned at its first call; later calls of the same kind reuse that, reading the tensors
     # they are given: the same bits for the same inputs, the oracle's result for new queries.
-    monkeypatch.setattr(kvcache, "_STEPS", {})
+    monkeypatch.setattr(kvcache, "_STEPS", kept_calls.KeptCalls())
     case = Case(batch=3, seqlen_q=1, heads=4, heads_k=2, capacity=90, page_size=page_size)
     if seqlens == "int":
         case.lengths[:] = 70
@@ -261,7 +261,7 @@ def test_repeated_steps_are_checked_once(seqlens, page_size, monkeypatch):
 @pytest.mark.parametrize("layout", ["paged_rotary", "rows_leftpad_alibi"])
 def test_repeated_steps_with_new_keys(layout, monkeypatch):
     # Steps that append (and rotate) are remembered too; ALiBi's slopes are read at each call.
-    monkeypatch.setattr(kvcache, "_STEPS", {})
+    monkeypatch.setattr(kvcache, "_STEPS", kept_calls.KeptCalls())
     if layout == "paged_rotary":
         case, slopes = Case(batch=3, seqlen_q=2, seqlen_new=2, page_size=16, rotary=False), (None, None)
     else:
@@ -283,7 +283,7 @@ def test_repeated_steps_with_new_keys(layout, monkeypatch):
 
 
 def test_repeated_steps_refuse_what_changes_between_calls(monkeypatch):
-    monkeypatch.setattr(kvcache, "_STEPS", {})
+    monkeypatch.setattr(kvcache, "_STEPS", kept_calls.KeptCalls())
     case = Case(batch=2, capacity=40)
     run = functools.partial(flash_attn_with_kvcache, case.q, case.k_dense, case.v_dense)
     run(cache_seqlens=7)
@@ -316,7 +316,7 @@ def test_paged_cache_with_leftpad(version):
 def test_packed_queries_of_varying_counts(version, page_size, monkeypatch):
     # FlashAttention-3's cu_seqlens_q: each sequence's own count of queries (none too), packed,
     # aligned to the end of its keys; against the oracle, the second call of the kind too.
-    monkeypatch.setattr(kvcache, "_STEPS", {})
+    monkeypatch.setattr(kvcache, "_STEPS", kept_calls.KeptCalls())
     case = Case(batch=3, heads=4, heads_k=2, capacity=90, page_size=page_size)
     counts = [3, 0, 5]
     cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=DEVICE)
