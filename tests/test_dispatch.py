@@ -431,19 +431,24 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     assert problem(dropout_p=0.1, dropout_seed=seed).holds_tensors
 
 
-def test_decode_splits_two_per_sm_unless_many_short(monkeypatch):
-    # Two programs per SM (132 here), except where that would cut each row block's keys into
-    # more than DECODE_MANY_SPLITS splits shorter than DECODE_SHORT_SPLIT_KEYS: one per SM there.
+@pytest.mark.parametrize("gbps", [3352.0, 4800.0])  # H100 SXM and H200: 25 and 36 GB/s per SM
+def test_decode_splits_fill_the_sms_once_or_twice(monkeypatch, gbps):
+    # One program per SM (132 here) below DECODE_TWO_PER_SM_GBPS of bandwidth per SM; above, two,
+    # except where that would cut each row block's keys into more than DECODE_MANY_SPLITS splits
+    # shorter than DECODE_SHORT_SPLIT_KEYS: one per SM there.
     from flashtile.kernels.gluon import scheduler
     monkeypatch.setattr(scheduler, "sm_count", lambda index: 132)
+    monkeypatch.setattr(scheduler, "dram_gbps", lambda index: gbps)
     monkeypatch.setattr(dispatch, "_CAPABILITIES", {5: (9, 0)})
     dispatch._decode_plan.cache_clear()
     try:
         def splits(batch, cache):  # one query token, 32/8 heads: 8 row blocks a sequence
             return dispatch._decode_plan(batch, 1, 32, 128, torch.bfloat16, 5, 8, cache, 0, False, False).splits
-        assert [splits(1, cache) for cache in (16384, 32768)] == [132 // 8] * 2  # 33 splits of < 1024 keys
-        assert splits(1, 131072) == 2 * 132 // 8  # long splits: two per SM
-        assert [splits(4, 4096), splits(8, 4096)] == [2 * 132 // 32, 2 * 132 // 64]  # few splits: two per SM
+        per_sm = 2 if gbps == 4800.0 else 1  # (the H200 above the bar, the H100 below)
+        assert [splits(1, cache) for cache in (16384, 32768)] == [132 // 8] * 2  # 33 would be < 1024 keys
+        assert splits(1, 131072) == per_sm * 132 // 8  # long splits
+        assert [splits(4, 4096), splits(8, 4096)] == [per_sm * 132 // 32, per_sm * 132 // 64]  # few splits
+        assert splits(16, 131072) == per_sm * 132 // 128
         assert splits(1, 4096) == 4096 // dispatch.DECODE_MIN_SPLIT_KEYS
     finally:
         dispatch._decode_plan.cache_clear()
