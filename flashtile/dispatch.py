@@ -367,13 +367,15 @@ class DecodePlan:
 # Keys a split should have at least: fewer make the combine's reads weigh.
 DECODE_MIN_SPLIT_KEYS = 256
 DECODE_MAX_SPLITS = 64
-# Programs per SM the split count aims at: one where the device reads under
-# DECODE_TWO_PER_SM_GBPS of DRAM bandwidth per SM (H100 SXM, 25 GB/s: one per SM read 1.01-1.06x
-# two in each of 17 cells of batch 1-16 x cache 4k-128k, same run, graph replay), two where more
-# (H200, 37 GB/s: its sweep had two per SM fastest at batch 4 and 8, and batch 1 cache 128k read
-# 4.16 TB/s with two against 3.64 in the run before, with one; not yet A/B'd in one run).  Two per SM still go to
-# one where they would cut each row block's keys into more than DECODE_MANY_SPLITS splits of
-# fewer than DECODE_SHORT_SPLIT_KEYS keys (H100, batch 1, caches 16k and 32k: 1.09x and 1.07x).
+# Programs per SM the split count aims at: one for a contiguous cache on a device that reads
+# under DECODE_TWO_PER_SM_GBPS of DRAM bandwidth per SM (H100 SXM, 25 GB/s: one per SM read
+# 1.01-1.06x two in each of 17 cells of batch 1-16 x cache 4k-128k, same run, graph replay),
+# two elsewhere: a paged cache on that H100 read 0.90-0.93x at batch 8 and batch 1 cache 128k
+# with one (runs at 5a403ea and d92b985), and the H200 (37 GB/s) sweep had two per SM fastest at
+# batch 4 and 8 (batch 1 cache 128k 4.16 TB/s with two against 3.64 in the run before, with one).
+# Two per SM still go to one where they would cut each row block's keys into more than
+# DECODE_MANY_SPLITS splits of fewer than DECODE_SHORT_SPLIT_KEYS keys (H100, batch 1, caches 16k
+# and 32k: 1.09x and 1.07x).
 DECODE_TWO_PER_SM_GBPS = 30.0
 DECODE_MANY_SPLITS = 16
 DECODE_SHORT_SPLIT_KEYS = 1024
@@ -381,17 +383,17 @@ DECODE_SHORT_SPLIT_KEYS = 1024
 
 def decode_plan(q, heads_k: int, capacity: int, num_splits: int, paged: bool = False,
                 opts=_options.ENVIRONMENT, shape=None) -> DecodePlan:
-    """Tiles and split count for q (batch, seqlen_q, heads, head_dim) over a cache of
-    ``capacity`` keys per sequence (``paged``: in pages, through a block table).  ``num_splits``
-    0: as many programs as one per SM hold, or two on a device of more bandwidth per SM
-    (DECODE_TWO_PER_SM_GBPS), where the row blocks alone are fewer (a count between one and two
-    per SM, or past two, leaves a partial wave), one per SM where two would make many short
-    splits (DECODE_MANY_SPLITS), each split at least DECODE_MIN_SPLIT_KEYS keys of the capacity (a static shape: no sequence
-    length is read on the host); > 0: that many, at most DECODE_MAX_SPLITS (the combine holds
-    every split's partial output of a row at once).  ``opts``: its tiles.decode / decode_paged
-    override (keys a step, stages, warps[, registers a thread]).  ``shape``: (batch, seqlen_q,
-    heads, head_dim) where q is packed (the longest sequence's queries).  Asked at every
-    decoding step: remembered per shape."""
+    """Tiles and split count for q (batch, seqlen_q, heads, head_dim) over a cache of ``capacity``
+    keys per sequence (``paged``: in pages, through a block table). ``num_splits`` 0: as many
+    programs as one per SM hold for a contiguous cache on a device of less bandwidth per SM than
+    DECODE_TWO_PER_SM_GBPS, else as two per SM hold, where the row blocks alone are fewer (a
+    count between one and two per SM, or past two, leaves a partial wave), one per SM where two
+    would make many short splits (DECODE_MANY_SPLITS), each split at least DECODE_MIN_SPLIT_KEYS
+    keys of the capacity (a static shape: no sequence length is read on the host); > 0: that
+    many, at most DECODE_MAX_SPLITS (the combine holds every split's partial output of a row at
+    once). ``opts``: its tiles.decode / decode_paged override (keys a step, stages, warps[,
+    registers a thread]). ``shape``: (batch, seqlen_q, heads, head_dim) where q is packed (the
+    longest sequence's queries). Asked at every decoding step: remembered per shape."""
     device = q.device.index if q.is_cuda else None
     tiles = opts.tile("decode_paged" if paged else "decode")
     return _decode_plan(*(shape or q.shape), q.dtype, device, heads_k, capacity, num_splits, paged,
@@ -414,7 +416,7 @@ def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capac
         sms = sm_count(device) if on_gpu else 4
         programs = max(cdiv(rows, block_m) * batch * heads_k, 1)  # (no query at all: one split of nothing)
         two = 2 * sms // programs
-        per_sm = 1 if (on_gpu and dram_gbps(device) < DECODE_TWO_PER_SM_GBPS * sms) or (
+        per_sm = 1 if (on_gpu and not paged and dram_gbps(device) < DECODE_TWO_PER_SM_GBPS * sms) or (
             two > DECODE_MANY_SPLITS and capacity < two * DECODE_SHORT_SPLIT_KEYS) else 2
         splits = max(1, min(per_sm * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
     upcast = interpreter and dtype == torch.bfloat16

@@ -431,11 +431,12 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     assert problem(dropout_p=0.1, dropout_seed=seed).holds_tensors
 
 
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("gbps", [3352.0, 4800.0])  # H100 SXM and H200: 25 and 36 GB/s per SM
-def test_decode_splits_fill_the_sms_once_or_twice(monkeypatch, gbps):
-    # One program per SM (132 here) below DECODE_TWO_PER_SM_GBPS of bandwidth per SM; above, two,
-    # except where that would cut each row block's keys into more than DECODE_MANY_SPLITS splits
-    # shorter than DECODE_SHORT_SPLIT_KEYS: one per SM there.
+def test_decode_splits_fill_the_sms_once_or_twice(monkeypatch, gbps, paged):
+    # One program per SM (132 here) for a contiguous cache below DECODE_TWO_PER_SM_GBPS of
+    # bandwidth per SM; otherwise two, except where that would cut each row block's keys into
+    # more than DECODE_MANY_SPLITS splits shorter than DECODE_SHORT_SPLIT_KEYS: one per SM there.
     from flashtile.kernels.gluon import scheduler
     monkeypatch.setattr(scheduler, "sm_count", lambda index: 132)
     monkeypatch.setattr(scheduler, "dram_gbps", lambda index: gbps)
@@ -443,8 +444,8 @@ def test_decode_splits_fill_the_sms_once_or_twice(monkeypatch, gbps):
     dispatch._decode_plan.cache_clear()
     try:
         def splits(batch, cache):  # one query token, 32/8 heads: 8 row blocks a sequence
-            return dispatch._decode_plan(batch, 1, 32, 128, torch.bfloat16, 5, 8, cache, 0, False, False).splits
-        per_sm = 2 if gbps == 4800.0 else 1  # (the H200 above the bar, the H100 below)
+            return dispatch._decode_plan(batch, 1, 32, 128, torch.bfloat16, 5, 8, cache, 0, paged, False).splits
+        per_sm = 1 if gbps == 3352.0 and not paged else 2  # (the H100 below the bar, the H200 above)
         assert [splits(1, cache) for cache in (16384, 32768)] == [132 // 8] * 2  # 33 would be < 1024 keys
         assert splits(1, 131072) == per_sm * 132 // 8  # long splits
         assert [splits(4, 4096), splits(8, 4096)] == [per_sm * 132 // 32, per_sm * 132 // 64]  # few splits
