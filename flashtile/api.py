@@ -51,7 +51,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     varlen = cu_seqlens_q is not None
     fp8 = fp8_descales is not None
     given, kind = (q, k, v), None
-    # (a dropout call draws a new seed each time: never kept)
+    # (a dropout call draws a new seed each time: never kept.  A plain dropout_p that passes
+    # validation and is not a float above 0 is 0, so a kept kind never draws a seed.)
     if not (torch.compiler.is_compiling() or varlen or fp8 or return_attn_probs or alibi_slopes is not None
             or sinks is not None or (type(dropout_p) is float and dropout_p > 0.0)):
         kind = kept_calls.kind((q, k, v), (dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
@@ -104,9 +105,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     seed = dropout.new_seed(q.device) if dropout_p else None
     args = (cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, fp8_descale, max_seqlen_q, max_seqlen_k, scale, left,
             right, softcap, dropout_p, version, bool(deterministic), options.text(opts))
-    if seed is None and all(x is y for x, y in zip((q, k, v), given)):
-        # (no dropout seed drawn; no padding, unit stride along the head dim: the caller's tensors
-        # are the kernels')
+    if all(x is y for x, y in zip((q, k, v), given)):
+        # (no padding, unit stride along the head dim: the caller's tensors are the kernels')
         _KEPT_CALLS.keep(kind, args)
     out, lse, _ = ops.attention(q, k, v, *args)
     if pad_v:

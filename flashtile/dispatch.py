@@ -368,14 +368,12 @@ class DecodePlan:
 DECODE_MIN_SPLIT_KEYS = 256
 DECODE_MAX_SPLITS = 64
 # Programs per SM the split count aims at: one for a contiguous cache on a device that reads
-# under DECODE_TWO_PER_SM_GBPS of DRAM bandwidth per SM (H100 SXM, 25 GB/s: one per SM read
-# 1.01-1.06x two in each of 17 cells of batch 1-16 x cache 4k-128k, same run, graph replay),
-# two elsewhere: a paged cache on that H100 read 0.90-0.93x at batch 8 and batch 1 cache 128k
-# with one (runs at 5a403ea and d92b985), and the H200 (37 GB/s) sweep had two per SM fastest at
-# batch 4 and 8 (batch 1 cache 128k 4.16 TB/s with two against 3.64 in the run before, with one).
-# Two per SM still go to one where they would cut each row block's keys into more than
-# DECODE_MANY_SPLITS splits of fewer than DECODE_SHORT_SPLIT_KEYS keys (H100, batch 1, caches 16k
-# and 32k: 1.09x and 1.07x).
+# under DECODE_TWO_PER_SM_GBPS of DRAM bandwidth per SM (the H100 SXM's 25 GB/s), where one per
+# SM read faster than two; two for a paged cache, which read slower with one there, and on
+# devices of more bandwidth per SM (the H200's 37), where two read faster.  Two per SM still go
+# to one where they would cut each row block's keys into more than DECODE_MANY_SPLITS splits of
+# fewer than DECODE_SHORT_SPLIT_KEYS keys, which read faster with one.  The measurements are in
+# docs/README.md's decode section.
 DECODE_TWO_PER_SM_GBPS = 30.0
 DECODE_MANY_SPLITS = 16
 DECODE_SHORT_SPLIT_KEYS = 1024
@@ -403,6 +401,7 @@ def decode_plan(q, heads_k: int, capacity: int, num_splits: int, paged: bool = F
 @functools.lru_cache(maxsize=256)
 def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capacity, num_splits, paged,
                  interpreter, tiles=None) -> DecodePlan:
+    on_gpu = not interpreter and device is not None
     rows = seqlen_q * (heads // heads_k)
     block_m = min(64, max(16, next_power_of_2(rows)))
     # Pages: the table's load takes a pipeline stage of its own, so a paged cache runs one more
@@ -412,7 +411,6 @@ def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capac
         splits = min(num_splits, DECODE_MAX_SPLITS)
     else:
         from flashtile.kernels.gluon.scheduler import dram_gbps, sm_count
-        on_gpu = not interpreter and device is not None
         sms = sm_count(device) if on_gpu else 4
         programs = max(cdiv(rows, block_m) * batch * heads_k, 1)  # (no query at all: one split of nothing)
         two = 2 * sms // programs
@@ -420,6 +418,6 @@ def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capac
             two > DECODE_MANY_SPLITS and capacity < two * DECODE_SHORT_SPLIT_KEYS) else 2
         splits = max(1, min(per_sm * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
     upcast = interpreter and dtype == torch.bfloat16
-    pdl = not interpreter and device is not None and _capability(device)[0] >= 9
+    pdl = on_gpu and _capability(device)[0] >= 9
     block_n, stages, warps, maxnreg = (*tiles, None)[:4] if tiles else (block_n, 4 if paged else 3, 4, None)
     return DecodePlan(block_m, block_n, splits, warps, stages, upcast, pdl, maxnreg)
