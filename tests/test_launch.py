@@ -150,6 +150,72 @@ def test_vouched_launch_finds_its_kernel_once(fake_gpu):
     assert len(kernel.compiles) == 2 and len(binary.launches) == 2 and len(launch._COMPILED[kernel]) == 2
 
 
+class _CudaLauncher:
+    """Stands for triton 3.6's CUDA launcher: ``launch`` its C function as triton wraps it."""
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, launch_function):
+        self.launch, self.calls = launch_function, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+
+
+def test_direct_launch_passes_the_c_launcher_what_tritons_wrapper_passes(monkeypatch, fake_gpu):
+    # triton's CUDA launcher wraps its C function in a loop that encodes each tensor descriptor
+    # (make_tensordesc_arg); the direct launch hands the C function the same arguments, the
+    # descriptors' encodings kept per address, shape and strides, the tensors as addresses.
+    from triton.backends.nvidia import driver as nvidia_driver
+    encodings = []
+
+    def encode(arg, meta):
+        encodings.append(arg.base.data_ptr())
+        return [("map", arg.base.data_ptr(), meta), *arg.shape, *arg.strides]
+
+    monkeypatch.setattr(nvidia_driver, "make_tensordesc_arg", encode)
+    monkeypatch.setattr(launch, "make_tensordesc_arg", encode)
+    received = []
+
+    def address(x):  # a pointer argument's tensor as the C code reads it
+        if isinstance(x, tuple):
+            return tuple(map(address, x))
+        return x.data_ptr() if isinstance(x, torch.Tensor) else x
+
+    def c_launch(*args):
+        received.append(address(args))
+
+    signature = {"a_desc": "tensordesc<bf16[64, 64]>", "x": "*fp32", "n": "i32", "b_desc": "tensordesc<bf16[64, 64]>",
+                 "pair": "[*fp32,i32]", "scale": "fp32", "BLOCK": "constexpr"}
+    meta = [dict(block=1), dict(block=2)]
+    binary = _FakeBinary()
+    binary.run = _CudaLauncher(nvidia_driver.wrap_handle_tensordesc(c_launch, signature, meta))
+    binary.src = types.SimpleNamespace(signature=signature)
+    x, y = torch.empty(8), torch.empty(8)
+    a, b = _descriptor(), _descriptor(rows=128)
+    full = (a, x, 32, b, (y, 3), 0.5, 64)
+    binary.run.launch(2, 1, 1, 7, "function", False, True, None, None, "packed metadata", None, None, None, *full)
+    launch._run(binary, (2, 1, 1), 0, full)
+    layout = (2, 64, 2, 64, 8192, 128, 64, 1)
+    assert received[0][13:] == (("map", a.base.data_ptr(), meta[0]), *layout, x.data_ptr(), 32,
+                                ("map", b.base.data_ptr(), meta[1]), *layout, (y.data_ptr(), 3), 0.5, 64)
+    assert received[1] == received[0] and encodings == [a.base.data_ptr(), b.base.data_ptr()] * 2
+    launch._run(binary, (2, 1, 1), 0, full)  # the same tensors: their encodings kept
+    c = launch.Descriptor(torch.empty_like(a.base), a.block_shape, a.layout)
+    launch._run(binary, (2, 1, 1), 0, (c, *full[1:]))  # another address: encoded anew
+    assert received[2] == received[0] and encodings[4:] == [c.base.data_ptr()]
+    assert received[3][13] == ("map", c.base.data_ptr(), meta[0]) and received[3][14:] == received[0][14:]
+    assert binary.run.calls == 0
+    # A profiler's hook installed (in triton's chain, or in its place): triton's launcher runs.
+    chain = launch.knobs.runtime.launch_exit_hook
+    assert not launch._hooked(chain) and not launch._hooked(None)
+    monkeypatch.setattr(chain, "calls", [lambda metadata: None])
+    launch._run(binary, (2, 1, 1), 0, full)
+    monkeypatch.setattr(launch.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    launch._run(binary, (2, 1, 1), 0, full)
+    assert binary.run.calls == 2 and len(received) == 4
+
+
 def _described(x, inputs):
     """What a launch argument is, comparable across calls: an input by name, another tensor by
     its layout, a descriptor by its tensor and block."""

@@ -21,7 +21,9 @@ all but its leading arguments are fixed once, so only those are classified at ea
 """
 import torch
 from triton import knobs
+from triton.knobs import HookChain
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.backends.nvidia.driver import make_tensordesc_arg
 from triton.runtime.driver import driver
 
 from flashtile import options
@@ -137,9 +139,95 @@ def _run(binary, grid, device, full):
     stream = driver.active.get_current_stream(device)
     # The hooks a profiler installs are read at each launch, as triton does.
     hooks = knobs.runtime
+    direct = _DIRECT.get(binary, _UNSEEN)
+    if direct is _UNSEEN:
+        direct = _DIRECT[binary] = _DirectLaunch.of(binary)
+    if direct is not None and not (_hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook)):
+        return direct(grid, stream, binary, full)
     binary.run(grid[0], grid[1], grid[2], stream, binary.function, binary.packed_metadata,
                binary.launch_metadata(grid, stream, *full), hooks.launch_enter_hook,
                hooks.launch_exit_hook, *full)
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is installed: a function, or a chain (triton's default) holding one."""
+    return hook is not None and (type(hook) is not HookChain or bool(hook.calls))
+
+
+_UNSEEN = object()
+# Per compiled kernel: its _DirectLaunch, or None where triton's own launcher is used.
+_DIRECT = {}
+
+
+class _DirectLaunch:
+    """A compiled kernel's C launch function called with its tensor descriptors already encoded.
+    Triton's launcher wraps that function in a Python loop over every argument that encodes each
+    tensor descriptor anew (``make_tensordesc_arg``: cuTensorMapEncodeTiled), and its C code asks
+    the driver for each tensor's address (cuPointerGetAttribute).  Here a descriptor's encoding is
+    kept per (address, shape, strides): the same tensor map, which the launch copies; a model's
+    activations come back at the same addresses from PyTorch's caching allocator step after
+    step.  Tensors pass as their addresses.  Used where triton's launcher has the shape this
+    relies on (``of``) and no profiler hook is installed; else triton's launcher runs."""
+    __slots__ = ("c_launch", "options", "pieces", "pointers", "meta", "encoded")
+
+    # Tensor maps kept per kernel, at most; the oldest half goes when full.
+    MAX_ENCODED = 512
+
+    def __init__(self, c_launch, run, descriptor_positions, descriptor_meta, pointer_positions, count):
+        self.c_launch = c_launch
+        self.options = (run.launch_cooperative_grid, run.launch_pdl)
+        # (start, stop) runs of plain arguments, each followed by the descriptor at ``stop`` (< count)
+        edges = [-1, *sorted(descriptor_positions), count]
+        self.pieces = tuple((a + 1, b) for a, b in zip(edges, edges[1:]))
+        self.meta = dict(zip(sorted(descriptor_positions), descriptor_meta))
+        self.pointers = tuple(pointer_positions)
+        self.encoded = {}
+
+    @classmethod
+    def of(cls, binary):
+        """The direct launch of ``binary``, or None where its launcher is not triton 3.6's CUDA
+        launcher with encoded tensor descriptors and no scratch memory."""
+        run = getattr(binary, "run", None)
+        launch = getattr(run, "launch", None)
+        if run is None or launch is None or getattr(run, "global_scratch_size", 1) or getattr(
+                run, "profile_scratch_size", 1):
+            return None
+        signature = list(binary.src.signature.values())
+        pointers = [i for i, ty in enumerate(signature) if isinstance(ty, str) and ty.startswith("*")]
+        code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
+        if code is None:  # no tensor descriptor: triton's launcher is the C function itself
+            return cls(launch, run, (), (), pointers, len(signature))
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure or ())))
+        c_launch, positions, meta = (cells.get(x) for x in ("launcher", "tensordesc_indices", "tensordesc_meta"))
+        if c_launch is None or positions is None or not meta or None in meta or len(meta) != len(positions):
+            return None
+        return cls(c_launch, run, positions, meta, pointers, len(signature))
+
+    def _encoding(self, position, d):
+        key = (position, d.base.data_ptr(), *d.shape, *d.strides)
+        found = self.encoded.get(key)
+        if found is None:
+            if len(self.encoded) >= self.MAX_ENCODED:
+                for old in list(self.encoded)[:self.MAX_ENCODED // 2]:
+                    self.encoded.pop(old, None)
+            found = self.encoded[key] = make_tensordesc_arg(d, self.meta[position])
+        return found
+
+    def __call__(self, grid, stream, binary, full):
+        if self.pointers:
+            full = list(full)
+            for i in self.pointers:
+                x = full[i]
+                if x is not None and type(x) is not int:
+                    full[i] = x.data_ptr()
+        args = [grid[0], grid[1], grid[2], stream, binary.function, *self.options, None, None,
+                binary.packed_metadata, None, None, None]
+        count = len(full)
+        for start, stop in self.pieces:
+            args.extend(full[start:stop])
+            if stop < count:
+                args.extend(self._encoding(stop, full[stop]))
+        self.c_launch(*args)
 
 
 class Prepared:
