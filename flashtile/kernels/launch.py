@@ -11,7 +11,9 @@ backward launches two kernels with twelve descriptors.
 constexprs and launch options; each descriptor's dtype, block and layout; each tensor's dtype
 and 16-byte alignment; whether each integer is 1, a multiple of 16, 32-bit), compiles and
 launches through JITFunction.run the first time it meets a key, and afterwards hands the
-arguments to the compiled kernel's launcher, as ``CompiledKernel.__getitem__`` does.  The key
+arguments to the compiled kernel's C launch function (``_DirectLaunch``: tensor maps kept per
+address), or to triton's launcher as ``CompiledKernel.__getitem__`` does where a profiler's hook
+is installed.  The key
 may tell apart arguments triton would not (a second compile of the same kernel, served by
 triton's own cache), never the reverse.  ``Descriptor`` carries what that launcher reads of a
 tensor descriptor; the first launch of a key converts it to the checked TensorDescriptor.
