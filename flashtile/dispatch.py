@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from flashtile import options as _options
+from flashtile import gpu, options as _options
 from flashtile.kernels import configs, score
 from flashtile.kernels.configs import Config
 from flashtile.kernels.problem import cdiv, next_power_of_2, remembered
@@ -56,22 +56,12 @@ def why_not(version: str, device: torch.device) -> str | None:
                 "flashtile to run them on CPU tensors; version='auto' uses the PyTorch tiled path on CPU")
     if device.type != "cuda":
         return f"device type {device.type!r} is not supported"
-    major, minor = _capability(device.index)
+    major, minor = gpu.capability(device.index)
     if version == "v3" and major != 9:
         return f"v3 uses Hopper TMA and warp specialization (compute capability 9.0); this GPU is {major}.{minor}"
     if major < 8:
         return f"flashtile needs compute capability >= 8.0; this GPU is {major}.{minor}"
     return None
-
-
-_CAPABILITIES: dict = {}  # asked at every call; a plain dict, which torch.compile traces through
-
-
-def _capability(index):
-    found = _CAPABILITIES.get(index)
-    if found is None:
-        found = _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
-    return found
 
 
 def resolve_version(version: str, device: torch.device) -> str:
@@ -410,14 +400,13 @@ def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capac
     if num_splits > 0:
         splits = min(num_splits, DECODE_MAX_SPLITS)
     else:
-        from flashtile.kernels.gluon.scheduler import dram_gbps, sm_count
-        sms = sm_count(device) if on_gpu else 4
+        sms = gpu.sm_count(device) if on_gpu else 4
         programs = max(cdiv(rows, block_m) * batch * heads_k, 1)  # (no query at all: one split of nothing)
         two = 2 * sms // programs
-        per_sm = 1 if (on_gpu and not paged and dram_gbps(device) < DECODE_TWO_PER_SM_GBPS * sms) or (
+        per_sm = 1 if (on_gpu and not paged and gpu.dram_gbps(device) < DECODE_TWO_PER_SM_GBPS * sms) or (
             two > DECODE_MANY_SPLITS and capacity < two * DECODE_SHORT_SPLIT_KEYS) else 2
         splits = max(1, min(per_sm * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
     upcast = interpreter and dtype == torch.bfloat16
-    pdl = on_gpu and _capability(device)[0] >= 9
+    pdl = on_gpu and gpu.capability(device)[0] >= 9
     block_n, stages, warps, maxnreg = (*tiles, None)[:4] if tiles else (block_n, 4 if paged else 3, 4, None)
     return DecodePlan(block_m, block_n, splits, warps, stages, upcast, pdl, maxnreg)

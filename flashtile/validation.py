@@ -9,6 +9,7 @@ import numbers
 
 import torch
 
+from flashtile import gpu
 from flashtile.tensor_state import KeptByTensor
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -239,8 +240,8 @@ def feature_options(dropout_p, softcap) -> tuple[float, float]:
 def fp8_capable(device) -> str | None:
     """None where float8 matmuls run on ``device`` (compute capability 8.9 or newer, or the
     interpreter on CPU tensors); otherwise why not."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(device)
+    if device.type == "cuda" and gpu.capability(device.index) < (8, 9):
+        major, minor = gpu.capability(device.index)
         return f"float8 matmuls need compute capability 8.9 or newer; this GPU is {major}.{minor}"
     return None
 

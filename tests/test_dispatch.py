@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flashtile import dispatch, options
+from flashtile import dispatch, gpu, options
 from flashtile.dispatch import HOPPER, Plan, Target
 from flashtile.kernels import configs, tma
 from flashtile.kernels.configs import Config, GluonBackward, GluonSchedule
@@ -277,7 +277,7 @@ def test_decode_plan_splits_from_static_shapes():
 def test_decode_combine_is_a_programmatic_dependent_on_hopper_only(monkeypatch):
     # griddepcontrol exists from sm_90; the interpreter has no inline assembly.
     for capability, expected in (((9, 0), True), ((8, 0), False)):
-        monkeypatch.setattr(dispatch, "_CAPABILITIES", {5: capability})
+        monkeypatch.setattr(gpu, "_CAPABILITIES", {5: capability})
         dispatch._decode_plan.cache_clear()  # plans are remembered per device, whose capability is fixed
         assert dispatch._decode_plan(8, 1, 32, 128, torch.bfloat16, 5, 8, 4096, 1, False, False).pdl is expected
         assert not dispatch._decode_plan(8, 1, 32, 128, torch.bfloat16, 5, 8, 4096, 1, False, True).pdl
@@ -437,10 +437,9 @@ def test_decode_splits_fill_the_sms_once_or_twice(monkeypatch, gbps, paged):
     # One program per SM (132 here) for a contiguous cache below DECODE_TWO_PER_SM_GBPS of
     # bandwidth per SM; otherwise two, except where that would cut each row block's keys into
     # more than DECODE_MANY_SPLITS splits shorter than DECODE_SHORT_SPLIT_KEYS: one per SM there.
-    from flashtile.kernels.gluon import scheduler
-    monkeypatch.setattr(scheduler, "sm_count", lambda index: 132)
-    monkeypatch.setattr(scheduler, "dram_gbps", lambda index: gbps)
-    monkeypatch.setattr(dispatch, "_CAPABILITIES", {5: (9, 0)})
+    monkeypatch.setattr(gpu, "sm_count", lambda index: 132)
+    monkeypatch.setattr(gpu, "dram_gbps", lambda index: gbps)
+    monkeypatch.setattr(gpu, "_CAPABILITIES", {5: (9, 0)})
     dispatch._decode_plan.cache_clear()
     try:
         def splits(batch, cache):  # one query token, 32/8 heads: 8 row blocks a sequence

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile import options
+from flashtile import gpu, options
 from flashtile.kernels import dropout, score
 from flashtile.kernels.blocks import band_mask, program_sequence, visited_blocks
 from flashtile.kernels.launch import launch
@@ -66,7 +66,7 @@ def splits(programs: int, n_blocks: int, device, cap: int, forced=None) -> int:
     if forced:
         return max(1, min(forced, n_blocks))
     # Under the interpreter a 2-SM "device" keeps the split path exercised by small CPU tests.
-    sms = 2 if options.interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
+    sms = 2 if options.interpreting() else gpu.sm_count(device)
     target = 2 * sms
     if programs >= 0.8 * target:
         return 1

@@ -57,13 +57,14 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
+from flashtile.gpu import sm_count
 from flashtile.kernels import configs, dropout, packed_tiles, score
 from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks, band_mask, band_rows_mask
 from flashtile.kernels.configs import gluon_bwd_stationary_rows, split_head_dim
 from flashtile.kernels.gluon.pipeline import buffer_of, lanes_product, release, tma_reduce_add
 from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter,
-                                               packed_tile, publish_tile, read_next_tile, read_tile, sm_count,
+                                               packed_tile, publish_tile, read_next_tile, read_tile,
                                                start_tiles, stationary_tile, tile_counter, Sequences, Value, value,
                                                values)
 from flashtile.kernels.launch import Descriptor, Prepared, launch

@@ -52,6 +52,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
+from flashtile.gpu import sm_count
 from flashtile.kernels import configs, dropout, packed_tiles, score
 from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile
@@ -59,7 +60,7 @@ from flashtile.kernels.configs import WARPGROUP_ROWS
 from flashtile.kernels.gluon import float8
 from flashtile.kernels.gluon.pipeline import lanes_product
 from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter,
-                                               packed_tile, publish_tile, read_next_tile, read_tile, sm_count,
+                                               packed_tile, publish_tile, read_next_tile, read_tile,
                                                start_tiles, tile_counter, Sequences, Value, value, values)
 from flashtile.kernels.launch import Descriptor, Prepared
 from flashtile.kernels.problem import contiguous_strides, remembered

@@ -179,18 +179,6 @@ def heads_sharing_l2(p, batch_heads, streamed_bytes_per_head) -> int:
     return cdiv(batch_heads, cdiv(batch_heads, most))
 
 
-@functools.lru_cache(maxsize=None)
-def sm_count(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def dram_gbps(device_index):
-    """The device's peak DRAM bandwidth, GB/s (from its memory clock and bus width)."""
-    import triton.testing
-    return triton.testing.get_dram_gbps(device_index)
-
-
 # Epochs run from 1 to below 2**31 (a launch's tiles are counted in the low 32 bits); at the
 # end of that range a counter is zeroed and its epochs start again.
 EPOCH_BITS = 32
