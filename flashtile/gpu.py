@@ -11,7 +11,9 @@ _CAPABILITIES: dict = {}
 
 
 def capability(index) -> tuple[int, int]:
-    """(major, minor) compute capability of the CUDA device ``index``."""
+    """(major, minor) compute capability of the CUDA device ``index`` (None: the current one)."""
+    if index is None:
+        index = torch.cuda.current_device()
     found = _CAPABILITIES.get(index)
     if found is None:
         found = _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
@@ -20,7 +22,7 @@ def capability(index) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def sm_count(index) -> int:
-    """Streaming multiprocessors of the CUDA device ``index``."""
+    """Streaming multiprocessors of the CUDA device ``index`` (an int: one entry per device)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 

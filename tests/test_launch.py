@@ -165,7 +165,8 @@ class _CudaLauncher:
 def test_direct_launch_passes_the_c_launcher_what_tritons_wrapper_passes(monkeypatch, fake_gpu):
     # triton's CUDA launcher wraps its C function in a loop that encodes each tensor descriptor
     # (make_tensordesc_arg); the direct launch hands the C function the same arguments, the
-    # descriptors' encodings kept per address, shape and strides, the tensors as addresses.
+    # descriptors' encodings kept per address, shape and strides (CUDA tensors as their
+    # addresses; these CPU ones as they are, for the C code to refuse).
     from triton.backends.nvidia import driver as nvidia_driver
     encodings = []
 
@@ -174,7 +175,6 @@ def test_direct_launch_passes_the_c_launcher_what_tritons_wrapper_passes(monkeyp
         return [("map", arg.base.data_ptr(), meta), *arg.shape, *arg.strides]
 
     monkeypatch.setattr(nvidia_driver, "make_tensordesc_arg", encode)
-    monkeypatch.setattr(launch, "make_tensordesc_arg", encode)
     received = []
 
     def address(x):  # a pointer argument's tensor as the C code reads it

@@ -13,9 +13,8 @@ and 16-byte alignment; whether each integer is 1, a multiple of 16, 32-bit), com
 launches through JITFunction.run the first time it meets a key, and afterwards hands the
 arguments to the compiled kernel's C launch function (``_DirectLaunch``: tensor maps kept per
 address), or to triton's launcher as ``CompiledKernel.__getitem__`` does where a profiler's hook
-is installed.  The key
-may tell apart arguments triton would not (a second compile of the same kernel, served by
-triton's own cache), never the reverse.  ``Descriptor`` carries what that launcher reads of a
+is installed or the kernel needs scratch memory.  The key may tell apart arguments triton would
+not (a second compile of the same kernel, served by triton's own cache), never the reverse.  ``Descriptor`` carries what that launcher reads of a
 tensor descriptor; the first launch of a key converts it to the checked TensorDescriptor.
 Every kernel of every version launches through here; under the interpreter each launch goes
 through ``kernel[grid]``.  ``Prepared`` goes further for a launch repeated on the same shapes:
@@ -25,7 +24,7 @@ import torch
 from triton import knobs
 from triton.knobs import HookChain
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.backends.nvidia.driver import make_tensordesc_arg
+from triton.backends.nvidia import driver as nvidia_driver
 from triton.runtime.driver import driver
 
 from flashtile import options
@@ -168,8 +167,10 @@ class _DirectLaunch:
     the driver for each tensor's address (cuPointerGetAttribute).  Here a descriptor's encoding is
     kept per (address, shape, strides): the same tensor map, which the launch copies; a model's
     activations come back at the same addresses from PyTorch's caching allocator step after
-    step.  Tensors pass as their addresses.  Used where triton's launcher has the shape this
-    relies on (``of``) and no profiler hook is installed; else triton's launcher runs."""
+    step.  CUDA tensors pass as their addresses (any other object as it is, for the C code's own
+    checks).  Used where triton's launcher has the shape this relies on (``of``: no scratch
+    memory, which the kernels that build tensor descriptors on the device take) and no profiler
+    hook is installed; else triton's launcher runs."""
     __slots__ = ("c_launch", "options", "pieces", "pointers", "meta", "encoded")
 
     # Tensor maps kept per kernel, at most; the oldest half goes when full.
@@ -194,7 +195,10 @@ class _DirectLaunch:
         if run is None or launch is None or getattr(run, "global_scratch_size", 1) or getattr(
                 run, "profile_scratch_size", 1):
             return None
-        signature = list(binary.src.signature.values())
+        signature = getattr(getattr(binary, "src", None), "signature", None)
+        if signature is None:
+            return None
+        signature = list(signature.values())
         pointers = [i for i, ty in enumerate(signature) if isinstance(ty, str) and ty.startswith("*")]
         code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
         if code is None:  # no tensor descriptor: triton's launcher is the C function itself
@@ -212,7 +216,7 @@ class _DirectLaunch:
             if len(self.encoded) >= self.MAX_ENCODED:
                 for old in list(self.encoded)[:self.MAX_ENCODED // 2]:
                     self.encoded.pop(old, None)
-            found = self.encoded[key] = make_tensordesc_arg(d, self.meta[position])
+            found = self.encoded[key] = nvidia_driver.make_tensordesc_arg(d, self.meta[position])
         return found
 
     def __call__(self, grid, stream, binary, full):
@@ -220,7 +224,7 @@ class _DirectLaunch:
             full = list(full)
             for i in self.pointers:
                 x = full[i]
-                if x is not None and type(x) is not int:
+                if type(x) is torch.Tensor and x.is_cuda:
                     full[i] = x.data_ptr()
         args = [grid[0], grid[1], grid[2], stream, binary.function, *self.options, None, None,
                 binary.packed_metadata, None, None, None]

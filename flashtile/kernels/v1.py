@@ -66,7 +66,7 @@ def splits(programs: int, n_blocks: int, device, cap: int, forced=None) -> int:
     if forced:
         return max(1, min(forced, n_blocks))
     # Under the interpreter a 2-SM "device" keeps the split path exercised by small CPU tests.
-    sms = 2 if options.interpreting() else gpu.sm_count(device)
+    sms = 2 if options.interpreting() else gpu.sm_count(device.index)
     target = 2 * sms
     if programs >= 0.8 * target:
         return 1
