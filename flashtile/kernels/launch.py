@@ -14,8 +14,9 @@ launches through JITFunction.run the first time it meets a key, and afterwards h
 arguments to the compiled kernel's C launch function (``_DirectLaunch``: tensor maps kept per
 address), or to triton's launcher as ``CompiledKernel.__getitem__`` does where a profiler's hook
 is installed or the kernel needs scratch memory.  The key may tell apart arguments triton would
-not (a second compile of the same kernel, served by triton's own cache), never the reverse.  ``Descriptor`` carries what that launcher reads of a
-tensor descriptor; the first launch of a key converts it to the checked TensorDescriptor.
+not (a second compile of the same kernel, served by triton's own cache), never the reverse.
+``Descriptor`` carries what that launcher reads of a tensor descriptor; the first launch of a
+key converts it to the checked TensorDescriptor.
 Every kernel of every version launches through here; under the interpreter each launch goes
 through ``kernel[grid]``.  ``Prepared`` goes further for a launch repeated on the same shapes:
 all but its leading arguments are fixed once, so only those are classified at each call.
