@@ -345,7 +345,7 @@ def main():
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--head-dim-v", type=int, help="V's own head dim (the Gluon forward and backward passes alone)")
     ap.add_argument("--dump", type=pathlib.Path)
-    ap.add_argument("--only", help="compile only the kernels with this name (e.g. v3.fwd)")
+    ap.add_argument("--only", help="compile only the kernels of these names, comma-separated (e.g. v3.fwd)")
     ap.add_argument("--varlen", action="store_true", help="the variable-length (cu_seqlens) variants")
     ap.add_argument("--loops", action="store_true", help="each hot loop's SASS instruction mix")
     ap.add_argument("--options", default="", help="kernel options, as FLASHTILE_KERNEL_OPTIONS takes them")
@@ -365,7 +365,7 @@ def main():
         for name, fn, constexprs, options, descriptors in cases(d, args.varlen, opts, args.softcap, args.alibi,
                                                                   args.dropout, args.fp8, args.fp8_mode,
                                                                   args.head_dim_v):
-            if args.only and name != args.only:
+            if args.only and name not in args.only.split(","):
                 continue
             try:
                 fp8 = args.fp8 and (name.startswith("v2.") or name.startswith("v3.fwd_gluon") or name.endswith(

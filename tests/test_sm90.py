@@ -143,6 +143,18 @@ def test_v3_gluon_forward_score_features_loops(tmp_path, monkeypatch):
         assert ops["FMNMX"] > 0
 
 
+def test_v3_gluon_single_pass_alibi_loop_reads_positions(tmp_path, monkeypatch):
+    # d128's single-pass backward with ALiBi forms the bias's query part from a table of column
+    # positions in shared memory (backward._write_positions): its loop keeps the 32 MMAs and at
+    # most a few spill instructions (79 while the columns' indices were built every block).
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    from sass_loops import hot_loops, loop_stats, sass
+    compile_for_sm90(tmp_path, "v3.bwd_reduce_gluon", 128, alibi=True)
+    cubin = (tmp_path / "v3.bwd_reduce_gluon_d128.cubin").read_bytes()
+    found = [loop_stats(loop)[:3] for loop in hot_loops(sass(cubin))]
+    assert len(found) == 1 and found[0][1] == 32 and found[0][2] <= 16, found
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_v3_gluon_window_forward_compiles_for_sm90(tmp_path, monkeypatch, head_dim):
     # A sliding window's left edge is tested only where the window has one (LEFT_EDGE): the

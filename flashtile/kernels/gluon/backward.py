@@ -391,14 +391,17 @@ def _hook_probs_t(sT, lse, cols, rows_k, m0, band, seqlen_q, scale_log2, unit, s
 
 @gluon.jit
 def _probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, scale_log2, site, SCORE: gl.constexpr,
-             ROW_BOUNDS: gl.constexpr, SPLIT_CROSSING: gl.constexpr):
+             ROW_BOUNDS: gl.constexpr, SPLIT_CROSSING: gl.constexpr, positions=None):
     """P^T of the Q block from m0 from S^T (key rows ``rows_k`` from k0; through the score hook),
     and P^T times the hook's derivative f', what dS^T is formed from (dS^T = P^T f' (dP^T - D)):
     taken now, the logits need not stay in registers until dP^T has landed.  A distance bias is
     split (score.one_side_logits): its key part per row, its query part into lse; on blocks the
     diagonal crosses too with SPLIT_CROSSING (score.crossing_part), else there through the hook
-    (the single pass spills less with the first, the two passes with the second)."""
-    cols = m0 + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, sT.type.layout))
+    (the single pass spills less with the first, the two passes with the second).  ``positions``
+    (None, or _write_positions' table): the query part as the block's scalar plus the slope
+    times a position read from shared memory, where the columns' indices and their conversions
+    to float, held or rebuilt every block, spilled (d128's single pass: 79 spill instructions a
+    block, 10 with the table)."""
     unit = score.exp_scale(scale_log2, site, SCORE)
     if score.splits_distance(SCORE):
         side = score.diagonal_side(k0, k0 + sT.shape[0] - 1, m0, m0 + sT.shape[1] - 1, site[2])
@@ -408,20 +411,44 @@ def _probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, scale_log2, site, SCORE: g
         if (side != 0.0) | SPLIT_CROSSING:
             slope = score.distance_slope(site, SCORE) * unit  # log2 units
             key_part = (slope * side) * (rows_k - k0).to(gl.float32)
-            lse_part = lse - (slope * side) * (k0 - site[2] - cols).to(gl.float32)
-            xT, tT = score.biased_inner_logits(sT, scale_log2, unit, key_part[:, None], cols[None, :],
+            if positions is None:
+                lse_part = lse - (slope * side) * (k0 - site[2] - _cols_t(sT, m0)).to(gl.float32)
+            else:
+                block_part = (slope * side) * (k0 - site[2] - m0).to(gl.float32)
+                lse_part = (lse - block_part) + (slope * side) * positions.load(gl.SliceLayout(0, sT.type.layout))
+            xT, tT = score.biased_inner_logits(sT, scale_log2, unit, key_part[:, None], _cols_t(sT, m0)[None, :],
                                                rows_k[:, None], site, SCORE)
             if SPLIT_CROSSING:
                 if crossing:
-                    xT += score.crossing_part(cols[None, :], rows_k[:, None], site[2], slope)
+                    xT += score.crossing_part(_cols_t(sT, m0)[None, :], rows_k[:, None], site[2], slope)
             pT = _in_band_t(gl.exp2(xT - lse_part[None, :]), rows_k, m0, band, seqlen_q, ROW_BOUNDS)
-            pT_ds = score.inner_grad(pT, tT, cols[None, :], rows_k[:, None], site, SCORE)
+            pT_ds = score.inner_grad(pT, tT, _cols_t(sT, m0)[None, :], rows_k[:, None], site, SCORE)
         else:
-            pT, pT_ds = _hook_probs_t(sT, lse, cols, rows_k, m0, band, seqlen_q, scale_log2, unit, site, SCORE,
-                                      ROW_BOUNDS)
+            pT, pT_ds = _hook_probs_t(sT, lse, _cols_t(sT, m0), rows_k, m0, band, seqlen_q, scale_log2, unit, site,
+                                      SCORE, ROW_BOUNDS)
         return pT, pT_ds
     else:
-        return _hook_probs_t(sT, lse, cols, rows_k, m0, band, seqlen_q, scale_log2, unit, site, SCORE, ROW_BOUNDS)
+        return _hook_probs_t(sT, lse, _cols_t(sT, m0), rows_k, m0, band, seqlen_q, scale_log2, unit, site, SCORE,
+                             ROW_BOUNDS)
+
+
+@gluon.jit
+def _write_positions(positions, SCORE: gl.constexpr):
+    """With a distance bias, fill the table ``positions`` (the row of the dK/dV pass's lse
+    buffer after its ring slots) with 0, 1, ... as floats, a streamed block's column positions
+    that _probs_t reads, and wait for the partition's warps.  Every consumer partition writes
+    the same values."""
+    if score.splits_distance(SCORE):
+        n: gl.constexpr = positions.shape[0]
+        positions.store(gl.arange(0, n, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0])).to(gl.float32))
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _cols_t(sT, m0):
+    """The query rows of S^T's columns, from m0; built where each use is, so that none is
+    computed ahead of a branch that alone reads it."""
+    return m0 + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, sT.type.layout))
 
 
 @gluon.jit
@@ -484,7 +511,7 @@ def _scores(a, b, c_smem, d_smem, ready, count, s_zero, ROWS: gl.constexpr, HEAD
 @gluon.jit
 def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, k0, m0, band, seqlen_q, scale_log2,
                    site, drop, op_layout: gl.constexpr, v_op_layout: gl.constexpr, SCORE: gl.constexpr,
-                   DQ_REDUCE: gl.constexpr, DROPOUT: gl.constexpr):
+                   DQ_REDUCE: gl.constexpr, DROPOUT: gl.constexpr, positions=None):
     """One streamed Q block's products against a consumer partition's K/V rows, once its S^T and
     dP^T are in flight (_scores): dV += P^T dO and dK += dS^T Q with P^T and dS^T as register
     operands; lse and D from the block's ring slot.  dV and dK are left in flight (with the
@@ -493,7 +520,8 @@ def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, k
     dV takes the kept P^T (the caller scales dV by 1 / (1 - p)) and dS^T the kept dP^T, scaled."""
     lse = lse_ref.load(gl.SliceLayout(0, s_zero.type.layout)) * LOG2E
     sT = warpgroup_mma_wait(1, deps=[sT])
-    pT, pT_ds = _probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, scale_log2, site, SCORE, True, DQ_REDUCE)
+    pT, pT_ds = _probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, scale_log2, site, SCORE, True, DQ_REDUCE,
+                         positions)
     if DROPOUT:
         s_layout: gl.constexpr = s_zero.type.layout
         cols = m0 + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, s_layout))
@@ -547,6 +575,7 @@ def _kv_consumer(WHICH: gl.constexpr, WARPGROUPS: gl.constexpr, buf, walk, stats
     kv_ready, kv_empty, q_ready, q_empty = buf.stationary_ready, buf.stationary_empty, buf.ring_ready, buf.ring_empty
     num_tiles, group = walk.num_tiles, walk.group  # (the sequence's lengths: each tile's)
     lse_smem, delta_smem = stats.lse_smem, stats.delta_smem
+    _write_positions(lse_smem.index(STAGES), SCORE)
     SLOTS: gl.constexpr = k_smem.shape[0]
     ROWS: gl.constexpr = WARPGROUP_ROWS * WARPGROUPS
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, WARPGROUPS, 1)
@@ -632,7 +661,8 @@ def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_sm
                                    STAGES, HEAD_DIM_V_PAD, QK_LANES)
     dk, dv, dsT, pT_op, dsT_op = _dkdv_products(sT, dpT, q, do, lse_smem.index(slot), delta_smem.index(slot),
                                                 dk, dv, s_zero, rows_k, k0, m0, band, seqlen_q, scale_log2, site,
-                                                drop, op_layout, v_op_layout, SCORE, DQ_REDUCE, DROPOUT)
+                                                drop, op_layout, v_op_layout, SCORE, DQ_REDUCE, DROPOUT,
+                                                lse_smem.index(STAGES))
     if DQ_REDUCE:
         # dS and the fp32 dQ staging have two buffers each: one written here was last read two
         # blocks ago (dS by that block's dQ product, the staging by its reduce, which
@@ -840,7 +870,8 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
         ], [1], [PRODUCER_REGS])
     else:
         # lse and D of each streamed block, in the ring beside it (SPLIT_D's: _kv_consumers_split_d).
-        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], _STATS_LAYOUT)
+        # (one row more: _write_positions' table)
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES + 1, BLOCK_M], _STATS_LAYOUT)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], _STATS_LAYOUT)
         stats = RowStats(LSE, DELTA, lse_smem, delta_smem, slb, slh)
         if SHARED_SCORES:
