@@ -399,9 +399,9 @@ def _probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, scale_log2, site, SCORE: g
     diagonal crosses too with SPLIT_CROSSING (score.crossing_part), else there through the hook
     (the single pass spills less with the first, the two passes with the second).  ``positions``
     (None, or _write_positions' table): the query part as the block's scalar plus the slope
-    times a position read from shared memory, where the columns' indices and their conversions
-    to float, held or rebuilt every block, spilled (d128's single pass: 79 spill instructions a
-    block, 10 with the table)."""
+    times a position read from shared memory, so that the columns' indices and their
+    conversions to float are neither held across the loop nor rebuilt every block (either
+    spills in the single pass)."""
     unit = score.exp_scale(scale_log2, site, SCORE)
     if score.splits_distance(SCORE):
         side = score.diagonal_side(k0, k0 + sT.shape[0] - 1, m0, m0 + sT.shape[1] - 1, site[2])
