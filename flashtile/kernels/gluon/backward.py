@@ -432,6 +432,13 @@ def _probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, scale_log2, site, SCORE: g
                              ROW_BOUNDS)
 
 
+@gluon.constexpr_function
+def _lse_rows(STAGES, SCORE):
+    """Rows of the dK/dV pass's lse buffer: one per ring slot, and with a distance bias one
+    more for _write_positions' table."""
+    return STAGES + 1 if score.splits_distance(SCORE) else STAGES
+
+
 @gluon.jit
 def _write_positions(positions, SCORE: gl.constexpr):
     """With a distance bias, fill the table ``positions`` (the row of the dK/dV pass's lse
@@ -662,7 +669,7 @@ def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_sm
     dk, dv, dsT, pT_op, dsT_op = _dkdv_products(sT, dpT, q, do, lse_smem.index(slot), delta_smem.index(slot),
                                                 dk, dv, s_zero, rows_k, k0, m0, band, seqlen_q, scale_log2, site,
                                                 drop, op_layout, v_op_layout, SCORE, DQ_REDUCE, DROPOUT,
-                                                lse_smem.index(STAGES))
+                                                lse_smem.index(STAGES))  # (read with a distance bias alone)
     if DQ_REDUCE:
         # dS and the fp32 dQ staging have two buffers each: one written here was last read two
         # blocks ago (dS by that block's dQ product, the staging by its reduce, which
@@ -870,8 +877,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
         ], [1], [PRODUCER_REGS])
     else:
         # lse and D of each streamed block, in the ring beside it (SPLIT_D's: _kv_consumers_split_d).
-        # (one row more: _write_positions' table)
-        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES + 1, BLOCK_M], _STATS_LAYOUT)
+        lse_smem = gl.allocate_shared_memory(gl.float32, [_lse_rows(STAGES, SCORE), BLOCK_M], _STATS_LAYOUT)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], _STATS_LAYOUT)
         stats = RowStats(LSE, DELTA, lse_smem, delta_smem, slb, slh)
         if SHARED_SCORES:
