@@ -77,14 +77,16 @@ def test_v3_gluon_forward_compiles_for_sm90(tmp_path, monkeypatch, head_dim):
 @pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (128, 64), (192, 192)])
 def test_v3_gluon_forward_takes_its_own_value_head_dim(tmp_path, monkeypatch, head_dim, head_dim_v):
     # MLA prefill's 192 / 128 and 128 / 64: S = Q K^T over Q's head dim, O += P V and O's TMA
-    # store over V's, tiles chosen by the wider one.  Head dim 192 sits in d256's tiles (shared
-    # memory blocks are powers of two) but S's product reduces over 192 lanes: 12 MMA steps of
-    # 16, not 16 (qk_lanes).
+    # store over V's, tiles chosen by the wider one.  Head dim 192 loads Q and K as three slices
+    # of 64 lanes (shared-memory blocks are powers of two): S's product reduces over 192 lanes,
+    # 12 MMA steps of 16, not d256's 16 (qk_lanes), and with V of 128 lanes the K/V ring holds
+    # d128's 128-key blocks.
     ttgir = compile_for_sm90(tmp_path, "v3.fwd_gluon", head_dim, head_dim_v=head_dim_v)
     ptx = (tmp_path / f"v3.fwd_gluon_d{head_dim}.ptx").read_text()
     assert "ttg.warp_specialize" in ttgir
     pad, pad_v = (max(16, 1 << (d - 1).bit_length()) for d in (head_dim, head_dim_v))
-    block_n = configs.by_head_dim(configs.V3_GLUON, max(pad, pad_v)).block_n
+    block_n = (configs.V3_GLUON_QK192 if (head_dim, head_dim_v) == (192, 128) else
+               configs.by_head_dim(configs.V3_GLUON, max(pad, pad_v))).block_n
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx)
     assert {n for n, _ in wgmma} == {str(block_n), str(pad_v)}
     assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx  # O's TMA store

@@ -162,6 +162,19 @@ def qk_lanes(p) -> int:
     return 192 if p.head_dim_pad == 256 and p.head_dim <= 192 and not p.fp8 else p.head_dim_pad
 
 
+# The Gluon forward loads Q and K of 192 lanes (qk_lanes) as three slices of QK_SLICE_LANES, so
+# they take 192 lanes of shared memory, not d256's 256: with V of at most 128 lanes (MLA
+# prefill's 192 / 128) the ring then holds two slots of d128's 128 keys.
+QK_SLICE_LANES = 64
+V3_GLUON_QK192 = GluonSchedule(128, 2)
+
+
+def qk_slices(p) -> int:
+    """Lane slices the Gluon forward loads Q and K as: 3 of QK_SLICE_LANES for 192 lanes, else 1
+    (the whole padded head dim)."""
+    return qk_lanes(p) // QK_SLICE_LANES if qk_lanes(p) == 192 else 1
+
+
 def gluon_bwd_stationary_rows(head_dim_pad: int) -> int:
     return WARPGROUP_ROWS if split_head_dim(head_dim_pad) else GLUON_TILE_M
 

@@ -38,7 +38,9 @@ O (``Descales``); up to d128 each block's P V product is added to O in float32 (
 The output is bf16.
 
 V and O may have a head dim of their own (HEAD_DIM_V_PAD: V's ring slots, O's accumulator and
-staging, the P V product); S = Q K^T reduces over QK_LANES of Q's and K's lanes (configs.qk_lanes).
+staging, the P V product); S = Q K^T reduces over QK_LANES of Q's and K's lanes (configs.qk_lanes),
+192 of them loaded as three slices of 64 (QK_SLICES: configs.qk_slices), each slice a buffer of its
+own, so that Q and K take 192 lanes of shared memory rather than d256's 256.
 
 Score modifications (softcap, ALiBi) go through the score hook (score.py) where S is formed.
 Two take a shorter way here: ALiBi off the diagonal as a column part and a row part
@@ -58,7 +60,7 @@ from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile
 from flashtile.kernels.configs import WARPGROUP_ROWS
 from flashtile.kernels.gluon import float8
-from flashtile.kernels.gluon.pipeline import lanes_product
+from flashtile.kernels.gluon.pipeline import lanes_product, slices_product
 from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter,
                                                packed_tile, publish_tile, read_next_tile, read_tile,
                                                start_tiles, tile_counter, Sequences, Value, value, values)
@@ -78,6 +80,7 @@ class Schedule:
     HEAD_DIM_PAD: gl.constexpr
     HEAD_DIM_V_PAD: gl.constexpr
     QK_LANES: gl.constexpr
+    QK_SLICES: gl.constexpr
     STAGES: gl.constexpr
     CONSUMERS: gl.constexpr
     Q_SLOTS: gl.constexpr
@@ -98,7 +101,7 @@ class Schedule:
     DROPOUT: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_LANES, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS,
+    def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_LANES, QK_SLICES, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS,
                  PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8,
                  FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT):
         self.ROWS = gl.constexpr(ROWS)
@@ -106,6 +109,7 @@ class Schedule:
         self.HEAD_DIM_PAD = gl.constexpr(HEAD_DIM_PAD)
         self.HEAD_DIM_V_PAD = gl.constexpr(HEAD_DIM_V_PAD)
         self.QK_LANES = gl.constexpr(QK_LANES)
+        self.QK_SLICES = gl.constexpr(QK_SLICES)
         self.STAGES = gl.constexpr(STAGES)
         self.CONSUMERS = gl.constexpr(CONSUMERS)
         self.Q_SLOTS = gl.constexpr(Q_SLOTS)
@@ -129,7 +133,7 @@ class Schedule:
 @aggregate
 class Buffers:
     """Shared memory: Q (Q_SLOTS tiles, a part per consumer: slot s is buffers CONSUMERS * s +
-    consumer), the K/V ring, O's staging buffers, the tile numbers the producer hands over (two
+    consumer; with QK_SLICES, QK_SLICES buffers each, as K's ring slots), the K/V ring, O's staging buffers, the tile numbers the producer hands over (two
     slots: tile parity), and the mbarriers.  "ready" barriers complete when TMA has landed the
     bytes; "empty" ones when every consumer is done with the buffer; ``turn`` passes the tensor
     cores round the consumers; ``o_free`` hands a shared O buffer on."""
@@ -168,9 +172,9 @@ class Buffers:
 
     @gluon.jit
     def allocate(q_desc, k_desc, v_desc, o_desc, S: gl.constexpr):
-        q = gl.allocate_shared_memory(q_desc.dtype, [S.CONSUMERS * S.Q_SLOTS] + q_desc.block_type.shape,
+        q = gl.allocate_shared_memory(q_desc.dtype, [S.CONSUMERS * S.Q_SLOTS * S.QK_SLICES] + q_desc.block_type.shape,
                                       q_desc.layout)
-        k = gl.allocate_shared_memory(k_desc.dtype, [S.STAGES] + k_desc.block_type.shape, k_desc.layout)
+        k = gl.allocate_shared_memory(k_desc.dtype, [S.STAGES * S.QK_SLICES] + k_desc.block_type.shape, k_desc.layout)
         v = gl.allocate_shared_memory(v_desc.dtype, [S.STAGES] + v_desc.block_type.shape, v_desc.layout)
         if S.O_BUFFERS > 0:
             o = gl.allocate_shared_memory(o_desc.dtype, [S.O_BUFFERS] + o_desc.block_type.shape, o_desc.layout)
@@ -414,6 +418,7 @@ def _producer(q_desc, k_desc, v_desc, buf, walk, counter, S: gl.constexpr):
     tile_i = 0
     t = gl.program_id(0)
     start_tiles(counter, S.DYNAMIC)
+    SLICE: gl.constexpr = q_desc.block_type.shape[3]  # lanes a Q or K buffer holds
     while t < walk.num_tiles:
         batch, head, m0, dlo, dhi, lo, n_blocks, seq = walk.tile(t, S.CONSUMERS * S.ROWS, S.BLOCK_N)
         at, q_start, k_start, _, _ = seq
@@ -424,18 +429,20 @@ def _producer(q_desc, k_desc, v_desc, buf, walk, counter, S: gl.constexpr):
         publish_tile(buf.tile_ids, tile_i, t)
         t = next_tile(t, walk.num_tiles, counter, S.PERSISTENT, S.DYNAMIC)
         q_bar = buf.q_ready.index(q_slot)
-        mbarrier.expect(q_bar, S.CONSUMERS * q_desc.block_type.nbytes)
+        mbarrier.expect(q_bar, S.CONSUMERS * S.QK_SLICES * q_desc.block_type.nbytes)
         for c in gl.static_range(S.CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [at, m0 + c * S.ROWS + q_start, head, 0], q_bar,
-                                            buf.q.index(S.CONSUMERS * q_slot + c))
+            for i in gl.static_range(S.QK_SLICES):
+                tma.async_copy_global_to_shared(q_desc, [at, m0 + c * S.ROWS + q_start, head, i * SLICE], q_bar,
+                                                buf.q.index((S.CONSUMERS * q_slot + c) * S.QK_SLICES + i))
         for j in range(n_blocks):
             n0 = lo + j * S.BLOCK_N + k_start
             slot = it % S.STAGES
             phase = (it // S.STAGES) & 1
             mbarrier.wait(buf.k_empty.index(slot), phase ^ 1)
-            mbarrier.expect(buf.k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [at, n0, head_k, 0], buf.k_ready.index(slot),
-                                            buf.k.index(slot))
+            mbarrier.expect(buf.k_ready.index(slot), S.QK_SLICES * k_desc.block_type.nbytes)
+            for i in gl.static_range(S.QK_SLICES):
+                tma.async_copy_global_to_shared(k_desc, [at, n0, head_k, i * SLICE], buf.k_ready.index(slot),
+                                                buf.k.index(slot * S.QK_SLICES + i))
             mbarrier.wait(buf.v_empty.index(slot), phase ^ 1)
             mbarrier.expect(buf.v_ready.index(slot), v_desc.block_type.nbytes)
             if S.FP8:  # V keys-contiguous: (batch, heads, head_dim, seqlen)
@@ -504,17 +511,20 @@ def _dropped(p, drop, rows, n0, layout: gl.constexpr, S: gl.constexpr):
 
 
 @gluon.jit
-def _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH: gl.constexpr, PINGPONG: gl.constexpr,
-                  QK_LANES: gl.constexpr):
+def _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH: gl.constexpr, S: gl.constexpr):
     """Start S = Q K^T on K/V ring slot ``slot`` once it is this consumer's turn and K has landed.
     Turns go round the consumers in order; consumer 0 takes the first without waiting.  The
     product reduces over Q's and K's first QK_LANES lanes (pipeline.lanes_product): past them the
-    padded tiles hold zeros."""
-    if PINGPONG:
+    padded tiles hold zeros; or, in QK_SLICES slices, over Q's buffers from ``q_op`` on
+    (pipeline.slices_product)."""
+    if S.PINGPONG:
         mbarrier.wait(buf.turn.index(WHICH), (turns & 1) ^ (WHICH == 0))
     mbarrier.wait(buf.k_ready.index(slot), phase)
-    k = buf.k.index(slot)
-    return lanes_product(q_op, k.reshape([k.shape[1], k.shape[3]]), s_zero, QK_LANES)
+    if S.QK_SLICES > 1:
+        return slices_product(buf.q, q_op, buf.k, slot * S.QK_SLICES, s_zero, S.QK_SLICES)
+    else:
+        k = buf.k.index(slot)
+        return lanes_product(q_op, k.reshape([k.shape[1], k.shape[3]]), s_zero, S.QK_LANES)
 
 
 @gluon.jit
@@ -633,7 +643,10 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
         seqlen_q = seq[3]
         seqlen_k = seq[4]
         q_slot = tile_i % S.Q_SLOTS
-        q_op = buf.q.index(S.CONSUMERS * q_slot + WHICH).reshape([ROWS, HEAD_DIM_PAD])  # S = Q K^T's A
+        if S.QK_SLICES > 1:
+            q_op = (S.CONSUMERS * q_slot + WHICH) * S.QK_SLICES  # S = Q K^T's A: its first slice's buffer
+        else:
+            q_op = buf.q.index(S.CONSUMERS * q_slot + WHICH).reshape([ROWS, HEAD_DIM_PAD])  # S = Q K^T's A
         if S.Q_IN_REGISTERS:
             # Q as the register operand: only K is read from shared memory, and Q's buffer is
             # free for the producer's next tile at once.
@@ -662,7 +675,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
             # First block: nothing to overlap with yet.
             slot = it % STAGES
             phase = (it // STAGES) & 1
-            s = _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH, S.PINGPONG, S.QK_LANES)
+            s = _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH, S)
             if S.PINGPONG:
                 _pass_turn(buf.turn, WHICH)
                 turns += 1
@@ -684,7 +697,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
                 slot = it % STAGES
                 phase = (it // STAGES) & 1
                 v_prev = _values(buf, prev_slot, S)
-                s = _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH, S.PINGPONG, S.QK_LANES)
+                s = _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH, S)
                 if S.OVERLAP:
                     # O += P_{j-1} V_{j-1} goes out with S_j; the softmax below runs under it.
                     mbarrier.wait(buf.v_ready.index(prev_slot), prev_phase)
@@ -931,13 +944,13 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
                 counter, score_args,
                 DESCALE, sdt, sdb, sdh, SEED, dropout_p,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr,
-                QK_LANES: gl.constexpr, STAGES: gl.constexpr,
+                QK_LANES: gl.constexpr, QK_SLICES: gl.constexpr, STAGES: gl.constexpr,
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
                 DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr, DISTANCE: gl.constexpr,
                 BOUNDED: gl.constexpr, FP8: gl.constexpr, FRESH_PV: gl.constexpr, CHECK_FINITE: gl.constexpr,
                 VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
-    S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_LANES, STAGES, CONSUMERS, Q_SLOTS,
+    S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_LANES, QK_SLICES, STAGES, CONSUMERS, Q_SLOTS,
                                O_BUFFERS, PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE,
                                DISTANCE, BOUNDED, FP8, FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
@@ -989,9 +1002,10 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
     of ``element_size`` bytes and type ``dtype`` (None: unknown, so no bounded softcap), O of
     ``out_element_size`` (the same by default)."""
     rows = WARPGROUP_ROWS
-    q_bytes = cfg.tile_m * p.head_dim_pad * element_size  # Q of one tile
+    lanes = qk_stored_lanes(p)
+    q_bytes = cfg.tile_m * lanes * element_size  # Q of one tile
     o_bytes = cfg.tile_m * p.head_dim_v_pad * (out_element_size or element_size)
-    ring_bytes = cfg.num_stages * cfg.block_n * (p.head_dim_pad + p.head_dim_v_pad) * element_size
+    ring_bytes = cfg.num_stages * cfg.block_n * (lanes + p.head_dim_v_pad) * element_size
     # O staged for its TMA store, then a second Q buffer, where shared memory holds them.
     o_buffers = o_staging_buffers(q_bytes, o_bytes, ring_bytes, cfg.consumers)
     next_q = (cfg.next_q and cfg.persistent and o_buffers == cfg.consumers
@@ -1005,7 +1019,7 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
     # past their sequences must still tell its consumers that no tile is coming (end_tiles).
     persistent = cfg.persistent or p.varlen
     return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, HEAD_DIM_V_PAD=p.head_dim_v_pad,
-                QK_LANES=configs.qk_lanes(p), STAGES=cfg.num_stages,
+                QK_LANES=configs.qk_lanes(p), QK_SLICES=configs.qk_slices(p), STAGES=cfg.num_stages,
                 PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_BUFFERS=o_buffers, PERSISTENT=persistent,
                 # Tiles of uneven length (a band, packed sequences) from the atomic counter; equal
                 # ones strided over.
@@ -1022,6 +1036,12 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
                 # the masking rule (_exact_rows).  Not float8 (the recomputation reads operands
                 # without their descales): a non-finite input stays so.
                 CHECK_FINITE=(p.banded or p.varlen) and not p.fp8, VARLEN=p.varlen, DROPOUT=p.dropout)
+
+
+def qk_stored_lanes(p) -> int:
+    """The lanes of Q and K in shared memory: the padded head dim, or those the scores reduce over
+    where they are loaded in slices."""
+    return configs.qk_lanes(p) if configs.qk_slices(p) > 1 else p.head_dim_pad
 
 
 # The widest logit range (log2 units) the softmax takes from a fixed reference point: P stays at
@@ -1080,13 +1100,15 @@ class _ForwardLaunch:
         self.out_shape = (*q_shape[:-1], p.head_dim_v)
         self.lse_shape = p.row_stat_shape(q_shape[0])
         consts = kernel_constants(p, cfg, dtype.itemsize, self.out_dtype.itemsize, dtype)
-        rows, pad, pad_v = consts["ROWS"], p.head_dim_pad, p.head_dim_v_pad
+        rows, pad_v = consts["ROWS"], p.head_dim_v_pad
+        pad = qk_stored_lanes(p)
+        lanes = pad // consts["QK_SLICES"]  # of one Q or K buffer
         self.dynamic = consts["DYNAMIC"]
         self.tile_m = cfg.tile_m
         # Each tensor descriptor's (block_shape, layout, spec), by the kernel's parameter name;
         # float8 V is read from its keys-contiguous copy (tma.keys_contiguous_operand).
         self.specs = dict(
-            q_desc=tma_host.block_spec(rows, pad, dtype), k_desc=tma_host.block_spec(cfg.block_n, pad, dtype),
+            q_desc=tma_host.block_spec(rows, lanes, dtype), k_desc=tma_host.block_spec(cfg.block_n, lanes, dtype),
             v_desc=(tma_host.keys_block_spec(pad_v, cfg.block_n, dtype) if p.fp8 else
                     tma_host.block_spec(cfg.block_n, pad_v, dtype)),
             o_desc=tma_host.block_spec(rows, pad_v, self.out_dtype))

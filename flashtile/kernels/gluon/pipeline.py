@@ -1,6 +1,6 @@
 """The Gluon kernels' shared-memory pipeline: ring slots and their mbarrier phases, releasing a
-buffer to the producer, the scores' product over a head dim's lanes, and the TMA reduce-add
-Gluon 3.6 does not expose."""
+buffer to the producer, the scores' product over a head dim's lanes (whole or in slices), and
+the TMA reduce-add Gluon 3.6 does not expose."""
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -38,6 +38,20 @@ def lanes_product(a, b, zero, LANES: gl.constexpr):
                             use_acc=False, is_async=True)
         rest_a, rest_b = a.slice(FIRST, LANES - FIRST, dim=1), b.slice(FIRST, LANES - FIRST, dim=1)
         return warpgroup_mma(rest_a, rest_b.permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
+def slices_product(a_bufs, a_first, b_bufs, b_first, zero, SLICES: gl.constexpr):
+    """a b^T reduced over lanes held as SLICES slices loaded separately (configs.qk_slices): buffers
+    a_first.. of ``a_bufs`` and b_first.. of ``b_bufs``, each (1, rows, 1, slice lanes), issued and
+    left in flight, each slice a commit group (as lanes_product's)."""
+    acc = zero
+    for i in gl.static_range(SLICES):
+        a = a_bufs.index(a_first + i)
+        b = b_bufs.index(b_first + i)
+        acc = warpgroup_mma(a.reshape([a.shape[1], a.shape[3]]), b.reshape([b.shape[1], b.shape[3]]).permute((1, 0)),
+                            acc, use_acc=i > 0, is_async=True)
+    return acc
 
 
 @gluon.jit
