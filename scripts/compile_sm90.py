@@ -340,11 +340,21 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
                    BLOCK_M=64, HAS_DLSE=False, ZERO_DQ=True), dict(num_warps=4), None)
 
 
+def _chain(e) -> str:
+    """An exception's message with its causes', innermost last (Triton nests a kernel's errors)."""
+    parts = []
+    while e is not None:
+        parts.append(str(e).splitlines()[-1] if str(e) else type(e).__name__)
+        e = e.__cause__ or e.__context__
+    return " <- ".join(parts)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--head-dim-v", type=int, help="V's own head dim (the Gluon forward and backward passes alone)")
     ap.add_argument("--dump", type=pathlib.Path)
+    ap.add_argument("--verbose", action="store_true", help="a failed compilation's whole message")
     ap.add_argument("--only", help="compile only the kernels of these names, comma-separated (e.g. v3.fwd)")
     ap.add_argument("--varlen", action="store_true", help="the variable-length (cu_seqlens) variants")
     ap.add_argument("--loops", action="store_true", help="each hot loop's SASS instruction mix")
@@ -380,7 +390,7 @@ def main():
                 k = compile_one(fn, args.fp8 if fp8 else "bf16", constexprs, options, descriptors, tuples, args.aligned,
                                 pointers)
             except Exception as e:  # report and go on: one broken kernel should not hide the rest
-                print(f"d{d:<4} {name:18} FAILED: {str(e).splitlines()[0][:200]}")
+                print(f"d{d:<4} {name:18} FAILED: {_chain(e) if args.verbose else str(e).splitlines()[0][:200]}")
                 continue
             if k.metadata.shared > SHARED_MEMORY_LIMIT:
                 print(f"d{d:<4} {name:18} FAILED: {k.metadata.shared} bytes of shared memory, more than sm_90's "
