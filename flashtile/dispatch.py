@@ -207,10 +207,8 @@ def gluon_schedule(p, opts) -> configs.GluonSchedule:
         cfg = _dropout_keys(p, block_n, "v3_gluon", configs.GluonSchedule(block_n, stages, consumers=consumers))
     else:
         table = configs.V3_GLUON_FP8 if p.fp8 else configs.V3_GLUON
-        cfg = configs.by_head_dim(table, p.widest_head_dim_pad)
-        if configs.qk_slices(p) > 1 and p.head_dim_v_pad <= 128:
-            cfg = configs.V3_GLUON_QK192
-        cfg = replace(cfg, consumers=configs.gluon_consumers(p.widest_head_dim_pad, p.banded, p.seqlen_q, p.fp8))
+        cfg = replace(configs.by_head_dim(table, configs.gluon_table_lanes(p)),
+                      consumers=configs.gluon_consumers(p.widest_head_dim_pad, p.banded, p.seqlen_q, p.fp8))
     return replace(cfg, **{t: False for t in opts.ablate})
 
 

@@ -352,7 +352,7 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     assert dispatch.gluon_takes(own_v) and not dispatch.gluon_takes(replace(own_v, own_head_dim_v=36))
     # 192 / 128: Q and K in three 64-lane slices, d128's K/V blocks; 192 / 192: d256's tiles.
     mla = problem(head_dim=192, own_head_dim_v=128)
-    assert forward(mla, opts=forced).config == configs.V3_GLUON_QK192
+    assert forward(mla, opts=forced).config == configs.by_head_dim(configs.V3_GLUON, 192)
     assert forward(replace(mla, own_head_dim_v=None), opts=forced).config == configs.by_head_dim(configs.V3_GLUON, 256)
     dropped = problem(dropout_p=0.1, dropout_seed=seed)
     for p in (dropped, replace(dropped, window_right=0), replace(dropped, seqlen_k=256, window_right=0)):

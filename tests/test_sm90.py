@@ -85,12 +85,11 @@ def test_v3_gluon_forward_takes_its_own_value_head_dim(tmp_path, monkeypatch, he
     ptx = (tmp_path / f"v3.fwd_gluon_d{head_dim}.ptx").read_text()
     assert "ttg.warp_specialize" in ttgir
     pad, pad_v = (max(16, 1 << (d - 1).bit_length()) for d in (head_dim, head_dim_v))
-    block_n = (configs.V3_GLUON_QK192 if (head_dim, head_dim_v) == (192, 128) else
-               configs.by_head_dim(configs.V3_GLUON, max(pad, pad_v))).block_n
+    lanes = 192 if head_dim == 192 else pad
+    block_n = configs.by_head_dim(configs.V3_GLUON, max(lanes, pad_v)).block_n
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, (\S)", ptx)
     assert {n for n, _ in wgmma} == {str(block_n), str(pad_v)}
     assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx  # O's TMA store
-    lanes = 192 if head_dim == 192 else pad
     assert_consumer_loops(tmp_path / f"v3.fwd_gluon_d{head_dim}.cubin", lanes, 2, monkeypatch, block_n)
 
 

@@ -103,8 +103,10 @@ class GluonSchedule:
 
 # Two consumer warpgroups of 64 rows; shared memory holds Q, the K/V ring and, where it fits, O
 # for its TMA store: d64 three slots of 128 keys, d128 two (a third leaves no room to stage O),
-# d256 two of 64.
-V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (256, GluonSchedule(64, 2))]
+# 192 lanes of Q and K (qk_slices) with V of at most 128 two of 128, d256 two of 64.  Keyed by
+# gluon_table_lanes.
+V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (192, GluonSchedule(128, 2)),
+            (256, GluonSchedule(64, 2))]
 # Float8 Q/K/V take half the shared memory: a deeper ring at the same tiles.
 V3_GLUON_FP8 = [(64, GluonSchedule(128, 4)), (128, GluonSchedule(128, 3)), (256, GluonSchedule(64, 3))]
 # Three consumer warpgroups (192-row tiles, 160 registers each, as FlashAttention-3's d64
@@ -163,16 +165,20 @@ def qk_lanes(p) -> int:
 
 
 # The Gluon forward loads Q and K of 192 lanes (qk_lanes) as three slices of QK_SLICE_LANES, so
-# they take 192 lanes of shared memory, not d256's 256: with V of at most 128 lanes (MLA
-# prefill's 192 / 128) the ring then holds two slots of d128's 128 keys.
+# they take 192 lanes of shared memory, not d256's 256.
 QK_SLICE_LANES = 64
-V3_GLUON_QK192 = GluonSchedule(128, 2)
 
 
 def qk_slices(p) -> int:
     """Lane slices the Gluon forward loads Q and K as: 3 of QK_SLICE_LANES for 192 lanes, else 1
     (the whole padded head dim)."""
     return qk_lanes(p) // QK_SLICE_LANES if qk_lanes(p) == 192 else 1
+
+
+def gluon_table_lanes(p) -> int:
+    """The key of the Gluon forward's and two passes' tables: the wider of Q's and K's lanes
+    (qk_lanes) and V's padded head dim."""
+    return max(qk_lanes(p), p.head_dim_v_pad)
 
 
 def gluon_bwd_stationary_rows(head_dim_pad: int) -> int:

@@ -38,9 +38,9 @@ O (``Descales``); up to d128 each block's P V product is added to O in float32 (
 The output is bf16.
 
 V and O may have a head dim of their own (HEAD_DIM_V_PAD: V's ring slots, O's accumulator and
-staging, the P V product); S = Q K^T reduces over QK_LANES of Q's and K's lanes (configs.qk_lanes),
-192 of them loaded as three slices of 64 (QK_SLICES: configs.qk_slices), each slice a buffer of its
-own, so that Q and K take 192 lanes of shared memory rather than d256's 256.
+staging, the P V product).  S = Q K^T reduces over the padded head dim, or for head dims 129 to
+192 over 192 lanes loaded as three slices of 64 (QK_SLICES: configs.qk_slices), each slice a
+buffer of its own, so that Q and K take 192 lanes of shared memory rather than d256's 256.
 
 Score modifications (softcap, ALiBi) go through the score hook (score.py) where S is formed.
 Two take a shorter way here: ALiBi off the diagonal as a column part and a row part
@@ -79,7 +79,6 @@ class Schedule:
     BLOCK_N: gl.constexpr
     HEAD_DIM_PAD: gl.constexpr
     HEAD_DIM_V_PAD: gl.constexpr
-    QK_LANES: gl.constexpr
     QK_SLICES: gl.constexpr
     STAGES: gl.constexpr
     CONSUMERS: gl.constexpr
@@ -101,14 +100,13 @@ class Schedule:
     DROPOUT: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_LANES, QK_SLICES, STAGES, CONSUMERS, Q_SLOTS, O_BUFFERS,
-                 PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE, BOUNDED, FP8,
-                 FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT):
+    def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_SLICES, STAGES, CONSUMERS, Q_SLOTS,
+                 O_BUFFERS, PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE,
+                 BOUNDED, FP8, FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT):
         self.ROWS = gl.constexpr(ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM_PAD = gl.constexpr(HEAD_DIM_PAD)
         self.HEAD_DIM_V_PAD = gl.constexpr(HEAD_DIM_V_PAD)
-        self.QK_LANES = gl.constexpr(QK_LANES)
         self.QK_SLICES = gl.constexpr(QK_SLICES)
         self.STAGES = gl.constexpr(STAGES)
         self.CONSUMERS = gl.constexpr(CONSUMERS)
@@ -133,10 +131,11 @@ class Schedule:
 @aggregate
 class Buffers:
     """Shared memory: Q (Q_SLOTS tiles, a part per consumer: slot s is buffers CONSUMERS * s +
-    consumer; with QK_SLICES, QK_SLICES buffers each, as K's ring slots), the K/V ring, O's staging buffers, the tile numbers the producer hands over (two
-    slots: tile parity), and the mbarriers.  "ready" barriers complete when TMA has landed the
-    bytes; "empty" ones when every consumer is done with the buffer; ``turn`` passes the tensor
-    cores round the consumers; ``o_free`` hands a shared O buffer on."""
+    consumer; QK_SLICES buffers each, as K's ring slots), the K/V ring, O's staging buffers, the
+    tile numbers the producer hands over (two slots: tile parity), and the mbarriers.  "ready"
+    barriers complete when TMA has landed the bytes; "empty" ones when every consumer is done
+    with the buffer; ``turn`` passes the tensor cores round the consumers; ``o_free`` hands a
+    shared O buffer on."""
     q: gl.shared_memory_descriptor
     k: gl.shared_memory_descriptor
     v: gl.shared_memory_descriptor
@@ -172,9 +171,10 @@ class Buffers:
 
     @gluon.jit
     def allocate(q_desc, k_desc, v_desc, o_desc, S: gl.constexpr):
-        q = gl.allocate_shared_memory(q_desc.dtype, [S.CONSUMERS * S.Q_SLOTS * S.QK_SLICES] + q_desc.block_type.shape,
-                                      q_desc.layout)
-        k = gl.allocate_shared_memory(k_desc.dtype, [S.STAGES * S.QK_SLICES] + k_desc.block_type.shape, k_desc.layout)
+        q = gl.allocate_shared_memory(q_desc.dtype,
+                                      [S.CONSUMERS * S.Q_SLOTS * S.QK_SLICES] + q_desc.block_type.shape, q_desc.layout)
+        k = gl.allocate_shared_memory(k_desc.dtype, [S.STAGES * S.QK_SLICES] + k_desc.block_type.shape,
+                                      k_desc.layout)
         v = gl.allocate_shared_memory(v_desc.dtype, [S.STAGES] + v_desc.block_type.shape, v_desc.layout)
         if S.O_BUFFERS > 0:
             o = gl.allocate_shared_memory(o_desc.dtype, [S.O_BUFFERS] + o_desc.block_type.shape, o_desc.layout)
@@ -514,9 +514,8 @@ def _dropped(p, drop, rows, n0, layout: gl.constexpr, S: gl.constexpr):
 def _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH: gl.constexpr, S: gl.constexpr):
     """Start S = Q K^T on K/V ring slot ``slot`` once it is this consumer's turn and K has landed.
     Turns go round the consumers in order; consumer 0 takes the first without waiting.  The
-    product reduces over Q's and K's first QK_LANES lanes (pipeline.lanes_product): past them the
-    padded tiles hold zeros; or, in QK_SLICES slices, over Q's buffers from ``q_op`` on
-    (pipeline.slices_product)."""
+    product reduces over the padded head dim, or in QK_SLICES slices over Q's buffers from
+    ``q_op`` on (pipeline.slices_product)."""
     if S.PINGPONG:
         mbarrier.wait(buf.turn.index(WHICH), (turns & 1) ^ (WHICH == 0))
     mbarrier.wait(buf.k_ready.index(slot), phase)
@@ -524,7 +523,7 @@ def _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH: gl.constexpr, S:
         return slices_product(buf.q, q_op, buf.k, slot * S.QK_SLICES, s_zero, S.QK_SLICES)
     else:
         k = buf.k.index(slot)
-        return lanes_product(q_op, k.reshape([k.shape[1], k.shape[3]]), s_zero, S.QK_LANES)
+        return lanes_product(q_op, k.reshape([k.shape[1], k.shape[3]]), s_zero, S.HEAD_DIM_PAD)
 
 
 @gluon.jit
@@ -944,13 +943,13 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
                 counter, score_args,
                 DESCALE, sdt, sdb, sdh, SEED, dropout_p,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr,
-                QK_LANES: gl.constexpr, QK_SLICES: gl.constexpr, STAGES: gl.constexpr,
+                QK_SLICES: gl.constexpr, STAGES: gl.constexpr,
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, O_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
                 DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr, DISTANCE: gl.constexpr,
                 BOUNDED: gl.constexpr, FP8: gl.constexpr, FRESH_PV: gl.constexpr, CHECK_FINITE: gl.constexpr,
                 VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
-    S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_LANES, QK_SLICES, STAGES, CONSUMERS, Q_SLOTS,
+    S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_SLICES, STAGES, CONSUMERS, Q_SLOTS,
                                O_BUFFERS, PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE,
                                DISTANCE, BOUNDED, FP8, FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
@@ -1002,7 +1001,7 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
     of ``element_size`` bytes and type ``dtype`` (None: unknown, so no bounded softcap), O of
     ``out_element_size`` (the same by default)."""
     rows = WARPGROUP_ROWS
-    lanes = qk_stored_lanes(p)
+    lanes = configs.qk_lanes(p)  # of Q and K in shared memory
     q_bytes = cfg.tile_m * lanes * element_size  # Q of one tile
     o_bytes = cfg.tile_m * p.head_dim_v_pad * (out_element_size or element_size)
     ring_bytes = cfg.num_stages * cfg.block_n * (lanes + p.head_dim_v_pad) * element_size
@@ -1019,7 +1018,7 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
     # past their sequences must still tell its consumers that no tile is coming (end_tiles).
     persistent = cfg.persistent or p.varlen
     return dict(ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM_PAD=p.head_dim_pad, HEAD_DIM_V_PAD=p.head_dim_v_pad,
-                QK_LANES=configs.qk_lanes(p), QK_SLICES=configs.qk_slices(p), STAGES=cfg.num_stages,
+                QK_SLICES=configs.qk_slices(p), STAGES=cfg.num_stages,
                 PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, O_BUFFERS=o_buffers, PERSISTENT=persistent,
                 # Tiles of uneven length (a band, packed sequences) from the atomic counter; equal
                 # ones strided over.
@@ -1036,12 +1035,6 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
                 # the masking rule (_exact_rows).  Not float8 (the recomputation reads operands
                 # without their descales): a non-finite input stays so.
                 CHECK_FINITE=(p.banded or p.varlen) and not p.fp8, VARLEN=p.varlen, DROPOUT=p.dropout)
-
-
-def qk_stored_lanes(p) -> int:
-    """The lanes of Q and K in shared memory: the padded head dim, or those the scores reduce over
-    where they are loaded in slices."""
-    return configs.qk_lanes(p) if configs.qk_slices(p) > 1 else p.head_dim_pad
 
 
 # The widest logit range (log2 units) the softmax takes from a fixed reference point: P stays at
@@ -1101,7 +1094,7 @@ class _ForwardLaunch:
         self.lse_shape = p.row_stat_shape(q_shape[0])
         consts = kernel_constants(p, cfg, dtype.itemsize, self.out_dtype.itemsize, dtype)
         rows, pad_v = consts["ROWS"], p.head_dim_v_pad
-        pad = qk_stored_lanes(p)
+        pad = configs.qk_lanes(p)  # of Q and K in shared memory
         lanes = pad // consts["QK_SLICES"]  # of one Q or K buffer
         self.dynamic = consts["DYNAMIC"]
         self.tile_m = cfg.tile_m
