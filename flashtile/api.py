@@ -62,6 +62,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
             _check_differentiation_mode(q, k, v)
             return ops.attention(q, k, v, *kept)[0]
     dropout_p, softcap = validation.feature_options(dropout_p, softcap)
+    dropout_p = dropout.rate(dropout_p)
     if version not in dispatch.VERSION_CHOICES:
         raise ValueError(f"version must be one of {dispatch.VERSION_CHOICES}, got {version!r}")
     validation.check_qkv(q, k, v, varlen, fp8)

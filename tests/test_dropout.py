@@ -27,14 +27,14 @@ def seeded(seed, fn):
 def mask_of(seed, batch, heads, seqlen_q, seqlen_k, p):
     """The mask a call made right after torch.manual_seed(seed) draws."""
     torch.manual_seed(seed)
-    return dropout.kept(dropout.new_seed(torch.device(DEVICE)), batch, heads, seqlen_q, seqlen_k, p)
+    return dropout.kept(dropout.new_seed(torch.device(DEVICE)), batch, heads, seqlen_q, seqlen_k, dropout.rate(p))
 
 
 def check_with_mask(call, q, k, v, mask, p, **features):
     """call(q, k, v) (seeded) against standard_attention with the same mask: out and gradients."""
     dout = torch.randn_like(q)
     out, _, grads = run_and_grad(call, q, k, v, dout)
-    kw = dict(dropout_mask=mask, dropout_p=p, **features)
+    kw = dict(dropout_mask=mask, dropout_p=dropout.rate(p), **features)
     oracle, _, oracle_grads = run_and_grad(lambda a, b, c: standard_attention(a, b, c, upcast=True, **kw),
                                            q, k, v, dout.double())
     pt, _, pt_grads = run_and_grad(lambda a, b, c: standard_attention(a, b, c, **kw), q, k, v, dout)
@@ -141,26 +141,25 @@ def test_varlen_dropout_per_sequence(version):
 @triton.jit
 def _numbers_by_key_kernel(SEED, OUT, stream, key0, query0, KEYS: tl.constexpr, QUERIES: tl.constexpr):
     # OUT (KEYS, QUERIES): the numbers of keys key0 + i against queries query0 + j, keys as rows.
-    a = key0 // 16 + tl.arange(0, KEYS // 16)[:, None, None]
-    c = tl.arange(0, 8)[None, :, None]
-    queries = query0 + tl.arange(0, QUERIES)[None, None, :]
-    zero = a * 0 + c * 0 + queries * 0
-    numbers = dropout.numbers_by_key(tl.load(SEED), zero + a, zero + c, zero + queries, stream)
+    a = key0 // 16 + tl.arange(0, KEYS // 16)[:, None, None, None]
+    c = tl.arange(0, 8)[None, :, None, None]
+    r = query0 // 16 + tl.arange(0, QUERIES // 16)[None, None, :, None]
+    i = tl.arange(0, 8)[None, None, None, :]
+    numbers = dropout.numbers_by_key(tl.load(SEED), a, c, r * 8 + i, stream)
     offs = tl.arange(0, KEYS)[:, None] * QUERIES + tl.arange(0, QUERIES)[None, :]
     tl.store(OUT + offs, numbers.to(tl.int32))
 
 
-@pytest.mark.parametrize("key0", [0, 16, 48])
-def test_numbers_by_key_draw_the_masks_numbers(key0):
-    # A Gluon backward's transposed tile (dropout.kept_mma_t) draws one call for the two keys a
-    # thread holds: the same keep decisions as dropout.kept, transposed, from any 16-row offset.
+@pytest.mark.parametrize("key0, query0", [(0, 0), (16, 32), (48, 16)])
+def test_numbers_by_key_draw_the_masks_numbers(key0, query0):
+    # A Gluon backward's transposed tile (dropout.kept_mma_t) draws one call for the four scores
+    # a thread holds: the same keep decisions as dropout.kept, transposed, from any 16-row offset.
     seed = dropout.new_seed(torch.device(DEVICE))
-    heads, queries, p = 3, 32, 0.35
-    mask = dropout.kept(seed, 1, heads, 8 + queries, key0 + 32, p)
+    heads, queries, p = 3, 32, dropout.rate(0.35)
+    mask = dropout.kept(seed, 1, heads, query0 + queries, key0 + 32, p)
     numbers = torch.empty(32, queries, dtype=torch.int32, device=DEVICE)
-    _numbers_by_key_kernel[(1,)](seed, numbers, 2, key0, 8, KEYS=32, QUERIES=queries)
-    threshold = int(p * 65536 + 0.5)
-    assert torch.equal(numbers >= threshold, mask[0, 2, 8:, key0:].T)
+    _numbers_by_key_kernel[(1,)](seed, numbers, 2, key0, query0, KEYS=32, QUERIES=queries)
+    assert torch.equal(numbers >= round(p * 256), mask[0, 2, query0:, key0:].T)
 
 
 @triton.jit
@@ -175,7 +174,7 @@ def _key_scale_kernel(SEED, OUT, stream, dropout_p, ROWS: tl.constexpr, KEYS: tl
 
 def test_key_scale_draws_the_masks_numbers():
     seed = dropout.new_seed(torch.device(DEVICE))
-    p = 0.3
+    p = dropout.rate(0.3)
     mask = dropout.kept(seed, 1, 2, 16, 70, p)
     scale = torch.empty(16, 70, device=DEVICE)
     _key_scale_kernel[(1,)](seed, scale, 1, p, ROWS=16, KEYS=70)
@@ -186,7 +185,7 @@ def test_pytorch_draws_the_kernels_numbers():
     # The PyTorch path's dropout (dropout.kept_block, Philox in int64 arithmetic) keeps exactly
     # what the kernels keep, from any row and key offset.
     seed = dropout.new_seed(torch.device(DEVICE))
-    p = 0.17
+    p = dropout.rate(0.17)
     mask = dropout.kept(seed, 2, 3, 37, 70, p).cpu()
     streams = torch.arange(6).view(2, 3)
     assert torch.equal(dropout.kept_block(int(seed), streams, torch.arange(37), torch.arange(70), p), mask)
@@ -195,12 +194,12 @@ def test_pytorch_draws_the_kernels_numbers():
 
 
 def test_keep_rate_and_seeds():
-    # The keep rate is 1 - p within 5 standard deviations; torch.manual_seed reproduces a call,
-    # and successive calls draw new masks.
+    # The keep rate is 1 - p (p as it runs, a multiple of 1/256) within 5 standard deviations;
+    # torch.manual_seed reproduces a call, and successive calls draw new masks.
     p = 0.3
     kept = mask_of(0, 2, 4, 96, 96, p)
-    n = kept.numel()
-    assert abs(kept.float().mean().item() - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
+    n, rate = kept.numel(), dropout.rate(p)
+    assert abs(kept.float().mean().item() - (1 - rate)) < 5 * math.sqrt(rate * (1 - rate) / n)
     q, k, v = make_qkv(1, 64, 64, 2, 2, 32, DTYPE, DEVICE)
     torch.manual_seed(7)
     first, second = (flash_attn_func(q, k, v, dropout_p=p) for _ in range(2))
@@ -222,7 +221,8 @@ def test_return_attn_probs_encodes_the_dropped_ones():
     assert torch.equal(s_dmask >= 0, mask_of(11, 1, 2, 40, 56, p) | (s_dmask == 0))
     probs = s_dmask.abs()
     torch.testing.assert_close(probs.sum(-1), torch.ones(1, 2, 40, device=DEVICE), atol=2e-3, rtol=0)
-    expected = torch.einsum("bhqk,bkhd->bqhd", s_dmask.clamp(min=0) / (1 - p), v.float().repeat_interleave(2, 2))
+    expected = torch.einsum("bhqk,bkhd->bqhd", s_dmask.clamp(min=0) / (1 - dropout.rate(p)),
+                            v.float().repeat_interleave(2, 2))
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
@@ -236,7 +236,7 @@ def test_cpu_dropout_in_a_process_without_the_interpreter():
         "q, k, v = (torch.randn(1, 40, 2, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))\n"
         "torch.manual_seed(1)\n"
         "out, lse, s_dmask = flash_attn_func(q, k, v, dropout_p=0.2, causal=True, return_attn_probs=True)\n"
-        "kw = dict(causal=True, dropout_mask=s_dmask >= 0, dropout_p=0.2)\n"
+        "kw = dict(causal=True, dropout_mask=s_dmask >= 0, dropout_p=51 / 256)  # 0.2 as it runs\n"
         "ref = standard_attention(q.double(), k.double(), v.double(), **kw)\n"
         "assert (s_dmask < 0).any() and (out.double() - ref).abs().max() < 1e-2, (out, ref)\n"
         "grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))\n"
@@ -246,6 +246,17 @@ def test_cpu_dropout_in_a_process_without_the_interpreter():
         "assert s_dmask.shape == (1, 2, 40, 0) and (out == 0).all()\n")
     res = run_outside_the_interpreter("-c", script)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_dropout_p_runs_as_a_multiple_of_1_256():
+    # 8-bit numbers: dropout_p runs rounded to a multiple of 1/256, mask and scale alike (the
+    # expectation stays exact); one that rounds to 1 is refused by name.
+    assert dropout.rate(0.17) == 44 / 256 and dropout.rate(0.0) == 0.0 and dropout.rate(0.001) == 0.0
+    q, k, v = make_qkv(1, 48, 40, 2, 1, 32, DTYPE, DEVICE)
+    asked, runs = (seeded(3, lambda p: flash_attn_func(q, k, v, dropout_p=p))(p) for p in (0.17, 44 / 256))
+    assert torch.equal(asked, runs)
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_attn_func(q, k, v, dropout_p=0.999)
 
 
 def test_dropout_refusals():

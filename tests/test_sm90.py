@@ -280,14 +280,17 @@ def test_alibi_compiles_into_every_kernel_that_takes_it(tmp_path):
             assert "abs.f32" in ptx, kernel
 
 
+PHILOX = "0xD2511F53"  # a Philox round's multiplier (kernels/dropout.py's wide products)
+
+
 def test_dropout_compiles_into_v2_kernels(tmp_path):
-    # Philox (its 32-bit high multiplies) in v2's three kernels with dropout, and in the kernel
-    # that writes the mask out; not in v2's forward without dropout.
+    # Philox (its rounds' multiplier) in v2's three kernels with dropout, and in the kernel that
+    # writes the mask out; not in v2's forward without dropout.
     for kernel in ("v2.fwd", "v2.bwd_dq", "v2.bwd_dkdv", "dropout.kept"):
         compile_for_sm90(tmp_path / kernel, kernel, 128, dropout=True)
-        assert "mul.hi.u32" in (tmp_path / kernel / f"{kernel}_d128.ptx").read_text(), kernel
+        assert PHILOX in (tmp_path / kernel / f"{kernel}_d128.ptx").read_text(), kernel
     compile_for_sm90(tmp_path / "plain", "v2.fwd", 128)
-    assert "mul.hi.u32" not in (tmp_path / "plain" / "v2.fwd_d128.ptx").read_text()
+    assert PHILOX not in (tmp_path / "plain" / "v2.fwd_d128.ptx").read_text()
 
 
 def test_gluon_forward_draws_dropout_numbers_in_its_own_threads(tmp_path, monkeypatch):
@@ -297,7 +300,7 @@ def test_gluon_forward_draws_dropout_numbers_in_its_own_threads(tmp_path, monkey
     plain = compile_for_sm90(tmp_path / "plain", "v3.fwd_gluon", 128)
     ttgir = compile_for_sm90(tmp_path / "drop", "v3.fwd_gluon", 128, dropout=True)
     ptx, plain_ptx = ((tmp_path / x / "v3.fwd_gluon_d128.ptx").read_text() for x in ("drop", "plain"))
-    assert "mul.hi.u32" in ptx and "mul.hi.u32" not in plain_ptx
+    assert PHILOX in ptx and PHILOX not in plain_ptx
     for op in ("shfl.sync", "st.shared"):
         assert ptx.count(op) == plain_ptx.count(op), op
     assert ttgir.count("ttg.local_alloc") == plain.count("ttg.local_alloc")
@@ -311,7 +314,7 @@ def test_gluon_backward_passes_draw_dropout(tmp_path):
         plain = compile_for_sm90(tmp_path / kernel / "plain", kernel, 128)
         ttgir = compile_for_sm90(tmp_path / kernel / "drop", kernel, 128, dropout=True)
         ptx, plain_ptx = ((tmp_path / kernel / x / f"{kernel}_d128.ptx").read_text() for x in ("drop", "plain"))
-        assert "mul.hi.u32" in ptx and "mul.hi.u32" not in plain_ptx, kernel
+        assert PHILOX in ptx and PHILOX not in plain_ptx, kernel
         assert ttgir.count("ttg.local_alloc") == plain.count("ttg.local_alloc"), kernel
         assert ptx.count("st.shared") == plain_ptx.count("st.shared"), kernel
 

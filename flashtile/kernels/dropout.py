@@ -1,18 +1,22 @@
 """Attention dropout: which probabilities are kept, from a counter-based RNG (Philox).
 
 One Philox-4x32-7 call (seven rounds, as FlashAttention-2 draws its dropout: Philox-4x32-7
-passes BigCrush, and the rounds are most of dropout's cost in the kernels) gives 128 bits, eight
-16-bit numbers, for eight keys of one query row: call 4g + q of a row covers keys
-32g + 8w + 2q + h, taking half h of word w (w < 4, h < 2). That is the keys one thread of a Hopper warpgroup
-MMA's accumulator holds (2q + h in each group of eight, four groups apart), so the Gluon kernels
-draw their own numbers with no exchange between threads. The call for row r of query head h in
-sequence b has the counter (call, r, b * heads_q + h, 0) and the seed as its key: every score
-has its own number, whatever the tiles or the sequences' lengths. A score is kept when its
-number is at least round(dropout_p * 2**16) (dropout_p rounded to a multiple of 2**-16) and then
-scaled by 1 / (1 - dropout_p). Nothing is stored: the backward draws the same numbers from the
-same seed. The seed is a one-element int64 tensor on the device, drawn from torch's generator
-(``new_seed``): ``torch.manual_seed`` reproduces a run, a CUDA graph replays the draw, and no
-value crosses to the host.
+passes BigCrush, and the rounds are most of dropout's cost in the kernels) gives 128 bits,
+sixteen 8-bit numbers (FlashAttention-2's width too), for eight keys of two query rows eight
+apart.  Rows come in pairs 16R + i and 16R + 8 + i (i < 8), pair 8R + i; call 4g + q of a pair
+covers keys 32g + 8w + 2q + h (w < 4, h < 2), taking byte 2a + h of word w for row 16R + 8a + i.
+Those are the scores one thread of a Hopper warpgroup MMA's accumulator holds (rows i and i + 8
+of its warp's sixteen, columns 2q and 2q + 1 of each eight), so the Gluon kernels draw their own
+numbers with no exchange between threads; a word's four numbers are two of the thread's
+bf16x2 registers of P, masked four at a time (``dropped_mma``).  The call for pair P of query
+head h in sequence b has the counter (call, P, b * heads_q + h, 0) and the seed as its key: every
+score has its own number, whatever the tiles or the sequences' lengths (tiles of rows start at
+multiples of 16, tiles of keys at multiples of 32).  dropout_p runs as a multiple of 1/256
+(``rate``, applied once, in the API): a score is kept when its number is at least
+dropout_p * 256, and then scaled by 1 / (1 - dropout_p), so the expectation is exact.  Nothing is
+stored: the backward draws the same numbers from the same seed.  The seed is a one-element int64
+tensor on the device, drawn from torch's generator (``new_seed``): ``torch.manual_seed``
+reproduces a run, a CUDA graph replays the draw, and no value crosses to the host.
 """
 import torch
 import triton
@@ -28,6 +32,39 @@ KEYS_PER_CALL = tl.constexpr(8)
 PHILOX_ROUNDS = tl.constexpr(7)
 # Keys whose numbers a group of four calls draws: tiles of keys are multiples of it.
 KEYS_PER_GROUP = tl.constexpr(32)
+# Rows a call's pairs span: tiles of rows are multiples of it, from a multiple of it.
+ROWS_PER_GROUP = tl.constexpr(16)
+LEVELS = 256  # an 8-bit number's values: dropout_p runs as a multiple of 1 / LEVELS
+
+# One Philox round with each 32 x 32-bit product one wide multiply (tl.philox's form takes two
+# instructions a product, its high and low halves apart): $0..$3 the counters out, $4..$7 in,
+# $8, $9 the round's key.
+_PHILOX_ROUND = tl.constexpr("""{
+.reg .b64 a, b;
+.reg .b32 ah, al, bh, bl;
+mul.wide.u32 a, $4, 0xD2511F53;
+mul.wide.u32 b, $6, 0xCD9E8D57;
+mov.b64 {al, ah}, a;
+mov.b64 {bl, bh}, b;
+xor.b32 bh, bh, $5;
+xor.b32 $0, bh, $8;
+mov.b32 $1, bl;
+xor.b32 ah, ah, $7;
+xor.b32 $2, ah, $9;
+mov.b32 $3, al;
+}""")
+_WIDE_PRODUCTS = tl.constexpr(not options.interpreting())  # (the interpreter runs no PTX)
+
+
+def rate(dropout_p: float) -> float:
+    """The dropout rate the kernels run for ``dropout_p`` (in [0, 1)): the nearest multiple of
+    1/256; one that rounds to 1 is refused."""
+    levels = round(dropout_p * LEVELS)
+    if levels >= LEVELS:
+        raise ValueError(f"dropout_p={dropout_p}: dropout runs at multiples of 1/{LEVELS} (8-bit numbers, "
+                         f"as FlashAttention-2's), and this one rounds to 1; take dropout_p below "
+                         f"{(LEVELS - 0.5) / LEVELS}")
+    return levels / LEVELS
 
 
 @triton.jit
@@ -47,33 +84,61 @@ def seed_argument(p, placeholder):
 
 
 @triton.jit
-def _numbers(seed, calls, rows, stream):
-    """The 16-bit numbers of the keys of ``calls`` (..., groups, 4): call 4g + q of each row, as
-    (..., 32 * groups) keys in order (the module doc's layout of a call's numbers)."""
-    zero = calls * 0
-    w0, w1, w2, w3 = tl.philox(seed, calls.to(tl.uint32), (zero + rows).to(tl.uint32),
-                               (zero + stream).to(tl.uint32), zero.to(tl.uint32), PHILOX_ROUNDS)
-    words = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # (..., q, x, y): word x + 2y
-    numbers = tl.join(words & 0xFFFF, words >> 16)  # (..., q, x, y, h)
-    numbers = tl.permute(numbers, (0, 1, 4, 3, 2, 5))  # (rows, g, y, x, q, h): key 32g + 8(x + 2y) + 2q + h
-    return tl.reshape(numbers, (numbers.shape[0], numbers.shape[1] * KEYS_PER_GROUP))
+def _philox(seed, c0, c1, c2, c3):
+    """tl.philox(seed, c0, c1, c2, c3, PHILOX_ROUNDS) on uint32 counters (of one shape), each
+    product in one instruction on a GPU."""
+    if _WIDE_PRODUCTS:
+        k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+        k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        for _ in tl.static_range(PHILOX_ROUNDS):
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(_PHILOX_ROUND, "=r,=r,=r,=r,r,r,r,r,r,r",
+                                                       [c0, c1, c2, c3, k0 + c1 * 0, k1 + c1 * 0],
+                                                       dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+                                                       is_pure=True, pack=1)
+            k0 = k0 + 0x9E3779B9
+            k1 = k1 + 0xBB67AE85
+        return c0, c1, c2, c3
+    else:
+        return tl.philox(seed, c0, c1, c2, c3, PHILOX_ROUNDS)
+
+@triton.jit
+def _words(seed, calls, pairs, stream):
+    """Philox's four words of ``calls`` for row pairs ``pairs`` (broadcast together), as one
+    tensor with (x, y) appended: word x + 2y."""
+    zero = calls * 0 + pairs * 0
+    w0, w1, w2, w3 = _philox(seed, (zero + calls).to(tl.uint32), (zero + pairs).to(tl.uint32),
+                             (zero + stream).to(tl.uint32), zero.to(tl.uint32))
+    return tl.join(tl.join(w0, w1), tl.join(w2, w3))
+
+
+@triton.jit
+def _pair_of(rows):
+    """The row pair (module doc) of each row."""
+    return (rows // 16) * 8 + rows % 8
 
 
 @triton.jit
 def threshold(dropout_p):
-    """Numbers below it are dropped."""
-    return tl.cast(dropout_p * 65536.0 + 0.5, tl.uint32)
+    """Numbers below it are dropped (dropout_p a multiple of 1/256)."""
+    return tl.cast(dropout_p * 256.0 + 0.5, tl.uint32)
 
 
 @triton.jit
 def kept_scale(seed, stream, rows, col0, dropout_p, BLOCK_COLS: tl.constexpr, TRANSPOSED: tl.constexpr):
     """1 / (1 - dropout_p) where score (row, col) of ``stream`` (sequence * heads_q + query head)
     is kept, else 0: a (len(rows), BLOCK_COLS) tile for the keys col0 .. col0 + BLOCK_COLS - 1
-    (col0 and BLOCK_COLS multiples of 32), or its transpose."""
+    (col0 and BLOCK_COLS multiples of 32; ``rows`` consecutive from a multiple of 16, a multiple
+    of 16 of them), or its transpose."""
     tl.static_assert(BLOCK_COLS % 32 == 0, "dropout takes tiles of keys in multiples of 32")
-    calls = col0 // KEYS_PER_CALL + tl.arange(0, BLOCK_COLS // KEYS_PER_CALL)
-    calls = tl.reshape(rows[:, None] * 0 + calls[None, :], (rows.shape[0], BLOCK_COLS // KEYS_PER_GROUP, 4))
-    numbers = _numbers(seed, calls, rows[:, None, None], stream)
+    ROWS: tl.constexpr = rows.shape[0]
+    tl.static_assert(ROWS % 16 == 0, "dropout takes tiles of rows in multiples of 16")
+    pairs = tl.max(tl.reshape(_pair_of(rows), (ROWS // 16, 2, 8)), 1)  # (R, i)
+    calls = tl.reshape(tl.arange(0, BLOCK_COLS // KEYS_PER_CALL) + col0 // KEYS_PER_CALL,
+                       (BLOCK_COLS // KEYS_PER_GROUP, 4))  # (g, q)
+    words = _words(seed, calls[None, None, :, :], pairs[:, :, None, None], stream)  # (R, i, g, q, x, y)
+    numbers = tl.join(tl.join(words & 0xFF, (words >> 8) & 0xFF), tl.join((words >> 16) & 0xFF, words >> 24))
+    # (R, i, g, q, x, y, h, a) -> (R, a, i, g, y, x, q, h): row 16R + 8a + i, key 32g + 8(x + 2y) + 2q + h
+    numbers = tl.reshape(tl.permute(numbers, (0, 7, 1, 2, 5, 4, 3, 6)), (ROWS, BLOCK_COLS))
     scale = tl.where(numbers >= threshold(dropout_p), 1.0 / (1.0 - dropout_p), 0.0)
     if TRANSPOSED:
         scale = tl.trans(scale)
@@ -87,63 +152,99 @@ def key_scale(drop, rows, key):
     zero = (rows * 0).to(tl.uint32)
     key = zero + key  # (a tensor whatever ``key`` is; 32 keys a group of calls, 8 a call)
     call = (key // 32) * 4 + (key % 8) // 2
-    w0, w1, w2, w3 = tl.philox(seed, call, rows.to(tl.uint32), zero + stream.to(tl.uint32), zero, PHILOX_ROUNDS)
+    w0, w1, w2, w3 = _philox(seed, call, zero + _pair_of(rows).to(tl.uint32), zero + stream.to(tl.uint32), zero)
     w = (key // 8) % 4
     word = tl.where(w == 0, w0, tl.where(w == 1, w1, tl.where(w == 2, w2, w3)))
-    number = (word >> (16 * (key % 2))) & 0xFFFF
+    number = (word >> (8 * (2 * ((rows // 8) % 2) + key % 2))) & 0xFF
     return tl.where(number >= threshold(dropout_p), 1.0 / (1.0 - dropout_p), 0.0)
 
 
 @gluon.jit
-def kept_mma(seed, stream, rows, col0, dropout_p, BLOCK_COLS: gl.constexpr, layout: gl.constexpr):
+def _sign_pairs(flags, SELECTOR: gl.constexpr):
+    """Two 16-bit masks from two bytes' top bits (PRMT's sign replication): ``SELECTOR`` 0x9988
+    takes bytes 0 and 1, 0xBBAA bytes 2 and 3."""
+    return gl.inline_asm_elementwise("prmt.b32 $0, $1, 0, " + SELECTOR + ";", "=r,r", [flags], dtype=gl.uint32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def kept_masks(seed, stream, rows, col0, dropout_p, BLOCK_COLS: gl.constexpr, layout: gl.constexpr):
     """Which scores kept_scale keeps, for a Gluon kernel: the (len(rows), BLOCK_COLS) tile in
-    ``layout``, a Hopper MMA accumulator's (``rows`` in its row slice).  Each thread draws the
-    numbers of its own keys: the call indices are formed in the accumulator's layout and reduced
-    over the axes each thread holds alone, so the tile comes back in ``layout`` without an
-    exchange."""
+    ``layout``, a Hopper MMA accumulator's (``rows`` in its row slice), as 16-bit masks (0xFFFF
+    kept, 0 dropped).  Each thread draws the numbers of its own scores: the calls are formed in
+    the accumulator's layout and reduced over the axes each thread holds alone, so the tile comes
+    back in ``layout`` without an exchange.  A word's four bytes are compared at once (their
+    top bits: (n & 0x7F) + (0x80 - (t & 0x7F)) carries no byte into the next) and spread into
+    masks by two byte permutations."""
     gl.static_assert(BLOCK_COLS % 32 == 0, "dropout takes tiles of keys in multiples of 32")
     ROWS: gl.constexpr = rows.shape[0]
-    GROUPS: gl.constexpr = BLOCK_COLS // KEYS_PER_GROUP
+    gl.static_assert(ROWS % 16 == 0, "dropout takes tiles of rows in multiples of 16")
     cols = gl.arange(0, BLOCK_COLS, layout=gl.SliceLayout(0, layout))
-    # key 32g + 8(x + 2y) + 2q + h as (rows, g, y, x, q, h); its call col0 / 8 + 4g + q
+    shape: gl.constexpr = [ROWS // 16, 2, 8, BLOCK_COLS // KEYS_PER_GROUP, 2, 2, 4, 2]  # (R, a, i, g, y, x, q, h)
     calls = (col0 // KEYS_PER_CALL + (cols // KEYS_PER_GROUP) * 4 + (cols % KEYS_PER_CALL) // 2)[None, :]
-    calls = gl.reshape(rows[:, None] * 0 + calls, [ROWS, GROUPS, 2, 2, 4, 2])
-    calls = gl.max(gl.max(gl.max(calls, 5), 3), 2)  # (rows, g, q): constant along y, x, h
-    row_ids = gl.reshape(rows[:, None] + cols[None, :] * 0, [ROWS, GROUPS, 2, 2, 4, 2])
-    row_ids = gl.max(gl.max(gl.max(row_ids, 5), 3), 2)
-    return gl.convert_layout(_numbers(seed, calls, row_ids, stream), layout) >= threshold(dropout_p)
+    calls = gl.reshape(rows[:, None] * 0 + calls, shape)
+    calls = gl.max(gl.max(gl.max(gl.max(calls, 7), 5), 4), 1)  # (R, i, g, q): constant along a, y, x, h
+    pairs = gl.reshape(_pair_of(rows)[:, None] + cols[None, :] * 0, shape)
+    pairs = gl.max(gl.max(gl.max(gl.max(pairs, 7), 5), 4), 1)
+    numbers = _words(seed, calls, pairs, stream)  # (R, i, g, q, x, y)
+    t = threshold(dropout_p) * 0x01010101
+    low = (numbers & 0x7F7F7F7F) + (0x80808080 - (t & 0x7F7F7F7F))
+    flags = (numbers & ~t) | (~(numbers ^ t) & low)  # each byte's top bit: number >= t
+    masks = gl.join(_sign_pairs(flags, "0x9988"), _sign_pairs(flags, "0xBBAA"))  # (..., a)
+    masks = gl.join((masks & 0xFFFF).to(gl.uint16), (masks >> 16).to(gl.uint16))  # (..., a, h)
+    masks = gl.reshape(gl.permute(masks, (0, 6, 1, 2, 5, 4, 3, 7)), [ROWS, BLOCK_COLS])
+    return gl.convert_layout(masks, layout)
+
+
+@gluon.jit
+def kept_mma(seed, stream, rows, col0, dropout_p, BLOCK_COLS: gl.constexpr, layout: gl.constexpr):
+    """kept_masks as booleans: True where kept."""
+    return kept_masks(seed, stream, rows, col0, dropout_p, BLOCK_COLS, layout) != 0
+
+
+@gluon.jit
+def dropped_mma(p, seed, stream, rows, col0, dropout_p, BLOCK_COLS: gl.constexpr, layout: gl.constexpr):
+    """P (16-bit floats, in ``layout``) with the dropped probabilities zeroed: kept_masks ANDed
+    into its bits, a bf16x2 register at a time."""
+    masks = kept_masks(seed, stream, rows, col0, dropout_p, BLOCK_COLS, layout)
+    return (p.to(gl.uint16, bitcast=True) & masks).to(p.dtype, bitcast=True)
 
 
 @triton.jit
-def numbers_by_key(seed, groups, lanes, queries, stream):
-    """The numbers of keys 16a + 8b + c (b < 2, c < 8) for ``queries``, as a (16 A, Q) tile in key
-    order: a, c and the queries as (A, 8, Q) tensors.  One call serves both b (key bit 3): the
-    keys one thread holds in an MMA accumulator with keys as its rows (c, c + 8 of each 16), so a
-    Gluon kernel's transposed tile (kept_mma_t) draws each call once, in the thread that needs it."""
-    zero = groups * 0
+def numbers_by_key(seed, groups, lanes, pairs, stream):
+    """The numbers of keys 16A + 8b + c (b < 2, c < 8) for the query rows of pairs 8R + i (rows
+    16R + i and 16R + 8 + i), as a (16 A, 16 R) tile in key and query order: A, c and the pairs
+    as (A, 8, R, 8) tensors.  One call serves both b (key bit 3) and both rows of a pair: the
+    scores one thread holds in an MMA accumulator with keys as its rows (keys c and c + 8 of each
+    16, queries i and i + 8 of each 16), so a Gluon kernel's transposed tile (kept_mma_t) draws
+    each call once, in the thread that needs it."""
+    zero = groups * 0 + lanes * 0 + pairs * 0
     calls = (groups // 2) * 4 + lanes // 2  # 4 (key // 32) + (key % 8) // 2
-    w0, w1, w2, w3 = tl.philox(seed, calls.to(tl.uint32), queries.to(tl.uint32), (zero + stream).to(tl.uint32),
-                               zero.to(tl.uint32), PHILOX_ROUNDS)
+    w0, w1, w2, w3 = _philox(seed, (zero + calls).to(tl.uint32), (zero + pairs).to(tl.uint32),
+                             (zero + stream).to(tl.uint32), zero.to(tl.uint32))
     upper = groups % 2 == 1  # key bit 4: words 2 and 3
-    shift = 16 * (lanes % 2)  # key bit 0: the high half
-    first = (tl.where(upper, w2, w0) >> shift) & 0xFFFF  # key bit 3 clear: word 2 (key bit 4)
-    second = (tl.where(upper, w3, w1) >> shift) & 0xFFFF  # key bit 3 set: the word after it
-    numbers = tl.permute(tl.join(first, second), (0, 3, 1, 2))  # (a, b, c, queries)
-    return tl.reshape(numbers, (numbers.shape[0] * 16, numbers.shape[3]))
+    shift = 8 * (lanes % 2)  # key bit 0: byte 1 (and 3)
+    first = tl.where(upper, w2, w0) >> shift  # key bit 3 clear
+    second = tl.where(upper, w3, w1) >> shift  # key bit 3 set: the word after it
+    numbers = tl.join(tl.join(first & 0xFF, second & 0xFF), tl.join((first >> 16) & 0xFF, (second >> 16) & 0xFF))
+    numbers = tl.permute(numbers, (0, 4, 1, 2, 5, 3))  # (A, c, R, i, b, a) -> (A, b, c, R, a, i)
+    return tl.reshape(numbers, (numbers.shape[0] * 16, numbers.shape[3] * 16))
 
 
 @gluon.jit
 def kept_mma_t(seed, stream, keys, queries, dropout_p, layout: gl.constexpr):
     """kept_mma of a transposed tile, keys as rows: (len(keys), len(queries)) in ``layout``, a
-    Hopper MMA accumulator's (``keys`` from a multiple of 16 in its row slice, ``queries`` in its
-    column slice).  A thread holds keys c and c + 8 of each 16 there; one call serves both."""
+    Hopper MMA accumulator's (``keys`` from a multiple of 16 in its row slice, ``queries`` from a
+    multiple of 16 in its column slice).  A thread holds keys c and c + 8 of each 16 and queries
+    i and i + 8 of each 16 there; one call serves those four scores."""
     KEYS: gl.constexpr = keys.shape[0]
     QUERIES: gl.constexpr = queries.shape[0]
     gl.static_assert(KEYS % 16 == 0, "dropout takes tiles of keys in multiples of 16 here")
-    shape: gl.constexpr = [KEYS // 16, 2, 8, QUERIES]  # key 16a + 8b + c
-    key_ids = gl.max(gl.reshape(keys[:, None] + queries[None, :] * 0, shape), 1)  # 16a + 8 + c
-    query_ids = gl.max(gl.reshape(keys[:, None] * 0 + queries[None, :], shape), 1)
-    numbers = numbers_by_key(seed, key_ids // 16, key_ids % 8, query_ids, stream)
+    gl.static_assert(QUERIES % 16 == 0, "dropout takes tiles of queries in multiples of 16")
+    shape: gl.constexpr = [KEYS // 16, 2, 8, QUERIES // 16, 2, 8]  # key 16A + 8b + c, query 16R + 8a + i
+    key_ids = gl.max(gl.max(gl.reshape(keys[:, None] + queries[None, :] * 0, shape), 4), 1)  # 16A + 8 + c
+    query_ids = gl.max(gl.max(gl.reshape(keys[:, None] * 0 + queries[None, :], shape), 4), 1)  # 16R + 8 + i
+    numbers = numbers_by_key(seed, key_ids // 16, key_ids % 8, _pair_of(query_ids), stream)
     return gl.convert_layout(numbers, layout) >= threshold(dropout_p)
 
 
@@ -217,15 +318,19 @@ def kept_block(seed: int, streams, rows, cols, dropout_p: float) -> torch.Tensor
         return torch.zeros(*streams.shape, rows.numel(), cols.numel(), dtype=torch.bool)
     first = int(cols[0]) // KEYS_PER_GROUP.value
     groups = int(cols[-1]) // KEYS_PER_GROUP.value - first + 1
-    calls = first * 4 + torch.arange(groups * 4, dtype=torch.int64, device=cols.device)
+    calls = first * 4 + torch.arange(groups * 4, dtype=torch.int64)
+    pair = (rows // 16) * 8 + rows % 8
+    first_pair = (int(rows[0]) // 16) * 8
+    pairs = first_pair + torch.arange((int(rows[-1]) // 16) * 8 + 8 - first_pair, dtype=torch.int64)
     zero = torch.zeros((), dtype=torch.int64)
-    words = torch.stack(philox(seed, calls, rows[:, None], streams[..., None, None], zero))
-    # key 32g + 8w + 2q + h: call 4g + q (counted from the first group), word w, half h
+    words = torch.stack(philox(seed, calls, pairs[:, None], streams[..., None, None], zero))  # (4, *streams, P, C)
+    # row 16R + 8a + i, key 32g + 8w + 2q + h: pair 8R + i, call 4g + q (counted from the first
+    # group), word w, byte 2a + h
     call = (cols // 32 - first) * 4 + (cols % 8) // 2
-    picked = words[(cols // 8) % 4, ..., call].movedim(0, -1)  # (*streams, rows, cols)
-    numbers = (picked >> (16 * (cols % 2))) & 0xFFFF
-    threshold = int(torch.tensor(dropout_p, dtype=torch.float32) * 65536.0 + 0.5)
-    return numbers >= threshold
+    picked = words[((cols // 8) % 4)[None, :], ..., (pair - first_pair)[:, None], call[None, :]]
+    picked = picked.movedim((0, 1), (-2, -1))  # (*streams, rows, cols)
+    numbers = (picked >> (8 * (2 * ((rows[:, None] // 8) % 2) + cols[None, :] % 2))) & 0xFF
+    return numbers >= round(dropout_p * LEVELS)
 
 
 def kept_scale_block(seed: int, streams, rows, cols, dropout_p: float) -> torch.Tensor:

@@ -501,12 +501,13 @@ def _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2,
 
 
 @gluon.jit
-def _dropped(p, drop, rows, n0, layout: gl.constexpr, S: gl.constexpr):
-    """P with dropout applied (kernels/dropout.py) to block n0's keys, for O += P V: the dropped
-    ones 0, the kept ones scaled by 1 / (1 - dropout_p) once at the end (_store_rows' caller);
-    the denominator has taken P before it."""
+def _dropped(p, drop, rows, n0, dtype: gl.constexpr, layout: gl.constexpr, S: gl.constexpr):
+    """P with dropout applied (kernels/dropout.py) to block n0's keys, for O += P V: in ``dtype``,
+    the dropped ones 0 (their bits masked), the kept ones scaled by 1 / (1 - dropout_p) once at the
+    end (_store_rows' caller); the denominator has taken P before it."""
     if S.DROPOUT:
-        p = gl.where(dropout.kept_mma(drop[0], drop[1], rows, n0, drop[2], S.BLOCK_N, layout), p, 0.0)
+        gl.static_assert(not S.FP8, "FP8 attention takes no dropout")
+        p = dropout.dropped_mma(p.to(dtype), drop[0], drop[1], rows, n0, drop[2], S.BLOCK_N, layout)
     return p
 
 
@@ -685,7 +686,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
             p, alpha, m_i = _block_softmax(s, m_i, site, rows, row0, lo, seqlen_k, dlo, dhi, block_scale,
                                            log2_factor, distance, s_cols, S)
             l_i = gl.sum(p, 1) * inverse
-            p = _dropped(p, drop, rows, lo, s_layout, S)
+            p = _dropped(p, drop, rows, lo, dtype, s_layout, S)
             p_op = _p_operand(p, dtype, p_layout, S.FP8)
             alpha_prev = gl.convert_layout(alpha, o_rows)[:, None]
             prev_slot = slot
@@ -722,7 +723,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
                 acc, alpha_prev, v_unit = _add_values(acc, pv, gl.convert_layout(alpha, o_rows)[:, None], alpha_prev,
                                                       v_unit, descales.value_scale(batch, head_k, n0 - BLOCK_N, S),
                                                       descales.value_scale(batch, head_k, n0, S), S.FRESH_PV)
-                p = _dropped(p, drop, rows, n0, s_layout, S)
+                p = _dropped(p, drop, rows, n0, dtype, s_layout, S)
                 p_op = _p_operand(p, dtype, p_layout, S.FP8)
                 prev_slot = slot
                 prev_phase = phase
