@@ -32,8 +32,6 @@ KEYS_PER_CALL = tl.constexpr(8)
 PHILOX_ROUNDS = tl.constexpr(7)
 # Keys whose numbers a group of four calls draws: tiles of keys are multiples of it.
 KEYS_PER_GROUP = tl.constexpr(32)
-# Rows a call's pairs span: tiles of rows are multiples of it, from a multiple of it.
-ROWS_PER_GROUP = tl.constexpr(16)
 LEVELS = 256  # an 8-bit number's values: dropout_p runs as a multiple of 1 / LEVELS
 
 # One Philox round with each 32 x 32-bit product one wide multiply (tl.philox's form takes two
@@ -100,6 +98,7 @@ def _philox(seed, c0, c1, c2, c3):
         return c0, c1, c2, c3
     else:
         return tl.philox(seed, c0, c1, c2, c3, PHILOX_ROUNDS)
+
 
 @triton.jit
 def _words(seed, calls, pairs, stream):
