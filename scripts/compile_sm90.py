@@ -17,7 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from flashtile import dispatch, sinks
+from flashtile import dispatch, gpu, sinks
 from flashtile.kernels import configs, decode, dropout, packed_tiles, quantize, score, tma, v1, v2, v3
 from flashtile.kernels.gluon import backward as gluon_bwd
 from flashtile.kernels.gluon import backward_fp8 as gluon_bwd_fp8
@@ -118,7 +118,7 @@ def gluon_case(head_dim, opts, causal=False, window_left=-1, softcap=0.0, alibi=
     q_shape = (p.total_q, p.heads_q, p.head_dim) if varlen else (p.batch, p.seqlen_q, p.heads_q, p.head_dim)
     k_shape = (*q_shape[:-2], p.heads_k, p.head_dim)
     v_shape = (*k_shape[:-1], p.head_dim_v)
-    with mock.patch.object(gluon_fwd, "sm_count", lambda index: 132):
+    with mock.patch.object(gpu, "sm_count", lambda index: 132):
         strides = (contiguous_strides(shape) for shape in (q_shape, k_shape, v_shape))
         launch = gluon_fwd._ForwardLaunch(p, cfg, dtype, q_shape, *strides, 0)
     consts = dict(launch.launch.constants)
@@ -164,7 +164,7 @@ def gluon_bwd_case(head_dim, opts, dq_pass, dq_reduce=False, persistent=True, ca
         offsets = torch.zeros(2, dtype=torch.int32)
         p = replace(p, cu_seqlens_q=offsets, cu_seqlens_k=offsets, total_q=p.seqlen_q, total_k=p.seqlen_k)
     cfg = dispatch.gluon_backward_config(p, opts, dq_reduce)
-    with mock.patch.object(b, "sm_count", lambda index: 132):
+    with mock.patch.object(gpu, "sm_count", lambda index: 132):
         kernel = b._dq_kernel if dq_pass else b._dkdv_kernel
         launch = b._PassLaunch(kernel, p, cfg, torch.bfloat16, 0, not dq_pass, dq_reduce, False)
     consts = dict(launch.launch.constants)
@@ -180,7 +180,7 @@ def gluon_bwd_fp8_case(head_dim, opts, fp8, keys, causal=False, softcap=0.0, ali
     rows = (configs.WARPGROUP_ROWS, configs.by_head_dim(configs.V3_GLUON_FP8, p.head_dim_pad).block_n)
     p = replace(p, fp8=True, fp8_per_block=True, fp8_rows=rows)
     cfg = dispatch.gluon_backward_config(p, opts, False)
-    with mock.patch.object(gluon_bwd, "sm_count", lambda index: 132):
+    with mock.patch.object(gpu, "sm_count", lambda index: 132):
         launch = gluon_bwd_fp8.PassLaunch(p, cfg, FP8_DTYPES[fp8], 0, keys)
     consts = dict(launch.constants, **(dict(GRADS=grads) if keys else {}))
     options = {name: consts.pop(name) for name in ("num_warps", "maxnreg")}

@@ -164,25 +164,25 @@ def test_gluon_backward_pass_schedule(monkeypatch):
     # tiles than SMs: tiles of equal length strided over, a band's taken from the tile counter;
     # d256, the single pass, the ablation and as few tiles as SMs keep a CTA per tile.
     Schedule = gluon_bwd.Schedule
-    monkeypatch.setattr(gluon_bwd, "sm_count", lambda device_index: 132)
+    monkeypatch.setattr(gpu, "sm_count", lambda index: 132)
     plain = problem(1024)
     cfg = GluonBackward(64, 64, 2)
-    gpu = torch.device("cuda", 0)
-    assert gluon_bwd.pass_schedule(plain, cfg, 512, gpu) == Schedule(132, 2, True, False)
-    assert gluon_bwd.pass_schedule(replace(plain, head_dim=64), cfg, 512, gpu) == Schedule(132, 2, True, False)
-    assert gluon_bwd.pass_schedule(plain, cfg, 132, gpu) == Schedule(132, 1, False, False)
-    assert gluon_bwd.pass_schedule(replace(plain, window_right=0), cfg, 512, gpu) == Schedule(132, 2, True, True)
-    assert gluon_bwd.pass_schedule(replace(plain, window_left=64), cfg, 512, gpu) == Schedule(132, 2, True, True)
-    assert gluon_bwd.pass_schedule(plain, cfg, 512, gpu, dq_reduce=True) == Schedule(512, 1, False, False)
-    assert gluon_bwd.pass_schedule(replace(plain, head_dim=256), cfg, 512, gpu) == Schedule(512, 1, False, False)
-    assert gluon_bwd.pass_schedule(plain, replace(cfg, persistent=False), 512, gpu) == Schedule(512, 1, False, False)
+    cuda = torch.device("cuda", 0)
+    assert gluon_bwd.pass_schedule(plain, cfg, 512, cuda) == Schedule(132, 2, True, False)
+    assert gluon_bwd.pass_schedule(replace(plain, head_dim=64), cfg, 512, cuda) == Schedule(132, 2, True, False)
+    assert gluon_bwd.pass_schedule(plain, cfg, 132, cuda) == Schedule(132, 1, False, False)
+    assert gluon_bwd.pass_schedule(replace(plain, window_right=0), cfg, 512, cuda) == Schedule(132, 2, True, True)
+    assert gluon_bwd.pass_schedule(replace(plain, window_left=64), cfg, 512, cuda) == Schedule(132, 2, True, True)
+    assert gluon_bwd.pass_schedule(plain, cfg, 512, cuda, dq_reduce=True) == Schedule(512, 1, False, False)
+    assert gluon_bwd.pass_schedule(replace(plain, head_dim=256), cfg, 512, cuda) == Schedule(512, 1, False, False)
+    assert gluon_bwd.pass_schedule(plain, replace(cfg, persistent=False), 512, cuda) == Schedule(512, 1, False, False)
     assert Schedule(132, 2, True, True).constants() == dict(SLOTS=2, PERSISTENT=True, DYNAMIC=True)
     # A band's heads are walked together (as many as share L2) only with few tiles a SM.
     causal, budget = replace(plain, window_right=0), scheduler.L2_BUDGET
-    assert gluon_bwd.walk_head_group(causal, 4 * 132, 8, budget // 8, gpu) == 8
-    assert gluon_bwd.walk_head_group(causal, 4 * 132, 8, budget // 4, gpu) == 4
-    assert gluon_bwd.walk_head_group(causal, 4 * 132 + 1, 8, budget // 8, gpu) == 1
-    assert gluon_bwd.walk_head_group(plain, 256, 8, 1, gpu) == 1
+    assert gluon_bwd.walk_head_group(causal, 4 * 132, 8, budget // 8, cuda) == 8
+    assert gluon_bwd.walk_head_group(causal, 4 * 132, 8, budget // 4, cuda) == 4
+    assert gluon_bwd.walk_head_group(causal, 4 * 132 + 1, 8, budget // 8, cuda) == 1
+    assert gluon_bwd.walk_head_group(plain, 256, 8, 1, cuda) == 1
 
 
 def test_gluon_forward_launch_constants():

@@ -8,7 +8,7 @@ import torch
 from attention_check import check_against_reference, make_qkv, max_err
 from conftest import DEVICE, ON_GPU
 
-from flashtile import flash_attn_func, flash_attn_varlen_func, standard_attention
+from flashtile import flash_attn_func, flash_attn_varlen_func, gpu, standard_attention
 from flashtile.kernels import configs
 from flashtile.kernels.gluon import backward as gluon_bwd
 from flashtile.kernels.gluon import forward as gluon_fwd
@@ -284,7 +284,7 @@ def test_v3_causal_backward_takes_its_tiles_from_the_counter(monkeypatch, fresh_
     # The two Gluon passes over causal tiles on persistent CTAs (here 3) take each tile from the
     # stream's counter, as the forward does: backwards back to back give the same gradients bit
     # for bit.
-    monkeypatch.setattr(gluon_bwd, "sm_count", lambda device_index: 3)
+    monkeypatch.setattr(gpu, "sm_count", lambda index: 3)
     q, k, v = (x.requires_grad_() for x in make_qkv(BATCH, 1000, 1000, 2 * HEADS, HEADS, 64, DTYPES[0], DEVICE))
     out = flash_attn_func(q, k, v, causal=True, version="v3", kernel_options="backward=gluon")
     dout = torch.randn_like(out)
@@ -317,7 +317,7 @@ def test_v3_gluon_backward(monkeypatch, fresh_launches, kernels, head_dim, windo
     # TMA reduce-add (d64 and d128; the two passes split the head dim at d256), against the
     # oracle: GQA, seqlens that are not block multiples, causal and a sliding window.  As if the
     # GPU had 3 SMs: where a pass runs persistent CTAs each takes several tiles.
-    monkeypatch.setattr(gluon_bwd, "sm_count", lambda device_index: 3)
+    monkeypatch.setattr(gpu, "sm_count", lambda index: 3)
     sq, sk = (700, 1000) if ON_GPU else (40, 70)
     q, k, v = make_qkv(BATCH, sq, sk, 2 * HEADS, HEADS, head_dim, DTYPES[0], DEVICE)
     check_against_reference(attention("v3", window_size=window, kernel_options=f"backward={kernels};{tiles}"),
@@ -333,9 +333,8 @@ def test_v3_bands_walk_heads_in_uneven_groups(monkeypatch, fresh_launches, kerne
     # or 4 and 3 (8 = 3 + 3 + 2), on 3 persistent CTAs (the backward's passes walk heads
     # together whatever their tile count here).
     monkeypatch.setattr(scheduler, "L2_BUDGET", l2_budget)
-    monkeypatch.setattr(gluon_bwd, "sm_count", lambda device_index: 3)
+    monkeypatch.setattr(gpu, "sm_count", lambda index: 3)
     monkeypatch.setattr(gluon_bwd, "BALANCE_TILES_PER_SM", 10**6)
-    monkeypatch.setattr(gluon_fwd, "sm_count", lambda device_index: 3)
     groups = []  # the head groups the launches take
 
     def recorded(choose):

@@ -10,7 +10,7 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashtile import flash_attn_func, options
+from flashtile import flash_attn_func, gpu, options
 from flashtile.kernels import launch
 from flashtile.kernels.tma import block_layout
 
@@ -244,8 +244,8 @@ def test_kept_gluon_launches_pass_what_a_fresh_build_passes(monkeypatch, fake_gp
     monkeypatch.setattr(launch, "_compiled", lambda kernel, grid, device, args, constants: (
         (_FakeBinary((kernel.__name__, sorted(constants.items())), launches), ()), False))
     counter = torch.zeros(1, dtype=torch.int64)
+    monkeypatch.setattr(gpu, "sm_count", lambda index: 132)
     for module in (gluon_forward, gluon_backward):
-        monkeypatch.setattr(module, "sm_count", lambda index: 132)
         monkeypatch.setattr(module, "tile_counter", lambda device: (counter, 1 << 32))
         monkeypatch.setattr(module, "no_counter", lambda device: (counter, 1 << 32))
     monkeypatch.setattr(dispatch, "target_of", lambda p, *tensors: dispatch.HOPPER)

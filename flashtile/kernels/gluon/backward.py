@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from flashtile.gpu import sm_count
+from flashtile import gpu
 from flashtile.kernels import configs, dropout, packed_tiles, score
 from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks, band_mask, band_rows_mask
@@ -1385,7 +1385,7 @@ def pass_schedule(p, cfg, tiles, device, dq_reduce=False) -> Schedule:
     window: uneven lengths, longest first) taken as CTAs free up.  Otherwise (or without
     ``cfg.persistent``) a CTA per tile, one slot: d256 and the single pass have no shared
     memory for a second slot."""
-    sms = sm_count(device.index)
+    sms = gpu.sm_count(device.index)
     if p.varlen:
         # Packed sequences: ``tiles`` bounds the listed ones, whose number only the device
         # knows; CTAs take them from the counter (as the forward's walk, whatever the options:
@@ -1407,7 +1407,7 @@ def walk_head_group(p, tiles, batch_heads, streamed_bytes_per_head, device) -> i
     to the end of the walk (GQA at batch 2, 4k keys: 1.3-1.5x the time).  With more, one head at
     a time: the walk ends about as balanced, and fewer heads stream through L2 at once (their
     grouped walk measured 1-2% slower, d64 1k-16k)."""
-    if p.varlen or tiles > BALANCE_TILES_PER_SM * sm_count(device.index):
+    if p.varlen or tiles > BALANCE_TILES_PER_SM * gpu.sm_count(device.index):
         return 1  # (packed sequences: the list's order)
     return heads_sharing_l2(p, batch_heads, streamed_bytes_per_head)
 

@@ -54,7 +54,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from flashtile.gpu import sm_count
+from flashtile import gpu
 from flashtile.kernels import configs, dropout, packed_tiles, score
 from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile
@@ -1112,7 +1112,7 @@ class _ForwardLaunch:
         m_blocks = p.query_blocks(cfg.tile_m)
         batch_heads = p.batch * p.heads_q
         num_tiles = m_blocks * batch_heads
-        programs = min(num_tiles, sm_count(device_index)) if consts["PERSISTENT"] else num_tiles
+        programs = min(num_tiles, gpu.sm_count(device_index)) if consts["PERSISTENT"] else num_tiles
         kv_bytes = p.seqlen_k * (pad + pad_v) * dtype.itemsize
         self.walk = (batch_heads, p.heads_q, p.group, heads_sharing_l2(p, batch_heads, kv_bytes), m_blocks, num_tiles,
                      p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
