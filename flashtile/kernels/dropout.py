@@ -32,7 +32,7 @@ KEYS_PER_CALL = tl.constexpr(8)
 PHILOX_ROUNDS = tl.constexpr(7)
 # Keys whose numbers a group of four calls draws: tiles of keys are multiples of it.
 KEYS_PER_GROUP = tl.constexpr(32)
-LEVELS = 256  # an 8-bit number's values: dropout_p runs as a multiple of 1 / LEVELS
+LEVELS = tl.constexpr(256)  # an 8-bit number's values: dropout_p runs as a multiple of 1 / LEVELS
 
 # One Philox round with each 32 x 32-bit product one wide multiply (tl.philox's form takes two
 # instructions a product, its high and low halves apart): $0..$3 the counters out, $4..$7 in,
@@ -57,12 +57,12 @@ _WIDE_PRODUCTS = tl.constexpr(not options.interpreting())  # (the interpreter ru
 def rate(dropout_p: float) -> float:
     """The dropout rate the kernels run for ``dropout_p`` (in [0, 1)): the nearest multiple of
     1/256; one that rounds to 1 is refused."""
-    levels = round(dropout_p * LEVELS)
-    if levels >= LEVELS:
-        raise ValueError(f"dropout_p={dropout_p}: dropout runs at multiples of 1/{LEVELS} (8-bit numbers, "
+    levels = round(dropout_p * LEVELS.value)
+    if levels >= LEVELS.value:
+        raise ValueError(f"dropout_p={dropout_p}: dropout runs at multiples of 1/{LEVELS.value} (8-bit numbers, "
                          f"as FlashAttention-2's), and this one rounds to 1; take dropout_p below "
-                         f"{(LEVELS - 0.5) / LEVELS}")
-    return levels / LEVELS
+                         f"{(LEVELS.value - 0.5) / LEVELS.value}")
+    return levels / LEVELS.value
 
 
 @triton.jit
@@ -116,10 +116,17 @@ def _pair_of(rows):
     return (rows // 16) * 8 + rows % 8
 
 
+
+@triton.jit
+def _score_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Per-score values of a draw as (R, i, g, q, x, y, a, h) -- calls (R, i, g, q), word x + 2y,
+    byte 2a + h -- in tile order: (ROWS, COLS), row 16R + 8a + i, key 32g + 8(x + 2y) + 2q + h."""
+    return tl.reshape(tl.permute(x, (0, 6, 1, 2, 5, 4, 3, 7)), (ROWS, COLS))
+
 @triton.jit
 def threshold(dropout_p):
-    """Numbers below it are dropped (dropout_p a multiple of 1/256)."""
-    return tl.cast(dropout_p * 256.0 + 0.5, tl.uint32)
+    """Numbers below it are dropped (dropout_p a multiple of 1 / LEVELS)."""
+    return tl.cast(dropout_p * LEVELS + 0.5, tl.uint32)
 
 
 @triton.jit
@@ -135,9 +142,9 @@ def kept_scale(seed, stream, rows, col0, dropout_p, BLOCK_COLS: tl.constexpr, TR
     calls = tl.reshape(tl.arange(0, BLOCK_COLS // KEYS_PER_CALL) + col0 // KEYS_PER_CALL,
                        (BLOCK_COLS // KEYS_PER_GROUP, 4))  # (g, q)
     words = _words(seed, calls[None, None, :, :], pairs[:, :, None, None], stream)  # (R, i, g, q, x, y)
-    numbers = tl.join(tl.join(words & 0xFF, (words >> 8) & 0xFF), tl.join((words >> 16) & 0xFF, words >> 24))
-    # (R, i, g, q, x, y, h, a) -> (R, a, i, g, y, x, q, h): row 16R + 8a + i, key 32g + 8(x + 2y) + 2q + h
-    numbers = tl.reshape(tl.permute(numbers, (0, 7, 1, 2, 5, 4, 3, 6)), (ROWS, BLOCK_COLS))
+    # bytes 2a + h: (R, i, g, q, x, y, a, h)
+    numbers = tl.join(tl.join(words & 0xFF, (words >> 16) & 0xFF), tl.join((words >> 8) & 0xFF, words >> 24))
+    numbers = _score_tile(numbers, ROWS, BLOCK_COLS)
     scale = tl.where(numbers >= threshold(dropout_p), 1.0 / (1.0 - dropout_p), 0.0)
     if TRANSPOSED:
         scale = tl.trans(scale)
@@ -191,8 +198,7 @@ def kept_masks(seed, stream, rows, col0, dropout_p, BLOCK_COLS: gl.constexpr, la
     flags = (numbers & ~t) | (~(numbers ^ t) & low)  # each byte's top bit: number >= t
     masks = gl.join(_sign_pairs(flags, "0x9988"), _sign_pairs(flags, "0xBBAA"))  # (..., a)
     masks = gl.join((masks & 0xFFFF).to(gl.uint16), (masks >> 16).to(gl.uint16))  # (..., a, h)
-    masks = gl.reshape(gl.permute(masks, (0, 6, 1, 2, 5, 4, 3, 7)), [ROWS, BLOCK_COLS])
-    return gl.convert_layout(masks, layout)
+    return gl.convert_layout(_score_tile(masks, ROWS, BLOCK_COLS), layout)
 
 
 @gluon.jit
@@ -329,7 +335,7 @@ def kept_block(seed: int, streams, rows, cols, dropout_p: float) -> torch.Tensor
     picked = words[((cols // 8) % 4)[None, :], ..., (pair - first_pair)[:, None], call[None, :]]
     picked = picked.movedim((0, 1), (-2, -1))  # (*streams, rows, cols)
     numbers = (picked >> (8 * (2 * ((rows[:, None] // 8) % 2) + cols[None, :] % 2))) & 0xFF
-    return numbers >= round(dropout_p * LEVELS)
+    return numbers >= round(dropout_p * LEVELS.value)
 
 
 def kept_scale_block(seed: int, streams, rows, cols, dropout_p: float) -> torch.Tensor:

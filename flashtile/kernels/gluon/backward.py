@@ -440,13 +440,22 @@ def _lse_rows(STAGES, SCORE):
 
 
 @gluon.jit
-def _write_positions(lse_smem, STAGES: gl.constexpr, SCORE: gl.constexpr):
-    """With a distance bias, fill the table of a streamed block's column positions (the dK/dV
-    pass's lse buffer's row after its ring slots: _lse_rows) with 0, 1, ... as floats, what
-    _probs_t reads, and wait for the partition's warps.  Every consumer partition writes the
-    same values."""
+def _positions(lse_smem, STAGES: gl.constexpr, SCORE: gl.constexpr):
+    """The table of a streamed block's column positions (0, 1, ... as floats) that _probs_t reads
+    with a distance bias: the dK/dV pass's lse buffer's row after its ring slots (_lse_rows);
+    None without one."""
+    positions = None
     if score.splits_distance(SCORE):
         positions = lse_smem.index(STAGES)
+    return positions
+
+
+@gluon.jit
+def _write_positions(lse_smem, STAGES: gl.constexpr, SCORE: gl.constexpr):
+    """Fill _positions' table, if any, and wait for the partition's warps.  Every consumer
+    partition writes the same values."""
+    positions = _positions(lse_smem, STAGES, SCORE)
+    if positions is not None:
         n: gl.constexpr = positions.shape[0]
         positions.store(gl.arange(0, n, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0])).to(gl.float32))
         gl.thread_barrier()
@@ -667,13 +676,10 @@ def _kv_block(k_smem, v_smem, kv_slot, q_smem, do_smem, q_ready, q_empty, lse_sm
     v_rows = v_smem.index(kv_slot).reshape([BLOCK_N, HEAD_DIM_V_PAD]).slice(ROW0, ROWS)
     slot, q, do, sT, dpT = _scores(k_rows, v_rows, q_smem, do_smem, q_ready, it, s_zero, BLOCK_M, HEAD_DIM_PAD,
                                    STAGES, HEAD_DIM_V_PAD, QK_LANES)
-    positions = None  # _write_positions' table, with a distance bias alone
-    if score.splits_distance(SCORE):
-        positions = lse_smem.index(STAGES)
     dk, dv, dsT, pT_op, dsT_op = _dkdv_products(sT, dpT, q, do, lse_smem.index(slot), delta_smem.index(slot),
                                                 dk, dv, s_zero, rows_k, k0, m0, band, seqlen_q, scale_log2, site,
                                                 drop, op_layout, v_op_layout, SCORE, DQ_REDUCE, DROPOUT,
-                                                positions)
+                                                _positions(lse_smem, STAGES, SCORE))
     if DQ_REDUCE:
         # dS and the fp32 dQ staging have two buffers each: one written here was last read two
         # blocks ago (dS by that block's dQ product, the staging by its reduce, which

@@ -60,7 +60,7 @@ from flashtile.kernels import tma as tma_host
 from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile
 from flashtile.kernels.configs import WARPGROUP_ROWS
 from flashtile.kernels.gluon import float8
-from flashtile.kernels.gluon.pipeline import lanes_product, slices_product
+from flashtile.kernels.gluon.pipeline import slices_product
 from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next_tile, no_counter,
                                                packed_tile, publish_tile, read_next_tile, read_tile,
                                                start_tiles, tile_counter, Sequences, Value, value, values)
@@ -514,17 +514,19 @@ def _dropped(p, drop, rows, n0, dtype: gl.constexpr, layout: gl.constexpr, S: gl
 @gluon.jit
 def _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH: gl.constexpr, S: gl.constexpr):
     """Start S = Q K^T on K/V ring slot ``slot`` once it is this consumer's turn and K has landed.
-    Turns go round the consumers in order; consumer 0 takes the first without waiting.  The
-    product reduces over the padded head dim, or in QK_SLICES slices over Q's buffers from
-    ``q_op`` on (pipeline.slices_product)."""
+    Turns go round the consumers in order; consumer 0 takes the first without waiting.  ``q_op``
+    is Q in registers (Q_IN_REGISTERS, one slice) or the index of Q's first buffer: the product
+    reduces over its QK_SLICES slices (pipeline.slices_product)."""
     if S.PINGPONG:
         mbarrier.wait(buf.turn.index(WHICH), (turns & 1) ^ (WHICH == 0))
     mbarrier.wait(buf.k_ready.index(slot), phase)
-    if S.QK_SLICES > 1:
-        return slices_product(buf.q, q_op, buf.k, slot * S.QK_SLICES, s_zero, S.QK_SLICES)
-    else:
+    if S.Q_IN_REGISTERS:
+        gl.static_assert(S.QK_SLICES == 1, "Q in registers is one slice")
         k = buf.k.index(slot)
-        return lanes_product(q_op, k.reshape([k.shape[1], k.shape[3]]), s_zero, S.HEAD_DIM_PAD)
+        return warpgroup_mma(q_op, k.reshape([k.shape[1], k.shape[3]]).permute((1, 0)), s_zero, use_acc=False,
+                             is_async=True)
+    else:
+        return slices_product(buf.q, q_op, buf.k, slot * S.QK_SLICES, s_zero, S.QK_SLICES)
 
 
 @gluon.jit
@@ -643,14 +645,11 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
         seqlen_q = seq[3]
         seqlen_k = seq[4]
         q_slot = tile_i % S.Q_SLOTS
-        if S.QK_SLICES > 1:
-            q_op = (S.CONSUMERS * q_slot + WHICH) * S.QK_SLICES  # S = Q K^T's A: its first slice's buffer
-        else:
-            q_op = buf.q.index(S.CONSUMERS * q_slot + WHICH).reshape([ROWS, HEAD_DIM_PAD])  # S = Q K^T's A
+        q_op = (S.CONSUMERS * q_slot + WHICH) * S.QK_SLICES  # S = Q K^T's A: Q's (first) buffer
         if S.Q_IN_REGISTERS:
             # Q as the register operand: only K is read from shared memory, and Q's buffer is
             # free for the producer's next tile at once.
-            q_op = q_op.load(q_layout)
+            q_op = buf.q.index(q_op).reshape([ROWS, HEAD_DIM_PAD]).load(q_layout)
             mbarrier.arrive(buf.q_empty.index(q_slot))
         row0 = m0 + WHICH * ROWS  # this consumer's first row
         rows = row0 + gl.arange(0, ROWS, layout=s_rows)

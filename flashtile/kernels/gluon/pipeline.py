@@ -42,9 +42,9 @@ def lanes_product(a, b, zero, LANES: gl.constexpr):
 
 @gluon.jit
 def slices_product(a_bufs, a_first, b_bufs, b_first, zero, SLICES: gl.constexpr):
-    """a b^T reduced over lanes held as SLICES slices loaded separately (configs.qk_slices): buffers
-    a_first.. of ``a_bufs`` and b_first.. of ``b_bufs``, each (1, rows, 1, slice lanes), issued and
-    left in flight, each slice a commit group (as lanes_product's)."""
+    """a b^T reduced over lanes held as SLICES slices loaded separately (configs.qk_slices; 1: the
+    whole tile): buffers a_first.. of ``a_bufs`` and b_first.. of ``b_bufs``, each (1, rows, 1,
+    slice lanes), issued and left in flight, each slice a commit group (as lanes_product's)."""
     acc = zero
     for i in gl.static_range(SLICES):
         a = a_bufs.index(a_first + i)
