@@ -221,27 +221,32 @@ def numbers_by_key(seed, groups, lanes, pairs, stream):
     16R + i and 16R + 8 + i), as a (16 A, 16 R) tile in key and query order: A, c and the pairs
     as (A, 8, R, 8) tensors.  One call serves both b (key bit 3) and both rows of a pair: the
     scores one thread holds in an MMA accumulator with keys as its rows (keys c and c + 8 of each
-    16, queries i and i + 8 of each 16), so a Gluon kernel's transposed tile (kept_mma_t) draws
+    16, queries i and i + 8 of each 16), so a Gluon kernel's transposed tile (dropped_signs_t) draws
     each call once, in the thread that needs it."""
     zero = groups * 0 + lanes * 0 + pairs * 0
     calls = (groups // 2) * 4 + lanes // 2  # 4 (key // 32) + (key % 8) // 2
     w0, w1, w2, w3 = _philox(seed, (zero + calls).to(tl.uint32), (zero + pairs).to(tl.uint32),
                              (zero + stream).to(tl.uint32), zero.to(tl.uint32))
-    upper = groups % 2 == 1  # key bit 4: words 2 and 3
-    shift = 8 * (lanes % 2)  # key bit 0: byte 1 (and 3)
-    first = tl.where(upper, w2, w0) >> shift  # key bit 3 clear
-    second = tl.where(upper, w3, w1) >> shift  # key bit 3 set: the word after it
+    # Key bit 4 picks words 2 and 3 over 0 and 1, by masks rather than predicates (a tile of
+    # predicates outlives the registers that hold them).
+    upper = (zero - groups % 2).to(tl.uint32)  # all ones where key bit 4 is set
+    shift = (8 * (lanes % 2)).to(tl.uint32)  # key bit 0: byte 1 (and 3)
+    first = (w0 ^ ((w0 ^ w2) & upper)) >> shift  # key bit 3 clear
+    second = (w1 ^ ((w1 ^ w3) & upper)) >> shift  # key bit 3 set: the word after it
     numbers = tl.join(tl.join(first & 0xFF, second & 0xFF), tl.join((first >> 16) & 0xFF, (second >> 16) & 0xFF))
     numbers = tl.permute(numbers, (0, 4, 1, 2, 5, 3))  # (A, c, R, i, b, a) -> (A, b, c, R, a, i)
     return tl.reshape(numbers, (numbers.shape[0] * 16, numbers.shape[3] * 16))
 
 
 @gluon.jit
-def kept_mma_t(seed, stream, keys, queries, dropout_p, layout: gl.constexpr):
-    """kept_mma of a transposed tile, keys as rows: (len(keys), len(queries)) in ``layout``, a
-    Hopper MMA accumulator's (``keys`` from a multiple of 16 in its row slice, ``queries`` from a
-    multiple of 16 in its column slice).  A thread holds keys c and c + 8 of each 16 and queries
-    i and i + 8 of each 16 there; one call serves those four scores."""
+def dropped_signs_t(seed, stream, keys, queries, dropout_p, layout: gl.constexpr):
+    """Which scores of a transposed tile (keys as rows) are dropped, as sign bits: uint32
+    0x80000000 where dropped, else 0, (len(keys), len(queries)) in ``layout``, a Hopper MMA
+    accumulator's (``keys`` from a multiple of 16 in its row slice, ``queries`` from a multiple
+    of 16 in its column slice).  A thread holds keys c and c + 8 of each 16 and queries i and
+    i + 8 of each 16 there; one call serves those four scores.  Sign bits, XORed into float
+    bits, carry the mask without a predicate a score (a tile of them outlives the registers
+    that hold predicates)."""
     KEYS: gl.constexpr = keys.shape[0]
     QUERIES: gl.constexpr = queries.shape[0]
     gl.static_assert(KEYS % 16 == 0, "dropout takes tiles of keys in multiples of 16 here")
@@ -250,7 +255,7 @@ def kept_mma_t(seed, stream, keys, queries, dropout_p, layout: gl.constexpr):
     key_ids = gl.max(gl.max(gl.reshape(keys[:, None] + queries[None, :] * 0, shape), 4), 1)  # 16A + 8 + c
     query_ids = gl.max(gl.max(gl.reshape(keys[:, None] * 0 + queries[None, :], shape), 4), 1)  # 16R + 8 + i
     numbers = numbers_by_key(seed, key_ids // 16, key_ids % 8, _pair_of(query_ids), stream)
-    return gl.convert_layout(numbers, layout) >= threshold(dropout_p)
+    return (gl.convert_layout(numbers, layout) - threshold(dropout_p)) & 0x80000000  # (numbers < 256)
 
 
 @triton.jit

@@ -534,7 +534,11 @@ def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, k
     operands; lse and D from the block's ring slot.  dV and dK are left in flight (with the
     operands they read): the caller waits for them.  P^T takes dV's operand layout
     (``v_op_layout``: V's head dim), dS^T dK's (``op_layout``).  With DROPOUT (``drop``: dropout.stream_of)
-    dV takes the kept P^T (the caller scales dV by 1 / (1 - p)) and dS^T the kept dP^T, scaled."""
+    dV takes the kept P^T (the caller scales dV by 1 / (1 - p)) and dS^T the kept dP^T, scaled.
+    The keep mask rides across the dP^T wait in the sign bit of P^T f' (FlashAttention-2's
+    encoding; f' >= 0 for every hook, softcap's 1 - tanh^2, so its magnitude is kept), not as a
+    tile of its own: held across the wait, it was kept in bit-packed registers and unpacked
+    score by score."""
     lse = lse_ref.load(gl.SliceLayout(0, s_zero.type.layout)) * LOG2E
     sT = warpgroup_mma_wait(1, deps=[sT])
     pT, pT_ds = _probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, scale_log2, site, SCORE, True, DQ_REDUCE,
@@ -542,15 +546,20 @@ def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, k
     if DROPOUT:
         s_layout: gl.constexpr = s_zero.type.layout
         cols = m0 + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, s_layout))
-        keptT = dropout.kept_mma_t(drop[0], drop[1], rows_k, cols, drop[2], s_layout)
-        pT = gl.where(keptT, pT, 0.0)
+        signs = dropout.dropped_signs_t(drop[0], drop[1], rows_k, cols, drop[2], s_layout)
+        pT = gl.maximum((pT.to(gl.uint32, bitcast=True) | signs).to(gl.float32, bitcast=True), 0.0)
+        # |P^T f'| with the sign bit set where dropped (f' >= 0 but for rounding: softcap's
+        # 1 - tanh^2 under ALiBi can come out -1e-7).
+        pT_ds = ((pT_ds.to(gl.uint32, bitcast=True) & 0x7FFFFFFF) | signs).to(gl.float32, bitcast=True)
     pT_op = gl.convert_layout(pT.to(q.dtype), v_op_layout)
     dv = warpgroup_mma(pT_op, do, dv, is_async=True)
     # D only now: loaded with lse, its registers were held across the S^T wait (d128 spilled more).
     delta = delta_ref.load(gl.SliceLayout(0, s_zero.type.layout))
     dpT = warpgroup_mma_wait(1, deps=[dpT])
     if DROPOUT:
-        dpT = gl.where(keptT, dpT * (1.0 / (1.0 - drop[2])), 0.0)
+        # Kept: P^T f' (dP^T / (1 - p) - D).  Dropped: -P^T f' D, the negated P^T f' times D, which
+        # _ds_t forms from dP^T = 2 D (a dropped 0, -0.0, reads as kept: 0 either way).
+        dpT = gl.where(pT_ds >= 0.0, dpT * (1.0 / (1.0 - drop[2])), 2.0 * delta[None, :])
     dsT = _ds_t(pT_ds, dpT, delta, rows_k, m0, band, seqlen_q, 1.0, True).to(q.dtype)
     dsT_op = gl.convert_layout(dsT, op_layout)
     dk = warpgroup_mma(dsT_op, q, dk, is_async=True)
