@@ -111,6 +111,21 @@ def test_dropout_with_window_softcap_and_alibi():
     check_with_mask(call, q, k, v, mask, p, **features)
 
 
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon backward runs on Hopper")
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_backward_dropout_with_softcap_and_alibi(causal):
+    # The dK/dV pass carries the mask in the sign bit of P^T f': softcap's f' under ALiBi, on
+    # blocks the diagonal crosses too, with a window.
+    torch.manual_seed(12)
+    q, k, v = make_qkv(1, 300, 300, 2, 2, 64, DTYPE, DEVICE)
+    p, slopes = 0.3, torch.tensor([0.25, 0.5], device=DEVICE)
+    features = dict(window_size=(150, 40), softcap=5.0, alibi_slopes=slopes, causal=causal)
+    mask = mask_of(13, 1, 2, 300, 300, p)
+    call = seeded(13, lambda a, b, c: flash_attn_func(a, b, c, dropout_p=p, version="v3",
+                                                      kernel_options="backward=gluon", **features))
+    check_with_mask(call, q, k, v, mask, p, **features)
+
 @pytest.mark.parametrize("version", ["v1", "auto", "tiled"])
 def test_varlen_dropout_per_sequence(version):
     torch.manual_seed(3)
