@@ -154,26 +154,31 @@ def test_varlen_dropout_per_sequence(version):
 
 
 @triton.jit
-def _numbers_by_key_kernel(SEED, OUT, stream, key0, query0, KEYS: tl.constexpr, QUERIES: tl.constexpr):
-    # OUT (KEYS, QUERIES): the numbers of keys key0 + i against queries query0 + j, keys as rows.
+def _words_by_key_kernel(SEED, OUT, stream, key0, query0, KEYS: tl.constexpr, QUERIES: tl.constexpr):
+    # OUT (KEYS, QUERIES): the numbers of keys key0 + i against queries query0 + j, keys as rows,
+    # unpacked from dropout.words_by_key's bytes.
     a = key0 // 16 + tl.arange(0, KEYS // 16)[:, None, None, None]
-    c = tl.arange(0, 8)[None, :, None, None]
+    c = tl.arange(0, 4)[None, :, None, None]
     r = query0 // 16 + tl.arange(0, QUERIES // 16)[None, None, :, None]
     i = tl.arange(0, 8)[None, None, None, :]
-    numbers = dropout.numbers_by_key(tl.load(SEED), a, c, r * 8 + i, stream)
+    words = dropout.words_by_key(tl.load(SEED), a, c, r * 8 + i, stream)  # (A, c, R, i, h)
+    numbers = tl.join(tl.join(words & 0xFF, (words >> 8) & 0xFF), tl.join((words >> 16) & 0xFF, words >> 24))
+    # byte 2a + b -> (A, c, R, i, h, b, a) -> (A, b, c, h, R, a, i)
+    numbers = tl.reshape(tl.permute(numbers, (0, 5, 1, 4, 2, 6, 3)), (KEYS, QUERIES))
     offs = tl.arange(0, KEYS)[:, None] * QUERIES + tl.arange(0, QUERIES)[None, :]
     tl.store(OUT + offs, numbers.to(tl.int32))
 
 
 @pytest.mark.parametrize("key0, query0", [(0, 0), (16, 32), (48, 16)])
-def test_numbers_by_key_draw_the_masks_numbers(key0, query0):
-    # A Gluon backward's transposed tile (dropout.dropped_signs_t) draws one call for the four scores
-    # a thread holds: the same keep decisions as dropout.kept, transposed, from any 16-row offset.
+def test_words_by_key_draw_the_masks_numbers(key0, query0):
+    # A Gluon backward's transposed tile (dropout.dropped_signs_t) draws one call for the eight
+    # scores of two keys' threads: the same keep decisions as dropout.kept, transposed, from any
+    # 16-row offset.
     seed = dropout.new_seed(torch.device(DEVICE))
     heads, queries, p = 3, 32, dropout.rate(0.35)
     mask = dropout.kept(seed, 1, heads, query0 + queries, key0 + 32, p)
     numbers = torch.empty(32, queries, dtype=torch.int32, device=DEVICE)
-    _numbers_by_key_kernel[(1,)](seed, numbers, 2, key0, query0, KEYS=32, QUERIES=queries)
+    _words_by_key_kernel[(1,)](seed, numbers, 2, key0, query0, KEYS=32, QUERIES=queries)
     assert torch.equal(numbers >= round(p * 256), mask[0, 2, query0:, key0:].T)
 
 

@@ -165,6 +165,15 @@ def key_scale(drop, rows, key):
     return tl.where(number >= threshold(dropout_p), 1.0 / (1.0 - dropout_p), 0.0)
 
 
+@triton.jit
+def kept_bytes(numbers, dropout_p):
+    """Four numbers a uint32 compared at once: each byte's top bit set where its number is kept
+    (at least threshold: (n & 0x7F) + (0x80 - (t & 0x7F)) carries no byte into the next)."""
+    t = threshold(dropout_p) * 0x01010101
+    low = (numbers & 0x7F7F7F7F) + (0x80808080 - (t & 0x7F7F7F7F))
+    return (numbers & ~t) | (~(numbers ^ t) & low)
+
+
 @gluon.jit
 def _sign_pairs(flags, SELECTOR: gl.constexpr):
     """Two 16-bit masks from two bytes' top bits (PRMT's sign replication): ``SELECTOR`` 0x9988
@@ -179,9 +188,8 @@ def kept_masks(seed, stream, rows, col0, dropout_p, BLOCK_COLS: gl.constexpr, la
     ``layout``, a Hopper MMA accumulator's (``rows`` in its row slice), as 16-bit masks (0xFFFF
     kept, 0 dropped).  Each thread draws the numbers of its own scores: the calls are formed in
     the accumulator's layout and reduced over the axes each thread holds alone, so the tile comes
-    back in ``layout`` without an exchange.  A word's four bytes are compared at once (their
-    top bits: (n & 0x7F) + (0x80 - (t & 0x7F)) carries no byte into the next) and spread into
-    masks by two byte permutations."""
+    back in ``layout`` without an exchange.  A word's four bytes are compared at once
+    (kept_bytes) and spread into masks by two byte permutations."""
     gl.static_assert(BLOCK_COLS % 32 == 0, "dropout takes tiles of keys in multiples of 32")
     ROWS: gl.constexpr = rows.shape[0]
     gl.static_assert(ROWS % 16 == 0, "dropout takes tiles of rows in multiples of 16")
@@ -192,10 +200,7 @@ def kept_masks(seed, stream, rows, col0, dropout_p, BLOCK_COLS: gl.constexpr, la
     calls = gl.max(gl.max(gl.max(gl.max(calls, 7), 5), 4), 1)  # (R, i, g, q): constant along a, y, x, h
     pairs = gl.reshape(_pair_of(rows)[:, None] + cols[None, :] * 0, shape)
     pairs = gl.max(gl.max(gl.max(gl.max(pairs, 7), 5), 4), 1)
-    numbers = _words(seed, calls, pairs, stream)  # (R, i, g, q, x, y)
-    t = threshold(dropout_p) * 0x01010101
-    low = (numbers & 0x7F7F7F7F) + (0x80808080 - (t & 0x7F7F7F7F))
-    flags = (numbers & ~t) | (~(numbers ^ t) & low)  # each byte's top bit: number >= t
+    flags = kept_bytes(_words(seed, calls, pairs, stream), dropout_p)  # (R, i, g, q, x, y)
     masks = gl.join(_sign_pairs(flags, "0x9988"), _sign_pairs(flags, "0xBBAA"))  # (..., a)
     masks = gl.join((masks & 0xFFFF).to(gl.uint16), (masks >> 16).to(gl.uint16))  # (..., a, h)
     return gl.convert_layout(_score_tile(masks, ROWS, BLOCK_COLS), layout)
@@ -216,46 +221,67 @@ def dropped_mma(p, seed, stream, rows, col0, dropout_p, BLOCK_COLS: gl.constexpr
 
 
 @triton.jit
-def numbers_by_key(seed, groups, lanes, pairs, stream):
-    """The numbers of keys 16A + 8b + c (b < 2, c < 8) for the query rows of pairs 8R + i (rows
-    16R + i and 16R + 8 + i), as a (16 A, 16 R) tile in key and query order: A, c and the pairs
-    as (A, 8, R, 8) tensors.  One call serves both b (key bit 3) and both rows of a pair: the
-    scores one thread holds in an MMA accumulator with keys as its rows (keys c and c + 8 of each
-    16, queries i and i + 8 of each 16), so a Gluon kernel's transposed tile (dropped_signs_t) draws
-    each call once, in the thread that needs it."""
-    zero = groups * 0 + lanes * 0 + pairs * 0
-    calls = (groups // 2) * 4 + lanes // 2  # 4 (key // 32) + (key % 8) // 2
+def words_by_key(seed, groups, quads, pairs, stream):
+    """The numbers of keys 16A + 8b + 2c + h (b, h < 2, c < 4) for the query rows of pairs 8R + i
+    (rows 16R + i and 16R + 8 + i), packed for a tile with keys as its rows: A, c and the pairs
+    as (A, 4, R, 8) tensors, out (A, 4, R, 8, 2) with h appended, a uint32 whose byte 2a + b is
+    the number of key 16A + 8b + 2c + h for row 16R + 8a + i.  One call serves all eight: words
+    x + 2y of call 4 (key // 32) + c (y: key bit 4, x: key bit 3), byte 2a + h."""
+    zero = groups * 0 + quads * 0 + pairs * 0
+    calls = (groups // 2) * 4 + quads
     w0, w1, w2, w3 = _philox(seed, (zero + calls).to(tl.uint32), (zero + pairs).to(tl.uint32),
                              (zero + stream).to(tl.uint32), zero.to(tl.uint32))
     # Key bit 4 picks words 2 and 3 over 0 and 1, by masks rather than predicates (a tile of
     # predicates outlives the registers that hold them).
     upper = (zero - groups % 2).to(tl.uint32)  # all ones where key bit 4 is set
-    shift = (8 * (lanes % 2)).to(tl.uint32)  # key bit 0: byte 1 (and 3)
-    first = (w0 ^ ((w0 ^ w2) & upper)) >> shift  # key bit 3 clear
-    second = (w1 ^ ((w1 ^ w3) & upper)) >> shift  # key bit 3 set: the word after it
-    numbers = tl.join(tl.join(first & 0xFF, second & 0xFF), tl.join((first >> 16) & 0xFF, (second >> 16) & 0xFF))
-    numbers = tl.permute(numbers, (0, 4, 1, 2, 5, 3))  # (A, c, R, i, b, a) -> (A, b, c, R, a, i)
-    return tl.reshape(numbers, (numbers.shape[0] * 16, numbers.shape[3] * 16))
+    first = w0 ^ ((w0 ^ w2) & upper)  # key bit 3 clear
+    second = w1 ^ ((w1 ^ w3) & upper)  # key bit 3 set
+    even = (first & 0x00FF00FF) | ((second & 0x00FF00FF) << 8)  # h = 0: bytes 0 and 2 of each
+    odd = ((first >> 8) & 0x00FF00FF) | (second & 0xFF00FF00)  # h = 1: bytes 1 and 3
+    return tl.join(even, odd)
+
+
+@gluon.constexpr_function
+def _key_bit0_in_registers(layout):
+    """``layout`` (a linear layout of a keys x queries tile, a Hopper MMA accumulator's) with the
+    lane that picks key bit 0 and the register that picks query bit 0 exchanged: a thread holds
+    both keys 2c and 2c + 1, which one Philox call serves, and half the queries it held."""
+    regs = [list(b) for b in layout.reg_bases]
+    lanes = [list(b) for b in layout.lane_bases]
+    r, l = regs.index([0, 1]), lanes.index([1, 0])
+    regs[r], lanes[l] = [1, 0], [0, 1]
+    return gl.DistributedLinearLayout(regs, lanes, [list(b) for b in layout.warp_bases],
+                                      [list(b) for b in layout.block_bases], list(layout.shape))
 
 
 @gluon.jit
-def dropped_signs_t(seed, stream, keys, queries, dropout_p, layout: gl.constexpr):
-    """Which scores of a transposed tile (keys as rows) are dropped, as sign bits: uint32
-    0x80000000 where dropped, else 0, (len(keys), len(queries)) in ``layout``, a Hopper MMA
-    accumulator's (``keys`` from a multiple of 16 in its row slice, ``queries`` from a multiple
-    of 16 in its column slice).  A thread holds keys c and c + 8 of each 16 and queries i and
-    i + 8 of each 16 there; one call serves those four scores.  Sign bits, XORed into float
-    bits, carry the mask without a predicate a score (a tile of them outlives the registers
-    that hold predicates)."""
-    KEYS: gl.constexpr = keys.shape[0]
-    QUERIES: gl.constexpr = queries.shape[0]
+def dropped_signs_t(seed, stream, k0, m0, dropout_p, KEYS: gl.constexpr, QUERIES: gl.constexpr,
+                    layout: gl.constexpr):
+    """Which scores of a transposed tile (keys k0 .. k0 + KEYS - 1 as rows, queries from m0; k0 and
+    m0 multiples of 16) are dropped, as sign bits: uint32 0x80000000 where dropped, else 0, in
+    ``layout``, a Hopper MMA accumulator's.  A thread holds keys c and c + 8 of each 16 there, and
+    one call serves keys 2c' and 2c' + 1 (words_by_key), which two threads hold: each draws the
+    calls of half its query rows for both keys, and one exchange of packed words within the warp
+    gives each its own.  Sign bits, ORed into float bits, carry the mask without a predicate a
+    score (a tile of them outlives the registers that hold predicates)."""
     gl.static_assert(KEYS % 16 == 0, "dropout takes tiles of keys in multiples of 16 here")
     gl.static_assert(QUERIES % 16 == 0, "dropout takes tiles of queries in multiples of 16")
-    shape: gl.constexpr = [KEYS // 16, 2, 8, QUERIES // 16, 2, 8]  # key 16A + 8b + c, query 16R + 8a + i
-    key_ids = gl.max(gl.max(gl.reshape(keys[:, None] + queries[None, :] * 0, shape), 4), 1)  # 16A + 8 + c
-    query_ids = gl.max(gl.max(gl.reshape(keys[:, None] * 0 + queries[None, :], shape), 4), 1)  # 16R + 8 + i
-    numbers = numbers_by_key(seed, key_ids // 16, key_ids % 8, _pair_of(query_ids), stream)
-    return (gl.convert_layout(numbers, layout) - threshold(dropout_p)) & 0x80000000  # (numbers < 256)
+    drawn: gl.constexpr = _key_bit0_in_registers(gl.to_linear_layout(layout, [KEYS, QUERIES]))
+    keys = k0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, drawn))
+    queries = m0 + gl.arange(0, QUERIES, layout=gl.SliceLayout(0, drawn))
+    shape: gl.constexpr = [KEYS // 16, 2, 4, 2, QUERIES // 16, 2, 8]  # key 16A + 8b + 2c + h, query 16R + 8a + i
+    key_ids = gl.max(gl.max(gl.max(gl.reshape(keys[:, None] + queries[None, :] * 0, shape), 5), 3), 1)
+    query_ids = gl.max(gl.max(gl.max(gl.reshape(keys[:, None] * 0 + queries[None, :], shape), 5), 3), 1)
+    words = words_by_key(seed, key_ids // 16, (key_ids % 8) // 2, _pair_of(query_ids), stream)  # (A, c, R, i, h)
+    dropped = ~kept_bytes(words, dropout_p)  # each byte's top bit: its number dropped
+    dropped = gl.reshape(gl.permute(dropped, (0, 1, 4, 2, 3)), [KEYS // 16, 8, QUERIES // 16, 8])  # (A, 2c + h, R, i)
+    # To the threads that hold the keys: the layout of the accumulator's (A, key % 8, R, i).
+    held = gl.max(gl.max(gl.reshape(gl.zeros([KEYS, QUERIES], gl.int32, layout), [KEYS // 16, 2, 8, QUERIES // 16, 2, 8]),
+                         4), 1)
+    dropped = gl.convert_layout(dropped, held.type.layout)
+    signs = gl.join(gl.join(dropped << 24, dropped << 16), gl.join(dropped << 8, dropped)) & 0x80000000  # (.., b, a)
+    signs = gl.permute(signs, (0, 4, 1, 2, 5, 3))  # (A, c, R, i, b, a) -> (A, b, c, R, a, i)
+    return gl.convert_layout(gl.reshape(signs, [KEYS, QUERIES]), layout)
 
 
 @triton.jit

@@ -537,16 +537,15 @@ def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, k
     dV takes the kept P^T (the caller scales dV by 1 / (1 - p)) and dS^T the kept dP^T, scaled.
     The keep mask rides across the dP^T wait in the sign bit of P^T f' (FlashAttention-2's
     encoding; f' >= 0 for every hook, softcap's 1 - tanh^2, so its magnitude is kept), not as a
-    tile of its own: held across the wait, it was kept in bit-packed registers and unpacked
-    score by score."""
+    tile of its own (a tile of predicates held across the wait goes to bit-packed registers,
+    unpacked score by score)."""
     lse = lse_ref.load(gl.SliceLayout(0, s_zero.type.layout)) * LOG2E
     sT = warpgroup_mma_wait(1, deps=[sT])
     pT, pT_ds = _probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, scale_log2, site, SCORE, True, DQ_REDUCE,
                          positions)
     if DROPOUT:
         s_layout: gl.constexpr = s_zero.type.layout
-        cols = m0 + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, s_layout))
-        signs = dropout.dropped_signs_t(drop[0], drop[1], rows_k, cols, drop[2], s_layout)
+        signs = dropout.dropped_signs_t(drop[0], drop[1], k0, m0, drop[2], sT.shape[0], sT.shape[1], s_layout)
         pT = gl.maximum((pT.to(gl.uint32, bitcast=True) | signs).to(gl.float32, bitcast=True), 0.0)
         # |P^T f'| with the sign bit set where dropped (f' >= 0 but for rounding: softcap's
         # 1 - tanh^2 under ALiBi can come out -1e-7).
