@@ -61,7 +61,7 @@ def test_dropout_matches_reference_with_its_mask(version, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_v3_gluon_kernels_draw_the_same_mask(head_dim, causal, backward):
     # Each thread of the Gluon forward draws the numbers of the keys it holds (dropout.kept_mma),
-    # as do the Gluon backward's two passes (kept_mma, dropped_signs_t) when asked for (up to d128;
+    # as do the Gluon backward's two passes (kept_mma, kept_words_t) when asked for (up to d128;
     # v2's backward otherwise): the mask must be dropout.kept's, at every head dim, past block
     # edges, under GQA, in the output and the gradients.
     torch.manual_seed(6)
@@ -171,7 +171,7 @@ def _words_by_key_kernel(SEED, OUT, stream, key0, query0, KEYS: tl.constexpr, QU
 
 @pytest.mark.parametrize("key0, query0", [(0, 0), (16, 32), (48, 16)])
 def test_words_by_key_draw_the_masks_numbers(key0, query0):
-    # A Gluon backward's transposed tile (dropout.dropped_signs_t) draws one call for the eight
+    # A Gluon backward's transposed tile (dropout.kept_words_t) draws one call for the eight
     # scores of two keys' threads: the same keep decisions as dropout.kept, transposed, from any
     # 16-row offset.
     seed = dropout.new_seed(torch.device(DEVICE))

@@ -310,7 +310,7 @@ def test_gluon_forward_draws_dropout_numbers_in_its_own_threads(tmp_path, monkey
 def test_gluon_backward_passes_draw_dropout(tmp_path):
     # The two passes with dropout (up to d128): Philox in both, no shared memory beyond the
     # kernels without it (the dK/dV pass hands its transposed tile's draws over by warp
-    # shuffles: dropped_signs_t).
+    # shuffles: kept_words_t).
     for kernel in ("v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon"):
         plain = compile_for_sm90(tmp_path / kernel / "plain", kernel, 128)
         ttgir = compile_for_sm90(tmp_path / kernel / "drop", kernel, 128, dropout=True)

@@ -255,15 +255,28 @@ def _key_bit0_in_registers(layout):
 
 
 @gluon.jit
-def dropped_signs_t(seed, stream, k0, m0, dropout_p, KEYS: gl.constexpr, QUERIES: gl.constexpr,
-                    layout: gl.constexpr):
+def _quarters(x):
+    """A keys x queries tile (keys 16A + 8b + c, queries 16R + 8a + i) as its four (A, 8, R, 8)
+    views of one (b, a) each, (0, 0), (1, 0), (0, 1), (1, 1): what a thread of an MMA accumulator
+    holds of each, one word of kept_words_t's."""
+    KEYS: gl.constexpr = x.shape[0]
+    QUERIES: gl.constexpr = x.shape[1]
+    x = gl.permute(gl.reshape(x, [KEYS // 16, 2, 8, QUERIES // 16, 2, 8]), (0, 2, 3, 5, 1, 4))  # (A, c, R, i, b, a)
+    a0, a1 = gl.split(x)
+    b0a0, b1a0 = gl.split(a0)
+    b0a1, b1a1 = gl.split(a1)
+    return b0a0, b1a0, b0a1, b1a1
+
+
+@gluon.jit
+def kept_words_t(seed, stream, k0, m0, dropout_p, KEYS: gl.constexpr, QUERIES: gl.constexpr, layout: gl.constexpr):
     """Which scores of a transposed tile (keys k0 .. k0 + KEYS - 1 as rows, queries from m0; k0 and
-    m0 multiples of 16) are dropped, as sign bits: uint32 0x80000000 where dropped, else 0, in
-    ``layout``, a Hopper MMA accumulator's.  A thread holds keys c and c + 8 of each 16 there, and
-    one call serves keys 2c' and 2c' + 1 (words_by_key), which two threads hold: each draws the
-    calls of half its query rows for both keys, and one exchange of packed words within the warp
-    gives each its own.  Sign bits, ORed into float bits, carry the mask without a predicate a
-    score (a tile of them outlives the registers that hold predicates)."""
+    m0 multiples of 16; ``layout`` a Hopper MMA accumulator's) are kept, four to a word: an
+    (A, 8, R, 8) tensor for keys 16A + 8b + c and queries 16R + 8a + i, byte 2a + b's top bit set
+    where kept, each word in the thread that holds its four scores (kept_only_t applies it).  A
+    thread holds keys c and c + 8 of each 16 there, and one call serves keys 2c' and 2c' + 1
+    (words_by_key), which two threads hold: each draws the calls of half its query rows for both
+    keys, and one exchange of packed words within the warp gives each its own."""
     gl.static_assert(KEYS % 16 == 0, "dropout takes tiles of keys in multiples of 16 here")
     gl.static_assert(QUERIES % 16 == 0, "dropout takes tiles of queries in multiples of 16")
     drawn: gl.constexpr = _key_bit0_in_registers(gl.to_linear_layout(layout, [KEYS, QUERIES]))
@@ -273,15 +286,48 @@ def dropped_signs_t(seed, stream, k0, m0, dropout_p, KEYS: gl.constexpr, QUERIES
     key_ids = gl.max(gl.max(gl.max(gl.reshape(keys[:, None] + queries[None, :] * 0, shape), 5), 3), 1)
     query_ids = gl.max(gl.max(gl.max(gl.reshape(keys[:, None] * 0 + queries[None, :], shape), 5), 3), 1)
     words = words_by_key(seed, key_ids // 16, (key_ids % 8) // 2, _pair_of(query_ids), stream)  # (A, c, R, i, h)
-    dropped = ~kept_bytes(words, dropout_p)  # each byte's top bit: its number dropped
-    dropped = gl.reshape(gl.permute(dropped, (0, 1, 4, 2, 3)), [KEYS // 16, 8, QUERIES // 16, 8])  # (A, 2c + h, R, i)
-    # To the threads that hold the keys: the layout of the accumulator's (A, key % 8, R, i).
-    held = gl.max(gl.max(gl.reshape(gl.zeros([KEYS, QUERIES], gl.int32, layout), [KEYS // 16, 2, 8, QUERIES // 16, 2, 8]),
-                         4), 1)
-    dropped = gl.convert_layout(dropped, held.type.layout)
-    signs = gl.join(gl.join(dropped << 24, dropped << 16), gl.join(dropped << 8, dropped)) & 0x80000000  # (.., b, a)
-    signs = gl.permute(signs, (0, 4, 1, 2, 5, 3))  # (A, c, R, i, b, a) -> (A, b, c, R, a, i)
-    return gl.convert_layout(gl.reshape(signs, [KEYS, QUERIES]), layout)
+    kept = kept_bytes(words, dropout_p)
+    kept = gl.reshape(gl.permute(kept, (0, 1, 4, 2, 3)), [KEYS // 16, 8, QUERIES // 16, 8])  # (A, 2c + h, R, i)
+    held = _quarters(gl.zeros([KEYS, QUERIES], gl.uint32, layout))[0]
+    return gl.convert_layout(kept, held.type.layout)
+
+
+@gluon.jit
+def _kept_only(p, p_ds, kept, SELECTOR: gl.constexpr):
+    """(``p`` where ``kept``'s byte has its top bit set, else 0; ``p_ds`` with its sign bit set
+    where it has not, clear where it has): the byte's mask by PRMT's sign replication of it
+    (SELECTOR 0x8888 byte 0 .. 0xBBBB byte 3)."""
+    p, p_ds = gl.inline_asm_elementwise(
+        "{\n.reg .b32 m;\nprmt.b32 m, $4, 0, " + SELECTOR + ";\nand.b32 $0, $2, m;\n"
+        "lop3.b32 $1, $3, m, 0x7FFFFFFF, 0xB1;\n}",
+        "=r,=r,r,r,r", [p.to(gl.uint32, bitcast=True), p_ds.to(gl.uint32, bitcast=True), kept],
+        dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
+    return p.to(gl.float32, bitcast=True), p_ds.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def kept_only_t(pT, pT_ds, kept):
+    """P^T (float32; kept_words_t's keys and queries, in its layout) with the dropped
+    probabilities 0, and P^T f' (``pT_ds``) as its magnitude with the sign bit set where dropped
+    (FlashAttention-2's encoding, which carries the mask to dP^T without a register of its own),
+    by kept_words_t's words ``kept``: three instructions a score."""
+    layout: gl.constexpr = pT.type.layout
+    p00, p10, p01, p11 = _quarters(pT)
+    d00, d10, d01, d11 = _quarters(pT_ds)
+    kept = gl.convert_layout(kept, p00.type.layout)
+    p00, d00 = _kept_only(p00, d00, kept, "0x8888")
+    p10, d10 = _kept_only(p10, d10, kept, "0x9999")
+    p01, d01 = _kept_only(p01, d01, kept, "0xAAAA")
+    p11, d11 = _kept_only(p11, d11, kept, "0xBBBB")
+    return _whole(p00, p10, p01, p11, layout), _whole(d00, d10, d01, d11, layout)
+
+
+@gluon.jit
+def _whole(b0a0, b1a0, b0a1, b1a1, layout: gl.constexpr):
+    """_quarters' inverse: the keys x queries tile, in ``layout``."""
+    x = gl.join(gl.join(b0a0, b1a0), gl.join(b0a1, b1a1))  # (A, c, R, i, b, a)
+    x = gl.reshape(gl.permute(x, (0, 4, 1, 2, 5, 3)), [x.shape[0] * 16, x.shape[2] * 16])
+    return gl.convert_layout(x, layout)
 
 
 @triton.jit

@@ -534,22 +534,18 @@ def _dkdv_products(sT, dpT, q, do, lse_ref, delta_ref, dk, dv, s_zero, rows_k, k
     operands; lse and D from the block's ring slot.  dV and dK are left in flight (with the
     operands they read): the caller waits for them.  P^T takes dV's operand layout
     (``v_op_layout``: V's head dim), dS^T dK's (``op_layout``).  With DROPOUT (``drop``: dropout.stream_of)
-    dV takes the kept P^T (the caller scales dV by 1 / (1 - p)) and dS^T the kept dP^T, scaled.
-    The keep mask rides across the dP^T wait in the sign bit of P^T f' (FlashAttention-2's
-    encoding; f' >= 0 for every hook, softcap's 1 - tanh^2, so its magnitude is kept), not as a
-    tile of its own (a tile of predicates held across the wait goes to bit-packed registers,
-    unpacked score by score)."""
+    dV takes the kept P^T (the caller scales dV by 1 / (1 - p)) and dS^T the kept dP^T, scaled."""
     lse = lse_ref.load(gl.SliceLayout(0, s_zero.type.layout)) * LOG2E
     sT = warpgroup_mma_wait(1, deps=[sT])
     pT, pT_ds = _probs_t(sT, lse, rows_k, k0, m0, band, seqlen_q, scale_log2, site, SCORE, True, DQ_REDUCE,
                          positions)
     if DROPOUT:
         s_layout: gl.constexpr = s_zero.type.layout
-        signs = dropout.dropped_signs_t(drop[0], drop[1], k0, m0, drop[2], sT.shape[0], sT.shape[1], s_layout)
-        pT = gl.maximum((pT.to(gl.uint32, bitcast=True) | signs).to(gl.float32, bitcast=True), 0.0)
-        # |P^T f'| with the sign bit set where dropped (f' >= 0 but for rounding: softcap's
-        # 1 - tanh^2 under ALiBi can come out -1e-7).
-        pT_ds = ((pT_ds.to(gl.uint32, bitcast=True) & 0x7FFFFFFF) | signs).to(gl.float32, bitcast=True)
+        kept = dropout.kept_words_t(drop[0], drop[1], k0, m0, drop[2], sT.shape[0], sT.shape[1], s_layout)
+        # The mask rides across the dP^T wait in P^T f''s sign bit (a tile of predicates held
+        # there goes to bit-packed registers, unpacked score by score); f' >= 0 for every hook
+        # (softcap's 1 - tanh^2) but for rounding, so its magnitude is kept.
+        pT, pT_ds = dropout.kept_only_t(pT, pT_ds, kept)
     pT_op = gl.convert_layout(pT.to(q.dtype), v_op_layout)
     dv = warpgroup_mma(pT_op, do, dv, is_async=True)
     # D only now: loaded with lse, its registers were held across the S^T wait (d128 spilled more).
