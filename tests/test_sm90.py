@@ -307,10 +307,13 @@ def test_gluon_forward_draws_dropout_numbers_in_its_own_threads(tmp_path, monkey
     assert_consumer_loops(tmp_path / "drop" / "v3.fwd_gluon_d128.cubin", 128, 2, monkeypatch)
 
 
-def test_gluon_backward_passes_draw_dropout(tmp_path):
+def test_gluon_backward_passes_draw_dropout(tmp_path, monkeypatch):
     # The two passes with dropout (up to d128): Philox in both, no shared memory beyond the
     # kernels without it (the dK/dV pass hands its transposed tile's draws over by warp
-    # shuffles: kept_words_t).
+    # shuffles: kept_words_t), and block loops without spill traffic (a tile of keep
+    # predicates, or of keep words, held across the dP wait spilled at d128).
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    from sass_loops import hot_loops, loop_stats, sass
     for kernel in ("v3.bwd_dq_gluon", "v3.bwd_dkdv_gluon"):
         plain = compile_for_sm90(tmp_path / kernel / "plain", kernel, 128)
         ttgir = compile_for_sm90(tmp_path / kernel / "drop", kernel, 128, dropout=True)
@@ -318,6 +321,9 @@ def test_gluon_backward_passes_draw_dropout(tmp_path):
         assert PHILOX in ptx and PHILOX not in plain_ptx, kernel
         assert ttgir.count("ttg.local_alloc") == plain.count("ttg.local_alloc"), kernel
         assert ptx.count("st.shared") == plain_ptx.count("st.shared"), kernel
+        loops = [loop_stats(loop) for loop in hot_loops(sass((tmp_path / kernel / "drop" / f"{kernel}_d128.cubin")
+                                                               .read_bytes()))]
+        assert loops and all(spills == 0 for _, _, spills, _ in loops), (kernel, loops)
 
 
 @pytest.mark.parametrize("fp8, mma, mode", [("fp8e4nv", "f32.e4m3.e4m3", 1), ("fp8e5", "f32.e5m2.e5m2", 1),
