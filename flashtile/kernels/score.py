@@ -16,6 +16,8 @@ compile-time argument, with this signature (in units of u = args[0]):
     forward(x / u, q_idx, kv_idx, batch, head, offset, args) -> f(x) / u
     backward(ds, y, q_idx, kv_idx, batch, head, offset, args) -> ds * f'(x), with y = f(x) / u
 
+f'(x) must be >= 0 (softcap's 1 - tanh^2, a bias's 1): the Gluon dK/dV pass carries dropout's
+keep mask across the dP wait in the sign bit of P f' (kernels/dropout.py, kept_only_t).
 ``q_idx`` and ``kv_idx`` are the positions of the rows and columns inside their sequences,
 shaped to broadcast against the score tile; ``batch`` the sequence (varlen: its index) and
 ``head`` the query head; ``offset`` is seqlen_k - seqlen_q of the sequence (the bottom-right
