@@ -111,7 +111,6 @@ def test_dropout_with_window_softcap_and_alibi():
     check_with_mask(call, q, k, v, mask, p, **features)
 
 
-
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon backward runs on Hopper")
 @pytest.mark.parametrize("causal", [False, True])
 def test_gluon_backward_dropout_with_softcap_and_alibi(causal):
@@ -125,6 +124,7 @@ def test_gluon_backward_dropout_with_softcap_and_alibi(causal):
     call = seeded(13, lambda a, b, c: flash_attn_func(a, b, c, dropout_p=p, version="v3",
                                                       kernel_options="backward=gluon", **features))
     check_with_mask(call, q, k, v, mask, p, **features)
+
 
 @pytest.mark.parametrize("version", ["v1", "auto", "tiled"])
 def test_varlen_dropout_per_sequence(version):
@@ -167,6 +167,26 @@ def _words_by_key_kernel(SEED, OUT, stream, key0, query0, KEYS: tl.constexpr, QU
     numbers = tl.reshape(tl.permute(numbers, (0, 5, 1, 4, 2, 6, 3)), (KEYS, QUERIES))
     offs = tl.arange(0, KEYS)[:, None] * QUERIES + tl.arange(0, QUERIES)[None, :]
     tl.store(OUT + offs, numbers.to(tl.int32))
+
+
+@triton.jit
+def _kept_bytes_kernel(WORDS, OUT, dropout_p, N: tl.constexpr):
+    words = tl.load(WORDS + tl.arange(0, N)).to(tl.uint32, bitcast=True)
+    tl.store(OUT + tl.arange(0, N), dropout.kept_bytes(words, dropout_p).to(tl.int32, bitcast=True))
+
+
+@pytest.mark.parametrize("levels", [0, 1, 26, 128, 129, 255])
+def test_kept_bytes_compares_four_numbers_a_word(levels):
+    # The Gluon draws compare a word's four 8-bit numbers with the threshold at once: each byte's
+    # top bit must say number >= threshold, for every value in every byte, beside any neighbours.
+    numbers = torch.arange(256, dtype=torch.int64)
+    per_byte = (numbers, (numbers * 37 + 11) % 256, 255 - numbers, ((numbers * 37 + 11) % 256).flip(0))
+    words = sum(values << (8 * byte) for byte, values in enumerate(per_byte))
+    flags = torch.empty(256, dtype=torch.int32, device=DEVICE)
+    _kept_bytes_kernel[(1,)](words.to(torch.uint32).view(torch.int32).to(DEVICE), flags, levels / 256, N=256)
+    flags = flags.cpu().to(torch.int64) & 0xFFFFFFFF
+    for byte, values in enumerate(per_byte):
+        assert torch.equal((flags >> (8 * byte + 7)) & 1 == 1, values >= levels), byte
 
 
 @pytest.mark.parametrize("key0, query0", [(0, 0), (16, 32), (48, 16)])

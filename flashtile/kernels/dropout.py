@@ -116,12 +116,12 @@ def _pair_of(rows):
     return (rows // 16) * 8 + rows % 8
 
 
-
 @triton.jit
 def _score_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr):
     """Per-score values of a draw as (R, i, g, q, x, y, a, h) -- calls (R, i, g, q), word x + 2y,
     byte 2a + h -- in tile order: (ROWS, COLS), row 16R + 8a + i, key 32g + 8(x + 2y) + 2q + h."""
     return tl.reshape(tl.permute(x, (0, 6, 1, 2, 5, 4, 3, 7)), (ROWS, COLS))
+
 
 @triton.jit
 def threshold(dropout_p):
@@ -170,14 +170,16 @@ def kept_bytes(numbers, dropout_p):
     """Four numbers a uint32 compared at once: each byte's top bit set where its number is kept
     (at least threshold: (n & 0x7F) + (0x80 - (t & 0x7F)) carries no byte into the next)."""
     t = threshold(dropout_p) * 0x01010101
+    not_t = t ^ 0xFFFFFFFF  # (~t: the interpreter negates through a Python -1)
     low = (numbers & 0x7F7F7F7F) + (0x80808080 - (t & 0x7F7F7F7F))
-    return (numbers & ~t) | (~(numbers ^ t) & low)
+    return (numbers & not_t) | ((numbers ^ not_t) & low)
 
 
 @gluon.jit
-def _sign_pairs(flags, SELECTOR: gl.constexpr):
-    """Two 16-bit masks from two bytes' top bits (PRMT's sign replication): ``SELECTOR`` 0x9988
-    takes bytes 0 and 1, 0xBBAA bytes 2 and 3."""
+def _sign_masks(flags, SELECTOR: gl.constexpr):
+    """Masks from bytes' top bits by PRMT's sign replication, each nibble of ``SELECTOR`` 8 + k
+    filling a byte with byte k's top bit: 0x9988 two 16-bit masks of bytes 0 and 1, 0xBBAA of
+    bytes 2 and 3, 0x8888 .. 0xBBBB one 32-bit mask of byte 0 .. 3."""
     return gl.inline_asm_elementwise("prmt.b32 $0, $1, 0, " + SELECTOR + ";", "=r,r", [flags], dtype=gl.uint32,
                                      is_pure=True, pack=1)
 
@@ -201,7 +203,7 @@ def kept_masks(seed, stream, rows, col0, dropout_p, BLOCK_COLS: gl.constexpr, la
     pairs = gl.reshape(_pair_of(rows)[:, None] + cols[None, :] * 0, shape)
     pairs = gl.max(gl.max(gl.max(gl.max(pairs, 7), 5), 4), 1)
     flags = kept_bytes(_words(seed, calls, pairs, stream), dropout_p)  # (R, i, g, q, x, y)
-    masks = gl.join(_sign_pairs(flags, "0x9988"), _sign_pairs(flags, "0xBBAA"))  # (..., a)
+    masks = gl.join(_sign_masks(flags, "0x9988"), _sign_masks(flags, "0xBBAA"))  # (..., a)
     masks = gl.join((masks & 0xFFFF).to(gl.uint16), (masks >> 16).to(gl.uint16))  # (..., a, h)
     return gl.convert_layout(_score_tile(masks, ROWS, BLOCK_COLS), layout)
 
@@ -273,10 +275,10 @@ def kept_words_t(seed, stream, k0, m0, dropout_p, KEYS: gl.constexpr, QUERIES: g
     """Which scores of a transposed tile (keys k0 .. k0 + KEYS - 1 as rows, queries from m0; k0 and
     m0 multiples of 16; ``layout`` a Hopper MMA accumulator's) are kept, four to a word: an
     (A, 8, R, 8) tensor for keys 16A + 8b + c and queries 16R + 8a + i, byte 2a + b's top bit set
-    where kept, each word in the thread that holds its four scores (kept_only_t applies it).  A
-    thread holds keys c and c + 8 of each 16 there, and one call serves keys 2c' and 2c' + 1
-    (words_by_key), which two threads hold: each draws the calls of half its query rows for both
-    keys, and one exchange of packed words within the warp gives each its own."""
+    where kept (kept_only_t applies it).  A thread of ``layout`` holds keys c and c + 8 of each 16,
+    and one call serves keys 2c' and 2c' + 1 (words_by_key), which two threads hold: each draws
+    the calls of half its query rows for both keys (a layout of its own), and kept_only_t's
+    change of layout, one exchange of packed words within the warp, gives each its own."""
     gl.static_assert(KEYS % 16 == 0, "dropout takes tiles of keys in multiples of 16 here")
     gl.static_assert(QUERIES % 16 == 0, "dropout takes tiles of queries in multiples of 16")
     drawn: gl.constexpr = _key_bit0_in_registers(gl.to_linear_layout(layout, [KEYS, QUERIES]))
@@ -287,21 +289,18 @@ def kept_words_t(seed, stream, k0, m0, dropout_p, KEYS: gl.constexpr, QUERIES: g
     query_ids = gl.max(gl.max(gl.max(gl.reshape(keys[:, None] * 0 + queries[None, :], shape), 5), 3), 1)
     words = words_by_key(seed, key_ids // 16, (key_ids % 8) // 2, _pair_of(query_ids), stream)  # (A, c, R, i, h)
     kept = kept_bytes(words, dropout_p)
-    kept = gl.reshape(gl.permute(kept, (0, 1, 4, 2, 3)), [KEYS // 16, 8, QUERIES // 16, 8])  # (A, 2c + h, R, i)
-    held = _quarters(gl.zeros([KEYS, QUERIES], gl.uint32, layout))[0]
-    return gl.convert_layout(kept, held.type.layout)
+    return gl.reshape(gl.permute(kept, (0, 1, 4, 2, 3)), [KEYS // 16, 8, QUERIES // 16, 8])  # (A, 2c + h, R, i)
 
 
 @gluon.jit
 def _kept_only(p, p_ds, kept, SELECTOR: gl.constexpr):
-    """(``p`` where ``kept``'s byte has its top bit set, else 0; ``p_ds`` with its sign bit set
-    where it has not, clear where it has): the byte's mask by PRMT's sign replication of it
-    (SELECTOR 0x8888 byte 0 .. 0xBBBB byte 3)."""
-    p, p_ds = gl.inline_asm_elementwise(
-        "{\n.reg .b32 m;\nprmt.b32 m, $4, 0, " + SELECTOR + ";\nand.b32 $0, $2, m;\n"
-        "lop3.b32 $1, $3, m, 0x7FFFFFFF, 0xB1;\n}",
-        "=r,=r,r,r,r", [p.to(gl.uint32, bitcast=True), p_ds.to(gl.uint32, bitcast=True), kept],
-        dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
+    """(``p`` where ``kept``'s byte (SELECTOR: _sign_masks' 0x8888 .. 0xBBBB) has its top bit
+    set, else 0; |``p_ds``| with the sign bit set where it has not)."""
+    mask = _sign_masks(kept, SELECTOR)
+    p = p.to(gl.uint32, bitcast=True) & mask
+    # One LOP3: p_ds's bits but the sign, the sign where the mask is clear.
+    p_ds = gl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 0x7FFFFFFF, 0xB1;", "=r,r,r",
+                                     [p_ds.to(gl.uint32, bitcast=True), mask], dtype=gl.uint32, is_pure=True, pack=1)
     return p.to(gl.float32, bitcast=True), p_ds.to(gl.float32, bitcast=True)
 
 
