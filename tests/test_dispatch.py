@@ -322,7 +322,8 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     # A V head dim of its own runs the Gluon forward and the two Gluon backward passes (v2's kernels
     # in float8, where the Gluon kernels do not run, or where the options ask for another kernel).
     # Dropout runs the Gluon forward (v2's where that does not
-    # run: never the plain-Triton one, which draws no mask) and v2's backward.  FP8 inputs
+    # run: never the plain-Triton one, which draws no mask) and the two Gluon backward passes
+    # up to d128 (v2's at d256).  FP8 inputs
     # run the Gluon forward, with its own tiles, at every head dim, band or not, else v2's
     # (never the plain-Triton Hopper forward, which has no float8 path).
     seed = torch.zeros(1, dtype=torch.int64)
@@ -356,13 +357,14 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
     assert forward(replace(mla, own_head_dim_v=None), opts=forced).config == configs.by_head_dim(configs.V3_GLUON, 256)
     dropped = problem(dropout_p=0.1, dropout_seed=seed)
     for p in (dropped, replace(dropped, window_right=0), replace(dropped, seqlen_k=256, window_right=0)):
-        assert forward(p).kernel == "v3-gluon" and backward(p).kernel == "v2"
+        assert forward(p).kernel == "v3-gluon" and backward(p).kernel == "v3-gluon"
     assert forward(dropped, opts=KernelOptions(forward="triton")).kernel == "v2"
-    # The Gluon backward draws dropout in its two passes, up to d128, when the options ask for it.
-    gluon = KernelOptions(backward="gluon")
-    assert [backward(replace(dropped, head_dim=d), opts=gluon).kernel for d in (64, 128, 256)] == \
-        ["v3-gluon", "v3-gluon", "v2"]
-    assert backward(dropped, opts=KernelOptions(backward="gluon-reduce")).kernel == "v2"
+    # The Gluon backward draws dropout in its two passes (never the single pass), up to d128.
+    for opts in (KernelOptions(), KernelOptions(backward="gluon"), KernelOptions(backward="gluon-reduce")):
+        assert [backward(replace(dropped, head_dim=d), opts=opts).kernel for d in (64, 128, 256)] == \
+            ["v3-gluon", "v3-gluon", "v2"]
+    assert backward(replace(dropped, seqlen_k=8192)).kernel == "v3-gluon"
+    assert backward(dropped, opts=KernelOptions(backward="v2")).kernel == "v2"
     assert forward(dropped, target=dispatch.Target(gluon=False, interpreter=False)).kernel == "v2"
     # Dropout draws keys in groups of 32: smaller key blocks are refused before any launch.
     for text, plan in (("tiles.v3_gluon=16,2,2", forward), ("tiles.v2_fwd=64,16,4,1", forward),
