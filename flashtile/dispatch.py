@@ -198,17 +198,23 @@ def v3_triton_forward(p, target, opts) -> Plan:
 
 def gluon_schedule(p, opts) -> configs.GluonSchedule:
     """The Gluon forward's schedule: the table's tiles (or the override: block_n, stages,
-    consumers), with the ablated techniques off."""
+    consumers and a share of the exponentials on the FMA pipe; the table's share not on a band),
+    with the ablated techniques off."""
     override = opts.tile("v3_gluon")
     if override is not None:
-        block_n, stages, consumers = override
+        block_n, stages, consumers, exp2_on_fma = (*override, 0)[:4]
         if consumers not in (2, 3) or (consumers == 3 and p.widest_head_dim_pad > 64):
             raise ValueError(f"kernel option tiles.v3_gluon={override}: 2 consumers, or 3 up to head dim 64")
-        cfg = _dropout_keys(p, block_n, "v3_gluon", configs.GluonSchedule(block_n, stages, consumers=consumers))
+        if exp2_on_fma not in (0, 2, 4, 8):
+            raise ValueError(f"kernel option tiles.v3_gluon={override}: the exponentials' share on the FMA pipe "
+                             f"is 1/2, 1/4 or 1/8 (2, 4, 8) or none (0)")
+        cfg = _dropout_keys(p, block_n, "v3_gluon", configs.GluonSchedule(block_n, stages, consumers=consumers,
+                                                                          exp2_on_fma=exp2_on_fma))
     else:
         table = configs.V3_GLUON_FP8 if p.fp8 else configs.V3_GLUON
-        cfg = replace(configs.by_head_dim(table, configs.gluon_table_lanes(p)),
-                      consumers=configs.gluon_consumers(p.widest_head_dim_pad, p.banded, p.seqlen_q, p.fp8))
+        cfg = configs.by_head_dim(table, configs.gluon_table_lanes(p))
+        cfg = replace(cfg, consumers=configs.gluon_consumers(p.widest_head_dim_pad, p.banded, p.seqlen_q, p.fp8),
+                      exp2_on_fma=0 if p.banded else cfg.exp2_on_fma)
     return replace(cfg, **{t: False for t in opts.ablate})
 
 

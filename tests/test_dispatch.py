@@ -87,6 +87,16 @@ def test_gluon_schedule_from_the_tables_the_ablation_and_tile_overrides():
         GluonSchedule(64, 4)
     with pytest.raises(ValueError, match="3 up to head dim 64"):
         dispatch.gluon_schedule(problem(4096), KernelOptions(tiles={"v3_gluon": (64, 4, 3)}))
+    # A fourth integer: 1/N of the exponentials on the FMA pipe.
+    assert dispatch.gluon_schedule(problem(4096), KernelOptions(tiles={"v3_gluon": (128, 3, 2, 4)})) == \
+        GluonSchedule(128, 3, exp2_on_fma=4)
+    with pytest.raises(ValueError, match="1/2, 1/4 or 1/8"):
+        dispatch.gluon_schedule(problem(4096), KernelOptions(tiles={"v3_gluon": (128, 3, 2, 3)}))
+    # The table's: float8 d128 without a band only.
+    assert dispatch.gluon_schedule(problem(4096, fp8=True), NONE).exp2_on_fma == 4
+    assert dispatch.gluon_schedule(problem(4096, fp8=True, window_right=0), NONE).exp2_on_fma == 0
+    assert dispatch.gluon_schedule(problem(4096, fp8=True, head_dim=256), NONE).exp2_on_fma == 0
+    assert dispatch.gluon_schedule(problem(4096), NONE).exp2_on_fma == 0
     # d64 takes three consumers from THREE_CONSUMERS_FROM query rows (a band: from more).
     d64 = problem(4096, head_dim=64)
     assert dispatch.gluon_schedule(d64, NONE).consumers == 3

@@ -4,12 +4,14 @@ same-precision reference emulates the kernel's roundings in PyTorch (float32 sco
 probabilities scaled by 2**8 and rounded to the float8 type, a bf16 output)."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 from attention_check import GRAD_RULE, OUT_RULE, assert_within_rule
 from conftest import DEVICE, ON_GPU
 
 import flashtile
-from flashtile import dispatch, flash_attn_interface as fa3, fp8, standard_attention
-from flashtile.kernels import configs, keys_contiguous, score
+from flashtile import dispatch, flash_attn_interface as fa3, fp8, options, standard_attention
+from flashtile.kernels import configs, keys_contiguous, score, tiles
 from flashtile.kernels.quantize import blocks as fused_quantize_blocks
 from flashtile.reference import band_mask
 from flashtile.validation import band
@@ -76,6 +78,18 @@ def test_fp8_forward_three_consumers(monkeypatch, causal):
     finally:
         plan_of.cache_clear()
     assert plans and all(p.kernel == "v3-gluon" and p.config.consumers == 3 for p in plans)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
+@pytest.mark.parametrize("share", [2, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_forward_with_exponentials_on_the_fma_pipe(monkeypatch, share, head_dim):
+    # tiles.v3_gluon's fourth integer: 1/share of the exponentials by tiles.exp2_fma.
+    cfg = configs.by_head_dim(configs.V3_GLUON_FP8, head_dim)
+    monkeypatch.setattr(options, "ENVIRONMENT",
+                        options.KernelOptions(tiles={"v3_gluon": (cfg.block_n, cfg.num_stages, 2, share)}))
+    for causal in (False, True):
+        check_forward(torch.float8_e4m3fn, causal, head_dim, 300, 420)
 
 
 def check_forward(dtype, causal, head_dim, seqlen_q, seqlen_k):
@@ -151,6 +165,30 @@ def test_fp8_attention_chunk(seqlen_q):
     for wrong in (qd[:1], torch.cat([qd, qd])):  # checked before the pieces take their rows
         with pytest.raises(ValueError, match="q_descale must have shape"):
             fa3.flash_attn_func(q8, k8, v8, causal=True, q_descale=wrong, attention_chunk=chunk)
+
+
+@triton.jit
+def _exp2_fma_kernel(X, Y, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(Y + offs, tiles.exp2_fma(tl.load(X + offs)))
+
+
+def test_exp2_on_the_fma_pipe():
+    # The FP8 forward's share of exponentials on the FMA pipe: within 1.02e-4 of 2**x (relative)
+    # from 2**-126 up (the probabilities times 2**8 reach 2**8), exact at integers, +0.0 exactly
+    # from -127 down and at -inf, so that masked keys and empty rows keep their zeros.
+    n = 4096
+    x = torch.cat([torch.linspace(-126.0, 9.0, n - 512), torch.rand(128) * 4 - 2,
+                   torch.arange(-126.0, 10.0), torch.tensor([-127.0, -127.5, -300.0, -1e30, float("-inf")])])
+    x = torch.cat([x, torch.zeros(n - x.numel())]).to(DEVICE)
+    y = torch.full_like(x, float("nan"))
+    _exp2_fma_kernel[(1,)](x, y, BLOCK=n)
+    exact = torch.exp2(x.double())
+    normal = x >= -126
+    assert ((y.double()[normal] - exact[normal]).abs() / exact[normal]).max() <= 1.02e-4
+    integers = normal & (x == x.round())
+    assert torch.equal(y[integers].double(), exact[integers])
+    assert torch.equal(y[x <= -127], torch.zeros_like(y[x <= -127])) and not y.signbit().any()
 
 
 def test_fp8_refusals():

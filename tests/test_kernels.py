@@ -40,6 +40,20 @@ def test_matches_oracle(version, causal, seqlens, dtype):
     check_against_reference(attention(version, causal=causal), q, k, v, causal=causal)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("share", [2, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_forward_with_exponentials_on_the_fma_pipe(head_dim, share, dtype):
+    # tiles.v3_gluon's fourth integer: 1/share of the exponentials by tiles.exp2_fma, causal
+    # (masked keys and rows must stay exactly 0) and not, lengths off the blocks.
+    cfg = configs.by_head_dim(configs.V3_GLUON, head_dim)
+    options = f"tiles.v3_gluon={cfg.block_n},{cfg.num_stages},2,{share}"
+    for causal in (False, True):
+        q, k, v = make_qkv(BATCH, 1000, 1537, 2 * HEADS, HEADS, head_dim, dtype, DEVICE)
+        check_against_reference(attention("v3", causal=causal, kernel_options=options), q, k, v, causal=causal)
+
+
 @pytest.mark.parametrize("head_dim", [20, 96, 128, 192, 256] if ON_GPU else [20, 96, 256])
 @pytest.mark.parametrize("version", VERSIONS)
 def test_head_dims(version, head_dim):

@@ -368,6 +368,28 @@ def test_gluon_fp8_forward_runs_float8_warpgroup_mmas(tmp_path, monkeypatch, fp8
         assert mma == head_dim // 32 + block_n // 32 and spills == 0, (size, mma, spills)
 
 
+@pytest.mark.parametrize("share", [2, 4, 8])
+def test_gluon_forward_takes_a_share_of_exponentials_on_the_fma_pipe(tmp_path, monkeypatch, share):
+    # tiles.v3_gluon's fourth integer: 1/share of each block's exponentials computed on the FMA
+    # pipe (tiles.exp2_fma), the rest on the MUFU, the parts taken along register bits (no
+    # shuffle, no shared memory, no spills).
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    from sass_loops import hot_loops, loop_stats, sass
+    counts = {}
+    for name, options in (("plain", "tiles.v3_gluon=128,3,2,0"), ("fma", f"tiles.v3_gluon=128,3,2,{share}")):
+        compile_for_sm90(tmp_path / name, "v3.fwd_gluon", 128, kernel_options=options, fp8="fp8e4nv")
+        counts[name] = [loop_stats(loop) for loop in
+                        hot_loops(sass((tmp_path / name / "v3.fwd_gluon_d128.cubin").read_bytes()))]
+    ptx, plain_ptx = ((tmp_path / x / "v3.fwd_gluon_d128.ptx").read_text() for x in ("fma", "plain"))
+    for op in ("shfl.sync", "st.shared"):
+        assert ptx.count(op) == plain_ptx.count(op), op
+    assert counts["fma"] and len(counts["fma"]) == len(counts["plain"])
+    for (_, mma, spills, ops), (_, plain_mma, _, plain_ops) in zip(counts["fma"], counts["plain"]):
+        # 64 scores a thread a block: 64 / share exponentials move off the MUFU
+        assert mma == plain_mma and spills == 0 and ops["MUFU"] == plain_ops["MUFU"] - 64 // share, \
+            (ops["MUFU"], plain_ops["MUFU"])
+
+
 # Per float8 pass: the producer's TMA copies, (tiles whose head dim is contiguous, of which a
 # copy moves 128 bytes of a row: two at d256; keys-contiguous copies), and the loop's MMAs, k32
 # each, as functions of the head dim and the streamed block.

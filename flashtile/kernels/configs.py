@@ -95,6 +95,7 @@ class GluonSchedule:
     next_q: bool = True       # a second Q buffer: the next tile's Q and K/V load under this tile's tail
     q_registers: bool = True  # Q as the register operand of S = Q K^T (where registers hold it)
     consumers: int = 2        # consumer warpgroups, 64 query rows each
+    exp2_on_fma: int = 0      # 1/N of the softmax's exponentials on the FMA pipe (2, 4, 8; 0 none)
 
     @property
     def tile_m(self) -> int:
@@ -107,8 +108,10 @@ class GluonSchedule:
 # gluon_table_lanes.
 V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (192, GluonSchedule(128, 2)),
             (256, GluonSchedule(64, 2))]
-# Float8 Q/K/V take half the shared memory: a deeper ring at the same tiles.
-V3_GLUON_FP8 = [(64, GluonSchedule(128, 4)), (128, GluonSchedule(128, 3)), (256, GluonSchedule(64, 3))]
+# Float8 Q/K/V take half the shared memory: a deeper ring at the same tiles.  At d128 a score
+# costs as many MUFU cycles as float8 tensor-core cycles: a quarter of the exponentials go to the
+# FMA pipe, where no band masks (dispatch.gluon_schedule; causal, d256 and bf16 d64 lost with it).
+V3_GLUON_FP8 = [(64, GluonSchedule(128, 4)), (128, GluonSchedule(128, 3, exp2_on_fma=4)), (256, GluonSchedule(64, 3))]
 # Three consumer warpgroups (192-row tiles, 160 registers each, as FlashAttention-3's d64
 # forward) pay at d64 once there are enough query rows to fill them: from this many rows,
 # without and with a band; float8 inputs (half the MMA time, the same softmax) already at 4k

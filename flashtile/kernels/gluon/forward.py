@@ -66,7 +66,7 @@ from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next
                                                start_tiles, tile_counter, Sequences, Value, value, values)
 from flashtile.kernels.launch import Descriptor, Prepared
 from flashtile.kernels.problem import contiguous_strides, remembered
-from flashtile.kernels.tiles import FP8_P_SCALE, FP8_PER_BLOCK, LOG2E, finalize_rows, scaled_softmax_step
+from flashtile.kernels.tiles import FP8_P_SCALE, FP8_PER_BLOCK, LOG2E, exp2_fma, finalize_rows, scaled_softmax_step
 
 PRODUCER_REGS = gl.constexpr(24)      # the TMA-issuing warp needs almost none
 SHARED_MEMORY = 232448 - 1024         # the H100/H200 per-block limit, less room for the mbarriers and row flags
@@ -98,11 +98,12 @@ class Schedule:
     CHECK_FINITE: gl.constexpr
     VARLEN: gl.constexpr
     DROPOUT: gl.constexpr
+    FMA_EXP2: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_SLICES, STAGES, CONSUMERS, Q_SLOTS,
                  O_BUFFERS, PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE,
-                 BOUNDED, FP8, FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT):
+                 BOUNDED, FP8, FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT, FMA_EXP2):
         self.ROWS = gl.constexpr(ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM_PAD = gl.constexpr(HEAD_DIM_PAD)
@@ -126,6 +127,7 @@ class Schedule:
         self.CHECK_FINITE = gl.constexpr(CHECK_FINITE)
         self.VARLEN = gl.constexpr(VARLEN)
         self.DROPOUT = gl.constexpr(DROPOUT)
+        self.FMA_EXP2 = gl.constexpr(FMA_EXP2)
 
 
 @aggregate
@@ -497,7 +499,67 @@ def _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2,
             p = gl.exp2(y * unit - (m_i - log2_factor)[:, None])
             return p, gl.full(m_i.shape, 1.0, gl.float32, m_i.type.layout), m_i
         else:
-            return scaled_softmax_step(y, m_i, unit, log2_factor, None)
+            # A share of the exponentials on the FMA pipe (not in the two forms above).
+            if S.FMA_EXP2 == 2:
+                return scaled_softmax_step(y, m_i, unit, log2_factor, None, _exp2_half_fma)
+            elif S.FMA_EXP2 == 4:
+                return scaled_softmax_step(y, m_i, unit, log2_factor, None, _exp2_quarter_fma)
+            elif S.FMA_EXP2 == 8:
+                return scaled_softmax_step(y, m_i, unit, log2_factor, None, _exp2_eighth_fma)
+            else:
+                return scaled_softmax_step(y, m_i, unit, log2_factor, None)
+
+
+@gluon.jit
+def _key_groups(x, fma_part):
+    """2**x of (rows, G, 4) groups of keys (a thread's registers along G): the even groups on
+    the MUFU, the odd ones by ``fma_part`` (exp2_fma, or _fma_quarter to halve its share again)."""
+    R: gl.constexpr = x.shape[0]
+    G: gl.constexpr = x.shape[1]
+    even, odd = gl.split(gl.permute(gl.reshape(x, [R, G // 2, 2, 4]), (0, 1, 3, 2)))
+    y = gl.join(gl.exp2(even), gl.convert_layout(fma_part(odd), even.type.layout))
+    return gl.reshape(gl.permute(y, (0, 1, 3, 2)), [R, G, 4])
+
+
+@gluon.jit
+def _fma_quarter(x):
+    """2**x of (rows, G, 4) groups of keys, a quarter of them on the FMA pipe."""
+    return _key_groups(x, exp2_fma)
+
+
+@gluon.jit
+def _exp2_fma_share(x, SHARE: gl.constexpr):
+    """2**x of an MMA accumulator's (rows, keys) tile with 1 / SHARE of its keys (2, 4, 8) on the
+    FMA pipe (tiles.exp2_fma), the rest on the MUFU: a thread holds keys 8g + 2t + e of each row
+    for its t, e and g in registers, so the parts are taken along e and g, and no value moves."""
+    layout: gl.constexpr = x.type.layout
+    R: gl.constexpr = x.shape[0]
+    N: gl.constexpr = x.shape[1]
+    even, odd = gl.split(gl.reshape(x, [R, N // 8, 4, 2]))
+    if SHARE == 2:
+        odd = exp2_fma(odd)
+    elif SHARE == 4:
+        odd = _key_groups(odd, exp2_fma)
+    else:
+        gl.static_assert(SHARE == 8, "a half, a quarter or an eighth of the keys")
+        odd = _key_groups(odd, _fma_quarter)
+    odd = gl.convert_layout(odd, even.type.layout)
+    return gl.convert_layout(gl.reshape(gl.join(gl.exp2(even), odd), [R, N]), layout)
+
+
+@gluon.jit
+def _exp2_half_fma(x):
+    return _exp2_fma_share(x, 2)
+
+
+@gluon.jit
+def _exp2_quarter_fma(x):
+    return _exp2_fma_share(x, 4)
+
+
+@gluon.jit
+def _exp2_eighth_fma(x):
+    return _exp2_fma_share(x, 8)
 
 
 @gluon.jit
@@ -948,10 +1010,10 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
                 DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr, DISTANCE: gl.constexpr,
                 BOUNDED: gl.constexpr, FP8: gl.constexpr, FRESH_PV: gl.constexpr, CHECK_FINITE: gl.constexpr,
-                VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
+                VARLEN: gl.constexpr, DROPOUT: gl.constexpr, FMA_EXP2: gl.constexpr):
     S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_SLICES, STAGES, CONSUMERS, Q_SLOTS,
                                O_BUFFERS, PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE,
-                               DISTANCE, BOUNDED, FP8, FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT)
+                               DISTANCE, BOUNDED, FP8, FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT, FMA_EXP2)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
     if VARLEN:  # the packed list's length, written on the device (packed_tiles.py)
@@ -1034,7 +1096,8 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
                 # values could turn P V non-finite: an output that comes out so is recomputed by
                 # the masking rule (_exact_rows).  Not float8 (the recomputation reads operands
                 # without their descales): a non-finite input stays so.
-                CHECK_FINITE=(p.banded or p.varlen) and not p.fp8, VARLEN=p.varlen, DROPOUT=p.dropout)
+                CHECK_FINITE=(p.banded or p.varlen) and not p.fp8, VARLEN=p.varlen, DROPOUT=p.dropout,
+                FMA_EXP2=cfg.exp2_on_fma)
 
 
 # The widest logit range (log2 units) the softmax takes from a fixed reference point: P stays at
