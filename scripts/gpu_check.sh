@@ -17,6 +17,8 @@
 #   features v3 with each score feature (softcap 30, ALiBi, sinks, dropout 0.1) against v3 without, d128 8k,
 #           forward and backward: a run per feature (features_*.json), joined by
 #           scripts/features_table.py (features.json, features.md); FEATURES: a ','-separated subset
+#   dropout  issue 30's dropout bars: v3 and v2 with p = 0.1, and v3 without, d64/d128 8k, forward and
+#           backward, 2 passes (dropout.*, nodropout.*; DROPOUT_ARGS, e.g. --kernel-options backward=v2)
 #   headdimv  V with a head dim of its own, MLA prefill's 192 / 128 (16 heads, 16k tokens, 8k): v3, v2
 #           and SDPA's backends that take the pair (headdimv.*)
 #   fp8     FP8 forwards and backwards beside bf16 in one run: flashtile-v3 on bf16 and e4m3 inputs
@@ -101,6 +103,13 @@ for stage in $stages; do
           --name "features_$1" 2>&1 | grep -v "bench:"
       done > "$OUT/features.log" || status=1
       python scripts/features_table.py "$OUT"/features_*.json --out "$OUT/features.json" || status=1 ;;
+    dropout)
+      for p in 0.1 0; do
+        python -m flashtile bench --head-dims 64,128 --seqlens 8192 --causal false,true --modes fwd,bwd \
+          $([ $p != 0 ] && echo "--dropout $p --providers flashtile-v3,flashtile-v2" || echo "--providers flashtile-v3") \
+          --repeats 2 --no-plots ${DROPOUT_ARGS:-} --out "$OUT" --name "$([ $p != 0 ] && echo dropout || echo nodropout)" \
+          2>&1 | grep -v "bench:"
+      done > "$OUT/dropout.log" || status=1 ;;
     headdimv)
       python -m flashtile bench --head-dims 192 --head-dim-v 128 --seqlens 8192 --hidden 3072 --repeats 2 \
         --providers flashtile-v3,flashtile-v2,sdpa-cudnn,sdpa-efficient --baseline sdpa-cudnn --no-plots \
