@@ -15,8 +15,8 @@ Forward kernels:
 With a V head dim of its own (no wider than Q's) v3 runs the Gluon forward (not in float8)
 and the two Gluon backward passes (batched, without dropout), else v2's kernels.
 With dropout (kernels/dropout.py) the Gluon forward where it runs (else v2's) and the two
-Gluon backward passes up to d128 (else, or with backward=v2, v2's backward).  FP8 inputs run the Gluon
-forward where it takes the problem, else v2's; their backward (fp8_attn_func's FP8 backward)
+Gluon backward passes up to d128 (else, or with backward=v2, v2's backward).  FP8 inputs run
+the Gluon forward where it takes the problem, else v2's; their backward (fp8_attn_func's FP8 backward)
 the two Gluon passes on float8 MMAs where they take the problem, else (or with backward=v2)
 v2's kernels in their FP8 mode.
 Backward kernels:
@@ -286,8 +286,9 @@ def _gluon_backward_takes(p, target, opts) -> bool:
     (experimental), up to d128, while the walks' tile numbers fit in 32 bits, and without
     seqused tables (its MMAs read the rows after a sequence, which there may hold anything:
     masked to 0, a value that is not finite would still make 0 x inf).  Dropout in the two
-    passes up to d128 (d256's split head dim has no draw); and a V head dim of its own in the two passes, batched, without dropout, no wider than Q's
-    padded head dim (the tiles are Q's head dim's)."""
+    passes up to d128 (d256's split head dim has no draw); and a V head dim of its own in the
+    two passes, batched, without dropout, no wider than Q's padded head dim (the tiles are Q's
+    head dim's)."""
     if not target.gluon:
         return False
     if p.own_head_dim_v and (p.varlen or p.dropout or p.head_dim_v_pad > p.head_dim_pad):

@@ -192,13 +192,10 @@ def exp2_fma(x):
 
 
 @triton.jit
-def scaled_softmax_step(s, m_i, scale_log2, log2_factor, row_log2, EXP2: tl.constexpr = None):
-    """online_softmax_step with the probabilities multiplied by 2**log2_factor, inside their
-    exponent (no extra instruction per score); the running max and the rescale factor as there.
-    ``row_log2``: None, or a term per row (log2 units) that the logits add to s * scale_log2: the
-    row part of a bias split into a column part (already in ``s``) and a row part, which costs
-    instructions per row, not per score (score.one_side_logits).  ``EXP2``: a function that takes
-    the exponentials' place (tl.math.exp2)."""
+def softmax_exponents(s, m_i, scale_log2, log2_factor, row_log2):
+    """scaled_softmax_step before its exponentials: their arguments (log2 units), the running
+    max's reference point (the rescale factor is 2**(m_i - it)) and the new running max, for a
+    kernel that takes the exponentials its own way."""
     if row_log2 is None:
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -207,12 +204,18 @@ def scaled_softmax_step(s, m_i, scale_log2, log2_factor, row_log2, EXP2: tl.cons
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2 + row_log2)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         x = s * scale_log2 - (m_ref - row_log2 - log2_factor)[:, None]
-    if EXP2 is None:
-        p = tl.math.exp2(x)
-    else:
-        p = EXP2(x)
-    alpha = tl.math.exp2(m_i - m_ref)
-    return p, alpha, m_new
+    return x, m_ref, m_new
+
+
+@triton.jit
+def scaled_softmax_step(s, m_i, scale_log2, log2_factor, row_log2):
+    """online_softmax_step with the probabilities multiplied by 2**log2_factor, inside their
+    exponent (no extra instruction per score); the running max and the rescale factor as there.
+    ``row_log2``: None, or a term per row (log2 units) that the logits add to s * scale_log2: the
+    row part of a bias split into a column part (already in ``s``) and a row part, which costs
+    instructions per row, not per score (score.one_side_logits)."""
+    x, m_ref, m_new = softmax_exponents(s, m_i, scale_log2, log2_factor, row_log2)
+    return tl.math.exp2(x), tl.math.exp2(m_i - m_ref), m_new
 
 
 @triton.jit

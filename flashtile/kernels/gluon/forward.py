@@ -66,7 +66,8 @@ from flashtile.kernels.gluon.scheduler import (end_tiles, heads_sharing_l2, next
                                                start_tiles, tile_counter, Sequences, Value, value, values)
 from flashtile.kernels.launch import Descriptor, Prepared
 from flashtile.kernels.problem import contiguous_strides, remembered
-from flashtile.kernels.tiles import FP8_P_SCALE, FP8_PER_BLOCK, LOG2E, exp2_fma, finalize_rows, scaled_softmax_step
+from flashtile.kernels.tiles import (FP8_P_SCALE, FP8_PER_BLOCK, LOG2E, exp2_fma, finalize_rows, scaled_softmax_step,
+                                    softmax_exponents)
 
 PRODUCER_REGS = gl.constexpr(24)      # the TMA-issuing warp needs almost none
 SHARED_MEMORY = 232448 - 1024         # the H100/H200 per-block limit, less room for the mbarriers and row flags
@@ -500,14 +501,8 @@ def _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2,
             return p, gl.full(m_i.shape, 1.0, gl.float32, m_i.type.layout), m_i
         else:
             # A share of the exponentials on the FMA pipe (not in the two forms above).
-            if S.FMA_EXP2 == 2:
-                return scaled_softmax_step(y, m_i, unit, log2_factor, None, _exp2_half_fma)
-            elif S.FMA_EXP2 == 4:
-                return scaled_softmax_step(y, m_i, unit, log2_factor, None, _exp2_quarter_fma)
-            elif S.FMA_EXP2 == 8:
-                return scaled_softmax_step(y, m_i, unit, log2_factor, None, _exp2_eighth_fma)
-            else:
-                return scaled_softmax_step(y, m_i, unit, log2_factor, None)
+            x, m_ref, m_new = softmax_exponents(y, m_i, unit, log2_factor, None)
+            return _exp2_fma_share(x, S.FMA_EXP2), gl.exp2(m_i - m_ref), m_new
 
 
 @gluon.jit
@@ -529,37 +524,25 @@ def _fma_quarter(x):
 
 @gluon.jit
 def _exp2_fma_share(x, SHARE: gl.constexpr):
-    """2**x of an MMA accumulator's (rows, keys) tile with 1 / SHARE of its keys (2, 4, 8) on the
-    FMA pipe (tiles.exp2_fma), the rest on the MUFU: a thread holds keys 8g + 2t + e of each row
-    for its t, e and g in registers, so the parts are taken along e and g, and no value moves."""
-    layout: gl.constexpr = x.type.layout
-    R: gl.constexpr = x.shape[0]
-    N: gl.constexpr = x.shape[1]
-    even, odd = gl.split(gl.reshape(x, [R, N // 8, 4, 2]))
-    if SHARE == 2:
-        odd = exp2_fma(odd)
-    elif SHARE == 4:
-        odd = _key_groups(odd, exp2_fma)
+    """2**x of an MMA accumulator's (rows, keys) tile with 1 / SHARE of its keys (2, 4, 8; 0: none)
+    on the FMA pipe (tiles.exp2_fma), the rest on the MUFU: a thread holds keys 8g + 2t + e of each
+    row for its t, e and g in registers, so the parts are taken along e and g, and no value moves."""
+    if SHARE == 0:
+        p = gl.exp2(x)
     else:
-        gl.static_assert(SHARE == 8, "a half, a quarter or an eighth of the keys")
-        odd = _key_groups(odd, _fma_quarter)
-    odd = gl.convert_layout(odd, even.type.layout)
-    return gl.convert_layout(gl.reshape(gl.join(gl.exp2(even), odd), [R, N]), layout)
-
-
-@gluon.jit
-def _exp2_half_fma(x):
-    return _exp2_fma_share(x, 2)
-
-
-@gluon.jit
-def _exp2_quarter_fma(x):
-    return _exp2_fma_share(x, 4)
-
-
-@gluon.jit
-def _exp2_eighth_fma(x):
-    return _exp2_fma_share(x, 8)
+        gl.static_assert(SHARE == 2 or SHARE == 4 or SHARE == 8, "a half, a quarter or an eighth of the keys")
+        R: gl.constexpr = x.shape[0]
+        N: gl.constexpr = x.shape[1]
+        even, odd = gl.split(gl.reshape(x, [R, N // 8, 4, 2]))
+        if SHARE == 2:
+            odd = exp2_fma(odd)
+        elif SHARE == 4:
+            odd = _fma_quarter(odd)
+        else:
+            odd = _key_groups(odd, _fma_quarter)
+        odd = gl.convert_layout(odd, even.type.layout)
+        p = gl.convert_layout(gl.reshape(gl.join(gl.exp2(even), odd), [R, N]), x.type.layout)
+    return p
 
 
 @gluon.jit
