@@ -61,6 +61,27 @@ def loop_stats(loop):
     return len(loop), ops["HGMMA"] + ops["QGMMA"], ops["LDL"] + ops["STL"], ops
 
 
+_REGISTER = re.compile(r"\bR(\d+)\b")
+
+
+def longest_chain(loop, op):
+    """The longest run of ``op`` instructions (FMNMX, FADD) in the loop each reading the previous
+    one's result: a reduction's depth, as ptxas laid it out (a chain as long as its inputs, or a
+    tree's log2 of them)."""
+    depth, longest = {}, 0
+    for _, text in loop:
+        registers = _REGISTER.findall(text)
+        if not registers:
+            continue
+        if opcode(text) == op:
+            d = 1 + max((depth.get(r, 0) for r in registers[1:]), default=0)
+            depth[registers[0]] = d
+            longest = max(longest, d)
+        else:
+            depth.pop(registers[0], None)
+    return longest
+
+
 def describe(cubin: bytes, top=8):
     """One line per hot loop."""
     lines = []

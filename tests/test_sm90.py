@@ -296,7 +296,9 @@ def test_dropout_compiles_into_v2_kernels(tmp_path):
 def test_gluon_forward_draws_dropout_numbers_in_its_own_threads(tmp_path, monkeypatch):
     # dropout.kept_mma forms each thread's Philox calls in the accumulator's layout: no value
     # crosses threads for the mask (the shuffles and shared-memory stores of the kernel without
-    # dropout, no more), and the consumers' loops keep their MMAs and spill nothing.
+    # dropout, no more), and the consumers' loops keep their MMAs and spill nothing.  With
+    # dropout the rows' maxima and sums are trees over a thread's 32 keys of a row (depth 7: 5
+    # in its registers, 2 across its lanes), without it Triton's chains (33).
     plain = compile_for_sm90(tmp_path / "plain", "v3.fwd_gluon", 128)
     ttgir = compile_for_sm90(tmp_path / "drop", "v3.fwd_gluon", 128, dropout=True)
     ptx, plain_ptx = ((tmp_path / x / "v3.fwd_gluon_d128.ptx").read_text() for x in ("drop", "plain"))
@@ -305,6 +307,11 @@ def test_gluon_forward_draws_dropout_numbers_in_its_own_threads(tmp_path, monkey
         assert ptx.count(op) == plain_ptx.count(op), op
     assert ttgir.count("ttg.local_alloc") == plain.count("ttg.local_alloc")
     assert_consumer_loops(tmp_path / "drop" / "v3.fwd_gluon_d128.cubin", 128, 2, monkeypatch)
+    from sass_loops import hot_loops, longest_chain, sass
+    for name, deepest in (("drop", range(1, 9)), ("plain", range(32, 64))):
+        loops = hot_loops(sass((tmp_path / name / "v3.fwd_gluon_d128.cubin").read_bytes()))
+        for op in ("FMNMX", "FADD"):
+            assert all(longest_chain(loop, op) in deepest for loop in loops), (name, op)
 
 
 def test_gluon_backward_passes_draw_dropout(tmp_path, monkeypatch):

@@ -192,29 +192,33 @@ def exp2_fma(x):
 
 
 @triton.jit
-def softmax_exponents(s, m_i, scale_log2, log2_factor, row_log2):
+def softmax_exponents(s, m_i, scale_log2, log2_factor, row_log2, row_max=None):
     """scaled_softmax_step before its exponentials: their arguments (log2 units), the running
     max's reference point (the rescale factor is 2**(m_i - it)) and the new running max, for a
-    kernel that takes the exponentials its own way."""
+    kernel that takes the exponentials its own way.  ``row_max``: the rows' maxima of ``s``
+    where the caller takes them its own way (None: tl.max here)."""
+    if row_max is None:
+        row_max = tl.max(s, 1)
     if row_log2 is None:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+        m_new = tl.maximum(m_i, row_max * scale_log2)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         x = s * scale_log2 - (m_ref - log2_factor)[:, None]
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2 + row_log2)
+        m_new = tl.maximum(m_i, row_max * scale_log2 + row_log2)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         x = s * scale_log2 - (m_ref - row_log2 - log2_factor)[:, None]
     return x, m_ref, m_new
 
 
 @triton.jit
-def scaled_softmax_step(s, m_i, scale_log2, log2_factor, row_log2):
+def scaled_softmax_step(s, m_i, scale_log2, log2_factor, row_log2, row_max=None):
     """online_softmax_step with the probabilities multiplied by 2**log2_factor, inside their
     exponent (no extra instruction per score); the running max and the rescale factor as there.
     ``row_log2``: None, or a term per row (log2 units) that the logits add to s * scale_log2: the
     row part of a bias split into a column part (already in ``s``) and a row part, which costs
-    instructions per row, not per score (score.one_side_logits)."""
-    x, m_ref, m_new = softmax_exponents(s, m_i, scale_log2, log2_factor, row_log2)
+    instructions per row, not per score (score.one_side_logits).  ``row_max``: as
+    softmax_exponents takes it."""
+    x, m_ref, m_new = softmax_exponents(s, m_i, scale_log2, log2_factor, row_log2, row_max)
     return tl.math.exp2(x), tl.math.exp2(m_i - m_ref), m_new
 
 
