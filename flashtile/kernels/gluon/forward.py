@@ -489,7 +489,7 @@ def _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2,
             row_log2 = (rows * 0).to(gl.float32)
         y = band_edge_masks(y, rows, offs, n0, S.BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
                             float("-inf"), S.LEFT_EDGE)
-        return scaled_softmax_step(y, m_i, unit, log2_factor, row_log2, _row_max(y, S.DROPOUT))
+        return scaled_softmax_step(y, m_i, unit, log2_factor, row_log2, _row_reduced(y, True, S.DROPOUT))
     else:
         y = score.logits(s, scale_log2, rows[:, None], (n0 + offs)[None, :], site, S.SCORE)
         y = band_edge_masks(y, rows, offs, n0, S.BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
@@ -501,7 +501,7 @@ def _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2,
             return p, gl.full(m_i.shape, 1.0, gl.float32, m_i.type.layout), m_i
         else:
             # A share of the exponentials on the FMA pipe (not in the two forms above).
-            x, m_ref, m_new = softmax_exponents(y, m_i, unit, log2_factor, None, _row_max(y, S.DROPOUT))
+            x, m_ref, m_new = softmax_exponents(y, m_i, unit, log2_factor, None, _row_reduced(y, True, S.DROPOUT))
             return _exp2_fma_share(x, S.FMA_EXP2), gl.exp2(m_i - m_ref), m_new
 
 
@@ -543,31 +543,22 @@ def _row_tree(x, IS_MAX: gl.constexpr):
     if N >= 32:
         y = _halve(y, IS_MAX)
     y = gl.reshape(_halve(y, IS_MAX), [R, 4])
-    if IS_MAX:
-        r = gl.max(y, 1)
-    else:
-        r = gl.sum(y, 1)
-    return gl.convert_layout(r, gl.SliceLayout(1, x.type.layout))
+    return gl.convert_layout(_row_reduced(y, IS_MAX, False), gl.SliceLayout(1, x.type.layout))
 
 
-# The rows' maxima and sums of the softmax by _row_tree where TREE, else by Triton's reduction.
-# The tree shortens the consumer's critical path, which pays where the dropout's draws lengthen
-# it (H100, d128 8k: forward with dropout 1.05-1.06x); without dropout the same instructions in
-# another order were level in bf16 and 0.95x in float8 d128.
+# The softmax's row maxima and sums go by _row_tree with dropout only: the tree shortens the
+# consumer's critical path, which pays where the draws lengthen it (H100, d128 8k: forward with
+# dropout 1.05-1.06x); without dropout the same instructions in another order were level in bf16
+# and 0.95x in float8 d128.
 @gluon.jit
-def _row_max(y, TREE: gl.constexpr):
+def _row_reduced(x, IS_MAX: gl.constexpr, TREE: gl.constexpr):
+    """Each row's maximum (IS_MAX) or sum of x: by _row_tree (TREE), else Triton's reduction."""
     if TREE:
-        return _row_tree(y, True)
+        return _row_tree(x, IS_MAX)
+    elif IS_MAX:
+        return gl.max(x, 1)
     else:
-        return gl.max(y, 1)
-
-
-@gluon.jit
-def _row_sum(p, TREE: gl.constexpr):
-    if TREE:
-        return _row_tree(p, False)
-    else:
-        return gl.sum(p, 1)
+        return gl.sum(x, 1)
 
 
 @gluon.jit
@@ -794,7 +785,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
             log2_factor, inverse = descales.p_scale(S)
             p, alpha, m_i = _block_softmax(s, m_i, site, rows, row0, lo, seqlen_k, dlo, dhi, block_scale,
                                            log2_factor, distance, s_cols, S)
-            l_i = _row_sum(p, S.DROPOUT) * inverse
+            l_i = _row_reduced(p, False, S.DROPOUT) * inverse
             p = _dropped(p, drop, rows, lo, dtype, s_layout, S)
             p_op = _p_operand(p, dtype, p_layout, S.FP8)
             alpha_prev = gl.convert_layout(alpha, o_rows)[:, None]
@@ -825,7 +816,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
                 log2_factor, inverse = descales.p_scale(S)
                 p, alpha, m_i = _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, block_scale,
                                                log2_factor, distance, s_cols, S)
-                l_i = l_i * alpha + _row_sum(p, S.DROPOUT) * inverse
+                l_i = l_i * alpha + _row_reduced(p, False, S.DROPOUT) * inverse
                 # p_op of the previous block is read by the in-flight wgmma: keep it alive until here.
                 pv, p_op = _wait_values(pv, p_op)
                 mbarrier.arrive(buf.v_empty.index(prev_slot))
