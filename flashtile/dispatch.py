@@ -213,7 +213,8 @@ def gluon_schedule(p, opts) -> configs.GluonSchedule:
     else:
         table = configs.V3_GLUON_FP8 if p.fp8 else configs.V3_GLUON
         cfg = configs.by_head_dim(table, configs.gluon_table_lanes(p))
-        cfg = replace(cfg, consumers=configs.gluon_consumers(p.widest_head_dim_pad, p.banded, p.seqlen_q, p.fp8),
+        cfg = replace(cfg, consumers=configs.gluon_consumers(p.widest_head_dim_pad, p.banded, p.seqlen_q, p.fp8,
+                                                            p.dropout),
                       exp2_on_fma=0 if p.banded else cfg.exp2_on_fma)
     return replace(cfg, **{t: False for t in opts.ablate})
 

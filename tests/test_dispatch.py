@@ -103,6 +103,9 @@ def test_gluon_schedule_from_the_tables_the_ablation_and_tile_overrides():
     assert dispatch.gluon_schedule(replace(d64, seqlen_q=1024), NONE).consumers == 2
     assert dispatch.gluon_schedule(replace(d64, window_right=0), NONE).consumers == 2
     assert dispatch.gluon_schedule(replace(d64, window_right=0, seqlen_q=8192), NONE).consumers == 3
+    # With dropout two, whatever the rows.
+    assert dispatch.gluon_schedule(replace(d64, dropout_p=0.1), NONE).consumers == 2
+    assert dispatch.gluon_schedule(replace(d64, window_right=0, seqlen_q=8192, dropout_p=0.1), NONE).consumers == 2
 
 
 def test_v3_backward_routing():
