@@ -96,6 +96,7 @@ class GluonSchedule:
     q_registers: bool = True  # Q as the register operand of S = Q K^T (where registers hold it)
     consumers: int = 2        # consumer warpgroups, 64 query rows each
     exp2_on_fma: int = 0      # 1/N of the softmax's exponentials on the FMA pipe (2, 4, 8; 0 none)
+    late_pv_wait: bool = False  # float8 up to d128: the PV product's wait kept below the softmax
 
     @property
     def tile_m(self) -> int:
@@ -112,6 +113,9 @@ V3_GLUON = [(64, GluonSchedule(128, 3)), (128, GluonSchedule(128, 2)), (192, Glu
 # costs as many MUFU cycles as float8 tensor-core cycles: a quarter of the exponentials go to the
 # FMA pipe, where no band masks (dispatch.gluon_schedule; causal, d256 and bf16 d64 lost with it).
 V3_GLUON_FP8 = [(64, GluonSchedule(128, 4)), (128, GluonSchedule(128, 3, exp2_on_fma=4)), (256, GluonSchedule(64, 3))]
+# Float8 P V products summed into O in float32 (the Gluon forward's FRESH_PV) up to this head
+# dim: at d256 a second 64 x 256 accumulator takes the registers O already fills.
+FRESH_PV_MAX_HEAD_DIM = 128
 # Three consumer warpgroups (192-row tiles, 160 registers each, as FlashAttention-3's d64
 # forward) pay at d64 once there are enough query rows to fill them: from this many rows,
 # without and with a band; float8 inputs (half the MMA time, the same softmax) already at 4k
