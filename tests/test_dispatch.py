@@ -111,7 +111,9 @@ def test_gluon_schedule_from_the_tables_the_ablation_and_tile_overrides():
     assert dispatch.gluon_schedule(replace(d64, seqlen_q=1024), NONE).consumers == 2
     assert dispatch.gluon_schedule(replace(d64, window_right=0), NONE).consumers == 2
     assert dispatch.gluon_schedule(replace(d64, window_right=0, seqlen_q=8192), NONE).consumers == 3
-    # With dropout two, whatever the rows.
+    # With dropout two, whatever the rows, and the row reductions as trees (only there).
+    assert dispatch.gluon_schedule(replace(d64, dropout_p=0.1), NONE).row_trees
+    assert not dispatch.gluon_schedule(d64, NONE).row_trees
     assert dispatch.gluon_schedule(replace(d64, dropout_p=0.1), NONE).consumers == 2
     assert dispatch.gluon_schedule(replace(d64, window_right=0, seqlen_q=8192, dropout_p=0.1), NONE).consumers == 2
 

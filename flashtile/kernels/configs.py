@@ -97,6 +97,7 @@ class GluonSchedule:
     consumers: int = 2        # consumer warpgroups, 64 query rows each
     exp2_on_fma: int = 0      # 1/N of the softmax's exponentials on the FMA pipe (2, 4, 8; 0 none)
     late_pv_wait: bool = False  # float8 up to d128: the PV product's wait kept below the softmax
+    row_trees: bool = False   # the softmax's row maxima and sums as register trees (gluon_schedule)
 
     @property
     def tile_m(self) -> int:
@@ -116,6 +117,12 @@ V3_GLUON_FP8 = [(64, GluonSchedule(128, 4)), (128, GluonSchedule(128, 3, exp2_on
 # Float8 P V products summed into O in float32 (the Gluon forward's FRESH_PV) up to this head
 # dim: at d256 a second 64 x 256 accumulator takes the registers O already fills.
 FRESH_PV_MAX_HEAD_DIM = 128
+
+
+def fresh_pv(p) -> bool:
+    """Whether problem ``p``'s Gluon forward sums each block's float8 P V product into O in
+    float32 (float8 MMAs accumulate in fewer bits): float8 up to FRESH_PV_MAX_HEAD_DIM."""
+    return bool(p.fp8) and p.head_dim_v_pad <= FRESH_PV_MAX_HEAD_DIM
 # Three consumer warpgroups (192-row tiles, 160 registers each, as FlashAttention-3's d64
 # forward) pay at d64 once there are enough query rows to fill them: from this many rows,
 # without and with a band; float8 inputs (half the MMA time, the same softmax) already at 4k

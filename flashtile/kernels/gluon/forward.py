@@ -101,11 +101,12 @@ class Schedule:
     DROPOUT: gl.constexpr
     FMA_EXP2: gl.constexpr
     LATE_PV: gl.constexpr
+    ROW_TREES: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_SLICES, STAGES, CONSUMERS, Q_SLOTS,
                  O_BUFFERS, PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE,
-                 BOUNDED, FP8, FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT, FMA_EXP2, LATE_PV):
+                 BOUNDED, FP8, FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT, FMA_EXP2, LATE_PV, ROW_TREES):
         self.ROWS = gl.constexpr(ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM_PAD = gl.constexpr(HEAD_DIM_PAD)
@@ -131,6 +132,7 @@ class Schedule:
         self.DROPOUT = gl.constexpr(DROPOUT)
         self.FMA_EXP2 = gl.constexpr(FMA_EXP2)
         self.LATE_PV = gl.constexpr(LATE_PV)
+        self.ROW_TREES = gl.constexpr(ROW_TREES)
 
 
 @aggregate
@@ -492,7 +494,7 @@ def _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2,
         if EDGES:
             y = band_edge_masks(y, rows, offs, n0, S.BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
                                 float("-inf"), S.LEFT_EDGE)
-        return scaled_softmax_step(y, m_i, unit, log2_factor, row_log2, _row_reduced(y, True, S.DROPOUT))
+        return scaled_softmax_step(y, m_i, unit, log2_factor, row_log2, _row_reduced(y, True, S.ROW_TREES))
     else:
         y = score.logits(s, scale_log2, rows[:, None], (n0 + offs)[None, :], site, S.SCORE)
         if EDGES:
@@ -505,7 +507,7 @@ def _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2,
             return p, gl.full(m_i.shape, 1.0, gl.float32, m_i.type.layout), m_i
         else:
             # A share of the exponentials on the FMA pipe (not in the two forms above).
-            x, m_ref, m_new = softmax_exponents(y, m_i, unit, log2_factor, None, _row_reduced(y, True, S.DROPOUT))
+            x, m_ref, m_new = softmax_exponents(y, m_i, unit, log2_factor, None, _row_reduced(y, True, S.ROW_TREES))
             return _exp2_fma_share(x, S.FMA_EXP2), gl.exp2(m_i - m_ref), m_new
 
 
@@ -550,10 +552,6 @@ def _row_tree(x, IS_MAX: gl.constexpr):
     return gl.convert_layout(_row_reduced(y, IS_MAX, False), gl.SliceLayout(1, x.type.layout))
 
 
-# The softmax's row maxima and sums go by _row_tree with dropout only: the tree shortens the
-# consumer's critical path, which pays where the draws lengthen it (H100, d128 8k: forward with
-# dropout 1.05-1.06x); without dropout the same instructions in another order were level in bf16
-# and 0.95x in float8 d128.
 @gluon.jit
 def _row_reduced(x, IS_MAX: gl.constexpr, TREE: gl.constexpr):
     """Each row's maximum (IS_MAX) or sum of x: by _row_tree (TREE), else Triton's reduction."""
@@ -798,7 +796,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
             log2_factor, inverse = descales.p_scale(S)
             p, alpha, m_i = _block_softmax(s, m_i, site, rows, row0, lo, seqlen_k, dlo, dhi, block_scale,
                                            log2_factor, distance, s_cols, True, S)
-            l_i = _row_reduced(p, False, S.DROPOUT) * inverse
+            l_i = _row_reduced(p, False, S.ROW_TREES) * inverse
             p = _dropped(p, drop, rows, lo, dtype, s_layout, S)
             p_op = _p_operand(p, dtype, p_layout, S.FP8)
             alpha_prev = gl.convert_layout(alpha, o_rows)[:, None]
@@ -841,7 +839,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
                     log2_factor, inverse = descales.p_scale(S)
                     p, alpha, m_i = _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, block_scale,
                                                    log2_factor, distance, s_cols, part != 1, S)
-                    l_i = l_i * alpha + _row_reduced(p, False, S.DROPOUT) * inverse
+                    l_i = l_i * alpha + _row_reduced(p, False, S.ROW_TREES) * inverse
                     p_old = p_op
                     # p_op of the previous block is read by the in-flight wgmma: keep it alive until here.
                     pv, p_op = _wait_values(pv, p_op)
@@ -1091,10 +1089,12 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
                 DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr, DISTANCE: gl.constexpr,
                 BOUNDED: gl.constexpr, FP8: gl.constexpr, FRESH_PV: gl.constexpr, CHECK_FINITE: gl.constexpr,
-                VARLEN: gl.constexpr, DROPOUT: gl.constexpr, FMA_EXP2: gl.constexpr, LATE_PV: gl.constexpr):
+                VARLEN: gl.constexpr, DROPOUT: gl.constexpr, FMA_EXP2: gl.constexpr, LATE_PV: gl.constexpr,
+                ROW_TREES: gl.constexpr):
     S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_SLICES, STAGES, CONSUMERS, Q_SLOTS,
                                O_BUFFERS, PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE,
-                               DISTANCE, BOUNDED, FP8, FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT, FMA_EXP2, LATE_PV)
+                               DISTANCE, BOUNDED, FP8, FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT, FMA_EXP2, LATE_PV,
+                               ROW_TREES)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
     if VARLEN:  # the packed list's length, written on the device (packed_tiles.py)
@@ -1149,7 +1149,7 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
     o_buffers = o_staging_buffers(q_bytes, o_bytes, ring_bytes, cfg.consumers)
     next_q = (cfg.next_q and cfg.persistent and o_buffers == cfg.consumers
               and 2 * q_bytes + o_bytes + ring_bytes <= SHARED_MEMORY)
-    fresh_pv = p.fp8 and p.head_dim_v_pad <= configs.FRESH_PV_MAX_HEAD_DIM
+    fresh_pv = configs.fresh_pv(p)
     # A distance bias (ALiBi) split into column and row parts off the diagonal: its column part
     # takes 32 registers a thread, which two consumers up to d128 have once Q stays in shared
     # memory (three consumers' 160 registers, and d256's, spill).
@@ -1175,7 +1175,7 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
                 # the masking rule (_exact_rows).  Not float8 (the recomputation reads operands
                 # without their descales): a non-finite input stays so.
                 CHECK_FINITE=(p.banded or p.varlen) and not p.fp8, VARLEN=p.varlen, DROPOUT=p.dropout,
-                FMA_EXP2=cfg.exp2_on_fma, LATE_PV=cfg.late_pv_wait)
+                FMA_EXP2=cfg.exp2_on_fma, LATE_PV=cfg.late_pv_wait, ROW_TREES=cfg.row_trees)
 
 
 # The widest logit range (log2 units) the softmax takes from a fixed reference point: P stays at
