@@ -198,24 +198,18 @@ def v3_triton_forward(p, target, opts) -> Plan:
 
 def gluon_schedule(p, opts) -> configs.GluonSchedule:
     """The Gluon forward's schedule: the table's tiles (or the override: block_n, stages,
-    consumers, a share of the exponentials on the FMA pipe and the PV wait below the softmax;
-    the table's share not on a band), row reductions as trees with dropout, with the ablated
-    techniques off."""
+    consumers and a share of the exponentials on the FMA pipe; the table's share not on a band),
+    row reductions as trees with dropout, with the ablated techniques off."""
     override = opts.tile("v3_gluon")
     if override is not None:
-        block_n, stages, consumers, exp2_on_fma, late_pv_wait = (*override, 0, 0)[:5]
+        block_n, stages, consumers, exp2_on_fma = (*override, 0)[:4]
         if consumers not in (2, 3) or (consumers == 3 and p.widest_head_dim_pad > 64):
             raise ValueError(f"kernel option tiles.v3_gluon={override}: 2 consumers, or 3 up to head dim 64")
         if exp2_on_fma not in (0, 2, 4, 8):
             raise ValueError(f"kernel option tiles.v3_gluon={override}: the exponentials' share on the FMA pipe "
                              f"is 1/2, 1/4 or 1/8 (2, 4, 8) or none (0)")
-        if late_pv_wait not in (0, 1) or late_pv_wait and (not configs.fresh_pv(p) or stages < 3):
-            raise ValueError(f"kernel option tiles.v3_gluon={override}: the PV wait below the softmax (a fifth "
-                             f"integer of 1) takes float8 inputs up to head dim {configs.FRESH_PV_MAX_HEAD_DIM} "
-                             f"and 3 stages or more (V's slots are freed a block later)")
         cfg = _dropout_keys(p, block_n, "v3_gluon", configs.GluonSchedule(block_n, stages, consumers=consumers,
-                                                                          exp2_on_fma=exp2_on_fma,
-                                                                          late_pv_wait=bool(late_pv_wait)))
+                                                                          exp2_on_fma=exp2_on_fma))
     else:
         table = configs.V3_GLUON_FP8 if p.fp8 else configs.V3_GLUON
         cfg = configs.by_head_dim(table, configs.gluon_table_lanes(p))

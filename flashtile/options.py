@@ -19,13 +19,12 @@ BACKWARD_KERNELS = ("gluon", "gluon-reduce", "v2")
 TECHNIQUES = ("pingpong", "overlap", "persistent", "next_q", "q_registers")
 # Tile tables an override can replace, and how many integers each takes (configs.py): block_m,
 # block_n, warps, stages[, warp specialization] for the Triton kernels' Config; block_n, stages,
-# consumer warpgroups[, 1/N of the exponentials on the FMA pipe[, 1: the PV product's wait below
-# the softmax (float8 up to d128)]] for the Gluon forward; Q rows, K/V rows, stages for the Gluon
-# backward; keys a step, stages, warps[, registers a thread] for decoding over a contiguous or a
-# paged cache (kernels/decode.py).
+# consumer warpgroups[, 1/N of the exponentials on the FMA pipe] for the Gluon forward; Q rows,
+# K/V rows, stages for the Gluon backward; keys a step, stages, warps[, registers a thread] for
+# decoding over a contiguous or a paged cache (kernels/decode.py).
 TILE_FIELDS = {
     "v1_fwd": (4,), "v1_bwd": (4,), "v2_fwd": (4,), "v2_bwd_kv": (4,), "v2_bwd_q": (4,), "v3_fwd": (4, 5),
-    "v3_gluon": (3, 4, 5), "v3_gluon_bwd": (3,), "v3_gluon_bwd_reduce": (3,), "decode": (3, 4), "decode_paged": (3, 4),
+    "v3_gluon": (3, 4), "v3_gluon_bwd": (3,), "v3_gluon_bwd_reduce": (3,), "decode": (3, 4), "decode_paged": (3, 4),
 }
 
 # Triton reads TRITON_INTERPRET when it is imported; so does flashtile.

@@ -92,14 +92,6 @@ def test_gluon_schedule_from_the_tables_the_ablation_and_tile_overrides():
         GluonSchedule(128, 3, exp2_on_fma=4)
     with pytest.raises(ValueError, match="1/2, 1/4 or 1/8"):
         dispatch.gluon_schedule(problem(4096), KernelOptions(tiles={"v3_gluon": (128, 3, 2, 3)}))
-    # A fifth: the PV product's wait below the softmax, float8 up to d128 with 3 stages or more.
-    late = KernelOptions(tiles={"v3_gluon": (128, 3, 2, 4, 1)})
-    assert dispatch.gluon_schedule(problem(4096, fp8=True), late) == GluonSchedule(128, 3, exp2_on_fma=4,
-                                                                                   late_pv_wait=True)
-    for p, tiles in ((problem(4096), (128, 3, 2, 4, 1)), (problem(4096, fp8=True, head_dim=256), (64, 3, 2, 0, 1)),
-                     (problem(4096, fp8=True), (128, 2, 2, 4, 1)), (problem(4096, fp8=True), (128, 3, 2, 4, 2))):
-        with pytest.raises(ValueError, match="PV wait below the softmax"):
-            dispatch.gluon_schedule(p, KernelOptions(tiles={"v3_gluon": tiles}))
     # The table's: float8 d128 without a band only.
     assert dispatch.gluon_schedule(problem(4096, fp8=True), NONE).exp2_on_fma == 4
     assert dispatch.gluon_schedule(problem(4096, fp8=True, window_right=0), NONE).exp2_on_fma == 0

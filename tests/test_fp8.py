@@ -92,19 +92,6 @@ def test_fp8_forward_with_exponentials_on_the_fma_pipe(monkeypatch, share, head_
         check_forward(torch.float8_e4m3fn, causal, head_dim, 300, 420)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward runs on the GPU only")
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_fp8_forward_with_the_pv_wait_below_the_softmax(monkeypatch, head_dim):
-    # tiles.v3_gluon's fifth integer: blocks inside the band in a loop of their own, V's slots
-    # freed a block later; lengths with blocks before, inside and after the band's edges.
-    cfg = configs.by_head_dim(configs.V3_GLUON_FP8, head_dim)
-    monkeypatch.setattr(options, "ENVIRONMENT", options.KernelOptions(
-        tiles={"v3_gluon": (cfg.block_n, cfg.num_stages, 2, cfg.exp2_on_fma, 1)}))
-    for causal in (False, True):
-        for seqlen_q, seqlen_k in ((300, 420), (333, 1111), (1111, 333)):
-            check_forward(torch.float8_e4m3fn, causal, head_dim, seqlen_q, seqlen_k)
-
-
 def check_forward(dtype, causal, head_dim, seqlen_q, seqlen_k):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, n, h, head_dim, device=DEVICE) * 3 for n, h in ((seqlen_q, 4), (seqlen_k, 2),

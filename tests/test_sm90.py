@@ -397,31 +397,6 @@ def test_gluon_forward_takes_a_share_of_exponentials_on_the_fma_pipe(tmp_path, m
             (ops["MUFU"], plain_ops["MUFU"])
 
 
-def test_gluon_fp8_forward_waits_for_pv_below_the_softmax(tmp_path, monkeypatch):
-    # tiles.v3_gluon's fifth integer: the loop over blocks inside the band (no masking branch),
-    # V's slot freed a block later, O's update after the row sum and P's old registers kept:
-    # the PV product's wait (DEPBAR.LE 0) comes after exponentials of the softmax.  By default
-    # ptxas puts it before every one of them.
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
-    from sass_loops import hot_loops, loop_stats, opcode, sass
-
-    def exponentials_before_the_wait(loop):
-        ops = [opcode(text) for _, text in loop]
-        wait = next(i for i, (_, text) in enumerate(loop) if text.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"))
-        return ops[:wait].count("MUFU")
-
-    for name, late in (("late", ",1"), ("plain", "")):
-        compile_for_sm90(tmp_path / name, "v3.fwd_gluon", 128, kernel_options=f"tiles.v3_gluon=128,3,2,4{late}",
-                         fp8="fp8e4nv")
-        loops = hot_loops(sass((tmp_path / name / "v3.fwd_gluon_d128.cubin").read_bytes()))
-        assert loops and all(loop_stats(loop)[2] == 0 for loop in loops), name
-        inner = [loop for loop in loops if loop_stats(loop)[3]["FSEL"] < 32]  # no mask of 64 selects
-        if late:
-            assert len(inner) == 2 and all(exponentials_before_the_wait(loop) >= 16 for loop in inner)
-        else:
-            assert not inner and all(exponentials_before_the_wait(loop) == 0 for loop in loops)
-
-
 # Per float8 pass: the producer's TMA copies, (tiles whose head dim is contiguous, of which a
 # copy moves 128 bytes of a row: two at d256; keys-contiguous copies), and the loop's MMAs, k32
 # each, as functions of the head dim and the streamed block.

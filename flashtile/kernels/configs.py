@@ -96,7 +96,6 @@ class GluonSchedule:
     q_registers: bool = True  # Q as the register operand of S = Q K^T (where registers hold it)
     consumers: int = 2        # consumer warpgroups, 64 query rows each
     exp2_on_fma: int = 0      # 1/N of the softmax's exponentials on the FMA pipe (2, 4, 8; 0 none)
-    late_pv_wait: bool = False  # float8 up to d128: the PV product's wait kept below the softmax
     row_trees: bool = False   # the softmax's row maxima and sums as register trees (gluon_schedule)
 
     @property

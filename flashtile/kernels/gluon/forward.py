@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from flashtile import gpu
 from flashtile.kernels import configs, dropout, packed_tiles, score
 from flashtile.kernels import tma as tma_host
-from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile, visited_blocks
+from flashtile.kernels.blocks import band_blocks, band_edge_masks, grouped_tile
 from flashtile.kernels.configs import WARPGROUP_ROWS
 from flashtile.kernels.gluon import float8
 from flashtile.kernels.gluon.pipeline import slices_product
@@ -100,13 +100,12 @@ class Schedule:
     VARLEN: gl.constexpr
     DROPOUT: gl.constexpr
     FMA_EXP2: gl.constexpr
-    LATE_PV: gl.constexpr
     ROW_TREES: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_SLICES, STAGES, CONSUMERS, Q_SLOTS,
                  O_BUFFERS, PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE, DISTANCE,
-                 BOUNDED, FP8, FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT, FMA_EXP2, LATE_PV, ROW_TREES):
+                 BOUNDED, FP8, FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT, FMA_EXP2, ROW_TREES):
         self.ROWS = gl.constexpr(ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM_PAD = gl.constexpr(HEAD_DIM_PAD)
@@ -131,7 +130,6 @@ class Schedule:
         self.VARLEN = gl.constexpr(VARLEN)
         self.DROPOUT = gl.constexpr(DROPOUT)
         self.FMA_EXP2 = gl.constexpr(FMA_EXP2)
-        self.LATE_PV = gl.constexpr(LATE_PV)
         self.ROW_TREES = gl.constexpr(ROW_TREES)
 
 
@@ -473,7 +471,7 @@ def _distance_bias(site, col_layout: gl.constexpr, S: gl.constexpr):
 
 @gluon.jit
 def _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2, log2_factor, distance,
-                   col_layout: gl.constexpr, EDGES: gl.constexpr, S: gl.constexpr):
+                   col_layout: gl.constexpr, S: gl.constexpr):
     """The online softmax step (tiles.scaled_softmax_step) of block n0's scores: through the
     score hook (score.logits; a distance bias off the diagonal as a column part and a row part:
     score.one_side_logits), -inf outside the band (the edges the block crosses:
@@ -491,15 +489,13 @@ def _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2,
         else:  # across the diagonal, through the hook (score.crossing_part there spills)
             y = score.logits(s, scale_log2, rows[:, None], (n0 + offs)[None, :], site, S.SCORE)
             row_log2 = (rows * 0).to(gl.float32)
-        if EDGES:
-            y = band_edge_masks(y, rows, offs, n0, S.BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
-                                float("-inf"), S.LEFT_EDGE)
+        y = band_edge_masks(y, rows, offs, n0, S.BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
+                            float("-inf"), S.LEFT_EDGE)
         return scaled_softmax_step(y, m_i, unit, log2_factor, row_log2, _row_reduced(y, True, S.ROW_TREES))
     else:
         y = score.logits(s, scale_log2, rows[:, None], (n0 + offs)[None, :], site, S.SCORE)
-        if EDGES:
-            y = band_edge_masks(y, rows, offs, n0, S.BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
-                                float("-inf"), S.LEFT_EDGE)
+        y = band_edge_masks(y, rows, offs, n0, S.BLOCK_N, seqlen_k, row0, row0 + rows.shape[0] - 1, dlo, dhi,
+                            float("-inf"), S.LEFT_EDGE)
         if S.BOUNDED:
             # m_i is the logits' bound (the consumer's start): no row max, O is never rescaled;
             # P times 2**log2_factor, as scaled_softmax_step's.
@@ -713,15 +709,6 @@ def _pass_turn(turn, WHICH: gl.constexpr):
 
 
 @gluon.jit
-def _zero_after(x):
-    """0 for each int32 of x, computed from it (ANDed with the dynamic shared memory's size
-    shifted right by 31), so that ptxas can neither see it is 0 nor take it before x."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .b32 t; mov.u32 t, %dynamic_smem_size; shr.u32 t, t, 31; and.b32 $0, t, $1; }",
-        "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
-
-
-@gluon.jit
 def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_log2, score_args, dropped,
               S: gl.constexpr):
     """Consumer warpgroup WHICH: rows [64 * WHICH, 64 * WHICH + 64) of every tile handed over.
@@ -795,7 +782,7 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
             block_scale = rows_scale * descales.key_scale(batch, head_k, lo, S)
             log2_factor, inverse = descales.p_scale(S)
             p, alpha, m_i = _block_softmax(s, m_i, site, rows, row0, lo, seqlen_k, dlo, dhi, block_scale,
-                                           log2_factor, distance, s_cols, True, S)
+                                           log2_factor, distance, s_cols, S)
             l_i = _row_reduced(p, False, S.ROW_TREES) * inverse
             p = _dropped(p, drop, rows, lo, dtype, s_layout, S)
             p_op = _p_operand(p, dtype, p_layout, S.FP8)
@@ -803,71 +790,42 @@ def _consumer(WHICH: gl.constexpr, buf, walk, stash, outputs, descales, scale_lo
             prev_slot = slot
             prev_phase = phase
             it += 1
-            release = prev_slot  # LATE_PV: the V slot whose product was waited for, freed a block later
-            bounds = (1, n_blocks)
-            if S.LATE_PV:
-                # Blocks [inner, past) lie inside the band and the sequence for these rows: a loop
-                # of their own, without the masking branch (ptxas waits at its join).
-                _, full_lo, full_hi, _ = visited_blocks(row0, ROWS, BLOCK_N, seqlen_k, dlo, dhi)
-                inner = gl.minimum(gl.maximum((full_lo - lo + BLOCK_N - 1) // BLOCK_N, 1), n_blocks)
-                past = gl.minimum(gl.maximum((full_hi - lo) // BLOCK_N, inner), n_blocks)
-                bounds = (1, inner, past, n_blocks)
-            for part in gl.static_range(len(bounds) - 1):
-                for j in range(bounds[part], bounds[part + 1]):
-                    n0 = lo + j * BLOCK_N
-                    slot = it % STAGES
-                    phase = (it // STAGES) & 1
-                    v_prev = _values(buf, prev_slot, S)
-                    s = _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH, S)
-                    if S.OVERLAP:
-                        # O += P_{j-1} V_{j-1} goes out with S_j; the softmax below runs under it.
-                        mbarrier.wait(buf.v_ready.index(prev_slot), prev_phase)
-                        pv = _issue_values(p_op, v_prev, acc, o_zero, S)
-                    if S.PINGPONG:
-                        _pass_turn(buf.turn, WHICH)
-                        turns += 1
-                    if S.OVERLAP:
-                        s = warpgroup_mma_wait(1, deps=[s])
-                    else:
-                        s = warpgroup_mma_wait(0, deps=[s])
-                        mbarrier.wait(buf.v_ready.index(prev_slot), prev_phase)
-                        pv = _issue_values(p_op, v_prev, acc, o_zero, S)
-                    mbarrier.arrive(buf.k_empty.index(slot))
-                    if S.LATE_PV:
-                        mbarrier.arrive(buf.v_empty.index(release), pred=j > 1)
-                    block_scale = rows_scale * descales.key_scale(batch, head_k, n0, S)
-                    log2_factor, inverse = descales.p_scale(S)
-                    p, alpha, m_i = _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, block_scale,
-                                                   log2_factor, distance, s_cols, part != 1, S)
-                    l_i = l_i * alpha + _row_reduced(p, False, S.ROW_TREES) * inverse
-                    p_old = p_op
-                    # p_op of the previous block is read by the in-flight wgmma: keep it alive until here.
-                    pv, p_op = _wait_values(pv, p_op)
-                    if S.LATE_PV:
-                        # ptxas hoists the wait to the first of these that it can move above the
-                        # softmax: V's slot is freed a block later (its barrier and arrive went up
-                        # with the wait), O's update waits for the row sum (the same factor: the
-                        # sum is at least 0) and P_{j-1}'s registers stay taken until P_j's.
-                        release = prev_slot
-                        alpha_prev = gl.maximum(alpha_prev,
-                                                alpha_prev * gl.minimum(gl.convert_layout(l_i, o_rows), 0.0)[:, None])
-                    else:
-                        mbarrier.arrive(buf.v_empty.index(prev_slot))
-                    acc, alpha_prev, v_unit = _add_values(acc, pv, gl.convert_layout(alpha, o_rows)[:, None],
-                                                          alpha_prev, v_unit,
-                                                          descales.value_scale(batch, head_k, n0 - BLOCK_N, S),
-                                                          descales.value_scale(batch, head_k, n0, S), S.FRESH_PV)
-                    p = _dropped(p, drop, rows, n0, dtype, s_layout, S)
-                    p_op = _p_operand(p, dtype, p_layout, S.FP8)
-                    if S.LATE_PV:
-                        later = _zero_after(gl.convert_layout(l_i, gl.SliceLayout(1, p_old.type.layout))
-                                            .to(gl.int32, bitcast=True))
-                        p_op = p_op | (p_old & later[:, None])
-                    prev_slot = slot
-                    prev_phase = phase
-                    it += 1
-            if S.LATE_PV:
-                mbarrier.arrive(buf.v_empty.index(release), pred=n_blocks > 1)
+            for j in range(1, n_blocks):
+                n0 = lo + j * BLOCK_N
+                slot = it % STAGES
+                phase = (it // STAGES) & 1
+                v_prev = _values(buf, prev_slot, S)
+                s = _issue_scores(q_op, buf, slot, phase, turns, s_zero, WHICH, S)
+                if S.OVERLAP:
+                    # O += P_{j-1} V_{j-1} goes out with S_j; the softmax below runs under it.
+                    mbarrier.wait(buf.v_ready.index(prev_slot), prev_phase)
+                    pv = _issue_values(p_op, v_prev, acc, o_zero, S)
+                if S.PINGPONG:
+                    _pass_turn(buf.turn, WHICH)
+                    turns += 1
+                if S.OVERLAP:
+                    s = warpgroup_mma_wait(1, deps=[s])
+                else:
+                    s = warpgroup_mma_wait(0, deps=[s])
+                    mbarrier.wait(buf.v_ready.index(prev_slot), prev_phase)
+                    pv = _issue_values(p_op, v_prev, acc, o_zero, S)
+                mbarrier.arrive(buf.k_empty.index(slot))
+                block_scale = rows_scale * descales.key_scale(batch, head_k, n0, S)
+                log2_factor, inverse = descales.p_scale(S)
+                p, alpha, m_i = _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, block_scale,
+                                               log2_factor, distance, s_cols, S)
+                l_i = l_i * alpha + _row_reduced(p, False, S.ROW_TREES) * inverse
+                # p_op of the previous block is read by the in-flight wgmma: keep it alive until here.
+                pv, p_op = _wait_values(pv, p_op)
+                mbarrier.arrive(buf.v_empty.index(prev_slot))
+                acc, alpha_prev, v_unit = _add_values(acc, pv, gl.convert_layout(alpha, o_rows)[:, None], alpha_prev,
+                                                      v_unit, descales.value_scale(batch, head_k, n0 - BLOCK_N, S),
+                                                      descales.value_scale(batch, head_k, n0, S), S.FRESH_PV)
+                p = _dropped(p, drop, rows, n0, dtype, s_layout, S)
+                p_op = _p_operand(p, dtype, p_layout, S.FP8)
+                prev_slot = slot
+                prev_phase = phase
+                it += 1
             if not S.Q_IN_REGISTERS:
                 # The last S = Q K^T has completed: the producer may load the next tile's Q into
                 # this buffer under the last PV product and the epilogue (d256 has one Q buffer).
@@ -1089,11 +1047,11 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, sqb, sqs, sqh, K, skb, sks, s
                 DYNAMIC: gl.constexpr, Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 Q_IN_REGISTERS: gl.constexpr, LEFT_EDGE: gl.constexpr, SCORE: gl.constexpr, DISTANCE: gl.constexpr,
                 BOUNDED: gl.constexpr, FP8: gl.constexpr, FRESH_PV: gl.constexpr, CHECK_FINITE: gl.constexpr,
-                VARLEN: gl.constexpr, DROPOUT: gl.constexpr, FMA_EXP2: gl.constexpr, LATE_PV: gl.constexpr,
+                VARLEN: gl.constexpr, DROPOUT: gl.constexpr, FMA_EXP2: gl.constexpr,
                 ROW_TREES: gl.constexpr):
     S: gl.constexpr = Schedule(ROWS, BLOCK_N, HEAD_DIM_PAD, HEAD_DIM_V_PAD, QK_SLICES, STAGES, CONSUMERS, Q_SLOTS,
                                O_BUFFERS, PINGPONG, OVERLAP, PERSISTENT, DYNAMIC, Q_IN_REGISTERS, LEFT_EDGE, SCORE,
-                               DISTANCE, BOUNDED, FP8, FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT, FMA_EXP2, LATE_PV,
+                               DISTANCE, BOUNDED, FP8, FRESH_PV, CHECK_FINITE, VARLEN, DROPOUT, FMA_EXP2,
                                ROW_TREES)
     buf = Buffers.allocate(q_desc, k_desc, v_desc, o_desc, S)
     score_args = values(score_args)  # an ALiBi batch stride of 1 comes specialised
@@ -1175,7 +1133,7 @@ def kernel_constants(p, cfg, element_size, out_element_size=None, dtype=None):
                 # the masking rule (_exact_rows).  Not float8 (the recomputation reads operands
                 # without their descales): a non-finite input stays so.
                 CHECK_FINITE=(p.banded or p.varlen) and not p.fp8, VARLEN=p.varlen, DROPOUT=p.dropout,
-                FMA_EXP2=cfg.exp2_on_fma, LATE_PV=cfg.late_pv_wait, ROW_TREES=cfg.row_trees)
+                FMA_EXP2=cfg.exp2_on_fma, ROW_TREES=cfg.row_trees)
 
 
 # The widest logit range (log2 units) the softmax takes from a fixed reference point: P stays at
