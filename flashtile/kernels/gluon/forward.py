@@ -508,6 +508,14 @@ def _block_softmax(s, m_i, site, rows, row0, n0, seqlen_k, dlo, dhi, scale_log2,
 
 
 @gluon.jit
+def _key_halves(x):
+    """An MMA accumulator's (rows, keys) tile as its two (rows, g, t) halves along e: a thread
+    holds keys 8g + 2t + e of its rows, t its lane of 4, e and g in its registers (so no value
+    moves between threads; _row_tree and _exp2_fma_share take their parts along e and g)."""
+    return gl.split(gl.reshape(x, [x.shape[0], x.shape[1] // 8, 4, 2]))
+
+
+@gluon.jit
 def _combined(a, b, IS_MAX: gl.constexpr):
     if IS_MAX:
         return gl.maximum(a, b)
@@ -529,13 +537,13 @@ def _row_tree(x, IS_MAX: gl.constexpr):
     """Each row's maximum (IS_MAX) or sum of an MMA accumulator tile (rows, keys): over a
     thread's registers as a tree, then across the row's 4 lanes.  Triton's reduction folds a
     thread's keys of a row (32 of 128) in a chain as long, on the softmax's critical path; the
-    tree takes the same instructions at a depth of 5.  A thread holds keys 8g + 2t + e of its
-    rows (t its lane of 4): pairs along e first, then along g."""
+    tree takes the same instructions at a depth of 5: pairs along e first, then along g
+    (_key_halves)."""
     R: gl.constexpr = x.shape[0]
     N: gl.constexpr = x.shape[1]
     gl.static_assert(N >= 16 and N <= 256 and (N & (N - 1)) == 0, "keys a power of two, 16 to 256")
-    a, b = gl.split(gl.reshape(x, [R, N // 2, 2]))
-    y = gl.permute(gl.reshape(_combined(a, b, IS_MAX), [R, N // 8, 4]), (0, 2, 1))  # (rows, t, g)
+    a, b = _key_halves(x)
+    y = gl.permute(_combined(a, b, IS_MAX), (0, 2, 1))  # (rows, t, g)
     if N >= 256:
         y = _halve(y, IS_MAX)
     if N >= 128:
@@ -579,15 +587,15 @@ def _fma_quarter(x):
 @gluon.jit
 def _exp2_fma_share(x, SHARE: gl.constexpr):
     """2**x of an MMA accumulator's (rows, keys) tile with 1 / SHARE of its keys (2, 4, 8; 0: none)
-    on the FMA pipe (tiles.exp2_fma), the rest on the MUFU: a thread holds keys 8g + 2t + e of each
-    row for its t, e and g in registers, so the parts are taken along e and g, and no value moves."""
+    on the FMA pipe (tiles.exp2_fma), the rest on the MUFU: the parts are taken along e and g of
+    each thread's keys (_key_halves), so no value moves."""
     if SHARE == 0:
         p = gl.exp2(x)
     else:
         gl.static_assert(SHARE == 2 or SHARE == 4 or SHARE == 8, "a half, a quarter or an eighth of the keys")
         R: gl.constexpr = x.shape[0]
         N: gl.constexpr = x.shape[1]
-        even, odd = gl.split(gl.reshape(x, [R, N // 8, 4, 2]))
+        even, odd = _key_halves(x)
         if SHARE == 2:
             odd = exp2_fma(odd)
         elif SHARE == 4:
