@@ -70,11 +70,16 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if varlen:
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = validation.varlen_arguments(
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
-        if seqused is not None and any(x is not None for x in seqused):
-            validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0],
-                                           k.shape[0])
-            cu_seqlens_q, cu_seqlens_k = (validation.used_rows(name, used, cu, q.device) for name, used, cu in (
-                ("seqused_q", seqused[0], cu_seqlens_q), ("seqused_k", seqused[1], cu_seqlens_k)))
+        used = seqused if seqused is not None else (None, None)
+        # Rows after the last sequence (padded buffers, as flash_attn takes them) are unused rows:
+        # the used-rows tables, whose other rows get output 0, logsumexp +inf and no gradient.
+        # (Not while torch.compile traces: the host read would break the graph, and the
+        # attention op's own check refuses such rows.)
+        spare = not torch.compiler.is_compiling() and validation.check_offset_values(
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0], spare_rows=True)
+        if spare or any(x is not None for x in used):
+            cu_seqlens_q, cu_seqlens_k = (validation.used_rows(name, rows, cu, q.device) for name, rows, cu in (
+                ("seqused_q", used[0], cu_seqlens_q), ("seqused_k", used[1], cu_seqlens_k)))
     else:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
     batch = (cu_seqlens_q.shape[0] if cu_seqlens_q.dim() == 2 else cu_seqlens_q.numel() - 1) if varlen else q.shape[0]
@@ -184,8 +189,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     q: (total_q, nheads, headdim), k/v: (total_k, nheads_k, headdim); cu_seqlens_*: int32
     (batch + 1,) offsets; max_seqlen_*: at least the longest sequence.  softmax_lse is
-    (nheads, total_q).  The offsets' values are checked on the host (one device-to-host copy),
-    except while a CUDA graph is being captured, where the kernels clamp them to the tensors.
+    (nheads, total_q).  Rows after cu_seqlens_*[-1] (padded buffers) belong to no sequence: their
+    output is 0, their logsumexp +inf, and they get no gradient (refused while torch.compile
+    traces: that would read the offsets on the host).  The offsets' values are checked
+    on the host (one device-to-host copy), except while a CUDA graph is being captured, where the
+    kernels clamp them to the tensors and such rows are left as they are.
     """
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k are required for flash_attn_varlen_func")

@@ -208,28 +208,35 @@ def trust_offsets(cu, last: int, longest: int):
     _CHECKED_OFFSETS.put(cu, (last, longest))
 
 
-def check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
+def check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k,
+                        spare_rows=False) -> bool:
     """The offsets' values (of offsets of one length: varlen_arguments): from 0,
-    non-decreasing, ending at the token counts, within the max_seqlen given.  Reading them costs
-    one device-to-host copy, once for offsets passed again unchanged (skipped where that cannot
-    happen: under CUDA-graph capture the kernels clamp every offset to the tensors instead)."""
+    non-decreasing, ending at the token counts (with ``spare_rows``, at or before them: rows after
+    the last sequence, as flash_attn takes from padded buffers), within the max_seqlen given.
+    Whether either ends before its tensor's rows.  Reading them costs one device-to-host copy, once
+    for offsets passed again unchanged (skipped where that cannot happen: under CUDA-graph capture
+    the kernels clamp every offset to the tensors instead, and no rows are taken as spare)."""
     if cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
+        return False
+    early = False
     for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
                                      ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
         known = _CHECKED_OFFSETS.get(cu)
-        if known is not None and known[0] == total and known[1] <= max_len:
+        if known is not None and (known[0] == total or spare_rows and known[0] < total) and known[1] <= max_len:
+            early = early or known[0] < total
             continue
         values = cu.cpu()  # (read again where what was kept disagrees: it may have been written since)
         lengths = values[1:] - values[:-1]
         if values[0] != 0 or (lengths < 0).any():
             raise ValueError(f"{name} must start at 0 and be non-decreasing, got {values.tolist()}")
         last, longest = int(values[-1]), int(lengths.max()) if lengths.numel() else 0
-        if last != total:
+        if last > total or last < total and not spare_rows:
             raise ValueError(f"{name}[-1] = {last} but the tensor has {total} tokens")
         if max_len < longest:
             raise ValueError(f"max_seqlen for {name} must be >= the longest sequence ({longest}), got {max_len}")
         trust_offsets(cu, last, longest)
+        early = early or last < total
+    return early
 
 
 def feature_options(dropout_p, softcap) -> tuple[float, float]:

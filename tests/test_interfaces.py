@@ -270,6 +270,40 @@ def test_flash_attention_3_seqused():
         assert (q.grad[unused_q] == 0).all() and (k.grad[unused_k] == 0).all() and (v.grad[unused_k] == 0).all()
 
 
+@pytest.mark.parametrize("version", ["v2", "v3", "tiled"])
+def test_varlen_buffers_with_rows_after_the_last_sequence(version):
+    # Padded buffers (as flash_attn takes them): q, k and v hold rows after cu_seqlens[-1], here
+    # NaN, which no sequence reads; those rows of the output are 0 (lse +inf) and get no gradient,
+    # the sequences' follow the FA rule against the float64 reference.
+    torch.manual_seed(1)
+    lengths, spare_q, spare_k = [20, 13], 7, 5
+    cu = torch.tensor([0, 20, 33], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(33 + spare_q, 2, 32, dtype=DTYPE, device=DEVICE)
+    k, v = (torch.randn(33 + spare_k, 2, 32, dtype=DTYPE, device=DEVICE) for _ in range(2))
+    for x in (q, k, v):
+        x[33:] = float("nan")
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, 20, 20, causal=True, return_attn_probs=True,
+                                         version=version)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    for s0, n in zip((0, 20), lengths):
+        rows = slice(s0, s0 + n)
+        parts = [x.detach()[None, rows] for x in (q, k, v)]
+        oracle, _, oracle_grads = run_and_grad(lambda a, b, c: standard_attention(a, b, c, causal=True, upcast=True),
+                                               *parts, dout[None, rows].double())
+        pt, _, pt_grads = run_and_grad(lambda a, b, c: standard_attention(a, b, c, causal=True), *parts,
+                                       dout[None, rows])
+        assert_within_rule("out", out[None, rows], pt, oracle, (2.0, 1e-5))
+        for name, x, g_pt, g_ref in zip("qkv", (q, k, v), pt_grads, oracle_grads):
+            assert_within_rule(f"d{name}", x.grad[None, rows], g_pt, g_ref, (3.0, 1e-4))
+    assert (out[33:] == 0).all() and (lse[:, 33:] == float("inf")).all()
+    assert all((x.grad[33:] == 0).all() for x in (q, k, v))
+    # Offsets past the tensor's rows are refused by name.
+    with pytest.raises(ValueError, match=r"cu_seqlens_k\[-1\] = 33 but the tensor has 30 tokens"):
+        flash_attn_varlen_func(q, k[:30], v[:30], cu, cu, 20, 20, version=version)
+
+
 def test_bert_padding_round_trip_through_the_varlen_call():
     # flash_attn.bert_padding's helpers: padded q, k, v unpadded by a key-padding mask, the varlen
     # call, the output padded back: each sequence as its own call, zeros at padding, gradients
