@@ -8,7 +8,7 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
-from flashtile import dispatch, kept_calls, ops, options, reference, validation
+from flashtile import dispatch, kept_calls, kvcache, ops, options, reference, validation
 from flashtile.kernels import dropout
 
 
@@ -184,7 +184,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, *, sinks=None, version="auto", kernel_options=None):
+                           return_attn_probs=False, block_table=None, *, sinks=None, version="auto",
+                           kernel_options=None):
     """Sequences of different lengths packed along the token dim.
 
     q: (total_q, nheads, headdim), k/v: (total_k, nheads_k, headdim); cu_seqlens_*: int32
@@ -193,10 +194,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     output is 0, their logsumexp +inf, and they get no gradient (refused while torch.compile
     traces: that would read the offsets on the host).  The offsets' values are checked
     on the host (one device-to-host copy), except while a CUDA graph is being captured, where the
-    kernels clamp them to the tensors and such rows are left as they are.
+    kernels clamp them to the tensors and such rows are left as they are.  ``block_table``
+    (batch, max_blocks) int32, flash_attn's paged K/V: k and v are (num_blocks, page_size,
+    nheads_k, headdim) pages, sequence b's keys the first cu_seqlens_k[b + 1] - cu_seqlens_k[b]
+    rows of its pages in order, gathered into a packed copy before the call (gradients flow back
+    to the pages; flash_attn_with_kvcache reads pages in place).
     """
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k are required for flash_attn_varlen_func")
+    if block_table is not None:
+        k, v = kvcache.paged_varlen_keys(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                       causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, sinks, version,
                       kernel_options)

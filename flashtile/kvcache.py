@@ -134,6 +134,46 @@ def _gathered(k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity)
     return k_cache[outer, inner], v_cache[outer, inner], offsets
 
 
+def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """flash_attn_varlen_func's paged keys and values: k_cache, v_cache (num_blocks, page_size,
+    nheads_k, headdim), block_table (batch, max_blocks) int32, sequence b's keys the first
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages in the table's order.  Gathered
+    (``_gathered``) into the packed (total_k, nheads_k, headdim) k and v the varlen call takes: a
+    copy, whose gradients flow back to the pages.  Entries are clamped to the cache as the decode
+    kernel clamps them (checked on the host where the table is in host memory)."""
+    _same_kind("k_cache", k_cache, q)
+    validation.check_tensor("v_cache", v_cache)
+    if v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3] or v_cache.dtype != q.dtype \
+            or v_cache.device != q.device:
+        raise ValueError(f"with block_table, v_cache must be (num_blocks, page_size, nheads_k, headdim_v) as "
+                         f"k_cache's pages {tuple(k_cache.shape[:3])}, of q's dtype and device, got "
+                         f"{tuple(v_cache.shape)} {v_cache.dtype} on {v_cache.device}")
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise NotImplementedError("block_table in flash_attn_varlen_func gathers the pages on the host's count of "
+                                  "keys: not under CUDA-graph capture (flash_attn_with_kvcache reads pages in place)")
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = validation.varlen_arguments(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
+    batch = cu_seqlens_k.numel() - 1
+    validation.check_tensor("block_table", block_table)
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] == 0:
+        raise ValueError(f"block_table must be (batch={batch}, max_blocks), got {tuple(block_table.shape)}")
+    block_table = _int32_table("block_table", block_table, block_table.shape, q.device)
+    pages, page_size = k_cache.shape[:2]
+    capacity = block_table.shape[1] * page_size
+    # (the keys' count is what the offsets say: any end is taken here, the longest checked below)
+    validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], 2**31 - 1,
+                                   spare_rows=True)
+    longest = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if batch else 0
+    if longest > capacity:
+        raise ValueError(f"block_table holds {capacity} keys a sequence ({block_table.shape[1]} pages of "
+                         f"{page_size}), fewer than the longest sequence's {longest}")
+    if not block_table.is_cuda and ((block_table < 0) | (block_table >= pages)).any():
+        raise ValueError(f"block_table entries must index the cache's {pages} pages")
+    ends = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    k, v, _ = _gathered(k_cache, v_cache, ends, None, None, block_table, capacity)
+    return k, v
+
+
 def _tiled_forward(q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity, scale, window, softcap,
                    alibi_slopes, opts, packed=None):
     """(out, lse) of the PyTorch path: the sequences' keys gathered (``_gathered``) into one varlen

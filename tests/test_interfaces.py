@@ -304,6 +304,44 @@ def test_varlen_buffers_with_rows_after_the_last_sequence(version):
         flash_attn_varlen_func(q, k[:30], v[:30], cu, cu, 20, 20, version=version)
 
 
+def test_varlen_with_paged_keys():
+    # flash_attn's block_table in the varlen call: k and v as pages (of 4, shuffled), sequence b's
+    # keys the first rows of its pages; the same output (bits) and gradients as the packed keys,
+    # each page's gradient where its rows were read; tables too small or out of range refused.
+    torch.manual_seed(2)
+    lengths_k, page, pages = [13, 7], 4, 12
+    cu_q = torch.tensor([0, 5, 14], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 13, 20], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(14, 4, 32, dtype=DTYPE, device=DEVICE)
+    k_pages, v_pages = (torch.randn(pages, page, 2, 32, dtype=DTYPE, device=DEVICE) for _ in range(2))
+    table = torch.randperm(pages, device=DEVICE)[:8].view(2, 4).int()
+    rows = [table[b].long().repeat_interleave(page)[:n] * page + torch.arange(n, device=DEVICE) % page
+            for b, n in enumerate(lengths_k)]
+    index = torch.cat(rows)
+    k, v = (x.flatten(0, 1)[index] for x in (k_pages, v_pages))
+    dout = torch.randn(14, 4, 32, dtype=DTYPE, device=DEVICE)
+    ref, _, ref_grads = run_and_grad(lambda a, b, c: flash_attn_varlen_func(a, b, c, cu_q, cu_k, 9, 13, causal=True),
+                                     q, k, v, dout)
+    out, _, grads = run_and_grad(lambda a, b, c: flash_attn_varlen_func(a, b, c, cu_q, cu_k, 9, 13, causal=True,
+                                                                        block_table=table), q, k_pages, v_pages, dout)
+    assert torch.equal(out, ref) and torch.equal(grads[0], ref_grads[0])
+    for paged, packed in zip(grads[1:], ref_grads[1:]):
+        expected = torch.zeros(pages * page, 2, 32, dtype=torch.float32, device=DEVICE).index_add_(
+            0, index, packed.float())
+        torch.testing.assert_close(paged.flatten(0, 1).float(), expected, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="block_table holds 8 keys a sequence"):
+        flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 9, 13, block_table=table[:, :2])
+    with pytest.raises(ValueError, match=r"block_table must be \(batch=2, max_blocks\)"):
+        flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 9, 13, block_table=table[:1])
+    with pytest.raises(TypeError, match="block_table must be torch.int32"):
+        flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 9, 13, block_table=table.long())
+    if not table.is_cuda:
+        with pytest.raises(ValueError, match="must index the cache's 12 pages"):
+            flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 9, 13, block_table=table + pages)
+    with pytest.raises(ValueError, match="v_cache must be"):
+        flash_attn_varlen_func(q, k_pages, v_pages[:6], cu_q, cu_k, 9, 13, block_table=table)
+
+
 def test_bert_padding_round_trip_through_the_varlen_call():
     # flash_attn.bert_padding's helpers: padded q, k, v unpadded by a key-padding mask, the varlen
     # call, the output padded back: each sequence as its own call, zeros at padding, gradients
