@@ -141,12 +141,12 @@ def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens
     (``_gathered``) into the packed (total_k, nheads_k, headdim) k and v the varlen call takes: a
     copy, whose gradients flow back to the pages.  Entries are clamped to the cache as the decode
     kernel clamps them (checked on the host where the table is in host memory)."""
-    _same_kind("k_cache", k_cache, q)
-    validation.check_tensor("v_cache", v_cache)
+    _same_kind("k", k_cache, q)  # (named as flash_attn_varlen_func names them)
+    validation.check_tensor("v", v_cache)
     if v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3] or v_cache.dtype != q.dtype \
             or v_cache.device != q.device:
-        raise ValueError(f"with block_table, v_cache must be (num_blocks, page_size, nheads_k, headdim_v) as "
-                         f"k_cache's pages {tuple(k_cache.shape[:3])}, of q's dtype and device, got "
+        raise ValueError(f"with block_table, v must be (num_blocks, page_size, nheads_k, headdim_v) pages as "
+                         f"k's {tuple(k_cache.shape[:3])}, of q's dtype and device, got "
                          f"{tuple(v_cache.shape)} {v_cache.dtype} on {v_cache.device}")
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise NotImplementedError("block_table in flash_attn_varlen_func gathers the pages on the host's count of "

@@ -338,7 +338,7 @@ def test_varlen_with_paged_keys():
     if not table.is_cuda:
         with pytest.raises(ValueError, match="must index the cache's 12 pages"):
             flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 9, 13, block_table=table + pages)
-    with pytest.raises(ValueError, match="v_cache must be"):
+    with pytest.raises(ValueError, match="with block_table, v must be"):
         flash_attn_varlen_func(q, k_pages, v_pages[:6], cu_q, cu_k, 9, 13, block_table=table)
 
 
