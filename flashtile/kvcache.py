@@ -87,6 +87,14 @@ def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache
         raise ValueError(f"block_table entries must index the cache's {pages} pages")
 
 
+def _block_table(block_table, batch, device):
+    """``block_table`` checked as a (batch, max_blocks) int32 table on ``device``, contiguous."""
+    validation.check_tensor("block_table", block_table)
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] == 0:
+        raise ValueError(f"block_table must be (batch={batch}, max_blocks), got {tuple(block_table.shape)}")
+    return _int32_table("block_table", block_table, block_table.shape, device)
+
+
 def _positions(seqlens, count, batch, device, limit):
     """(batch, count) positions seqlens + [0, count) of each sequence; ``seqlens`` an int (its
     value checked) or a (batch,) tensor, whose positions are clamped to [0, limit): a wrong
@@ -153,24 +161,19 @@ def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens
                                   "keys: not under CUDA-graph capture (flash_attn_with_kvcache reads pages in place)")
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = validation.varlen_arguments(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
-    batch = cu_seqlens_k.numel() - 1
-    validation.check_tensor("block_table", block_table)
-    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] == 0:
-        raise ValueError(f"block_table must be (batch={batch}, max_blocks), got {tuple(block_table.shape)}")
-    block_table = _int32_table("block_table", block_table, block_table.shape, q.device)
+    block_table = _block_table(block_table, cu_seqlens_k.numel() - 1, q.device)
     pages, page_size = k_cache.shape[:2]
     capacity = block_table.shape[1] * page_size
     # (the keys' count is what the offsets say: any end is taken here, the longest checked below)
     validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], 2**31 - 1,
                                    spare_rows=True)
-    longest = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if batch else 0
+    _, longest = validation.read_offsets(cu_seqlens_k)
     if longest > capacity:
         raise ValueError(f"block_table holds {capacity} keys a sequence ({block_table.shape[1]} pages of "
                          f"{page_size}), fewer than the longest sequence's {longest}")
-    if not block_table.is_cuda and ((block_table < 0) | (block_table >= pages)).any():
-        raise ValueError(f"block_table entries must index the cache's {pages} pages")
-    ends = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
-    k, v, _ = _gathered(k_cache, v_cache, ends, None, None, block_table, capacity)
+    _check_values(0, 0, capacity, None, None, 0, block_table, pages)
+    k, v, _ = _gathered(k_cache, v_cache, (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long(), None, None, block_table,
+                        capacity)
     return k, v
 
 
@@ -269,10 +272,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise NotImplementedError("flash_attn_with_kvcache is forward only (as flash_attn's): call it under "
                                   "torch.no_grad() or with tensors that do not require grad")
     if block_table is not None:
-        validation.check_tensor("block_table", block_table)
-        if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] == 0:
-            raise ValueError(f"block_table must be (batch={batch}, max_blocks), got {tuple(block_table.shape)}")
-        block_table = _int32_table("block_table", block_table, block_table.shape, q.device)
+        block_table = _block_table(block_table, batch, q.device)
     paged = block_table is not None
     if paged and cache_batch_idx is not None:
         raise NotImplementedError("block_table with cache_batch_idx is not supported (the table picks each "

@@ -202,6 +202,11 @@ def varlen_arguments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dev
 _CHECKED_OFFSETS = KeptByTensor()
 
 
+def read_offsets(cu) -> tuple[int, int]:
+    """(last value, longest sequence) of offsets check_offset_values has read."""
+    return _CHECKED_OFFSETS.get(cu)
+
+
 def trust_offsets(cu, last: int, longest: int):
     """Take offsets built from checked ones as checked: from 0 (or a checked start), non-decreasing,
     ending at ``last``, no sequence longer than ``longest``."""

@@ -122,6 +122,8 @@ def fresh_pv(p) -> bool:
     """Whether problem ``p``'s Gluon forward sums each block's float8 P V product into O in
     float32 (float8 MMAs accumulate in fewer bits): float8 up to FRESH_PV_MAX_HEAD_DIM."""
     return bool(p.fp8) and p.head_dim_v_pad <= FRESH_PV_MAX_HEAD_DIM
+
+
 # Three consumer warpgroups (192-row tiles, 160 registers each, as FlashAttention-3's d64
 # forward) pay at d64 once there are enough query rows to fill them: from this many rows,
 # without and with a band; float8 inputs (half the MMA time, the same softmax) already at 4k
