@@ -145,10 +145,10 @@ def _gathered(k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity)
 def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """flash_attn_varlen_func's paged keys and values: k_cache, v_cache (num_blocks, page_size,
     nheads_k, headdim), block_table (batch, max_blocks) int32, sequence b's keys the first
-    cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages in the table's order.  Gathered
-    (``_gathered``) into the packed (total_k, nheads_k, headdim) k and v the varlen call takes: a
-    copy, whose gradients flow back to the pages.  Entries are clamped to the cache as the decode
-    kernel clamps them (checked on the host where the table is in host memory)."""
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages in the table's order.  Gathered into
+    the packed (total_k, nheads_k, headdim) k and v the varlen call takes: a copy, whose
+    gradients flow back to the pages.  Entries are clamped to the cache as the decode kernel
+    clamps them (checked on the host where the table is in host memory)."""
     _same_kind("k", k_cache, q)  # (named as flash_attn_varlen_func names them)
     validation.check_tensor("v", v_cache)
     if v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3] or v_cache.dtype != q.dtype \
@@ -167,14 +167,19 @@ def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens
     # (the keys' count is what the offsets say: any end is taken here, the longest checked below)
     validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], 2**31 - 1,
                                    spare_rows=True)
-    _, longest = validation.read_offsets(cu_seqlens_k)
+    total, longest = validation.read_offsets(cu_seqlens_k)
     if longest > capacity:
         raise ValueError(f"block_table holds {capacity} keys a sequence ({block_table.shape[1]} pages of "
                          f"{page_size}), fewer than the longest sequence's {longest}")
     _check_values(0, 0, capacity, None, None, 0, block_table, pages)
-    k, v, _ = _gathered(k_cache, v_cache, (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long(), None, None, block_table,
-                        capacity)
-    return k, v
+    # Each packed key's sequence and position in it, from the host's count of keys (no
+    # boolean mask, whose count the host would wait for).
+    offsets = cu_seqlens_k.long()
+    sequence = torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=q.device), offsets[1:] - offsets[:-1],
+                                       output_size=total)
+    position = torch.arange(total, device=q.device) - offsets[sequence]
+    page = block_table.long()[sequence, position // page_size].clamp_(0, pages - 1)
+    return k_cache[page, position % page_size], v_cache[page, position % page_size]
 
 
 def _tiled_forward(q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity, scale, window, softcap,
