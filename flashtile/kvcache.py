@@ -105,16 +105,19 @@ def _positions(seqlens, count, batch, device, limit):
     return (seqlens.long()[:, None] + steps).clamp_(0, limit - 1)
 
 
-def _cache_slots(k_cache, positions, batch_idx, block_table):
-    """Where ``positions`` (batch, n) of each sequence lie in the cache: (cache row or page, row in
-    it), rows and pages clamped to the cache, as the kernel reads them."""
+def _cache_slots(k_cache, positions, batch_idx, block_table, sequences=None):
+    """Where ``positions`` of the sequences lie in the cache: (cache row or page, row in it), rows
+    and pages clamped to the cache, as the kernel reads them.  ``positions`` (batch, n), row b
+    sequence b's; or, with ``sequences`` of the same shape, each position's sequence beside it
+    (packed keys)."""
     last = k_cache.shape[0] - 1
+    if sequences is None:
+        sequences = torch.arange(positions.shape[0], device=positions.device)[:, None]
     if block_table is not None:
         page_size = k_cache.shape[1]
-        return block_table.long().gather(1, positions // page_size).clamp_(0, last), positions % page_size
-    rows = torch.arange(positions.shape[0], device=positions.device) if batch_idx is None else \
-        batch_idx.long().clamp(0, last)
-    return rows[:, None].expand_as(positions), positions
+        return block_table.long()[sequences, positions // page_size].clamp_(0, last), positions % page_size
+    rows = sequences if batch_idx is None else batch_idx.long().clamp(0, last)[sequences]
+    return rows.expand_as(positions), positions
 
 
 def _append(k_cache, v_cache, k, v, positions, batch_idx, block_table):
@@ -178,8 +181,8 @@ def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens
     sequence = torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=q.device), offsets[1:] - offsets[:-1],
                                        output_size=total)
     position = torch.arange(total, device=q.device) - offsets[sequence]
-    page = block_table.long()[sequence, position // page_size].clamp_(0, pages - 1)
-    return k_cache[page, position % page_size], v_cache[page, position % page_size]
+    page, row = _cache_slots(k_cache, position, None, block_table, sequence)
+    return k_cache[page, row], v_cache[page, row]
 
 
 def _tiled_forward(q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity, scale, window, softcap,
