@@ -129,20 +129,31 @@ def _append(k_cache, v_cache, k, v, positions, batch_idx, block_table):
     v_cache.index_put_(index, v)
 
 
+def _packed_positions(offsets, total, starts=None):
+    """Each packed key's (sequence, position in it), sequences packed one after another at
+    ``offsets`` (batch + 1, int64), ``total`` keys in all as the host knows it (no count to wait
+    for); positions count from ``starts`` (batch,) where given, else from 0."""
+    device = offsets.device
+    sequence = torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=device), offsets[1:] - offsets[:-1],
+                                       output_size=total)
+    position = torch.arange(total, device=device) - offsets[sequence]
+    if starts is not None:
+        position += starts[sequence]
+    return sequence, position
+
+
 def _gathered(k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity):
     """Each sequence's keys and values, [start, end) of its cache row or pages, packed one sequence
     after another as (total, heads_k, head_dim), and their int32 offsets (batch + 1,).  ``ends``
     (batch,): where each sequence ends.  Clamped as the kernel clamps: the end to [0, capacity],
-    the start to [0, end], rows and pages to the cache."""
-    batch, device = ends.shape[0], k_cache.device
-    ends = ends.clamp(0, capacity)
+    the start to [0, end], rows and pages to the cache.  The keys' count is read on the host."""
+    ends = ends.long().clamp(0, capacity)
     starts = torch.zeros_like(ends) if leftpad is None else torch.minimum(leftpad.long().clamp(min=0), ends)
-    slots = torch.arange(capacity, device=device).expand(batch, capacity)
-    kept = (slots >= starts[:, None]) & (slots < ends[:, None])  # (batch, capacity), sequence by sequence
-    outer, inner = (x[kept] for x in _cache_slots(k_cache, slots, batch_idx, block_table))
-    offsets = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-    offsets[1:] = kept.sum(1).cumsum(0)
-    return k_cache[outer, inner], v_cache[outer, inner], offsets
+    offsets = torch.zeros(ends.shape[0] + 1, dtype=torch.long, device=ends.device)
+    offsets[1:] = (ends - starts).cumsum(0)
+    sequence, position = _packed_positions(offsets, int(offsets[-1]), starts)
+    outer, inner = _cache_slots(k_cache, position, batch_idx, block_table, sequence)
+    return k_cache[outer, inner], v_cache[outer, inner], offsets.int()
 
 
 def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
@@ -175,12 +186,8 @@ def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens
         raise ValueError(f"block_table holds {capacity} keys a sequence ({block_table.shape[1]} pages of "
                          f"{page_size}), fewer than the longest sequence's {longest}")
     _check_values(0, 0, capacity, None, None, 0, block_table, pages)
-    # Each packed key's sequence and position in it, from the host's count of keys (no
-    # boolean mask, whose count the host would wait for).
-    offsets = cu_seqlens_k.long()
-    sequence = torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=q.device), offsets[1:] - offsets[:-1],
-                                       output_size=total)
-    position = torch.arange(total, device=q.device) - offsets[sequence]
+    # (the keys' count from the offsets already read: nothing waits on the device here)
+    sequence, position = _packed_positions(cu_seqlens_k.long(), total)
     page, row = _cache_slots(k_cache, position, None, block_table, sequence)
     return k_cache[page, row], v_cache[page, row]
 
