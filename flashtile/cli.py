@@ -105,6 +105,8 @@ def parser():
     dec.add_argument("--providers", type=_choices(decode_bench.PROVIDERS), default=list(decode_bench.PROVIDERS))
     dec.add_argument("--kernel-options", default="",
                      help="developer switches for the flashtile providers, e.g. tiles.decode_paged=128,4,4")
+    dec.add_argument("--num-splits", type=lambda text: 0 if text == "0" else _positive_int(text), default=0,
+                     help="the flashtile providers' split count (0: the dispatcher's)")
     dec.add_argument("--out", default="bench_results")
     dec.add_argument("--name", default="decode")
     sub.add_parser("demo", help="flashtile vs standard attention: error against float64, memory, speed")
@@ -223,7 +225,7 @@ def cmd_decode(args):
         return 2
     records = decode_bench.run(args.batches, args.caches, args.providers, args.heads, args.heads_k, args.head_dim,
                                args.page_size, on_error=lambda msg: print(f"failed: {msg}", file=sys.stderr),
-                               kernel_options=kernel_options)
+                               kernel_options=kernel_options, num_splits=args.num_splits)
     if not records:
         print("no provider ran a cell", file=sys.stderr)
         return 1

@@ -16,7 +16,7 @@ import time
 import torch
 import triton
 
-from flashtile import bench, kvcache
+from flashtile import bench, dispatch, kvcache, options
 from flashtile.kernels.problem import cdiv
 
 PROVIDERS = ("flashtile", "flashtile-paged", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient")
@@ -31,14 +31,16 @@ def _inputs(batch, cache, heads, heads_k, head_dim, device):
 
 
 def make_call(provider, batch, cache, heads=32, heads_k=8, head_dim=128, page_size=16, device=None,
-              kernel_options=None):
+              kernel_options=None, num_splits=0):
     """A no-argument call of ``provider`` on one decode cell (inputs made here); ``kernel_options``
-    for the flashtile providers (options.KernelOptions: tiles.decode, tiles.decode_paged)."""
+    (options.KernelOptions: tiles.decode, tiles.decode_paged) and ``num_splits`` (0: the
+    dispatcher's count) for the flashtile providers."""
     device = device or bench.default_device()
     q, k, v = _inputs(batch, cache, heads, heads_k, head_dim, device)
     lengths = torch.full((batch,), cache, dtype=torch.int32, device=device)
     if provider == "flashtile":
-        return lambda: kvcache.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, kernel_options=kernel_options)
+        return lambda: kvcache.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, num_splits=num_splits,
+                                                       kernel_options=kernel_options)
     if provider == "flashtile-paged":
         blocks = cdiv(cache, page_size)
         pad = blocks * page_size - cache
@@ -51,7 +53,8 @@ def make_call(provider, batch, cache, heads=32, heads_k=8, head_dim=128, page_si
         k_pages, v_pages = (x[order.long()] for x in pages)
         block_table = table.view(batch, blocks)
         return lambda: kvcache.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths,
-                                                       block_table=block_table, kernel_options=kernel_options)
+                                                       block_table=block_table, num_splits=num_splits,
+                                                       kernel_options=kernel_options)
     if provider.startswith("sdpa-"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -87,10 +90,22 @@ def measure(provider, batch, cache, **shape):
     return ms, graph_ms, host_us(call)
 
 
+def splits_of(provider, batch, cache, heads, heads_k, head_dim, page_size, device, kernel_options, num_splits):
+    """The split count a flashtile provider runs one cell with (dispatch.decode_plan's; a paged
+    cache's capacity in whole pages), or None for SDPA's."""
+    if not provider.startswith("flashtile"):
+        return None
+    paged = provider == "flashtile-paged"
+    capacity = cdiv(cache, page_size) * page_size if paged else cache
+    q = torch.empty(batch, 1, heads, head_dim, dtype=torch.bfloat16, device=device)
+    return dispatch.decode_plan(q, heads_k, capacity, num_splits, paged, kernel_options or options.ENVIRONMENT).splits
+
+
 def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size=16, on_error=print,
-        kernel_options=None):
+        kernel_options=None, num_splits=0):
     """Records of every (batch, cache, provider); a provider that fails a cell is reported.
-    ``kernel_options`` (options.KernelOptions) go to the flashtile providers and into the records."""
+    ``kernel_options`` (options.KernelOptions) and ``num_splits`` (0: the dispatcher's count) go
+    to the flashtile providers and into the records, with the split count each cell ran."""
     env = bench.environment()
     copy_tbps = bench.ceilings()["copy_tbps"] if torch.cuda.is_available() else None
     records = []
@@ -101,7 +116,7 @@ def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size
                 try:
                     ms, graph_ms, host = measure(provider, batch, cache, heads=heads, heads_k=heads_k,
                                                  head_dim=head_dim, page_size=page_size,
-                                                 kernel_options=kernel_options)
+                                                 kernel_options=kernel_options, num_splits=num_splits)
                 except Exception as e:  # one provider failing must not stop the grid
                     on_error(f"{provider} batch {batch} cache {cache}: {type(e).__name__}: {str(e)[:160]}")
                     continue
@@ -112,7 +127,10 @@ def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size
                                     head_dim=head_dim, page_size=page_size, dtype="bf16", ms=ms,
                                     tbps=kv_bytes / ms / 1e9, graph_ms=graph_ms,
                                     graph_tbps=graph_ms and kv_bytes / graph_ms / 1e9, host_us=host,
-                                    copy_tbps=copy_tbps, kernel_options=str(kernel_options or ""), **env))
+                                    copy_tbps=copy_tbps, kernel_options=str(kernel_options or ""),
+                                    splits=splits_of(provider, batch, cache, heads, heads_k, head_dim, page_size,
+                                                     bench.default_device(), kernel_options, num_splits),
+                                    **env))
     return records
 
 
@@ -125,8 +143,8 @@ def _ratio(by, batch, cache, providers, key):
 
 
 def markdown_table(records):
-    """TB/s per provider for each (batch, cache) cell, eager and from a CUDA graph, and
-    flashtile over the best SDPA backend in each."""
+    """TB/s per provider for each (batch, cache) cell, eager and from a CUDA graph, flashtile
+    over the best SDPA backend in each, and the split count of each flashtile provider."""
     providers = [p for p in PROVIDERS if any(r["provider"] == p for r in records)]
     cells = sorted({(r["batch"], r["cache"]) for r in records})
     by = {(r["batch"], r["cache"], r["provider"]): r for r in records}
@@ -135,7 +153,7 @@ def markdown_table(records):
              f"bf16; K/V bytes read / time in TB/s, CUDA-graph replay (eager call)"
              + (f"; device copy {copy:.2f} TB/s" if copy else "") + f"; paged: pages of {records[0]['page_size']}.",
              "", "| batch | cache | " + " | ".join(providers) + " | flashtile / best SDPA, graph (eager) | "
-             "flashtile host us |", "|---" * (len(providers) + 4) + "|"]
+             "flashtile host us | flashtile splits |", "|---" * (len(providers) + 5) + "|"]
 
     def cell(record):
         eager = f"{record['tbps']:.2f}"
@@ -145,7 +163,10 @@ def markdown_table(records):
         ratio = f"{_ratio(by, batch, cache, providers, 'graph_tbps')} ({_ratio(by, batch, cache, providers, 'tbps')})"
         ours = by.get((batch, cache, "flashtile"))
         host = f"{ours['host_us']:.0f}" if ours else "—"
-        lines.append(f"| {batch} | {cache} | " + " | ".join(row) + f" | {ratio} | {host} |")
+        splits = [str(by[(batch, cache, p)]["splits"]) for p in providers
+                  if by.get((batch, cache, p), {}).get("splits") is not None]
+        lines.append(f"| {batch} | {cache} | " + " | ".join(row) + f" | {ratio} | {host} | "
+                     f"{' / '.join(splits) or '—'} |")
     return "\n".join(lines) + "\n"
 
 

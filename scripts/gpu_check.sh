@@ -31,7 +31,8 @@
 #           alternating with HOST_TREE's flashtile where set (another checkout's root), one table (host_time.md)
 #   decode  decoding over a KV cache: TB/s of K/V read by flashtile (contiguous, paged 16) and
 #           SDPA's backends, batch 1-64 x cache 4k-128k, 32/8 heads, d128 (decode.*; DECODE_ARGS, e.g.
-#           --kernel-options "tiles.decode_paged=128,4,4" for a tile candidate)
+#           --kernel-options "tiles.decode_paged=128,4,4" for a tile candidate, --num-splits 16 for a
+#           split count)
 #   gluon   v3's Gluon forward: its tile sweep at 1k and 16k
 #           (sweep_gluon_*.jsonl)
 #   profile Nsight Compute over v3's kernels on a few bars cells (PROFILE_CASES: "head_dim seqlen

@@ -293,6 +293,17 @@ def test_decode_bench_tiny_grid(tmp_path):
     records = json.loads((tmp_path / "d.json").read_text())
     assert {r["provider"] for r in records} == {"flashtile", "flashtile-paged"}
     assert {r["kernel_options"] for r in records} == {tiles}
+    # Each record keeps the split count its cell ran: the dispatcher's one for 40 keys (fewer than
+    # a split's least, DECODE_MIN_SPLIT_KEYS), or the count --num-splits asks for, as a split
+    # sweep passes it.
+    assert [r["splits"] for r in records] == [1, 1]
+    assert cli.main(["decode", "--batches", "1", "--caches", "40", "--heads", "4", "--heads-k", "2", "--head-dim", "32",
+                 "--providers", "flashtile", "--num-splits", "3", "--out", str(tmp_path), "--name", "s"]) == 0
+    split = json.loads((tmp_path / "s.json").read_text())
+    assert [r["splits"] for r in split] == [3] and "| 1 | 40 |" in (tmp_path / "s.md").read_text()
+    assert (tmp_path / "s.md").read_text().rstrip().endswith("| 3 |")
+    with pytest.raises(SystemExit):
+        cli.main(["decode", "--num-splits", "-1"])
     assert cli.main(["decode", "--kernel-options", "tiles.decode=32,2"]) == 2  # three integers
     assert all(r["tbps"] > 0 and r["host_us"] > 0 for r in records)
     assert "| 1 | 40 |" in (tmp_path / "d.md").read_text()
