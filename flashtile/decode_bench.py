@@ -8,6 +8,7 @@ tensors in its layout (GQA through ``enable_gqa``, no copy of K/V).  Each cell i
 called eagerly, where the CPU's time to enqueue a call (recorded too) bounds short cells, and
 replayed from a CUDA graph, as serving engines run their decoding steps.
 """
+import functools
 import json
 import os
 import statistics
@@ -16,7 +17,7 @@ import time
 import torch
 import triton
 
-from flashtile import bench, dispatch, kvcache, options
+from flashtile import bench, kvcache
 from flashtile.kernels.problem import cdiv
 
 PROVIDERS = ("flashtile", "flashtile-paged", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient")
@@ -34,27 +35,29 @@ def make_call(provider, batch, cache, heads=32, heads_k=8, head_dim=128, page_si
               kernel_options=None, num_splits=0):
     """A no-argument call of ``provider`` on one decode cell (inputs made here); ``kernel_options``
     (options.KernelOptions: tiles.decode, tiles.decode_paged) and ``num_splits`` (0: the
-    dispatcher's count) for the flashtile providers."""
+    dispatcher's count) for the flashtile providers, whose call carries its ``splits``
+    (kvcache.split_plan's count; None where the PyTorch path attends)."""
     device = device or bench.default_device()
     q, k, v = _inputs(batch, cache, heads, heads_k, head_dim, device)
     lengths = torch.full((batch,), cache, dtype=torch.int32, device=device)
-    if provider == "flashtile":
-        return lambda: kvcache.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, num_splits=num_splits,
-                                                       kernel_options=kernel_options)
-    if provider == "flashtile-paged":
-        blocks = cdiv(cache, page_size)
-        pad = blocks * page_size - cache
-        pages = [torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).view(batch * blocks, page_size, heads_k, head_dim)
-                 for x in (k, v)]
-        # Pages in a shuffled order, as an allocator hands them out.
-        order = torch.randperm(batch * blocks, device=device).int()
-        table = torch.empty_like(order)
-        table[order.long()] = torch.arange(batch * blocks, dtype=torch.int32, device=device)
-        k_pages, v_pages = (x[order.long()] for x in pages)
-        block_table = table.view(batch, blocks)
-        return lambda: kvcache.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths,
-                                                       block_table=block_table, num_splits=num_splits,
-                                                       kernel_options=kernel_options)
+    if provider in ("flashtile", "flashtile-paged"):
+        block_table = None
+        if provider == "flashtile-paged":
+            blocks = cdiv(cache, page_size)
+            pad = blocks * page_size - cache
+            pages = [torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).view(batch * blocks, page_size, heads_k, head_dim)
+                     for x in (k, v)]
+            # Pages in a shuffled order, as an allocator hands them out.
+            order = torch.randperm(batch * blocks, device=device).int()
+            table = torch.empty_like(order)
+            table[order.long()] = torch.arange(batch * blocks, dtype=torch.int32, device=device)
+            k, v = (x[order.long()] for x in pages)
+            block_table = table.view(batch, blocks)
+        call = functools.partial(kvcache.flash_attn_with_kvcache, q, k, v, cache_seqlens=lengths,
+                                 block_table=block_table, num_splits=num_splits, kernel_options=kernel_options)
+        plan = kvcache.split_plan(q, k, block_table, num_splits, kernel_options)
+        call.splits = plan and plan.splits
+        return call
     if provider.startswith("sdpa-"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -75,8 +78,9 @@ def host_us(call, calls=100):
 
 def measure(provider, batch, cache, **shape):
     """(median ms called eagerly, median ms replayed from a CUDA graph (None without a GPU), host
-    us per eager call) of one cell."""
+    us per eager call, the split count (make_call's: None for SDPA's)) of one cell."""
     call = make_call(provider, batch, cache, **shape)
+    splits = getattr(call, "splits", None)
     call()
     if not torch.cuda.is_available():
         times = []
@@ -84,21 +88,10 @@ def measure(provider, batch, cache, **shape):
             t = time.perf_counter()
             call()
             times.append(1e3 * (time.perf_counter() - t))
-        return statistics.median(times), None, host_us(call, 3)
+        return statistics.median(times), None, host_us(call, 3), splits
     ms = triton.testing.do_bench(call, warmup=50, rep=100, return_mode="median")
     graph_ms = triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median")
-    return ms, graph_ms, host_us(call)
-
-
-def splits_of(provider, batch, cache, heads, heads_k, head_dim, page_size, device, kernel_options, num_splits):
-    """The split count a flashtile provider runs one cell with (dispatch.decode_plan's; a paged
-    cache's capacity in whole pages), or None for SDPA's."""
-    if not provider.startswith("flashtile"):
-        return None
-    paged = provider == "flashtile-paged"
-    capacity = cdiv(cache, page_size) * page_size if paged else cache
-    q = torch.empty(batch, 1, heads, head_dim, dtype=torch.bfloat16, device=device)
-    return dispatch.decode_plan(q, heads_k, capacity, num_splits, paged, kernel_options or options.ENVIRONMENT).splits
+    return ms, graph_ms, host_us(call), splits
 
 
 def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size=16, on_error=print,
@@ -114,9 +107,9 @@ def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size
             kv_bytes = 2 * batch * cache * heads_k * head_dim * 2
             for provider in providers:
                 try:
-                    ms, graph_ms, host = measure(provider, batch, cache, heads=heads, heads_k=heads_k,
-                                                 head_dim=head_dim, page_size=page_size,
-                                                 kernel_options=kernel_options, num_splits=num_splits)
+                    ms, graph_ms, host, splits = measure(provider, batch, cache, heads=heads, heads_k=heads_k,
+                                                         head_dim=head_dim, page_size=page_size,
+                                                         kernel_options=kernel_options, num_splits=num_splits)
                 except Exception as e:  # one provider failing must not stop the grid
                     on_error(f"{provider} batch {batch} cache {cache}: {type(e).__name__}: {str(e)[:160]}")
                     continue
@@ -128,9 +121,7 @@ def run(batches, caches, providers, heads=32, heads_k=8, head_dim=128, page_size
                                     tbps=kv_bytes / ms / 1e9, graph_ms=graph_ms,
                                     graph_tbps=graph_ms and kv_bytes / graph_ms / 1e9, host_us=host,
                                     copy_tbps=copy_tbps, kernel_options=str(kernel_options or ""),
-                                    splits=splits_of(provider, batch, cache, heads, heads_k, head_dim, page_size,
-                                                     bench.default_device(), kernel_options, num_splits),
-                                    **env))
+                                    splits=splits, **env))
     return records
 
 

@@ -156,6 +156,22 @@ def _gathered(k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity)
     return k_cache[outer, inner], v_cache[outer, inner], offsets.int()
 
 
+def _capacity(k_cache, block_table):
+    """Keys a sequence's cache holds: its row, or its table's pages."""
+    return k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+
+
+def split_plan(q, k_cache, block_table=None, num_splits=0, kernel_options=None, version="auto", shape=None):
+    """dispatch.DecodePlan of a flash_attn_with_kvcache call of q over ``k_cache`` (and
+    ``block_table``), whose ``splits`` its kernels run with; None where the PyTorch path attends
+    (``version``, resolved as the call resolves it).  ``shape``: q's (batch, seqlen_q, heads,
+    head_dim) where q is packed."""
+    if dispatch.resolve_version(version, q.device) == "tiled":
+        return None
+    return dispatch.decode_plan(q, k_cache.shape[2], _capacity(k_cache, block_table), num_splits,
+                                block_table is not None, options.resolve(kernel_options), shape=shape)
+
+
 def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """flash_attn_varlen_func's paged keys and values: k_cache, v_cache (num_blocks, page_size,
     nheads_k, headdim), block_table (batch, max_blocks) int32, sequence b's keys the first
@@ -177,7 +193,7 @@ def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
     block_table = _block_table(block_table, cu_seqlens_k.numel() - 1, q.device)
     pages, page_size = k_cache.shape[:2]
-    capacity = block_table.shape[1] * page_size
+    capacity = _capacity(k_cache, block_table)
     # (the keys' count is what the offsets say: any end is taken here, the longest checked below)
     validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], 2**31 - 1,
                                    spare_rows=True)
@@ -292,7 +308,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if paged and cache_batch_idx is not None:
         raise NotImplementedError("block_table with cache_batch_idx is not supported (the table picks each "
                                   "sequence's pages)")
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    capacity = _capacity(k_cache, block_table)
     if not paged and cache_batch_idx is None and k_cache.shape[0] < batch:
         raise ValueError(f"the cache has {k_cache.shape[0]} rows for a batch of {batch}: pass cache_batch_idx")
     if (k is None) != (v is None):
@@ -379,8 +395,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # The queries attended: rotated into a new contiguous tensor, or as given.
     attended = validation.last_dim_contiguous(q) if rotate is None else torch.empty(q.shape, dtype=q.dtype,
                                                                                    device="meta")
-    plan = dispatch.decode_plan(q, heads_k, capacity, num_splits, block_table is not None, opts,
-                                shape=(batch, seqlen_q, heads, head_dim))
+    plan = split_plan(q, k_cache, block_table, num_splits, opts, version, shape=(batch, seqlen_q, heads, head_dim))
     attend = decode.Attend(plan, attended, k_cache, v_cache, tables, leftpad is not None, batch_idx is not None,
                            block_table, scale, window, softcap, alibi_slopes is not None,
                            (batch, seqlen_q) if packed else None)
