@@ -5,25 +5,10 @@ cu_seqlens; causal masks are aligned bottom-right when seqlen_q != seqlen_k; the
 float32 in natural log, +inf for rows that see no key (their output is 0).
 """
 import torch
-import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
 from flashtile import dispatch, kept_calls, kvcache, ops, options, reference, validation
 from flashtile.kernels import dropout
-
-
-def _check_differentiation_mode(q, k, v):
-    """flashtile's autograd is reverse mode, once: refuse what would otherwise drop derivatives."""
-    if torch.compiler.is_compiling():
-        return
-    tensors = (q, k, v)
-    if torch._C._functorch.maybe_current_level() is not None and any(
-            map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)):
-        raise NotImplementedError("flashtile does not support torch.func transforms (grad, vmap, jvp, jacrev, ...): "
-                                  "differentiate with torch.autograd (loss.backward() or torch.autograd.grad)")
-    if forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(x).tangent is not None for x in tensors):
-        raise NotImplementedError("flashtile does not support forward-mode AD (torch.autograd.forward_ad dual "
-                                  "tensors): it has no jvp; use reverse mode (torch.autograd)")
 
 
 def _unused_rows_cleared(out, lse, bounds_q):
@@ -59,14 +44,14 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                                            version, kernel_options))
         kept = _KEPT_CALLS.get(kind)
         if kept is not None:
-            _check_differentiation_mode(q, k, v)
+            ops.check_differentiation_mode(q, k, v)
             return ops.attention(q, k, v, *kept)[0]
     dropout_p, softcap = validation.feature_options(dropout_p, softcap)
     dropout_p = dropout.rate(dropout_p)
     if version not in dispatch.VERSION_CHOICES:
         raise ValueError(f"version must be one of {dispatch.VERSION_CHOICES}, got {version!r}")
     validation.check_qkv(q, k, v, varlen, fp8)
-    _check_differentiation_mode(q, k, v)
+    ops.check_differentiation_mode(q, k, v)
     if varlen:
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = validation.varlen_arguments(
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)

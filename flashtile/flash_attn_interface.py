@@ -64,10 +64,6 @@ def _hints(num_splits, pack_gqa, sm_margin):
         raise TypeError(f"pack_gqa must be None or a bool, got {pack_gqa!r}")
 
 
-def _result(res, return_attn_probs):
-    return res[:2] if return_attn_probs else res
-
-
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                     v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                     pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
@@ -82,29 +78,23 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
                               v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
                               deterministic=False, num_heads_q=None, sm_margin=0, return_attn_probs=False):
     """qkv: (batch, seqlen, 3, nheads, headdim), or with ``num_heads_q`` (batch, seqlen,
-    nheads_q + 2 * nheads_k, headdim): the query heads, then K's, then V's (GQA)."""
-    _refuse_unsupported(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    nheads_q + 2 * nheads_k, headdim): the query heads, then K's, then V's (GQA).  Float8 as
+    flash_attn_func takes it."""
     validation.integer("sm_margin", sm_margin, minimum=0)
-    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                   deterministic=deterministic, return_attn_probs=return_attn_probs)
-    if chunks.check(attention_chunk) and num_heads_q is None:
-        validation.check_tensor("qkv", qkv)
+    validation.check_tensor("qkv", qkv)
+    if num_heads_q is None:
         if qkv.dim() != 5 or qkv.shape[2] != 3:
             raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
-        return _attention(*qkv.unbind(2), None, None, None, None, (None,) * 3, attention_chunk=attention_chunk,
-                          **options)
-    if num_heads_q is None:
-        return _result(api.flash_attn_qkvpacked_func(qkv, **options), return_attn_probs)
-    heads_q = validation.integer("num_heads_q", num_heads_q, minimum=1)
-    validation.check_tensor("qkv", qkv)
-    heads_k, odd = divmod(qkv.shape[2] - heads_q, 2) if qkv.dim() == 4 else (0, 0)
-    if qkv.dim() != 4 or odd or heads_k < 1:
-        raise ValueError(f"with num_heads_q={heads_q}, qkv must be (batch, seqlen, num_heads_q + 2 * nheads_k, "
-                         f"headdim), got {tuple(qkv.shape)}")
-    q, k, v = qkv.split([heads_q, heads_k, heads_k], dim=2)
-    if chunks.check(attention_chunk):
-        return _attention(q, k, v, None, None, None, None, (None,) * 3, attention_chunk=attention_chunk, **options)
-    return _result(api.flash_attn_func(q, k, v, **options), return_attn_probs)
+        q, k, v = qkv.unbind(2)
+    else:
+        heads_q = validation.integer("num_heads_q", num_heads_q, minimum=1)
+        heads_k, odd = divmod(qkv.shape[2] - heads_q, 2) if qkv.dim() == 4 else (0, 0)
+        if qkv.dim() != 4 or odd or heads_k < 1:
+            raise ValueError(f"with num_heads_q={heads_q}, qkv must be (batch, seqlen, num_heads_q + 2 * nheads_k, "
+                             f"headdim), got {tuple(qkv.shape)}")
+        q, k, v = qkv.split([heads_q, heads_k, heads_k], dim=2)
+    return _attention(q, k, v, None, None, None, None, (q_descale, k_descale, v_descale), softmax_scale, causal,
+                      window_size, softcap, deterministic, return_attn_probs, attention_chunk=attention_chunk)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,

@@ -20,7 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from flashtile import dispatch, ops, options, validation
+from flashtile import api, dispatch, ops, options, validation
 from flashtile import sinks as attention_sinks
 from flashtile.kernels.configs import WARPGROUP_ROWS
 from flashtile.kernels.quantize import blocks as fused_quantize_blocks
@@ -53,13 +53,22 @@ def rotation_signs(head_dim: int, dtype, device) -> torch.Tensor:
     return (_rotation_cpu(head_dim) * head_dim ** 0.5).round().to(device=device, dtype=dtype)
 
 
+def _scaled(x, dims, dtype):
+    """x (float32) over the amax of its finite values along ``dims`` mapped to ``dtype``'s
+    largest value, and that descale (at least float32's smallest normal, also for all zeros).  A
+    value that is not finite sets no scale and comes out NaN: non-finite in its own place only."""
+    finite = x.isfinite()
+    amax = torch.where(finite, x.abs(), 0.0).amax(dim=dims, keepdim=True)
+    descale = (amax / FP8_MAX[dtype]).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.where(finite, x / descale, float("nan")), descale
+
+
 def quantize(x, heads_k: int, dtype):
     """x (batch, seqlen, heads, d) in float8 ``dtype`` and its descale (batch, heads_k) float32:
     the amax of each (sequence, KV head group) mapped to the type's largest value."""
     batch, seqlen, heads, d = x.shape
-    grouped = x.float().view(batch, seqlen, heads_k, heads // heads_k, d)
-    descale = (grouped.abs().amax(dim=(1, 3, 4)) / FP8_MAX[dtype]).clamp(min=torch.finfo(torch.float32).tiny)
-    return (grouped / descale[:, None, :, None, None]).view_as(x).to(dtype), descale
+    scaled, descale = _scaled(x.float().view(batch, seqlen, heads_k, heads // heads_k, d), (1, 3, 4), dtype)
+    return scaled.view_as(x).to(dtype), descale.view(batch, heads_k)
 
 
 def quantize_blocks(x, rows: int, dtype):
@@ -69,9 +78,9 @@ def quantize_blocks(x, rows: int, dtype):
     batch, seqlen, heads, d = x.shape
     blocks = cdiv(seqlen, rows)
     padded = F.pad(x.float(), (0, 0, 0, 0, 0, blocks * rows - seqlen)).view(batch, blocks, rows, heads, d)
-    descale = (padded.abs().amax(dim=(2, 4)) / FP8_MAX[dtype]).clamp(min=torch.finfo(torch.float32).tiny)
-    quantized = (padded / descale[:, :, None, :, None]).view(batch, blocks * rows, heads, d)[:, :seqlen]
-    return quantized.to(dtype), descale.transpose(1, 2)
+    scaled, descale = _scaled(padded, (2, 4), dtype)
+    quantized = scaled.view(batch, blocks * rows, heads, d)[:, :seqlen]
+    return quantized.to(dtype), descale.view(batch, blocks, heads).transpose(1, 2)
 
 
 def _kernel_tiles(q, k, v, scale, left, right, softcap, alibi_slopes, version, kernel_options):
@@ -156,6 +165,14 @@ class _FP8Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        with torch.no_grad():
+            grads = _FP8Attention._first_derivatives(ctx, dout, dlse)
+        # (a backward under create_graph=True runs with grad mode on)
+        return (*ops.differentiable_once(grads, torch.is_grad_enabled()), *(None for _ in range(10)))
+
+    @staticmethod
+    def _first_derivatives(ctx, dout, dlse):
+        """dq, dk, dv and the sinks' gradient (None where they need none)."""
         q8, k8, v8, descale, out, lse, alibi_slopes, sinks = ctx.saved_tensors
         rows, incoherent, dtype, fp8_backward = ctx.state
         seqlen_q, seqlen_k, scale, left, right, softcap, dropout_p, kernel_options = ctx.args
@@ -179,7 +196,7 @@ class _FP8Attention(torch.autograd.Function):
             dq, dk = dq.float() @ m.T, dk.float() @ m.T
         # The sinks' gradient from the output and logsumexp (which includes them), as in bf16.
         dsinks = attention_sinks.gradient(False, sinks, out, lse, dout, dlse) if ctx.needs_input_grad[3] else None
-        return (dq.to(dtype), dk.to(dtype), dv.to(dtype), dsinks, *(None for _ in range(10)))
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dsinks
 
 
 def fp8_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -210,6 +227,11 @@ def fp8_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     left, right = validation.band(bool(causal), window_size, q.shape[1], k.shape[1])
     if scaling not in ("block", "head"):
         raise ValueError(f"scaling must be 'block' or 'head', got {scaling!r}")
+    ops.check_differentiation_mode(q, k, v)
+    if not (q.numel() and k.numel()):  # nothing to quantize: the same empty result as in q's type
+        res = api.flash_attn_func(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  return_attn_probs=return_softmax_lse, sinks=sinks, kernel_options=kernel_options)
+        return res[:2] if return_softmax_lse else res
     text = options.text(options.resolve(kernel_options))
     with ops.on_device_of(q):
         out, lse = _FP8Attention.apply(q, k, v, sinks, scale, left, right, softcap, alibi_slopes, dtype,

@@ -12,6 +12,7 @@ import functools
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 from torch._C import _functions as autograd_functions
 
@@ -120,21 +121,43 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def differentiable_once(grads, graphed):
+    """The gradients ``grads`` (tensors or None) of a backward; where ``graphed`` (a backward
+    under ``create_graph=True`` whose inputs need gradients) through a node that raises if they
+    are differentiated again (as ``once_differentiable``'s, but also when only q, k, v need
+    gradients: a gradient penalty's second-order term would otherwise be missing without a word)."""
+    if not (graphed and torch.is_grad_enabled()):
+        return grads
+    given = [g for g in grads if g is not None]
+    refuse = autograd_functions.DelayedError(
+        b"flashtile's attention is differentiable once: a second derivative (create_graph=True through "
+        b"its backward, e.g. a gradient penalty) is not supported", len(given))
+    refused = iter(refuse(*(g.detach().requires_grad_() for g in given)))
+    return tuple(None if g is None else next(refused) for g in grads)
+
+
+def check_differentiation_mode(q, k, v):
+    """flashtile's autograd is reverse mode, once: refuse what would otherwise drop derivatives."""
+    if torch.compiler.is_compiling():
+        return
+    tensors = (q, k, v)
+    if torch._C._functorch.maybe_current_level() is not None and any(
+            map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)):
+        raise NotImplementedError("flashtile does not support torch.func transforms (grad, vmap, jvp, jacrev, ...): "
+                                  "differentiate with torch.autograd (loss.backward() or torch.autograd.grad)")
+    if forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(x).tangent is not None for x in tensors):
+        raise NotImplementedError("flashtile does not support forward-mode AD (torch.autograd.forward_ad dual "
+                                  "tensors): it has no jvp; use reverse mode (torch.autograd)")
+
+
 def _gradients(ctx, dout, dlse, backward_op):
-    """(dq, dk, dv, None...) for the op's inputs.  Under ``create_graph=True`` the gradients
-    come back through a node that raises if they are differentiated again (as
-    ``once_differentiable``'s, but also when only q, k, v need gradients: a gradient penalty's
-    second-order term would otherwise be missing without a word)."""
+    """(dq, dk, dv, None...) for the op's inputs, differentiable once (``differentiable_once``)."""
     saved = ctx.saved_tensors  # unpacked once: each read unpacks every saved tensor
     with torch.no_grad():
         grads = _first_derivatives(ctx, saved, dout, dlse, backward_op)
     q, k, v = saved[:3]
     sinks = saved[-1]
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks, dout, dlse)):
-        refuse = autograd_functions.DelayedError(
-            b"flashtile's attention is differentiable once: a second derivative (create_graph=True through "
-            b"its backward, e.g. a gradient penalty) is not supported", len(grads))
-        grads = refuse(*(g.detach().requires_grad_() for g in grads))
+    grads = differentiable_once(grads, any(x is not None and x.requires_grad for x in (q, k, v, sinks, dout, dlse)))
     dq, dk, dv, *dsinks = grads
     return (dq, dk, dv, None, None, None, dsinks[0] if dsinks else None, None, None, *(None for _ in ctx.args))
 

@@ -216,6 +216,84 @@ def test_fp8_refusals():
         flash_attn_func(q8, q8, q8)
 
 
+def test_fp8_attn_func_is_differentiable_once_in_reverse_mode():
+    # As flash_attn_func: differentiating its gradients raises (a gradient penalty's second-order
+    # term would otherwise be missing), first derivatives under create_graph stay right, and
+    # torch.func transforms are refused by name.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 40, 2, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    g, = torch.autograd.grad(flashtile.fp8_attn_func(*leaves).float().square().sum(), leaves[0], create_graph=True)
+    plain, = torch.autograd.grad(flashtile.fp8_attn_func(*leaves).float().square().sum(), leaves[0])
+    assert torch.equal(g.detach(), plain)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        (g.float().square().sum() + leaves[0].float().sum()).backward()
+    with pytest.raises(NotImplementedError, match="torch.func transforms"):
+        torch.func.grad(lambda x: flashtile.fp8_attn_func(x, k, v).float().sum())(q)
+
+
+@pytest.mark.parametrize("scaling", ["block", "head"])
+def test_fp8_attn_func_on_empty_inputs(scaling):
+    # No key, no query or no sequence: nothing to quantize; zeros and logsumexp +inf, as
+    # flash_attn_func gives, and zero gradients.
+    for (batch, seqlen_q), seqlen_k in (((1, 5), 0), ((1, 0), 5), ((0, 5), 5)):
+        q = torch.randn(batch, seqlen_q, 4, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(batch, seqlen_k, 2, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+        out, lse = flashtile.fp8_attn_func(q, k, v, scaling=scaling, return_softmax_lse=True)
+        assert out.shape == q.shape and out.dtype == q.dtype and not out.any()
+        assert lse.shape == (batch, 4, seqlen_q) and (lse == float("inf")).all()
+        out.float().sum().backward()
+        assert all(x.grad is None or not x.grad.any() for x in (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_quantizing_leaves_non_finite_values_in_place(dtype):
+    # inf, -inf and NaN set no scale (each block's descale is that of its finite values) and come
+    # out as float8's NaN; every other value as if they were 0: the fused kernel, its PyTorch
+    # reference and the per-(sequence, KV head) scales alike.
+    torch.manual_seed(2)
+    x = torch.randn(2, 70, 4, 48, device=DEVICE, dtype=torch.bfloat16) * 5
+    for where, value in (((0, 3, 1, 5), float("inf")), ((1, 40, 2, 0), float("nan")), ((1, 41, 0, 7), -float("inf"))):
+        x[where] = value
+    bad = ~x.isfinite()
+    cleared = x.masked_fill(bad, 0)
+    for quantizer in (lambda y: fused_quantize_blocks(y, 32, dtype, fp8.FP8_MAX[dtype]),
+                      lambda y: fp8.quantize_blocks(y, 32, dtype), lambda y: fp8.quantize(y, 2, dtype)):
+        (got, got_descale), (ref, ref_descale) = quantizer(x), quantizer(cleared)
+        assert torch.equal(got_descale, ref_descale) and got_descale.isfinite().all()
+        assert got.float()[bad].isnan().all() and torch.equal(got.float()[~bad], ref.float()[~bad])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter reads a float8 NaN as a number")
+@pytest.mark.parametrize("scaling", ["block", "head"])
+def test_fp8_attn_func_keeps_a_non_finite_input_to_its_row(scaling):
+    # An inf in one query row: that row's output is NaN, as attention in float64 gives, and no
+    # other (it would otherwise set its block's scale to inf and every value there to NaN).
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 300, 4, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    q[0, 3, 1, 5] = float("inf")
+    out = flashtile.fp8_attn_func(q, k, v, scaling=scaling)
+    row = torch.zeros(out.shape[:3], dtype=torch.bool, device=DEVICE)
+    row[0, 3, 1] = True
+    assert out[row].isnan().all() and out[~row].isfinite().all()
+
+
+def test_fp8_qkvpacked_takes_float8_as_flash_attn_func():
+    # FA3's packed call with float8 qkv and descales: the same as the unpacked call, with and
+    # without num_heads_q (GQA).
+    torch.manual_seed(1)
+    qkv = (torch.randn(1, 40, 8, HEAD_DIM, device=DEVICE) * 3).to(torch.float8_e4m3fn)
+    descales = {name: torch.rand(1, 2, device=DEVICE) + 0.5 for name in ("q_descale", "k_descale", "v_descale")}
+    q, k, v = qkv.split([4, 2, 2], dim=2)
+    expected = fa3.flash_attn_func(q, k, v, causal=True, **descales)
+    torch.testing.assert_close(fa3.flash_attn_qkvpacked_func(qkv, causal=True, num_heads_q=4, **descales), expected,
+                               atol=0, rtol=0)
+    stacked = torch.stack([q[:, :, :2], k, v], dim=2)
+    torch.testing.assert_close(fa3.flash_attn_qkvpacked_func(stacked, causal=True, **descales),
+                               fa3.flash_attn_func(q[:, :, :2], k, v, causal=True, **descales), atol=0, rtol=0)
+
+
 def _outlier_inputs(batch, seqlen, heads, heads_k, seed):
     """FlashAttention-3's accuracy protocol: N(0, 1) + N(0, 100) * Bernoulli(0.001)."""
     g = torch.Generator().manual_seed(seed)

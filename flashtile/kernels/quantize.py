@@ -5,6 +5,8 @@ it by the rotation of incoherent processing when ROTATE (the ±1 matrix D H in t
 the tensor cores form exact products summed in float32, then 1 / sqrt(head_dim): a product on
 the block in registers, in place of a rotated copy of the tensor in memory), takes the block's
 amax, and writes the block divided by amax / max(float8) in the float8 type with that descale.
+A value that is not finite sets no scale and is written as float8's NaN: it stays non-finite in
+its own place, not in every value of its block.
 The PyTorch passes it replaces (``fp8.quantize_blocks`` after a matmul) stay the reference the
 tests check it against.
 """
@@ -16,6 +18,9 @@ from flashtile import options
 from flashtile.kernels.launch import launch
 from flashtile.kernels.problem import cdiv, padded_head_dim
 from flashtile.kernels.tiles import TINY, fp8_signed_operand
+
+
+FP8_NAN_BITS = tl.constexpr(0x7F)  # a NaN of both float8 types (e4m3fn: its only one)
 
 
 @triton.jit
@@ -40,12 +45,15 @@ def _blocks_kernel(X, ROT, OUT, DESCALE, seqlen, heads, sxb, sxs, sxh, sob, sos,
             x = tl.dot(x, signs) * rotation_scale
     else:
         x = x.to(tl.float32)
+    finite = tl.abs(x) < float("inf")  # (not NaN either)
+    x = tl.where(finite, x, 0.0)
     descale = tl.maximum(tl.max(tl.abs(x)) / fp8_max, TINY)  # a normal number, also for an all-zero block
     y = x / descale
     # (the interpreter's cast to float8 drops rounding carries: fp8_signed_operand rounds on the grid first)
-    y = fp8_signed_operand(y, OUT.dtype.element_ty, UPCAST)
-    tl.store(OUT + batch * sob + head * soh + rows[:, None].to(tl.int64) * sos + cols[None, :],
-             y.to(OUT.dtype.element_ty), mask=inside)
+    y = fp8_signed_operand(y, OUT.dtype.element_ty, UPCAST).to(OUT.dtype.element_ty)
+    bits = tl.where(finite, y.to(tl.uint8, bitcast=True), tl.full([ROWS, HEAD_DIM_PAD], FP8_NAN_BITS, tl.uint8))
+    tl.store(OUT.to(tl.pointer_type(tl.uint8)) + batch * sob + head * soh + rows[:, None].to(tl.int64) * sos
+             + cols[None, :], bits, mask=inside)
     tl.store(DESCALE + batch * sdb + head * sdh + block, descale)
 
 
