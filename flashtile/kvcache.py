@@ -83,8 +83,24 @@ def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache
     if "batch_idx" in tables and ((tables["batch_idx"] < 0) | (tables["batch_idx"] >= batch_cache)).any():
         raise ValueError(f"cache_batch_idx must index the cache's {batch_cache} rows, got "
                          f"{tables['batch_idx'].tolist()}")
-    if "block_table" in tables and ((tables["block_table"] < 0) | (tables["block_table"] >= pages)).any():
-        raise ValueError(f"block_table entries must index the cache's {pages} pages")
+    if "block_table" in tables:
+        # Only the pages a sequence's keys reach are read: later columns may hold anything (-1).
+        table = tables["block_table"]
+        page_size = capacity // table.shape[1]
+        ends = torch.as_tensor(seqlens) + seqlen_new
+        used = torch.arange(table.shape[1]) * page_size < ends.reshape(-1, 1)
+        if (((table < 0) | (table >= pages)) & used).any():
+            raise ValueError(f"block_table entries must index the cache's {pages} pages (in the columns each "
+                             f"sequence's keys reach)")
+
+
+def _taking_gradients(q, k_cache, v_cache, k, v):
+    """The names of the tensors that require gradients where grad mode is on (none under
+    torch.no_grad()): a cache call is forward only."""
+    if not torch.is_grad_enabled():
+        return []
+    return [name for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v))
+            if getattr(x, "requires_grad", False)]
 
 
 def _block_table(block_table, batch, device):
@@ -201,7 +217,9 @@ def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens
     if longest > capacity:
         raise ValueError(f"block_table holds {capacity} keys a sequence ({block_table.shape[1]} pages of "
                          f"{page_size}), fewer than the longest sequence's {longest}")
-    _check_values(0, 0, capacity, None, None, 0, block_table, pages)
+    # (each sequence's key count from offsets in host memory: a table there is checked where read)
+    _check_values(cu_seqlens_k.diff() if not cu_seqlens_k.is_cuda else 0, 0, capacity, None, None, 0, block_table,
+                  pages)
     # (the keys' count from the offsets already read: nothing waits on the device here)
     sequence, position = _packed_positions(cu_seqlens_k.long(), total)
     page, row = _cache_slots(k_cache, position, None, block_table, sequence)
@@ -292,16 +310,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         batch, seqlen_q, heads, head_dim = q.shape
     heads_k = k_cache.shape[2]
-    if head_dim > validation.MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be at most {validation.MAX_HEAD_DIM}, got {head_dim}")
+    if not 0 < head_dim <= validation.MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be in [1, {validation.MAX_HEAD_DIM}], got {head_dim}")
     if heads_k == 0 or heads % heads_k:
         raise ValueError(f"nheads of q ({heads}) must be a multiple of nheads of the cache ({heads_k})")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride along headdim (it is written in place)")
-    if q.requires_grad and torch.is_grad_enabled():
-        raise NotImplementedError("flash_attn_with_kvcache is forward only (as flash_attn's): call it under "
-                                  "torch.no_grad() or with tensors that do not require grad")
+    taking = _taking_gradients(q, k_cache, v_cache, k, v)
+    if taking:
+        raise NotImplementedError(f"flash_attn_with_kvcache is forward only (as flash_attn's): call it under "
+                                  f"torch.no_grad() or with tensors that do not require grad ({', '.join(taking)} "
+                                  f"do)")
     if block_table is not None:
         block_table = _block_table(block_table, batch, q.device)
     paged = block_table is not None
@@ -330,6 +350,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError("rotary_cos/rotary_sin apply to new keys: pass k and v with them")
         for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             validation.check_tensor(name, x)
+            if not x.is_floating_point():
+                raise TypeError(f"{name} must be a real floating-point table, got {x.dtype}")
             if x.dim() != 2 or x.shape != rotary_cos.shape or 2 * x.shape[1] > head_dim or x.device != q.device:
                 raise ValueError(f"{name} must be (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim, on q's "
                                  f"device, got shape {tuple(x.shape)} on {x.device}")
@@ -419,7 +441,7 @@ def _kind(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
     than kept_calls.kind's; the options).  None for any other call, or where q takes gradients:
     the full path checks those every time.  ``cache_seqlens`` counts as an int, whatever its value
     (checked at each call)."""
-    if type(q) is not torch.Tensor or (q.requires_grad and torch.is_grad_enabled()):
+    if type(q) is not torch.Tensor or _taking_gradients(q, k_cache, v_cache, k, v):
         return None
     if not (type(causal) is bool and type(softcap) is float and type(num_splits) is int and type(version) is str
             and type(rotary_interleaved) is bool and (softmax_scale is None or type(softmax_scale) is float)

@@ -292,6 +292,8 @@ def test_repeated_steps_refuse_what_changes_between_calls(monkeypatch):
             run(cache_seqlens=bad)
     with pytest.raises(NotImplementedError, match="forward only"):
         flash_attn_with_kvcache(case.q.clone().requires_grad_(), case.k_dense, case.v_dense, cache_seqlens=7)
+    with pytest.raises(NotImplementedError, match="forward only"):  # a kept kind, but the cache takes gradients
+        flash_attn_with_kvcache(case.q, case.k_dense.clone().requires_grad_(), case.v_dense, cache_seqlens=7)
     if not ON_GPU:  # tables in host memory (the interpreter): their values, at every call
         run(cache_seqlens=torch.tensor([3, 4], dtype=torch.int32))
         with pytest.raises(ValueError, match="cache_seqlens"):
@@ -300,6 +302,24 @@ def test_repeated_steps_refuse_what_changes_between_calls(monkeypatch):
     with pytest.raises(TypeError, match="num_splits"):
         run(cache_seqlens=7, num_splits=True)
     assert len(kvcache._STEPS) == (1 if ON_GPU else 2)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_table_columns_past_each_sequence_may_hold_anything(version):
+    # Serving engines pad a block table with -1 past each sequence's pages: those columns are
+    # never read, so they are not checked either (the output is the same bits); a -1 in a
+    # column a sequence's keys reach is refused where the table is in host memory.
+    case = Case(batch=3, seqlen_q=2, seqlen_new=1, page_size=16)
+    reference = case.run(causal=True, version=version)
+    used = torch.arange(case.block_table.shape[1], device=DEVICE) * 16 < (case.lengths + 1).to(DEVICE)[:, None]
+    assert not used.all()  # (some sequence ends before its table does)
+    case.block_table = case.block_table.masked_fill(~used, -1)
+    for a, b in zip(case.run(causal=True, version=version), reference):
+        assert torch.equal(a, b)
+    if not ON_GPU:
+        case.block_table[0, 0] = -1
+        with pytest.raises(ValueError, match="block_table entries must index"):
+            case.run(causal=True, version=version)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -407,6 +427,12 @@ def test_refusals(version):
         (dict(cache_seqlens=lengths, k=case.k_new, v=case.v_new, rotary_cos=short, rotary_sin=short),
          ValueError, r"rotary_cos/rotary_sin must have at least .* \(20\)"),
         (dict(cache_seqlens=lengths, version="v4"), ValueError, "version must be one of"),
+        (dict(cache_seqlens=lengths, k=case.k_new, v=case.v_new, rotary_cos=torch.ones(20, 8, dtype=torch.int32,
+              device=DEVICE), rotary_sin=torch.ones(20, 8, device=DEVICE)), TypeError, "rotary_cos must be a real"),
+        # Forward only: any tensor that would take a gradient, by name (the PyTorch path's append
+        # would otherwise chain the cache into the graph, the kernels drop the gradient).
+        (dict(cache_seqlens=lengths, k=case.k_new.clone().requires_grad_(), v=case.v_new), NotImplementedError,
+         r"forward only.*\(k do\)"),
     ]
     if not ON_GPU:  # the values of tables on a GPU are not read on the host
         bad += [
@@ -425,6 +451,12 @@ def test_refusals(version):
         flash_attn_with_kvcache(q[:, :, :3], k, v, cache_seqlens=lengths, version=version)
     with pytest.raises(NotImplementedError, match="forward only"):
         flash_attn_with_kvcache(q.clone().requires_grad_(), k, v, cache_seqlens=lengths, version=version)
+    with pytest.raises(NotImplementedError, match=r"\(k_cache, v_cache do\)"):
+        flash_attn_with_kvcache(q, k.clone().requires_grad_(), v.clone().requires_grad_(), cache_seqlens=lengths,
+                                version=version)
+    with pytest.raises(ValueError, match=r"head dim must be in \[1, 256\], got 0"):
+        flash_attn_with_kvcache(q[..., :0], k[..., :0], v[..., :0], cache_seqlens=lengths, softmax_scale=1.0,
+                                version=version)
     # Paged: the capacity is max_blocks x page_size (2 x 16), which the tables must cover.
     table = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match=r"rotary_cos/rotary_sin must have at least .* \(32 through block_table\)"):
