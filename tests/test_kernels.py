@@ -96,6 +96,16 @@ def test_softcap_rows_far_below_the_cap(version):
                             rules=(SOFTCAP_RULE, (3.0, 1e-4)))
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+def test_softcap_far_above_the_scores(version):
+    # A cap far above every score bends none of them: tanh(x / cap) near 0, where a tanh formed
+    # from exponentials loses its digits, must still give the scores back.
+    sq, sk = (300, 700) if ON_GPU else (40, 70)
+    q, k, v = make_qkv(BATCH, sq, sk, HEADS, HEADS, 64, torch.bfloat16, DEVICE)  # (a cap past fp16's range)
+    check_against_reference(attention(version, softcap=1e6), q, k, v, softcap=1e6,
+                            rules=(SOFTCAP_RULE, (3.0, 1e-4)))
+
+
 def alibi_slopes(*shape):
     """BLOOM's slopes 2^(-8 i / heads) over the last dim, scaled per leading index so that rows
     of a (batch, heads) table differ."""
