@@ -167,8 +167,8 @@ class _FP8Attention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         with torch.no_grad():
             grads = _FP8Attention._first_derivatives(ctx, dout, dlse)
-        # (a backward under create_graph=True runs with grad mode on)
-        return (*ops.differentiable_once(grads, torch.is_grad_enabled()), *(None for _ in range(10)))
+        # (a backward under create_graph=True runs with grad mode on: differentiable_once checks it)
+        return (*ops.differentiable_once(grads, True), *(None for _ in range(10)))
 
     @staticmethod
     def _first_derivatives(ctx, dout, dlse):

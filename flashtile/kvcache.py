@@ -49,7 +49,7 @@ def _int32_table(name, x, shape, device):
     return x.contiguous()
 
 
-def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache, block_table, pages,
+def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache, block_table, pages, page_size,
                   rotary_rows=None, rotary_span=0):
     """The tables' values, where reading them costs no device-to-host copy: ``seqlens`` given as
     an int, and tables of CPU tensors.  Tables on a GPU are not read (as in flash_attn: a copy
@@ -86,7 +86,6 @@ def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache
     if "block_table" in tables:
         # Only the pages a sequence's keys reach are read: later columns may hold anything (-1).
         table = tables["block_table"]
-        page_size = capacity // table.shape[1]
         ends = torch.as_tensor(seqlens) + seqlen_new
         used = torch.arange(table.shape[1]) * page_size < ends.reshape(-1, 1)
         if (((table < 0) | (table >= pages)) & used).any():
@@ -94,13 +93,10 @@ def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache
                              f"sequence's keys reach)")
 
 
-def _taking_gradients(q, k_cache, v_cache, k, v):
-    """The names of the tensors that require gradients where grad mode is on (none under
-    torch.no_grad()): a cache call is forward only."""
-    if not torch.is_grad_enabled():
-        return []
-    return [name for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v))
-            if getattr(x, "requires_grad", False)]
+def _takes_gradients(*tensors):
+    """Whether grad mode is on and any of ``tensors`` requires gradients: a cache call is forward
+    only (the PyTorch path would chain the cache into the graph, the kernels drop gradients)."""
+    return torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in tensors)
 
 
 def _block_table(block_table, batch, device):
@@ -219,7 +215,7 @@ def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens
                          f"{page_size}), fewer than the longest sequence's {longest}")
     # (each sequence's key count from offsets in host memory: a table there is checked where read)
     _check_values(cu_seqlens_k.diff() if not cu_seqlens_k.is_cuda else 0, 0, capacity, None, None, 0, block_table,
-                  pages)
+                  pages, page_size)
     # (the keys' count from the offsets already read: nothing waits on the device here)
     sequence, position = _packed_positions(cu_seqlens_k.long(), total)
     page, row = _cache_slots(k_cache, position, None, block_table, sequence)
@@ -317,11 +313,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride along headdim (it is written in place)")
-    taking = _taking_gradients(q, k_cache, v_cache, k, v)
-    if taking:
+    given = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                 alibi_slopes=alibi_slopes)
+    if _takes_gradients(*given.values()):
+        names = ", ".join(name for name, x in given.items() if getattr(x, "requires_grad", False))
         raise NotImplementedError(f"flash_attn_with_kvcache is forward only (as flash_attn's): call it under "
-                                  f"torch.no_grad() or with tensors that do not require grad ({', '.join(taking)} "
-                                  f"do)")
+                                  f"torch.no_grad() or with tensors that do not require grad (requiring grad: "
+                                  f"{names})")
     if block_table is not None:
         block_table = _block_table(block_table, batch, q.device)
     paged = block_table is not None
@@ -378,7 +376,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     queries_advance = bool(causal) or any(0 <= side < capacity for side in validation.window(window_size))
     rotary_span = seqlen_q if queries_advance else min(seqlen_q, 1)
     _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, k_cache.shape[0], block_table, k_cache.shape[0],
-                  None if rotary_cos is None else rotary_cos.shape[0], rotary_span)
+                  k_cache.shape[1], None if rotary_cos is None else rotary_cos.shape[0], rotary_span)
     opts = options.resolve(kernel_options)
     version = dispatch.resolve_version(version, q.device)  # before the cache is written
 
@@ -438,10 +436,11 @@ def _kind(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
           version, kernel_options, cu_seqlens_q, max_seqlen_q):
     """The kind of a call, for ``_STEPS``: everything its checks, plan and launches depend on (the
     tensors' kept_calls.tensors_kind; the scalars, each of one type, a stricter and quicker test
-    than kept_calls.kind's; the options).  None for any other call, or where q takes gradients:
-    the full path checks those every time.  ``cache_seqlens`` counts as an int, whatever its value
+    than kept_calls.kind's; the options).  None for any other call, or where a tensor takes
+    gradients: the full path refuses those every time.  ``cache_seqlens`` counts as an int, whatever its value
     (checked at each call)."""
-    if type(q) is not torch.Tensor or _taking_gradients(q, k_cache, v_cache, k, v):
+    if type(q) is not torch.Tensor or _takes_gradients(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                                       alibi_slopes):
         return None
     if not (type(causal) is bool and type(softcap) is float and type(num_splits) is int and type(version) is str
             and type(rotary_interleaved) is bool and (softmax_scale is None or type(softmax_scale) is float)
@@ -507,6 +506,6 @@ class _Step(NamedTuple):
             seqlens, fits = seqlens.contiguous(), True
         if not fits or not q.is_cuda:
             _check_values(seqlens, self.seqlen_new, self.capacity, leftpad, batch_idx, k_cache.shape[0], block_table,
-                          k_cache.shape[0], self.rotary_rows, self.rotary_span)
+                          k_cache.shape[0], k_cache.shape[1], self.rotary_rows, self.rotary_span)
         return self(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, block_table, alibi_slopes,
                     cu_seqlens_q)

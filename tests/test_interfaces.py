@@ -338,6 +338,15 @@ def test_varlen_with_paged_keys():
     if not table.is_cuda:
         with pytest.raises(ValueError, match="must index the cache's 12 pages"):
             flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 9, 13, block_table=table + pages)
+    # Columns past a sequence's keys (the second's 7 keys use two pages of four) may hold -1.
+    padded = table.clone()
+    padded[1, 2:] = -1
+    assert torch.equal(flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 9, 13, causal=True,
+                                              block_table=padded), ref)
+    if not table.is_cuda:
+        padded[1, 1] = -1
+        with pytest.raises(ValueError, match="must index the cache's 12 pages"):
+            flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 9, 13, block_table=padded)
     with pytest.raises(ValueError, match="with block_table, v must be"):
         flash_attn_varlen_func(q, k_pages, v_pages[:6], cu_q, cu_k, 9, 13, block_table=table)
 

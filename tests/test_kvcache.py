@@ -432,7 +432,10 @@ def test_refusals(version):
         # Forward only: any tensor that would take a gradient, by name (the PyTorch path's append
         # would otherwise chain the cache into the graph, the kernels drop the gradient).
         (dict(cache_seqlens=lengths, k=case.k_new.clone().requires_grad_(), v=case.v_new), NotImplementedError,
-         r"forward only.*\(k do\)"),
+         r"forward only.*\(requiring grad: k\)"),
+        (dict(cache_seqlens=lengths, k=case.k_new, v=case.v_new, rotary_cos=torch.ones(20, 8, device=DEVICE,
+              requires_grad=True), rotary_sin=torch.ones(20, 8, device=DEVICE)), NotImplementedError,
+         r"\(requiring grad: rotary_cos\)"),
     ]
     if not ON_GPU:  # the values of tables on a GPU are not read on the host
         bad += [
@@ -451,7 +454,7 @@ def test_refusals(version):
         flash_attn_with_kvcache(q[:, :, :3], k, v, cache_seqlens=lengths, version=version)
     with pytest.raises(NotImplementedError, match="forward only"):
         flash_attn_with_kvcache(q.clone().requires_grad_(), k, v, cache_seqlens=lengths, version=version)
-    with pytest.raises(NotImplementedError, match=r"\(k_cache, v_cache do\)"):
+    with pytest.raises(NotImplementedError, match=r"\(requiring grad: k_cache, v_cache\)"):
         flash_attn_with_kvcache(q, k.clone().requires_grad_(), v.clone().requires_grad_(), cache_seqlens=lengths,
                                 version=version)
     with pytest.raises(ValueError, match=r"head dim must be in \[1, 256\], got 0"):
