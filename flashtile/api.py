@@ -11,16 +11,6 @@ from flashtile import dispatch, kept_calls, kvcache, ops, options, reference, va
 from flashtile.kernels import dropout
 
 
-def _unused_rows_cleared(out, lse, bounds_q):
-    """out 0 and lse +inf on the rows of q outside every sequence's (start, end) bounds (the
-    sequences' row ranges are disjoint: +1 at each start, -1 at each end, summed)."""
-    edges = torch.zeros(out.shape[0] + 1, dtype=torch.int32, device=out.device)
-    edges.index_add_(0, bounds_q[:, 0].long(), torch.ones_like(bounds_q[:, 0]))
-    edges.index_add_(0, bounds_q[:, 1].long(), -torch.ones_like(bounds_q[:, 1]))
-    used = edges.cumsum(0)[:-1] > 0
-    return torch.where(used[:, None, None], out, 0.0), torch.where(used, lse, float("inf"))
-
-
 # Batched calls with no tensor besides q, k, v checked once per kind (kept_calls): the arguments
 # ops.attention takes after q, k, v.
 _KEPT_CALLS = kept_calls.KeptCalls()
@@ -102,8 +92,6 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     out, lse, _ = ops.attention(q, k, v, *args)
     if pad_v:
         out = out[..., :head_dim_v]
-    if varlen and cu_seqlens_q.dim() == 2:
-        out, lse = _unused_rows_cleared(out, lse, cu_seqlens_q)
     if not return_attn_probs:
         return out
     # flash_attn's third element: with dropout on batched inputs, the probabilities, negative where

@@ -76,7 +76,19 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu
         out, lse, saved = dispatch.run_forward(plan, p, q, k, v)
         if sinks is not None:
             out, lse, saved = attention_sinks.join(p.varlen, out, lse, saved, sinks)
+        if p.seqused:  # (the rows no kernel writes, as the op's outputs: what backwards read too)
+            out, lse = _unused_rows_cleared(out, lse, cu_seqlens_q)
     return out, lse, saved
+
+
+def _unused_rows_cleared(out, lse, bounds_q):
+    """out 0 and lse +inf on the rows of q outside every sequence's (start, end) bounds (the
+    sequences' row ranges are disjoint: +1 at each start, -1 at each end, summed)."""
+    edges = torch.zeros(out.shape[0] + 1, dtype=torch.int32, device=out.device)
+    edges.index_add_(0, bounds_q[:, 0].long(), torch.ones_like(bounds_q[:, 0]))
+    edges.index_add_(0, bounds_q[:, 1].long(), -torch.ones_like(bounds_q[:, 1]))
+    used = edges.cumsum(0)[:-1] > 0
+    return torch.where(used[:, None, None], out, 0.0), torch.where(used, lse, float("inf"))
 
 
 attention_forward = torch.library.custom_op("flashtile::attention_forward", _forward, mutates_args=())

@@ -270,7 +270,7 @@ def test_flash_attention_3_seqused():
         assert (q.grad[unused_q] == 0).all() and (k.grad[unused_k] == 0).all() and (v.grad[unused_k] == 0).all()
 
 
-@pytest.mark.parametrize("version", ["v2", "v3", "tiled"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3", "tiled"])
 def test_varlen_buffers_with_rows_after_the_last_sequence(version):
     # Padded buffers (as flash_attn takes them): q, k and v hold rows after cu_seqlens[-1], here
     # NaN, which no sequence reads; those rows of the output are 0 (lse +inf) and get no gradient,
@@ -299,6 +299,15 @@ def test_varlen_buffers_with_rows_after_the_last_sequence(version):
             assert_within_rule(f"d{name}", x.grad[None, rows], g_pt, g_ref, (3.0, 1e-4))
     assert (out[33:] == 0).all() and (lse[:, 33:] == float("inf")).all()
     assert all((x.grad[33:] == 0).all() for x in (q, k, v))
+    # With sinks: their gradient takes nothing from the spare rows (the same as without them).
+    sinks = [torch.randn(2, device=DEVICE)] * 2
+    sinks = [x.clone().requires_grad_() for x in sinks]
+    for buffers, leaf in (((q, k, v), sinks[0]), ((q[:33], k[:33], v[:33]), sinks[1])):
+        spared = flash_attn_varlen_func(*(x.detach() for x in buffers), cu, cu, 20, 20, causal=True, sinks=leaf,
+                                        version=version)
+        spared.backward(dout[:spared.shape[0]])
+    assert sinks[0].grad.isfinite().all()
+    torch.testing.assert_close(sinks[0].grad, sinks[1].grad, rtol=1e-3, atol=1e-4)
     # Offsets past the tensor's rows are refused by name.
     with pytest.raises(ValueError, match=r"cu_seqlens_k\[-1\] = 33 but the tensor has 30 tokens"):
         flash_attn_varlen_func(q, k[:30], v[:30], cu, cu, 20, 20, version=version)

@@ -126,11 +126,14 @@ class Problem:
         return self.varlen and self.cu_seqlens_q.dim() == 2
 
     def gradients(self, q, k, v):
-        """dq, dk, dv to be written by a backward: zeros where rows go unwritten (seqused);
-        float32 for float8 inputs (gradients with respect to their dequantized values)."""
+        """dq, dk, dv to be written by a backward (``gradient_of`` each)."""
+        return self.gradient_of(q), self.gradient_of(k), self.gradient_of(v)
+
+    def gradient_of(self, x):
+        """The gradient of x (q, k or v) to be written by a backward: zeros where rows go
+        unwritten (seqused); float32 for float8 inputs (with respect to their dequantized values)."""
         alloc = torch.zeros_like if self.seqused else torch.empty_like
-        dtype = torch.float32 if self.fp8 else None
-        return alloc(q, dtype=dtype), alloc(k, dtype=dtype), alloc(v, dtype=dtype)
+        return alloc(x, dtype=torch.float32 if self.fp8 else None)
 
     @property
     def holds_tensors(self) -> bool:

@@ -252,7 +252,7 @@ def backward(plan, p: Problem, dout, dlse, q, k, v, out, lse, saved):
     m, l = saved[0], saved[1]
     n_splits = splits(p.batch * p.heads_k, p.key_blocks(cfg.block_n), q.device, MAX_BWD_SPLITS, plan.splits)
     dq_acc = torch.zeros((n_splits, *q.shape), dtype=torch.float32, device=q.device)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dk, dv = p.gradient_of(k), p.gradient_of(v)  # (zeros past the used rows, which no program writes)
     cu_q, cu_k = p.cu_pointers(q.device)
     launch(
         _bwd_kernel, (p.batch * p.heads_k, n_splits),
