@@ -3,16 +3,19 @@
 PyTorch's layout (batch, heads, seqlen, headdim) and semantics for the cases flashtile covers:
 no mask, ``is_causal`` (aligned top-left, as PyTorch aligns it), and boolean key-padding masks
 (True: the key takes part), which run the varlen kernels over each batch's kept keys.  Anything
-else is refused by name before any launch.  One difference: a row whose keys are all masked
-gives 0 here, where PyTorch's kernels give NaN.
+else is refused by name before any launch.  A row whose keys are all masked gives 0, never NaN.
 """
 import torch
 
 from flashtile import api
 
 
-def _key_padding(attn_mask, batch, heads, seqlen_q, seqlen_k):
+def _key_padding(attn_mask, batch, heads, seqlen_q, seqlen_k, device):
     """The (batch, seqlen_k) keep-mask of a boolean mask that varies over batch and keys only."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.device != device:
+        raise ValueError(f"attn_mask must be on the query's device ({device}), got {attn_mask.device}")
     if attn_mask.dtype != torch.bool:
         raise NotImplementedError(f"attn_mask: only boolean key-padding masks are supported, got {attn_mask.dtype} "
                                   "(an additive float mask would need a score bias)")
@@ -48,17 +51,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise ValueError("attn_mask and is_causal cannot both be set (as in PyTorch)")
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (batch, seqlen, heads, headdim) views
     options = dict(dropout_p=dropout_p, softmax_scale=scale, version=version)
-    if attn_mask is not None:
-        keep = _key_padding(attn_mask, batch, heads, seqlen_q, seqlen_k)
+    keep = None if attn_mask is None else _key_padding(attn_mask, batch, heads, seqlen_q, seqlen_k, query.device)
+    if keep is not None and batch:  # (no sequence: nothing to mask)
         counts = keep.sum(1, dtype=torch.int32)
         cu_k = torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
-        cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=query.device)
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=query.device) * seqlen_q
         # The kept keys packed (one nonzero: one device-to-host wait); seqlen_k bounds every
         # sequence's count, which is all max_seqlen_k must do.
         kept = keep.nonzero(as_tuple=True)
-        out = api.flash_attn_varlen_func(q.reshape(batch * seqlen_q, heads, -1), k[kept], v[kept], cu_q, cu_k,
-                                         seqlen_q, seqlen_k, **options)
-        return out.view(batch, seqlen_q, heads, -1).transpose(1, 2)
+        out = api.flash_attn_varlen_func(q.reshape(batch * seqlen_q, heads, q.shape[-1]), k[kept], v[kept], cu_q,
+                                         cu_k, seqlen_q, seqlen_k, **options)
+        return out.view(batch, seqlen_q, heads, value.shape[-1]).transpose(1, 2)
     if is_causal and seqlen_q <= seqlen_k:
         # Top-left: query i sees keys 0..i, so no query sees a key past seqlen_q - 1, and on the
         # square that remains top-left and bottom-right agree.

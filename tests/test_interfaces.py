@@ -53,6 +53,17 @@ def test_sdpa_key_padding_mask():
     check_like_pytorch(q, k, v, attn_mask=keep)
 
 
+@pytest.mark.parametrize("batch, seqlen_q", [(2, 0), (0, 8)])
+def test_sdpa_key_padding_mask_on_empty_inputs(batch, seqlen_q):
+    # No query or no sequence: PyTorch's empty output (and gradients) with a mask too.
+    q, k, v = (x.detach().requires_grad_() for x in sdpa_inputs(batch, 2, 2, seqlen_q, 8))
+    out = flashtile.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(batch, 1, 1, 8, dtype=bool,
+                                                                                device=DEVICE))
+    assert out.shape == (batch, 2, seqlen_q, 32)
+    out.float().sum().backward()
+    assert all(x.grad is None or not x.grad.any() for x in (q, k, v))
+
+
 @pytest.mark.parametrize("call, error, match", [
     (lambda q, k, v: flashtile.scaled_dot_product_attention(q, k[:, :1], v[:, :1]), ValueError, "enable_gqa=True"),
     (lambda q, k, v: flashtile.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(2, 1, 1, 8)),
@@ -63,6 +74,10 @@ def test_sdpa_key_padding_mask():
                                                             is_causal=True), ValueError, "cannot both be set"),
     (lambda q, k, v: flashtile.scaled_dot_product_attention(q[0], k, v), ValueError, "query must be a 4-D tensor"),
     (lambda q, k, v: flashtile.scaled_dot_product_attention(q, k, v, dropout_p=1.0), ValueError, "dropout_p"),
+    (lambda q, k, v: flashtile.scaled_dot_product_attention(q, k, v, attn_mask=[[True] * 8] * 2), TypeError,
+     "attn_mask must be a torch.Tensor or None, got list"),
+    (lambda q, k, v: flashtile.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.ones(2, 1, 1, 8, dtype=bool, device="meta")), ValueError, "query's device"),
 ])
 def test_sdpa_refuses_by_name(call, error, match):
     q, k, v = sdpa_inputs(2, 2, 2, 8, 8)
