@@ -28,6 +28,9 @@ from flashtile import sinks as attention_sinks
 def zigzag_shard(x, rank: int, world: int, dim: int = 1):
     """Rank ``rank``'s shard of ``x`` (the whole sequence along ``dim``) in the zigzag layout:
     chunks rank and 2 * world - 1 - rank of 2 * world equal chunks."""
+    if not 0 <= rank < world or x.shape[dim] % (2 * world):
+        raise ValueError(f"zigzag_shard cuts the sequence into 2 * world = {2 * world} equal chunks: its length "
+                         f"({x.shape[dim]}) must be a multiple of that and rank in [0, {world}), got rank {rank}")
     chunks = x.chunk(2 * world, dim=dim)
     return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=dim)
 
@@ -48,20 +51,22 @@ class _Ring:
         self.world = dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.world) if group else (self.rank + 1) % self.world
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world) if group else (self.rank - 1) % self.world
-        self._pending = []
+        self._pending = ([], [])
 
     def post(self, *tensors):
-        """Start sending ``tensors`` on and receiving their successors; returns the receive buffers."""
-        received = [torch.empty_like(t) for t in tensors]
-        ops_ = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        """Start sending ``tensors`` on and receiving their successors; returns the receive buffers
+        (contiguous: the transports take no other layout)."""
+        sent = [t.contiguous() for t in tensors]  # (kept until the sends complete)
+        received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in sent]
+        ops_ = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
         ops_ += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
-        self._pending = dist.batch_isend_irecv(ops_)
+        self._pending = (dist.batch_isend_irecv(ops_), sent)
         return received
 
     def wait(self):
-        for request in self._pending:
+        for request in self._pending[0]:
             request.wait()
-        self._pending = []
+        self._pending = ([], [])
 
 
 def _merge(out, lse, part_out, part_lse):
@@ -178,9 +183,11 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.world - 1:
                 ring.wait()
                 held = tuple(incoming)
-            # The shard's dK/dV go on with it; after the last step they reach their owner.
-            dk, dv = ring.post(dk, dv)
-            ring.wait()
+            # The shard's dK/dV go on with it; after the last step they reach their owner (a
+            # ring of one rank holds its own).
+            if ring.world > 1:
+                dk, dv = ring.post(dk, dv)
+                ring.wait()
         dsinks = None
         if ctx.needs_input_grad[3]:  # this rank's rows' share
             dsinks = attention_sinks.gradient(False, sinks, out, lse, dout, None)
@@ -201,23 +208,27 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_flash_attn_func needs an initialized torch.distributed process group")
     validation.check_qkv(q, k, v, False)
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"q and k must hold the same shard of the sequence, got {q.shape[1]} and {k.shape[1]} rows")
     softcap = validation.real("softcap", softcap, 0.0)
     sinks = validation.sinks(sinks, q.shape[2], q.device)
     scale = validation.softmax_scale(softmax_scale, q.shape[-1])
     version = dispatch.resolve_version(version, q.device)
     if version == "v1":
         raise NotImplementedError("ring attention runs the v2, v3 or PyTorch kernels per step, not version='v1'")
+    # The shards' lengths, gathered before they are checked: every rank sees every rank's and
+    # raises alike (a check on this rank's alone would leave the others waiting in the ring).
+    world = dist.get_world_size(group)
+    lengths = [torch.zeros(2, dtype=torch.int64, device=q.device) for _ in range(world)]
+    dist.all_gather(lengths, torch.tensor([q.shape[1], k.shape[1]], device=q.device), group=group)
+    lengths = [tuple(int(n) for n in x) for x in lengths]
+    if any(n_q != n_k for n_q, n_k in lengths):
+        raise ValueError(f"q and k must hold the same shard of the sequence on every rank, got (q, k) rows "
+                         f"{lengths}")
+    if len(set(lengths)) != 1:
+        raise ValueError(f"every rank must hold a shard of the same length, got {[n for n, _ in lengths]}")
     if causal and q.shape[1] % 2:
         raise ValueError(f"causal ring attention takes zigzag shards of an even length, got {q.shape[1]} rows")
-    world = dist.get_world_size(group)
     total = world * q.shape[1]
     left, right = validation.band(bool(causal), window_size, total, total)
-    lengths = [torch.zeros(1, dtype=torch.int64, device=q.device) for _ in range(world)]
-    dist.all_gather(lengths, torch.tensor([q.shape[1]], device=q.device), group=group)
-    if len({int(x) for x in lengths}) != 1:
-        raise ValueError(f"every rank must hold a shard of the same length, got {[int(x) for x in lengths]}")
     with ops.on_device_of(q):
         out, lse = _RingAttention.apply(q, k, v, sinks, scale, left, right, bool(causal), softcap, version, group)
     return (out, lse) if return_softmax_lse else out

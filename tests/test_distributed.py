@@ -2,6 +2,7 @@
 when causal), the PyTorch path per rank; outputs and gradients, gathered, against attention on
 the whole sequence in one process by the FA rule: causal and not, sliding windows that cross
 shards (with and without causal), GQA, attention sinks."""
+import datetime
 import os
 
 import pytest
@@ -22,7 +23,9 @@ def _gathered(x, world, causal):
 
 
 def _worker(rank, world, store_path):
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    # (a timeout, so that a rank left waiting fails the test instead of hanging it)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     try:
         # (causal, window): windows narrower than a shard and wider than several.
         for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (5, 3)), (True, (7, -1)),
@@ -76,14 +79,36 @@ def _worker(rank, world, store_path):
             reference = standard_attention(q.double(), k.double(), v.double(), causal=True, sinks=whole)
             (expected,) = torch.autograd.grad(reference, whole, dout.double())
             torch.testing.assert_close(dsinks.double(), expected, atol=1e-2, rtol=1e-2)
-        # Shards of different lengths are refused on every rank.
-        uneven = torch.randn(1, 8 + 2 * rank, 2, 16, dtype=torch.float16)
-        try:
-            distributed.ring_flash_attn_func(uneven, uneven, uneven, version="tiled")
-        except ValueError as e:
-            assert "same length" in str(e)
-        else:
-            raise AssertionError("uneven shards were not refused")
+        # Shards of different lengths are refused on every rank, also where one rank's alone would
+        # fail a check of its own (an odd causal shard, q and k of different lengths).
+        for uneven, causal, message in ((8 + 2 * rank, False, "same length"), (9 - rank % 2, True, "same length"),
+                                        (8, True, "q and k must hold the same shard")):
+            x = torch.randn(1, uneven, 2, 16, dtype=torch.float16)
+            y = x[:, :7] if message.startswith("q and k") and rank == world - 1 else x
+            try:
+                distributed.ring_flash_attn_func(x, y, y, causal=causal, version="tiled")
+            except ValueError as e:
+                assert message in str(e), str(e)
+            else:
+                raise AssertionError(f"uneven shards were not refused ({message})")
+        # K/V of any strides (a (batch, heads, seqlen, d) buffer seen as (batch, seqlen, heads, d)):
+        # the same output and gradients as contiguous shards.
+        torch.manual_seed(2)
+        shards = [torch.randn(1, 2, 8, 16, dtype=torch.float16).transpose(1, 2) for _ in range(3)]
+        runs = []
+        for given in (shards, [x.contiguous() for x in shards]):
+            leaves = [x.detach().requires_grad_() for x in given]
+            out = distributed.ring_flash_attn_func(*leaves, causal=True, version="tiled")
+            out.float().sum().backward()
+            runs.append([out.detach(), *(x.grad for x in leaves)])
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+        # A ring of one rank (a sub-group each): attention over the rank's own shard.
+        alone = [dist.new_group([r]) for r in range(world)][rank]
+        x = torch.randn(1, 8, 2, 16, dtype=torch.float16, requires_grad=True)
+        out = distributed.ring_flash_attn_func(x, x, x, causal=True, version="tiled", group=alone)
+        out.float().sum().backward()
+        torch.testing.assert_close(out, standard_attention(x.detach(), x.detach(), x.detach(), causal=True),
+                                   atol=2e-3, rtol=2e-3)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -126,3 +151,5 @@ def test_ring_attention_refusals():
     with pytest.raises(RuntimeError, match="initialized torch.distributed"):
         distributed.ring_flash_attn_func(q, q, q)
     assert torch.equal(distributed.zigzag_unshard([distributed.zigzag_shard(q, r, 2) for r in range(2)]), q)
+    with pytest.raises(ValueError, match=r"multiple of that .* got rank 0"):
+        distributed.zigzag_shard(q[:, :6], 0, 2)
