@@ -32,8 +32,8 @@ def band_mask(seqlen_q, seqlen_k, window_left=-1, window_right=-1, device=None,
 
 
 def _scores(q, k, left, right, scale, softcap, alibi_slopes):
-    """Scores (batch, nheads, seqlen_q, seqlen_k) in q's dtype, -inf outside the band, and the
-    band's mask (None: no band).  K is repeated over its query heads (GQA)."""
+    """Scores (batch, nheads, seqlen_q, seqlen_k) in q's dtype, -inf outside the band.  K is
+    repeated over its query heads (GQA)."""
     k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k * scale)
     bias = None
@@ -57,8 +57,9 @@ def _dropped(probs, dropout_mask, dropout_p):
 
 def probabilities(q, k, band, softmax_scale, softcap=0.0, alibi_slopes=None, sinks=None):
     """The softmax probabilities, float32 (batch, nheads, seqlen_q, seqlen_k), ``band`` the
-    (window_left, window_right) of validation.band; rows that see no key are 0."""
-    scores = _scores(q, k, *band, softmax_scale, softcap, alibi_slopes).float()
+    (window_left, window_right) of validation.band; rows that see no key are 0.  The scores are
+    float32's, as the kernels form them (in fp16 they could overflow)."""
+    scores = _scores(q.float(), k.float(), *band, softmax_scale, softcap, alibi_slopes)
     if sinks is not None:
         sink = sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)
         return torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1].nan_to_num(0.0)

@@ -249,11 +249,14 @@ def test_keep_rate_and_seeds():
     assert torch.equal(flash_attn_func(q, k, v, dropout_p=0.0), flash_attn_func(q, k, v))
 
 
-def test_return_attn_probs_encodes_the_dropped_ones():
+@pytest.mark.parametrize("magnitude", [1.0, 200.0])
+def test_return_attn_probs_encodes_the_dropped_ones(magnitude):
     # flash_attn's S_dmask: the probabilities, negative where dropped; the output is the kept
-    # ones, scaled by 1 / (1 - p), times V.
+    # ones, scaled by 1 / (1 - p), times V.  Scores past the input type's range (q and k of
+    # magnitude 200) are float32's, as in the kernels.
     torch.manual_seed(5)
     q, k, v = make_qkv(1, 40, 56, 2, 1, 32, DTYPE, DEVICE)
+    q, k = q * magnitude, k * magnitude
     p = 0.2
     torch.manual_seed(11)
     out, lse, s_dmask = flash_attn_func(q, k, v, dropout_p=p, causal=True, return_attn_probs=True)
