@@ -9,7 +9,7 @@ import, in the same text form::
     FLASHTILE_KERNEL_OPTIONS="forward=triton;backward=v2;ablate=pingpong,overlap;tiles.v2_fwd=128,64,4,3"
 """
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 # What v3's forward and backward can be forced to run (dispatch.py says what each is);
 # "v2" also keeps FP8 problems off the float8 Gluon passes, their default where they take them.
@@ -53,16 +53,20 @@ class KernelOptions:
         unknown = self.ablate - set(TECHNIQUES)
         if unknown:
             raise ValueError(f"kernel option ablate: unknown techniques {sorted(unknown)}; known: {TECHNIQUES}")
-        tiles = tuple(sorted((name, tuple(int(x) for x in values)) for name, values in dict(self.tiles).items()))
+        tiles = tuple(sorted((name, tuple(values)) for name, values in dict(self.tiles).items()))
         for name, values in tiles:
             if name not in TILE_FIELDS:
                 raise ValueError(f"kernel option tiles.{name}: unknown table; known: {sorted(TILE_FIELDS)}")
-            if len(values) not in TILE_FIELDS[name]:
+            # Sizes, stages and warps >= 1 (a 0 or a negative one would launch a wrong grid), the
+            # optional last integer (a flag, a share, registers) >= 0.
+            required = min(TILE_FIELDS[name])
+            if len(values) not in TILE_FIELDS[name] or not all(
+                    _positive_int(x) or (i >= required and _positive_int(x + 1)) for i, x in enumerate(values)):
                 raise ValueError(f"kernel option tiles.{name}: expected {' or '.join(map(str, TILE_FIELDS[name]))} "
-                                 f"integers, got {values}")
+                                 f"integers, >= 1 (an optional last one >= 0), got {values}")
         object.__setattr__(self, "tiles", tiles)
-        if self.v1_splits is not None and self.v1_splits < 1:
-            raise ValueError(f"kernel option v1_splits={self.v1_splits}: expected an integer >= 1")
+        if self.v1_splits is not None and not _positive_int(self.v1_splits):
+            raise ValueError(f"kernel option v1_splits={self.v1_splits!r}: expected an integer >= 1")
 
     def tile(self, table: str):
         """The override of ``table``'s tiles, or None."""
@@ -80,21 +84,37 @@ class KernelOptions:
     def parse(cls, text: str) -> "KernelOptions":
         """The inverse of ``str``: ``key=value`` items separated by ';'."""
         fields, tiles = {}, {}
+
+        def integers(key, value, count=None):
+            try:
+                values = tuple(int(x) for x in value.split(","))
+            except ValueError:
+                values = ()
+            if not values or count not in (None, len(values)):
+                raise ValueError(f"kernel options {text!r}: {key} takes {count or 'comma-separated'} integer"
+                                 f"{'' if count == 1 else 's'}, got {value!r}")
+            return values
         for item in filter(None, (part.strip() for part in (text or "").split(";"))):
-            key, sep, value = item.partition("=")
+            key, sep, value = (part.strip() for part in item.partition("="))
             if not sep:
                 raise ValueError(f"kernel options {text!r}: {item!r} is not key=value")
+            if key in fields or (key.startswith("tiles.") and key[len("tiles."):] in tiles):
+                raise ValueError(f"kernel options {text!r}: {key} is given twice")
             if key.startswith("tiles."):
-                tiles[key[len("tiles."):]] = tuple(int(x) for x in value.split(","))
+                tiles[key[len("tiles."):]] = integers(key, value)
             elif key == "ablate":
-                fields["ablate"] = frozenset(filter(None, value.split(",")))
+                fields["ablate"] = frozenset(filter(None, (x.strip() for x in value.split(","))))
             elif key == "v1_splits":
-                fields["v1_splits"] = int(value)
+                (fields["v1_splits"],) = integers(key, value, 1)
             elif key in ("forward", "backward"):
                 fields[key] = value
             else:
                 raise ValueError(f"kernel options {text!r}: unknown key {key!r}")
         return cls(tiles=tuple(tiles.items()), **fields)
+
+
+def _positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
 ENVIRONMENT = KernelOptions.parse(os.environ.get("FLASHTILE_KERNEL_OPTIONS", ""))
@@ -120,6 +140,9 @@ def resolve(options) -> KernelOptions:
     if isinstance(options, str):
         return KernelOptions.parse(options)
     if isinstance(options, dict):
+        unknown = set(options) - {f.name for f in fields(KernelOptions)}
+        if unknown:
+            raise ValueError(f"kernel_options: unknown keys {sorted(map(str, unknown))}")
         return KernelOptions(**options)
     raise TypeError(f"kernel_options must be a KernelOptions, a dict or a string, got {type(options).__name__}")
 

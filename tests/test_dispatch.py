@@ -42,9 +42,24 @@ def test_options_round_trip_and_refuse_what_they_do_not_know():
     assert KernelOptions.parse("") == NONE and str(NONE) == ""
     for text, match in (("forward=v9", "forward='v9'"), ("ablate=warp_magic", "unknown techniques"),
                         ("tiles.v9=1", "unknown table"), ("tiles.v3_gluon=1,2", "expected 3"),
-                        ("v1_splits=0", "v1_splits=0"), ("colour=blue", "unknown key"), ("forward", "key=value")):
+                        ("v1_splits=0", "v1_splits=0"), ("colour=blue", "unknown key"), ("forward", "key=value"),
+                        # Sizes, stages and warps of 0 or below (a negative block launched a wrong grid
+                        # without a word), words where integers go, a key given twice.
+                        ("tiles.v2_fwd=-64,64,4,1", r"integers, >= 1 .* got \(-64"),
+                        ("tiles.decode=64,0,4", ">= 1"), ("tiles.v3_gluon=128,3,2,-1", ">= 1"), ("tiles.v2_fwd=128,64,4,abc", "takes comma"),
+                        ("v1_splits=1,2", "takes 1 integer"), ("forward=triton;forward=v2", "given twice")):
         with pytest.raises(ValueError, match=match):
             KernelOptions.parse(text)
+    assert KernelOptions.parse("tiles.v3_gluon=128,3,2,0").tile("v3_gluon") == (128, 3, 2, 0)  # (no share)
+    # Whitespace around keys, values and list items is not part of them.
+    assert KernelOptions.parse(" forward = triton ; ablate=pingpong, overlap ") == \
+        KernelOptions(forward="triton", ablate={"pingpong", "overlap"})
+    for given, match in ((dict(v1_splits=1.5), "v1_splits=1.5"), (dict(v1_splits=True), "v1_splits=True"),
+                         (dict(tiles={"v2_fwd": (128, 64, 4, 1.5)}), ">= 1")):
+        with pytest.raises(ValueError, match=match):
+            KernelOptions(**given)
+    with pytest.raises(ValueError, match=r"unknown keys \['colour'\]"):
+        options.resolve({"colour": "blue"})
 
 
 def test_v3_forward_routing():
