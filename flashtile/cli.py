@@ -1,5 +1,6 @@
 """The ``flashtile`` command: bench, decode, io, demo, info."""
 import argparse
+import os
 import sys
 import time
 
@@ -37,6 +38,20 @@ def _rate(text):
     return p
 
 
+def _folder(text):
+    """A folder to write into: absent (made then) or a directory."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a folder")
+    return text
+
+
+def _file_stem(text):
+    """A file name without a folder: the results' name inside --out."""
+    if not text or text in (".", "..") or "/" in text or os.sep in text:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a file name without a folder (the folder is --out)")
+    return text
+
+
 def _positive_ints(text):
     items = [x for x in text.split(",") if x]
     if not items:
@@ -67,8 +82,8 @@ def parser():
                    help="measure the grid this many times and keep each cell's median")
     b.add_argument("--tokens", type=_positive_int, default=16384, help="batch x seqlen (the papers' 16k)")
     b.add_argument("--hidden", type=_positive_int, default=2048, help="heads x headdim (the papers' 2048)")
-    b.add_argument("--out", default="bench_results", help="folder for the JSON, Markdown and PNGs")
-    b.add_argument("--name", default="bench")
+    b.add_argument("--out", type=_folder, default="bench_results", help="folder for the JSON, Markdown and PNGs")
+    b.add_argument("--name", type=_file_stem, default="bench")
     b.add_argument("--no-plots", action="store_true")
     b.add_argument("--softcap", type=float, default=0.0, help="scores capped at softcap * tanh(x / softcap)")
     b.add_argument("--alibi", action="store_true", help="ALiBi bias with slopes 2^(-8i/h)")
@@ -107,8 +122,8 @@ def parser():
                      help="developer switches for the flashtile providers, e.g. tiles.decode_paged=128,4,4")
     dec.add_argument("--num-splits", type=lambda text: 0 if text == "0" else _positive_int(text), default=0,
                      help="the flashtile providers' split count (0: the dispatcher's)")
-    dec.add_argument("--out", default="bench_results")
-    dec.add_argument("--name", default="decode")
+    dec.add_argument("--out", type=_folder, default="bench_results")
+    dec.add_argument("--name", type=_file_stem, default="decode")
     sub.add_parser("demo", help="flashtile vs standard attention: error against float64, memory, speed")
     sub.add_parser("info", help="GPU, versions, and which flashtile versions run here")
     return ap

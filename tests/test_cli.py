@@ -15,7 +15,9 @@ from flashtile import bench, cli
                                   ["bench", "--seqlens", "0"], ["bench", "--providers", "nope"], ["frobnicate"],
                                   ["bench", "--repeats", "0"], ["bench", "--hidden", "64"], ["io", "--tokens", "x"],
                                   ["bench", "--cuda-graphs"],  # graphs time forwards only
-                                  ["bench", "--dropout", "1"], ["bench", "--dropout", "x"]])
+                                  ["bench", "--dropout", "1"], ["bench", "--dropout", "x"],
+                                  ["bench", "--out", __file__], ["decode", "--out", __file__],  # a file, not a folder
+                                  ["bench", "--name", "sub/x"], ["decode", "--name", ""]])
 def test_bad_arguments_exit_2_with_allowed_values(argv, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
