@@ -61,11 +61,11 @@ class KernelOptions:
             # optional last integer (a flag, a share, registers) >= 0.
             required = min(TILE_FIELDS[name])
             if len(values) not in TILE_FIELDS[name] or not all(
-                    _positive_int(x) or (i >= required and _positive_int(x + 1)) for i, x in enumerate(values)):
+                    _integer_at_least(x, 1 if i < required else 0) for i, x in enumerate(values)):
                 raise ValueError(f"kernel option tiles.{name}: expected {' or '.join(map(str, TILE_FIELDS[name]))} "
                                  f"integers, >= 1 (an optional last one >= 0), got {values}")
         object.__setattr__(self, "tiles", tiles)
-        if self.v1_splits is not None and not _positive_int(self.v1_splits):
+        if self.v1_splits is not None and not _integer_at_least(self.v1_splits, 1):
             raise ValueError(f"kernel option v1_splits={self.v1_splits!r}: expected an integer >= 1")
 
     def tile(self, table: str):
@@ -113,8 +113,8 @@ class KernelOptions:
         return cls(tiles=tuple(tiles.items()), **fields)
 
 
-def _positive_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+def _integer_at_least(x, minimum: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= minimum
 
 
 ENVIRONMENT = KernelOptions.parse(os.environ.get("FLASHTILE_KERNEL_OPTIONS", ""))
