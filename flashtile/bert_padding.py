@@ -2,8 +2,9 @@
 ``from flashtile.bert_padding import unpad_input, pad_input`` in place of flash_attn's import.
 
 ``unpad_input`` packs the tokens a (batch, seqlen) mask keeps into (total, ...) rows with the
-int32 offsets the varlen functions take; ``pad_input`` puts rows back at their places, zeros
-elsewhere.  Plain indexing, differentiable both ways.  Reading the longest sequence's length
+int32 offsets the varlen functions take; ``unpad_input_for_concatenated_sequences`` does the same
+for rows that each hold several documents one after another; ``pad_input`` puts rows back at
+their places, zeros elsewhere.  Plain indexing, differentiable both ways.  Reading the longest sequence's length
 (``max_seqlen``) copies one number to the host, as flash_attn's does.
 """
 import torch
@@ -13,6 +14,12 @@ import torch.nn.functional as F
 def index_first_axis(x, indices):
     """Rows ``indices`` of ``x`` along its first axis."""
     return x[indices]
+
+
+def index_first_axis_residual(x, indices):
+    """(rows ``indices`` of ``x``, ``x`` itself): both outputs pass their gradients back to ``x``
+    (flash_attn's form for a layer that keeps its input as a residual)."""
+    return x[indices], x.view_as(x)
 
 
 def index_put_first_axis(values, indices, first_axis_dim: int):
@@ -35,6 +42,26 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
     cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
     rows = index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices)
     return rows, indices, cu_seqlens, int(seqlens.max()) if seqlens.numel() else 0, used
+
+
+def unpad_input_for_concatenated_sequences(hidden_states, attention_mask_in_length):
+    """hidden_states (batch, seqlen, ...) whose rows each hold documents one after another from
+    position 0; attention_mask_in_length (batch, seqlen) the lengths of row b's documents in
+    order, zeros elsewhere (e.g. [[2, 3, 0, 0], [4, 0, 0, 0]]: documents of 2 and 3 tokens, then
+    one of 4).  Each document attends within itself.  Returns (rows (total, ...), indices of the
+    documents' tokens in the flattened batch, cu_seqlens (documents + 1,) int32, max_seqlen)."""
+    lengths = attention_mask_in_length
+    seqlen = lengths.shape[-1]
+    if lengths.dim() != 2 or lengths.dtype.is_floating_point or lengths.dtype.is_complex or \
+            (lengths.numel() and (lengths.min() < 0 or (lengths.sum(-1) > seqlen).any())):
+        raise ValueError(f"attention_mask_in_length must be (batch, seqlen) non-negative integer lengths "
+                         f"summing to at most seqlen={seqlen} a row, got {tuple(lengths.shape)} {lengths.dtype}")
+    documents = lengths.flatten()[lengths.flatten() > 0].int()
+    kept = torch.arange(seqlen, device=lengths.device) < lengths.sum(-1, keepdim=True)
+    indices = torch.nonzero(kept.flatten(), as_tuple=False).flatten()
+    cu_seqlens = F.pad(torch.cumsum(documents, dim=0, dtype=torch.int32), (1, 0))
+    rows = index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices)
+    return rows, indices, cu_seqlens, int(documents.max()) if documents.numel() else 0
 
 
 def pad_input(hidden_states, indices, batch: int, seqlen: int):

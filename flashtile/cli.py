@@ -27,6 +27,29 @@ def _positive_int(text):
     return n
 
 
+def _positive_int_to(most):
+    """argparse type for an integer in [1, ``most``]."""
+    def parse(text):
+        n = _positive_int(text)
+        if n > most:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer up to {most}")
+        return n
+    return parse
+
+
+def _number_at_least(least, strictly=False):
+    """argparse type for a number >= ``least`` (> where ``strictly``)."""
+    def parse(text):
+        try:
+            x = float(text)
+        except ValueError:
+            x = float("nan")
+        if not (x > least if strictly else x >= least):  # (NaN fails both)
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a number {'>' if strictly else '>='} {least:g}")
+        return x
+    return parse
+
+
 def _rate(text):
     """A dropout rate: a number in [0, 1)."""
     try:
@@ -60,7 +83,7 @@ def _positive_ints(text):
 
 
 def parser():
-    from flashtile import bench, decode_bench
+    from flashtile import bench, decode_bench, validation
     ap = argparse.ArgumentParser(prog="flashtile", description="Exact FlashAttention v1/v2/v3 in Triton.")
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="TFLOP/s and memory against PyTorch SDPA, FlexAttention, standard attention")
@@ -85,7 +108,7 @@ def parser():
     b.add_argument("--out", type=_folder, default="bench_results", help="folder for the JSON, Markdown and PNGs")
     b.add_argument("--name", type=_file_stem, default="bench")
     b.add_argument("--no-plots", action="store_true")
-    b.add_argument("--softcap", type=float, default=0.0, help="scores capped at softcap * tanh(x / softcap)")
+    b.add_argument("--softcap", type=_number_at_least(0.0), default=0.0, help="scores capped at softcap * tanh(x / softcap)")
     b.add_argument("--alibi", action="store_true", help="ALiBi bias with slopes 2^(-8i/h)")
     b.add_argument("--sinks", action="store_true", help="one learnable sink logit per head")
     b.add_argument("--dropout", type=_rate, default=0.0, help="dropout_p of the timed calls (SDPA's providers too)")
@@ -104,9 +127,9 @@ def parser():
     io.add_argument("--tokens", type=_positive_int, default=16384)
     io.add_argument("--hidden", type=_positive_int, default=2048)
     io.add_argument("--measured", metavar="BENCH_JSON", help="bench records to set the model against")
-    io.add_argument("--copy-tbps", type=float, default=None,
+    io.add_argument("--copy-tbps", type=_number_at_least(0.0, strictly=True), default=None,
                     help="HBM copy ceiling in TB/s (default: measured here on a GPU, else the H200's 4.26)")
-    io.add_argument("--matmul-tflops", type=float, default=None,
+    io.add_argument("--matmul-tflops", type=_number_at_least(0.0, strictly=True), default=None,
                     help="bf16 matmul ceiling in TFLOP/s (default: measured here on a GPU, else the H200's 775)")
     io.add_argument("--out", default=None, help="also write the rows as JSON here")
     dec = sub.add_parser("decode", help="decoding over a KV cache: TB/s of K/V read against SDPA's backends")
@@ -115,7 +138,7 @@ def parser():
                      help="keys in each sequence's cache")
     dec.add_argument("--heads", type=_positive_int, default=32)
     dec.add_argument("--heads-k", type=_positive_int, default=8)
-    dec.add_argument("--head-dim", type=_positive_int, default=128)
+    dec.add_argument("--head-dim", type=_positive_int_to(validation.MAX_HEAD_DIM), default=128)
     dec.add_argument("--page-size", type=_positive_int, default=16, help="rows per page of flashtile-paged")
     dec.add_argument("--providers", type=_choices(decode_bench.PROVIDERS), default=list(decode_bench.PROVIDERS))
     dec.add_argument("--kernel-options", default="",
@@ -163,6 +186,9 @@ def cmd_bench(args):
         print(f"failed: {msg}", file=sys.stderr)
     records = bench.run(cases, providers, args.repeats, on_error=failed, cuda_graph=args.cuda_graphs,
                         kernel_options=kernel_options)
+    if not records:
+        print("no provider ran a cell", file=sys.stderr)
+        return 1
     table = bench.save(records, args.out, args.name, args.baseline, plots=not args.no_plots, failures=failures)
     print(table)
     return 0
@@ -177,15 +203,20 @@ def cmd_io(args):
     if args.measured is None:
         print("| d | causal | seqlen | algorithm | fwd GB | bwd GB | fwd TFLOP | bwd TFLOP | fwd FLOP/B | extra memory MiB |")
         print("|---" * 10 + "|")
+        rows = []
         for d in args.head_dims:
             for causal in (c == "true" for c in args.causal):
                 for s in args.seqlens:
                     shape = iomodel.Shape(max(1, args.tokens // s), args.hidden // d, s, s, d, causal)
                     for name, m in iomodel.summary(shape).items():
+                        rows.append(dict(d=d, causal=causal, seqlen=s, algorithm=name, **m))
                         print(f"| {d} | {causal} | {s} | {name} | {m['fwd_bytes'] / 1e9:.2f} | "
                               f"{m['bwd_bytes'] / 1e9:.2f} | {m['fwd_flops'] / 1e12:.2f} | "
                               f"{m['bwd_flops'] / 1e12:.2f} | {m['fwd_flops'] / m['fwd_bytes']:.0f} | "
                               f"{m['extra_memory_bytes'] / 2**20:.1f} |")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(tokens=args.tokens, hidden=args.hidden, rows=rows), f, indent=1)
         return 0
     try:
         with open(args.measured) as f:
@@ -238,7 +269,10 @@ def cmd_decode(args):
     kernel_options = _kernel_options(args.kernel_options)
     if kernel_options is None:
         return 2
-    records = decode_bench.run(args.batches, args.caches, args.providers, args.heads, args.heads_k, args.head_dim,
+    providers = [p for p in args.providers if torch.cuda.is_available() or p not in decode_bench.CUDA_ONLY]
+    for p in sorted(set(args.providers) - set(providers)):
+        print(f"skipping {p}: needs a CUDA GPU", file=sys.stderr)
+    records = decode_bench.run(args.batches, args.caches, providers, args.heads, args.heads_k, args.head_dim,
                                args.page_size, on_error=lambda msg: print(f"failed: {msg}", file=sys.stderr),
                                kernel_options=kernel_options, num_splits=args.num_splits)
     if not records:

@@ -21,6 +21,7 @@ from flashtile import bench, kvcache
 from flashtile.kernels.problem import cdiv
 
 PROVIDERS = ("flashtile", "flashtile-paged", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient")
+CUDA_ONLY = ("sdpa-cudnn", "sdpa-efficient")  # SDPA's backends with no CPU kernel
 
 
 def _inputs(batch, cache, heads, heads_k, head_dim, device):

@@ -17,7 +17,9 @@ from flashtile import bench, cli
                                   ["bench", "--cuda-graphs"],  # graphs time forwards only
                                   ["bench", "--dropout", "1"], ["bench", "--dropout", "x"],
                                   ["bench", "--out", __file__], ["decode", "--out", __file__],  # a file, not a folder
-                                  ["bench", "--name", "sub/x"], ["decode", "--name", ""]])
+                                  ["bench", "--name", "sub/x"], ["decode", "--name", ""],
+                                  ["bench", "--softcap", "-1"], ["io", "--copy-tbps", "-2"],
+                                  ["io", "--matmul-tflops", "nan"], ["decode", "--head-dim", "257"]])
 def test_bad_arguments_exit_2_with_allowed_values(argv, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
@@ -229,6 +231,21 @@ def test_io_model_table_and_regimes(tmp_path, capsys):
     assert json.loads((tmp_path / "io.json").read_text())["rows"][0]["bound"] == "memory"
 
 
+def test_io_model_rows_written_without_measurements(tmp_path):
+    assert cli.main(["io", "--head-dims", "64", "--seqlens", "1024", "--out", str(tmp_path / "model.json")]) == 0
+    rows = json.loads((tmp_path / "model.json").read_text())["rows"]
+    assert {r["algorithm"] for r in rows} == {"standard", "v1", "v2", "v3"}
+    assert all(r["d"] == 64 and r["seqlen"] == 1024 and r["fwd_bytes"] > 0 for r in rows)
+
+
+def test_bench_with_every_cell_failed_exits_1(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "run", lambda cases, providers, repeats, on_error, **kw: on_error("x") or [])
+    monkeypatch.setattr(bench, "available_providers", lambda: (list(bench.PROVIDERS), {}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli.main(["bench", "--head-dims", "32", "--seqlens", "64", "--out", str(tmp_path)]) == 1
+    assert "no provider ran a cell" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
 def test_io_unreadable_measurements_exit_2(tmp_path):
     assert cli.main(["io", "--measured", str(tmp_path / "missing.json")]) == 2
 
@@ -281,7 +298,7 @@ def test_compare_rotates_the_order_of_the_variants(monkeypatch):
     assert best == [{"old": 3.0, "new": 2.0, "again": 0.5}, {"old": 5.0, "new": 1.5, "again": 0.1}]
 
 
-def test_decode_bench_tiny_grid(tmp_path):
+def test_decode_bench_tiny_grid(tmp_path, capsys):
     # The decode benchmark's pipeline on a grid the interpreter runs: its paged cache (pages in a
     # shuffled order) holds the same keys as the contiguous one, so both give the same bits.
     from flashtile import decode_bench
@@ -308,4 +325,10 @@ def test_decode_bench_tiny_grid(tmp_path):
         cli.main(["decode", "--num-splits", "-1"])
     assert cli.main(["decode", "--kernel-options", "tiles.decode=32,2"]) == 2  # three integers
     assert all(r["tbps"] > 0 and r["host_us"] > 0 for r in records)
+    if not ON_GPU:  # SDPA's backends with no CPU kernel are skipped by name, not run to fail
+        assert cli.main(["decode", "--batches", "1", "--caches", "40", "--heads", "4", "--heads-k", "2",
+                         "--head-dim", "32", "--providers", "flashtile,sdpa-cudnn", "--out", str(tmp_path),
+                         "--name", "c"]) == 0
+        assert "skipping sdpa-cudnn: needs a CUDA GPU" in capsys.readouterr().err
+        assert {r["provider"] for r in json.loads((tmp_path / "c.json").read_text())} == {"flashtile"}
     assert "| 1 | 40 |" in (tmp_path / "d.md").read_text()

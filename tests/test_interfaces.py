@@ -12,7 +12,8 @@ from conftest import DEVICE
 import flashtile
 from flashtile import flash_attn_func, flash_attn_varlen_func, standard_attention
 from flashtile import flash_attn_interface as fa3
-from flashtile.bert_padding import pad_input, unpad_input
+from flashtile.bert_padding import (index_first_axis_residual, pad_input, unpad_input,
+                                    unpad_input_for_concatenated_sequences)
 
 DTYPE = torch.float16
 
@@ -397,6 +398,31 @@ def test_bert_padding_round_trip_through_the_varlen_call():
     unused = ~mask & (torch.arange(seqlen, device=DEVICE)[None] < 12)
     _, _, cu_all, _, used = unpad_input(q.detach(), mask, unused)
     assert cu_all.tolist() == [0, 12, 24, 36, 48] and used.tolist() == lengths
+
+
+def test_bert_padding_concatenated_documents_attend_within_themselves():
+    # Rows holding documents one after another (flash_attn's attention_mask_in_length): each
+    # document through the varlen call is its own call; padding after a row's documents stays 0.
+    docs, seqlen = [[3, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0], [11, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0] * 11], 11
+    lengths = torch.tensor(docs, device=DEVICE)
+    q, k, v = make_qkv(3, seqlen, seqlen, 4, 2, 32, DTYPE, DEVICE)
+    (qs, indices, cu, longest), (ks, *_), (vs, *_) = (unpad_input_for_concatenated_sequences(x, lengths)
+                                                      for x in (q, k, v))
+    assert cu.tolist() == [0, 3, 9, 20] and longest == 11 and qs.shape == (20, 4, 32)
+    out = pad_input(flash_attn_varlen_func(qs, ks, vs, cu, cu, longest, longest, causal=True), indices, 3, seqlen)
+    for b, start, n in ((0, 0, 3), (0, 3, 6), (1, 0, 11)):
+        one = flash_attn_func(*(x[b:b + 1, start:start + n] for x in (q, k, v)), causal=True)
+        torch.testing.assert_close(out[b:b + 1, start:start + n], one, atol=2e-3, rtol=0)
+    assert (out[0, 9:] == 0).all() and (out[2] == 0).all()
+    for bad in (lengths.float(), lengths[0], torch.tensor([[6, 6] + [0] * 9], device=DEVICE),
+                torch.tensor([[-1, 3] + [0] * 9], device=DEVICE)):
+        with pytest.raises(ValueError, match="attention_mask_in_length"):
+            unpad_input_for_concatenated_sequences(q[:1], bad)
+    # index_first_axis_residual: rows and the whole input, both passing gradients back.
+    x = torch.randn(5, 3, device=DEVICE, requires_grad=True)
+    rows, residual = index_first_axis_residual(x, torch.tensor([4, 1], device=DEVICE))
+    (2 * rows.sum() + residual.sum()).backward()
+    assert torch.equal(x.grad, torch.tensor([1.0, 3, 1, 1, 3], device=DEVICE)[:, None].expand(5, 3))
 
 
 def test_flash_attention_3_kvcache():
