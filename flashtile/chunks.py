@@ -73,8 +73,12 @@ def attend(run, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     cu_q, cu_k = _pieces(cu_seqlens_q, cu_seqlens_k, before, per_sequence - before, chunk)
     # The pieces tile checked offsets: no need to read them back on the host (validation's
     # remembered offsets; nothing is kept while torch.compile traces or in inference mode).
-    validation.trust_offsets(cu_q, q.shape[0], min(chunk, max_seqlen_q))
-    validation.trust_offsets(cu_k, k.shape[0], min(chunk, max_seqlen_k))
+    # (each ending where the call's offsets end: before the tensor's rows in a padded buffer,
+    # whose rows after the last sequence the attention then leaves at 0)
+    ends = [(validation.read_offsets(cu) or (x.shape[0],))[0] if varlen else x.shape[0]
+            for cu, x in ((cu_seqlens_q, q), (cu_seqlens_k, k))]
+    validation.trust_offsets(cu_q, ends[0], min(chunk, max_seqlen_q))
+    validation.trust_offsets(cu_k, ends[1], min(chunk, max_seqlen_k))
     per_piece = tuple(None if d is None else d.repeat_interleave(per_sequence, 0) for d in descales)
     out, lse = run(q, k, v, cu_q, cu_k, min(chunk, max_seqlen_q), min(chunk, max_seqlen_k), per_piece)
     if varlen:
@@ -84,22 +88,26 @@ def attend(run, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 
 def cache_starts(q, k_cache, k, cache_seqlens, cache_leftpad, block_table, chunk):
     """A decoding step's chunks over a KV cache, as flash_attn_with_kvcache's ``cache_leftpad``:
-    each sequence's one query sits at its last key and sees from the start of that key's chunk
-    (or from its own leftpad, if later).  One query token per sequence: several could span two
-    chunks, which only the sequence lengths on the device would tell."""
+    each sequence's one query sits at its last key and sees from the start of that key's chunk,
+    positions (and so chunks) counted from the sequence's own leftpad, as FA3 counts them.  One
+    query token per sequence: several could span two chunks, which only the sequence lengths on
+    the device would tell."""
     validation.check_tensor("q", q)
     if q.dim() != 4 or q.shape[1] != 1:
         raise NotImplementedError(f"attention_chunk over a KV cache takes one query token per sequence "
                                   f"(decoding), got q of shape {tuple(q.shape)}")
+    batch = q.shape[0]
+    if cache_leftpad is not None:
+        validation.check_tensor("cache_leftpad", cache_leftpad)
+        if cache_leftpad.shape != (batch,) or cache_leftpad.dtype != torch.int32:
+            raise ValueError(f"cache_leftpad must be (batch={batch},) torch.int32, got {tuple(cache_leftpad.shape)} "
+                             f"{cache_leftpad.dtype}")
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     new = 0 if k is None else k.shape[1]
     ends = (capacity - new if cache_seqlens is None else cache_seqlens) + new
-    if isinstance(ends, torch.Tensor):
-        starts = ((ends.long() - 1).clamp(min=0) // chunk * chunk).to(torch.int32)
-    else:
-        starts = torch.full((q.shape[0],), max(int(ends) - 1, 0) // chunk * chunk, dtype=torch.int32,
-                            device=q.device)
-    return starts if cache_leftpad is None else torch.maximum(cache_leftpad, starts)
+    ends = ends.long() if isinstance(ends, torch.Tensor) else torch.full((batch,), int(ends), device=q.device)
+    pad = torch.zeros_like(ends) if cache_leftpad is None else cache_leftpad.long()
+    return (pad + (ends - 1 - pad).clamp(min=0) // chunk * chunk).to(torch.int32)
 
 
 def check(chunk) -> int:

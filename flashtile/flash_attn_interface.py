@@ -1,7 +1,9 @@
 """FlashAttention-3's Python interface (``flash_attn_interface``), served by flashtile.
 
 Code written for FA3 runs unchanged with ``from flashtile.flash_attn_interface import ...``:
-the same signatures, returning ``out``, or ``(out, softmax_lse)`` with ``return_attn_probs``.
+the same signatures, returning ``out``, or ``(out, softmax_lse)`` with ``return_attn_probs``;
+a row that sees no key has logsumexp -inf, as FA3's (flashtile's own functions follow
+FlashAttention-2: +inf).
 FA3's tuning hints (``num_splits``, ``pack_gqa``, ``sm_margin``) are accepted and leave the
 choice to flashtile's dispatcher; ``attention_chunk`` (Llama 4's chunked attention) runs
 through chunks.py, forward and backward; ``qv`` is refused by name.  ``flash_attn_with_kvcache``
@@ -15,11 +17,28 @@ bf16, forward only.
 """
 import functools
 
+import torch
+
 from flashtile import api, chunks, kvcache, validation
+
+
+def _fa3_lse(lse):
+    """flashtile's logsumexp with FA3's value for a row that sees no key: -inf (FlashAttention-2
+    and flashtile give +inf), so merging partial results by logsumexp leaves such a row out."""
+    return lse.masked_fill(lse == float("inf"), float("-inf"))
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descales, softmax_scale, causal,
                window_size, softcap, deterministic, return_attn_probs, seqused=None, attention_chunk=0):
+    """out, or (out, lse) with ``return_attn_probs``, lse in FA3's convention (_fa3_lse)."""
+    res = _flashtile_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descales,
+                               softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
+                               seqused, attention_chunk)
+    return (res[0], _fa3_lse(res[1])) if return_attn_probs else res
+
+
+def _flashtile_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descales, softmax_scale,
+                         causal, window_size, softcap, deterministic, return_attn_probs, seqused, attention_chunk):
     """flashtile's attention, FP8 where q is float8 (descales apply to nothing else), in chunks
     of ``attention_chunk`` keys if it is not 0 (chunks.py)."""
     fp8 = getattr(q, "dtype", None) in validation.FP8_DTYPES
@@ -32,6 +51,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                              causal, window_size, softcap, None, deterministic, lse, None, "auto", None,
                              fp8_descales=descales if fp8 else None, seqused=seqused)
         return res[:2] if lse else res
+
     if not chunk:
         return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descales)
     if seqused is not None and any(x is not None for x in seqused):
@@ -41,7 +61,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = validation.varlen_arguments(
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
         validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0],
-                                       k.shape[0])
+                                       k.shape[0], spare_rows=True)
     if fp8:  # (expanded to the pieces: checked first)
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
         validation.fp8_descales(descales, batch, k.shape[-2], q.device)
@@ -82,7 +102,7 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     flash_attn_func takes it."""
     validation.integer("sm_margin", sm_margin, minimum=0)
     validation.check_tensor("qkv", qkv)
-    if num_heads_q is None:
+    if num_heads_q is None or qkv.dim() == 5:  # (FA3 reads num_heads_q of the 4-D form only)
         if qkv.dim() != 5 or qkv.shape[2] != 3:
             raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
         q, k, v = qkv.unbind(2)
@@ -118,10 +138,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             return_softmax_lse=False):
     """FA3's attention over a KV cache: flashtile.flash_attn_with_kvcache, ``page_table`` its
     ``block_table``, queries of varying counts packed by ``cu_seqlens_q`` and ``max_seqlen_q``.
-    New keys of varying counts (``cu_seqlens_k_new``), ``qv``, ``rotary_seqlens``, float8
-    descales and ``scheduler_metadata`` are refused by name.  ``attention_chunk`` takes one
-    query token per sequence (decoding): each sequence's keys start at its chunk
-    (chunks.cache_starts)."""
+    New keys of varying counts (``cu_seqlens_k_new``), ``qv``, ``rotary_seqlens`` and float8
+    descales are refused by name; ``scheduler_metadata`` is get_scheduler_metadata's None.
+    ``attention_chunk`` takes one query token per sequence (decoding): each sequence's keys
+    start at its chunk (chunks.cache_starts).  Returns out, or as FA3 (out, softmax_lse,
+    out_accum, softmax_lse_accum), the split accumulators None (not kept)."""
     _refuse_unsupported(qv=qv, cu_seqlens_k_new=cu_seqlens_k_new, rotary_seqlens=rotary_seqlens,
                         q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                         scheduler_metadata=scheduler_metadata)
@@ -129,7 +150,51 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     chunk = chunks.check(attention_chunk)
     if chunk:
         cache_leftpad = chunks.cache_starts(q, k_cache, k, cache_seqlens, cache_leftpad, page_table, chunk)
-    return kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                           cache_batch_idx, cache_leftpad, page_table, softmax_scale, causal,
-                                           window_size, softcap, rotary_interleaved, None, num_splits,
-                                           return_softmax_lse, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
+    res = kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                          cache_batch_idx, cache_leftpad, page_table, softmax_scale, causal,
+                                          window_size, softcap, rotary_interleaved, None, num_splits,
+                                          return_softmax_lse, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
+    return (res[0], _fa3_lse(res[1]), None, None) if return_softmax_lse else res
+
+
+def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                           cache_seqlens, qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None,
+                           cu_seqlens_k_new=None, cache_leftpad=None, page_size=None, max_seqlen_k_new=0,
+                           causal=False, window_size=(-1, -1), attention_chunk=0, has_softcap=False,
+                           num_splits=0, pack_gqa=None, sm_margin=0):
+    """FA3's precomputed split schedule: None, which flash_attn_with_kvcache takes (flashtile
+    plans each call's splits itself, remembered per shape).  The hints are checked as there."""
+    _hints(num_splits, pack_gqa, sm_margin)
+    chunks.check(attention_chunk)
+    return None
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """FA3's merge of split attention results: out_partial (num_splits, batch, seqlen, nheads,
+    headdim) and lse_partial (num_splits, batch, seqlen, nheads), both float32, each split's
+    output normalised over its keys and its logsumexp (-inf: no key).  Returns (out (batch,
+    seqlen, nheads, headdim) in ``out_dtype`` (default float32; written into ``out`` where
+    given), softmax_lse (batch, seqlen, nheads) float32); a row no split saw gives 0 and -inf."""
+    for name, x, dims in (("out_partial", out_partial, 5), ("lse_partial", lse_partial, 4)):
+        validation.check_tensor(name, x)
+        if x.dtype != torch.float32 or x.dim() != dims:
+            raise TypeError(f"{name} must be a {dims}-D float32 tensor, got {x.dim()}-D {x.dtype}")
+    if lse_partial.shape != out_partial.shape[:4] or lse_partial.device != out_partial.device \
+            or out_partial.shape[0] == 0:
+        raise ValueError(f"lse_partial must be out_partial's (num_splits >= 1, batch, seqlen, nheads) on its device, "
+                         f"got {tuple(lse_partial.shape)} against {tuple(out_partial.shape)}")
+    out_dtype = out_dtype or (out.dtype if out is not None else torch.float32)
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"out_dtype must be torch.float32, bfloat16 or float16, got {out_dtype}")
+    top = lse_partial.amax(0)
+    top = torch.where(top.isfinite(), top, 0.0)  # (no split with a key: every weight 0)
+    weights = torch.exp(lse_partial - top)
+    total = weights.sum(0)
+    merged = (out_partial * weights[..., None]).sum(0) / torch.where(total > 0, total, 1.0)[..., None]
+    lse = torch.where(total > 0, top + total.log(), float("-inf"))
+    if out is None:
+        return merged.to(out_dtype), lse
+    if out.shape != merged.shape or out.dtype != out_dtype or out.device != merged.device:
+        raise ValueError(f"out must be ({', '.join(map(str, merged.shape))}) {out_dtype} on {merged.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    return out.copy_(merged), lse

@@ -288,6 +288,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if q.device.type not in ("cuda", "cpu"):
         raise ValueError(f"q is on {q.device}; flashtile runs on CUDA GPUs (or CPU tensors)")
     _same_kind("k_cache", k_cache, q)
+    if isinstance(v_cache, torch.Tensor) and v_cache.dim() == k_cache.dim() and v_cache.shape[-1] != q.shape[-1]:
+        raise NotImplementedError(f"flash_attn_with_kvcache takes V of q's head dim ({q.shape[-1]}); a V head dim "
+                                  f"of its own ({v_cache.shape[-1]}) runs in flash_attn_func and the varlen call only")
     _same_kind("v_cache", v_cache, q)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "

@@ -46,7 +46,9 @@ def _on_triton(x):
 def _join_kernel(OUT, LSE, SINKS, JOINED, seqlen, head_dim, sob, sos, soh, slb, slh,
                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows [pid*BLOCK_S, +BLOCK_S) of one (batch, head): out *= exp(lse - joined), joined =
-    logaddexp(lse, sink); a row that saw no key (lse +inf, out 0) gets its sink as lse."""
+    logaddexp(lse, sink); a row that saw no key (lse +inf, out 0) gets its sink as lse.  A row
+    left with no mass (no key and sink -inf) or whose sink takes all of it (+inf) gets out 0 and
+    lse +inf, as a row without keys."""
     s0 = tl.program_id(0) * BLOCK_S
     head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
@@ -59,9 +61,10 @@ def _join_kernel(OUT, LSE, SINKS, JOINED, seqlen, head_dim, sob, sos, soh, slb, 
     top = tl.where(empty, sink, tl.maximum(lse, sink))
     below = tl.where(empty, 0.0, tl.exp2((lse - top) * LOG2E))
     total = below + tl.exp2((sink - top) * LOG2E)
-    joined = top + tl.log2(total) / LOG2E
+    no_mass = tl.abs(top) == float("inf")  # (no key and sink -inf, or sink +inf)
+    joined = tl.where(no_mass, float("inf"), top + tl.log2(total) / LOG2E)
     tl.store(JOINED + batch * slb + head * slh + rows, joined, mask=in_seq)
-    factor = below / total
+    factor = tl.where(no_mass, 0.0, below / total)
     cols = tl.arange(0, BLOCK_D)
     ptrs = OUT + batch * sob + head * soh + rows.to(tl.int64)[:, None] * sos + cols[None, :]
     mask = in_seq[:, None] & (cols[None, :] < head_dim)
@@ -72,7 +75,8 @@ def _join_kernel(OUT, LSE, SINKS, JOINED, seqlen, head_dim, sob, sos, soh, slb, 
 @triton.jit
 def _share_kernel(OUT, DOUT, LSE, DLSE, SINKS, SHARE, seqlen, head_dim, sob, sos, soh, sdb, sds, sdh, slb, slh,
                   HAS_DLSE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Per row: P_sink * D, with P_sink = exp(sink - lse) and D = rowsum(dO * O) - dlse."""
+    """Per row: P_sink * D, with P_sink = exp(sink - lse) (1 for a sink of +inf, which takes
+    every row's mass) and D = rowsum(dO * O) - dlse."""
     s0 = tl.program_id(0) * BLOCK_S
     head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
@@ -87,7 +91,8 @@ def _share_kernel(OUT, DOUT, LSE, DLSE, SINKS, SHARE, seqlen, head_dim, sob, sos
     delta = row_delta(out, dout, DLSE, stat, rows, seqlen, HAS_DLSE)
     lse = tl.load(LSE + stat, mask=in_seq, other=float("inf"))
     sink = tl.load(SINKS + head).to(tl.float32)
-    tl.store(SHARE + stat, tl.exp2((sink - lse) * LOG2E) * delta, mask=in_seq)
+    share = tl.where(sink == float("inf"), 1.0, tl.exp2((sink - lse) * LOG2E))
+    tl.store(SHARE + stat, share * delta, mask=in_seq)
 
 
 def tiles(head_dim):
@@ -104,7 +109,8 @@ def _grid_and_blocks(rows, head_dim):
 
 def join(varlen, out, lse, saved, sinks):
     """(out, lse, saved) of a forward without the sinks turned into those with them.  A row that
-    sees no key (lse +inf, out 0) keeps out 0 and gets lse = its sink.  ``saved`` holding a
+    sees no key (lse +inf, out 0) keeps out 0 and gets lse = its sink; one with no mass left (no
+    key, sink -inf) or a sink of +inf gets out 0 and lse +inf.  ``saved`` holding a
     running max and row sum (v1's m and l, base 2) becomes the same statistics of the new lse.
     ``out`` is rescaled in place."""
     if _on_triton(out) and out.numel():
@@ -117,6 +123,7 @@ def join(varlen, out, lse, saved, sinks):
     else:
         base = torch.where(lse == float("inf"), float("-inf"), lse)
         joined = torch.logaddexp(base, _per_row(varlen, sinks))
+        joined = torch.where(joined == float("-inf"), float("inf"), joined)  # (no mass at all)
         out = (out.float() * _as_output_rows(varlen, torch.exp(base - joined))).to(out.dtype)
     if saved.numel():
         saved = torch.stack([joined * (1 / math.log(2.0)), torch.ones_like(joined)])
@@ -147,7 +154,8 @@ def _gradient(sinks: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: t
         delta = products.transpose(0, 1) if varlen else products.transpose(1, 2)
         if dlse is not None:
             delta = delta - dlse
-        share = torch.exp(_per_row(varlen, sinks) - lse) * delta
+        sink = _per_row(varlen, sinks)
+        share = torch.where(sink == float("inf"), 1.0, torch.exp(sink - lse)) * delta
     return -(share.sum(-1) if varlen else share.sum((0, 2))).to(sinks.dtype)
 
 

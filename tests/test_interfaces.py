@@ -260,7 +260,7 @@ def test_return_attn_probs_third_element_is_a_tensor():
 def test_flash_attention_3_seqused():
     # seqused_q / seqused_k: each varlen sequence uses its first rows only; on those rows output,
     # logsumexp and gradients follow the FA rule against the float64 reference; the other output
-    # rows are 0 with lse +inf, and no gradient reaches the unused rows of q, k or v.
+    # rows are 0 with lse -inf, and no gradient reaches the unused rows of q, k or v.
     torch.manual_seed(0)
     lengths, used_q, used_k = [20, 33], [12, 33], [15, 9]
     total = sum(lengths)
@@ -282,7 +282,7 @@ def test_flash_attention_3_seqused():
         for name, x, sl, g_pt, g_ref in zip("qkv", (q, k, v), (rows, keys, keys), pt_grads, oracle_grads):
             assert_within_rule(f"d{name}", x.grad[None, sl], g_pt, g_ref, (3.0, 1e-4))
         unused_q, unused_k = slice(s0 + uq, s0 + lengths[b]), slice(s0 + uk, s0 + lengths[b])
-        assert (out[unused_q] == 0).all() and (lse[:, unused_q] == float("inf")).all()
+        assert (out[unused_q] == 0).all() and (lse[:, unused_q] == float("-inf")).all()  # (FA3's: -inf)
         assert (q.grad[unused_q] == 0).all() and (k.grad[unused_k] == 0).all() and (v.grad[unused_k] == 0).all()
 
 
@@ -435,11 +435,11 @@ def test_flash_attention_3_kvcache():
     seqlens = torch.tensor([20, 35], dtype=torch.int32, device=DEVICE)
     new = [torch.randn(2, 1, 2, 32, dtype=DTYPE, device=DEVICE) for _ in range(2)]
     caches = [[x.clone() for x in pages] for _ in range(2)]
-    out, lse = fa3.flash_attn_with_kvcache(q, *caches[0], *new, cache_seqlens=seqlens, page_table=table, causal=True,
-                                           return_softmax_lse=True)
+    out, lse, *accumulators = fa3.flash_attn_with_kvcache(q, *caches[0], *new, cache_seqlens=seqlens, page_table=table,
+                                                          causal=True, return_softmax_lse=True)
     expected = flashtile.flash_attn_with_kvcache(q, *caches[1], *new, cache_seqlens=seqlens, block_table=table,
                                                  causal=True, return_softmax_lse=True)
-    assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+    assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1]) and accumulators == [None, None]
     assert all(torch.equal(a, b) for a, b in zip(*caches))
     # Queries packed by cu_seqlens_q: each sequence's, as its own batched call.
     cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=DEVICE)
@@ -458,6 +458,91 @@ def test_flash_attention_3_kvcache():
     with pytest.raises(NotImplementedError, match="one query token"):
         fa3.flash_attn_with_kvcache(q.expand(2, 2, 4, 32), *pages, cache_seqlens=seqlens, page_table=table,
                                     attention_chunk=16)
+    # FA3's precomputed schedule is None here, which the call takes: the same output.
+    metadata = fa3.get_scheduler_metadata(2, 1, 48, 4, 2, 32, seqlens, page_size=16, causal=True)
+    assert torch.equal(fa3.flash_attn_with_kvcache(q, *pages, cache_seqlens=seqlens, page_table=table, causal=True,
+                                                   scheduler_metadata=metadata),
+                       fa3.flash_attn_with_kvcache(q, *pages, cache_seqlens=seqlens, page_table=table, causal=True))
+
+
+def test_flash_attention_3_kvcache_attention_chunk_counts_from_leftpad():
+    # With cache_leftpad a sequence's positions, and so its chunks, start at its leftpad (FA3's
+    # and transformers' Llama 4 mask): leftpads that are not chunk multiples, against the mask
+    # written out in float64 over the keys from the leftpad on.
+    torch.manual_seed(4)
+    chunk, lengths, pads = 8, [20, 27, 9], [3, 5, 9]
+    q = torch.randn(3, 1, 4, 32, dtype=DTYPE, device=DEVICE)
+    cache = [torch.randn(3, 40, 2, 32, dtype=DTYPE, device=DEVICE) for _ in range(2)]
+    as_int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    out, lse, *_ = fa3.flash_attn_with_kvcache(q, *cache, cache_seqlens=as_int32(lengths),
+                                               cache_leftpad=as_int32(pads), causal=True, attention_chunk=chunk,
+                                               return_softmax_lse=True)
+    for b, (n, pad) in enumerate(zip(lengths, pads)):
+        if n == pad:  # no key: 0, logsumexp -inf (FA3's)
+            assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
+            continue
+        keys = [x[b:b + 1, pad:n] for x in cache]
+        oracle = chunked_attention(q[b:b + 1], *keys, chunk, True, upcast=True)
+        pt = chunked_attention(q[b:b + 1], *keys, chunk, True)
+        assert_within_rule(f"sequence {b}", out[b:b + 1], pt, oracle, (2.0, 1e-5))
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        fa3.flash_attn_with_kvcache(q, *cache, cache_seqlens=as_int32(lengths), cache_leftpad=as_int32(pads[:2]),
+                                    causal=True, attention_chunk=chunk)
+
+
+def test_flash_attention_3_combine_merges_splits_of_the_keys():
+    # flash_attn_combine over the results of disjoint key ranges (one of them empty for some
+    # rows) equals one call over all the keys: output and logsumexp; a row no split saw gives
+    # 0 and -inf.
+    torch.manual_seed(5)
+    q, k, v = make_qkv(2, 24, 40, 4, 2, 32, DTYPE, DEVICE)
+    whole, whole_lse = fa3.flash_attn_func(q, k, v, return_attn_probs=True)
+    parts = [fa3.flash_attn_func(q, k[:, a:b], v[:, a:b], causal=causal, return_attn_probs=True)
+             for a, b, causal in ((0, 16, False), (16, 40, False))]
+    out_partial = torch.stack([o.float() for o, _ in parts])
+    lse_partial = torch.stack([lse.transpose(1, 2) for _, lse in parts])  # (splits, batch, seqlen, heads)
+    out, lse = fa3.flash_attn_combine(out_partial, lse_partial, out_dtype=DTYPE)
+    assert out.dtype == DTYPE and out.shape == whole.shape
+    torch.testing.assert_close(out, whole, atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse, whole_lse.transpose(1, 2), atol=1e-4, rtol=0)
+    into = torch.full_like(out_partial[0], float("nan"))
+    assert fa3.flash_attn_combine(out_partial, lse_partial, out=into)[0] is into
+    torch.testing.assert_close(into, out.float(), atol=2e-3, rtol=0)
+    lse_partial[:, 0, 3] = float("-inf")
+    out, lse = fa3.flash_attn_combine(out_partial, lse_partial)
+    assert (out[0, 3] == 0).all() and (lse[0, 3] == float("-inf")).all() and not out.isnan().any()
+    with pytest.raises(TypeError, match="lse_partial"):
+        fa3.flash_attn_combine(out_partial, lse_partial.double())
+    with pytest.raises(ValueError, match="lse_partial"):
+        fa3.flash_attn_combine(out_partial, lse_partial[:, :, :3])
+
+
+def test_flash_attention_3_lse_of_rows_without_keys_is_minus_inf():
+    # FA3 gives a row that sees no key logsumexp -inf (flashtile's own functions +inf, as
+    # FlashAttention-2): causal with more queries than keys, batched and packed, and a chunked
+    # varlen call on a padded buffer (rows after the last sequence: 0).
+    q, k, v = make_qkv(1, 12, 5, 2, 2, 32, DTYPE, DEVICE)
+    out, lse = fa3.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert (lse[0, :, :7] == float("-inf")).all() and lse[0, :, 7:].isfinite().all()
+    assert (out[0, :7] == 0).all()
+    cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device=DEVICE) for n in (12, 5))
+    _, lse = fa3.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 12, 5, causal=True, return_attn_probs=True)
+    assert (lse[:, :7] == float("-inf")).all()
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE)
+    rows = torch.randn(12, 2, 32, dtype=DTYPE, device=DEVICE)
+    rows[9:] = float("nan")  # (read by no sequence)
+    out, lse = fa3.flash_attn_varlen_func(rows, rows, rows, cu, cu, 5, 5, causal=True, attention_chunk=4,
+                                          return_attn_probs=True)
+    assert (out[9:] == 0).all() and (lse[:, 9:] == float("-inf")).all()
+    exact = fa3.flash_attn_varlen_func(rows[:9], rows[:9], rows[:9], cu, cu, 5, 5, causal=True, attention_chunk=4)
+    assert torch.equal(out[:9], exact)
+
+
+def test_flash_attention_3_qkvpacked_5d_ignores_num_heads_q():
+    # FA3 reads num_heads_q of the (batch, seqlen, heads_q + 2 heads_k, d) form only.
+    q, k, v = make_qkv(1, 20, 20, 2, 2, 32, DTYPE, DEVICE)
+    qkv = torch.stack([q, k, v], 2)
+    assert torch.equal(fa3.flash_attn_qkvpacked_func(qkv, num_heads_q=2), fa3.flash_attn_qkvpacked_func(qkv))
 
 
 @pytest.mark.parametrize("paged", [False, True])

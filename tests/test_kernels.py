@@ -209,6 +209,45 @@ def test_sinks(version, causal):
 
 
 @pytest.mark.parametrize("version", VERSIONS)
+def test_sinks_of_minus_and_plus_infinity(version):
+    # A sink of -inf is no sink (rows that see no key: 0 and lse +inf, not NaN); one of +inf takes
+    # every row's mass (0, lse +inf, no gradient through the scores); the other heads are as
+    # with finite sinks alone.  Output, logsumexp and every gradient, causal with rows that see
+    # no key.
+    sq, sk = (300, 200) if ON_GPU else (30, 20)
+    q, k, v = make_qkv(1, sq, sk, 4, 4, 32, DTYPES[0], DEVICE)
+    finite = torch.randn(4, device=DEVICE)
+    dout, dlse = torch.randn_like(q), torch.randn(1, 4, sq, device=DEVICE)
+
+    def run(sinks):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        table = None if sinks is None else sinks.clone().requires_grad_()
+        out, lse, _ = flash_attn_func(*leaves, causal=True, sinks=table, return_attn_probs=True, version=version)
+        seen = torch.isfinite(lse)
+        loss = (out.float() * dout).sum() + (torch.where(seen, lse, 0.0) * dlse).sum()
+        grads = torch.autograd.grad(loss, leaves + ([] if table is None else [table]))
+        return out, lse, grads
+    out, lse, (dq, dk, dv, dsinks) = run(torch.tensor([float("-inf"), float("inf"), 0, 0], device=DEVICE) +
+                                         torch.cat([torch.zeros(2, device=DEVICE), finite[2:]]))
+    plain, plain_lse, plain_grads = run(None)
+    with_finite, finite_lse, finite_grads = run(finite)
+    assert not any(x.isnan().any() for x in (out, lse, dq, dk, dv, dsinks))
+    torch.testing.assert_close(out[:, :, 0], plain[:, :, 0], atol=0, rtol=0)
+    assert torch.equal(lse[:, 0], plain_lse[:, 0]) and (lse[:, 0, :sq - sk] == float("inf")).all()
+    assert (out[:, :, 1] == 0).all() and (lse[:, 1] == float("inf")).all()
+    torch.testing.assert_close(out[:, :, 2:], with_finite[:, :, 2:], atol=0, rtol=0)
+    torch.testing.assert_close(lse[:, 2:], finite_lse[:, 2:], atol=0, rtol=0)
+    for g, g_plain, g_finite in zip((dq, dk, dv), plain_grads, finite_grads):
+        torch.testing.assert_close(g[:, :, 0], g_plain[:, :, 0], atol=1e-3, rtol=0)
+        assert (g[:, :, 1] == 0).all()
+        torch.testing.assert_close(g[:, :, 2:], g_finite[:, :, 2:], atol=1e-3, rtol=0)
+    # d sink: 0 where the sink takes no mass, and where it takes all (the output stays 0 and the
+    # loss reads no infinite logsumexp).
+    assert dsinks[0] == 0 and dsinks[1] == 0
+    torch.testing.assert_close(dsinks[2:], finite_grads[3][2:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
 def test_sinks_given_as_a_strided_view(version):
     # One logit per head read at its stride: a column of a (heads, 2) table gives the same output
     # and gradients as its contiguous copy.

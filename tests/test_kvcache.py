@@ -457,6 +457,8 @@ def test_refusals(version):
     with pytest.raises(NotImplementedError, match=r"\(requiring grad: k_cache, v_cache\)"):
         flash_attn_with_kvcache(q, k.clone().requires_grad_(), v.clone().requires_grad_(), cache_seqlens=lengths,
                                 version=version)
+    with pytest.raises(NotImplementedError, match=r"V of q's head dim .* of its own \(16\)"):
+        flash_attn_with_kvcache(q, k, v[..., :16], cache_seqlens=lengths, version=version)
     with pytest.raises(ValueError, match=r"head dim must be in \[1, 256\], got 0"):
         flash_attn_with_kvcache(q[..., :0], k[..., :0], v[..., :0], cache_seqlens=lengths, softmax_scale=1.0,
                                 version=version)
