@@ -372,11 +372,13 @@ DECODE_MAX_SPLITS = 64
 # SM read faster than two; two for a paged cache, which read slower with one there, and on
 # devices of more bandwidth per SM (the H200's 37), where two read faster.  Two per SM still go
 # to one where they would cut each row block's keys into more than DECODE_MANY_SPLITS splits of
-# fewer than DECODE_SHORT_SPLIT_KEYS keys, which read faster with one.  The measurements are in
-# docs/README.md's decode section.
+# fewer than DECODE_SHORT_SPLIT_KEYS keys (a contiguous cache) or DECODE_SHORT_PAGED_SPLIT_KEYS
+# (pages, which read faster with two down to shorter splits), which read faster with one.  The
+# measurements are in docs/README.md's decode section.
 DECODE_TWO_PER_SM_GBPS = 30.0
 DECODE_MANY_SPLITS = 16
 DECODE_SHORT_SPLIT_KEYS = 1024
+DECODE_SHORT_PAGED_SPLIT_KEYS = 256
 
 
 def decode_plan(q, heads_k: int, capacity: int, num_splits: int, paged: bool = False,
@@ -413,8 +415,9 @@ def _decode_plan(batch, seqlen_q, heads, head_dim, dtype, device, heads_k, capac
         sms = gpu.sm_count(device) if on_gpu else 4
         programs = max(cdiv(rows, block_m) * batch * heads_k, 1)  # (no query at all: one split of nothing)
         two = 2 * sms // programs
+        short = DECODE_SHORT_PAGED_SPLIT_KEYS if paged else DECODE_SHORT_SPLIT_KEYS
         per_sm = 1 if (on_gpu and not paged and gpu.dram_gbps(device) < DECODE_TWO_PER_SM_GBPS * sms) or (
-            two > DECODE_MANY_SPLITS and capacity < two * DECODE_SHORT_SPLIT_KEYS) else 2
+            two > DECODE_MANY_SPLITS and capacity < two * short) else 2
         splits = max(1, min(per_sm * sms // programs, capacity // DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SPLITS))
     upcast = interpreter and dtype == torch.bfloat16
     pdl = on_gpu and gpu.capability(device)[0] >= 9

@@ -470,7 +470,8 @@ def test_dropout_own_value_head_dim_and_fp8_routes_on_hopper():
 def test_decode_splits_fill_the_sms_once_or_twice(monkeypatch, gbps, paged):
     # One program per SM (132 here) for a contiguous cache below DECODE_TWO_PER_SM_GBPS of
     # bandwidth per SM; otherwise two, except where that would cut each row block's keys into
-    # more than DECODE_MANY_SPLITS splits shorter than DECODE_SHORT_SPLIT_KEYS: one per SM there.
+    # more than DECODE_MANY_SPLITS splits shorter than DECODE_SHORT_SPLIT_KEYS (pages:
+    # DECODE_SHORT_PAGED_SPLIT_KEYS): one per SM there.
     monkeypatch.setattr(gpu, "sm_count", lambda index: 132)
     monkeypatch.setattr(gpu, "dram_gbps", lambda index: gbps)
     monkeypatch.setattr(gpu, "_CAPABILITIES", {5: (9, 0)})
@@ -479,7 +480,9 @@ def test_decode_splits_fill_the_sms_once_or_twice(monkeypatch, gbps, paged):
         def splits(batch, cache):  # one query token, 32/8 heads: 8 row blocks a sequence
             return dispatch._decode_plan(batch, 1, 32, 128, torch.bfloat16, 5, 8, cache, 0, paged, False).splits
         per_sm = 1 if gbps == 3352.0 and not paged else 2  # (the H100 below the bar, the H200 above)
-        assert [splits(1, cache) for cache in (16384, 32768)] == [132 // 8] * 2  # 33 would be < 1024 keys
+        # 33 splits of 16k or 32k keys: under 1024 keys each, not under 256 (pages)
+        assert [splits(1, cache) for cache in (16384, 32768)] == [(2 if paged else 1) * 132 // 8] * 2
+        assert splits(1, 8192) == 132 // 8  # 33 would be < 256 keys
         assert splits(1, 131072) == per_sm * 132 // 8  # long splits
         assert [splits(4, 4096), splits(8, 4096)] == [per_sm * 132 // 32, per_sm * 132 // 64]  # few splits
         assert splits(16, 131072) == per_sm * 132 // 128
