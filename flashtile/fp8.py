@@ -54,20 +54,21 @@ def rotation_signs(head_dim: int, dtype, device) -> torch.Tensor:
 
 
 def _scaled(x, dims, dtype):
-    """x (float32) over the amax of its finite values along ``dims`` mapped to ``dtype``'s
-    largest value, and that descale (at least float32's smallest normal, also for all zeros).  A
-    value that is not finite sets no scale and comes out NaN: non-finite in its own place only."""
+    """x over the amax of its finite values along ``dims`` mapped to ``dtype``'s largest value,
+    in float32, and that descale (at least float32's smallest normal, also for all zeros).  A
+    value that is not finite sets no scale and comes out NaN: non-finite in its own place only.
+    (The amax is taken in x's own type, exactly; one float32 copy is made, scaled in place.)"""
     finite = x.isfinite()
-    amax = torch.where(finite, x.abs(), 0.0).amax(dim=dims, keepdim=True)
+    amax = torch.where(finite, x.abs(), 0).amax(dim=dims, keepdim=True).float()
     descale = (amax / FP8_MAX[dtype]).clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.where(finite, x / descale, float("nan")), descale
+    return x.float().div_(descale).masked_fill_(~finite, float("nan")), descale
 
 
 def quantize(x, heads_k: int, dtype):
     """x (batch, seqlen, heads, d) in float8 ``dtype`` and its descale (batch, heads_k) float32:
     the amax of each (sequence, KV head group) mapped to the type's largest value."""
     batch, seqlen, heads, d = x.shape
-    scaled, descale = _scaled(x.float().view(batch, seqlen, heads_k, heads // heads_k, d), (1, 3, 4), dtype)
+    scaled, descale = _scaled(x.reshape(batch, seqlen, heads_k, heads // heads_k, d), (1, 3, 4), dtype)
     return scaled.view_as(x).to(dtype), descale.view(batch, heads_k)
 
 
@@ -77,7 +78,7 @@ def quantize_blocks(x, rows: int, dtype):
     operations: the reference of the fused kernel ``fp8_attn_func`` runs (kernels/quantize.py)."""
     batch, seqlen, heads, d = x.shape
     blocks = cdiv(seqlen, rows)
-    padded = F.pad(x.float(), (0, 0, 0, 0, 0, blocks * rows - seqlen)).view(batch, blocks, rows, heads, d)
+    padded = F.pad(x, (0, 0, 0, 0, 0, blocks * rows - seqlen)).view(batch, blocks, rows, heads, d)
     scaled, descale = _scaled(padded, (2, 4), dtype)
     quantized = scaled.view(batch, blocks * rows, heads, d)[:, :seqlen]
     return quantized.to(dtype), descale.view(batch, blocks, heads).transpose(1, 2)
