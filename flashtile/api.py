@@ -55,6 +55,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         if spare or any(x is not None for x in used):
             cu_seqlens_q, cu_seqlens_k = (validation.used_rows(name, rows, cu, q.device) for name, rows, cu in (
                 ("seqused_q", used[0], cu_seqlens_q), ("seqused_k", used[1], cu_seqlens_k)))
+            if not torch.compiler.is_compiling():  # (made from the offsets just checked)
+                validation.trust_row_bounds(cu_seqlens_q, cu_seqlens_k)
     else:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
     batch = (cu_seqlens_q.shape[0] if cu_seqlens_q.dim() == 2 else cu_seqlens_q.numel() - 1) if varlen else q.shape[0]

@@ -2,10 +2,11 @@
 ``from flashtile.bert_padding import unpad_input, pad_input`` in place of flash_attn's import.
 
 ``unpad_input`` packs the tokens a (batch, seqlen) mask keeps into (total, ...) rows with the
-int32 offsets the varlen functions take; ``unpad_input_for_concatenated_sequences`` does the same
-for rows that each hold several documents one after another; ``pad_input`` puts rows back at
-their places, zeros elsewhere.  Plain indexing, differentiable both ways.  Reading the longest sequence's length
-(``max_seqlen``) copies one number to the host, as flash_attn's does.
+int32 offsets the varlen functions take; ``unpad_input_for_concatenated_sequences`` does the
+same for rows that each hold several documents one after another; ``pad_input`` puts rows back
+at their places, zeros elsewhere.  Plain indexing, differentiable both ways.  Reading the
+longest sequence's length (``max_seqlen``) copies one number to the host, as flash_attn's does
+(and the concatenated documents' check of their lengths one more).
 """
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ def index_first_axis(x, indices):
 def index_first_axis_residual(x, indices):
     """(rows ``indices`` of ``x``, ``x`` itself): both outputs pass their gradients back to ``x``
     (flash_attn's form for a layer that keeps its input as a residual)."""
-    return x[indices], x.view_as(x)
+    return index_first_axis(x, indices), x.view_as(x)
 
 
 def index_put_first_axis(values, indices, first_axis_dim: int):
@@ -51,11 +52,12 @@ def unpad_input_for_concatenated_sequences(hidden_states, attention_mask_in_leng
     one of 4).  Each document attends within itself.  Returns (rows (total, ...), indices of the
     documents' tokens in the flattened batch, cu_seqlens (documents + 1,) int32, max_seqlen)."""
     lengths = attention_mask_in_length
+    if lengths.dim() != 2 or lengths.shape != hidden_states.shape[:2] or lengths.dtype.is_floating_point or \
+            lengths.dtype.is_complex or bool(((lengths < 0).any() | (lengths.sum(-1) > lengths.shape[-1]).any())):
+        raise ValueError(f"attention_mask_in_length must be hidden_states' (batch, seqlen) "
+                         f"{tuple(hidden_states.shape[:2])} of non-negative integer lengths summing to at most "
+                         f"seqlen a row, got {tuple(lengths.shape)} {lengths.dtype}")
     seqlen = lengths.shape[-1]
-    if lengths.dim() != 2 or lengths.dtype.is_floating_point or lengths.dtype.is_complex or \
-            (lengths.numel() and (lengths.min() < 0 or (lengths.sum(-1) > seqlen).any())):
-        raise ValueError(f"attention_mask_in_length must be (batch, seqlen) non-negative integer lengths "
-                         f"summing to at most seqlen={seqlen} a row, got {tuple(lengths.shape)} {lengths.dtype}")
     documents = lengths.flatten()[lengths.flatten() > 0].int()
     kept = torch.arange(seqlen, device=lengths.device) < lengths.sum(-1, keepdim=True)
     indices = torch.nonzero(kept.flatten(), as_tuple=False).flatten()

@@ -74,8 +74,10 @@ def attend(run, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     # The pieces tile checked offsets: no need to read them back on the host (validation's
     # remembered offsets; nothing is kept while torch.compile traces or in inference mode).
     # (each ending where the call's offsets end: before the tensor's rows in a padded buffer,
-    # whose rows after the last sequence the attention then leaves at 0)
-    ends = [(validation.read_offsets(cu) or (x.shape[0],))[0] if varlen else x.shape[0]
+    # whose rows after the last sequence the attention then leaves at 0; while torch.compile
+    # traces nothing was read, and the attention op refuses such rows)
+    known = varlen and not torch.compiler.is_compiling()
+    ends = [(validation.read_offsets(cu) or (x.shape[0],))[0] if known else x.shape[0]
             for cu, x in ((cu_seqlens_q, q), (cu_seqlens_k, k))]
     validation.trust_offsets(cu_q, ends[0], min(chunk, max_seqlen_q))
     validation.trust_offsets(cu_k, ends[1], min(chunk, max_seqlen_k))
@@ -97,11 +99,7 @@ def cache_starts(q, k_cache, k, cache_seqlens, cache_leftpad, block_table, chunk
         raise NotImplementedError(f"attention_chunk over a KV cache takes one query token per sequence "
                                   f"(decoding), got q of shape {tuple(q.shape)}")
     batch = q.shape[0]
-    if cache_leftpad is not None:
-        validation.check_tensor("cache_leftpad", cache_leftpad)
-        if cache_leftpad.shape != (batch,) or cache_leftpad.dtype != torch.int32:
-            raise ValueError(f"cache_leftpad must be (batch={batch},) torch.int32, got {tuple(cache_leftpad.shape)} "
-                             f"{cache_leftpad.dtype}")
+    cache_leftpad = validation.int32_table("cache_leftpad", cache_leftpad, (batch,), q.device)
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     new = 0 if k is None else k.shape[1]
     ends = (capacity - new if cache_seqlens is None else cache_seqlens) + new

@@ -38,14 +38,15 @@ def _positive_int_to(most):
 
 
 def _number_at_least(least, strictly=False):
-    """argparse type for a number >= ``least`` (> where ``strictly``)."""
+    """argparse type for a finite number >= ``least`` (> where ``strictly``)."""
     def parse(text):
         try:
             x = float(text)
         except ValueError:
             x = float("nan")
-        if not (x > least if strictly else x >= least):  # (NaN fails both)
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a number {'>' if strictly else '>='} {least:g}")
+        if not (x > least if strictly else x >= least) or x == float("inf"):  # (NaN fails both)
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number {'>' if strictly else '>='} "
+                                             f"{least:g}")
         return x
     return parse
 

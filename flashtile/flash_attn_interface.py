@@ -30,17 +30,8 @@ def _fa3_lse(lse):
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descales, softmax_scale, causal,
                window_size, softcap, deterministic, return_attn_probs, seqused=None, attention_chunk=0):
-    """out, or (out, lse) with ``return_attn_probs``, lse in FA3's convention (_fa3_lse)."""
-    res = _flashtile_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descales,
-                               softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
-                               seqused, attention_chunk)
-    return (res[0], _fa3_lse(res[1])) if return_attn_probs else res
-
-
-def _flashtile_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descales, softmax_scale,
-                         causal, window_size, softcap, deterministic, return_attn_probs, seqused, attention_chunk):
     """flashtile's attention, FP8 where q is float8 (descales apply to nothing else), in chunks
-    of ``attention_chunk`` keys if it is not 0 (chunks.py)."""
+    of ``attention_chunk`` keys if it is not 0 (chunks.py); the lse in FA3's convention."""
     fp8 = getattr(q, "dtype", None) in validation.FP8_DTYPES
     if not fp8 and any(x is not None for x in descales):
         raise ValueError("q_descale, k_descale and v_descale apply to float8 q, k, v only")
@@ -53,21 +44,23 @@ def _flashtile_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         return res[:2] if lse else res
 
     if not chunk:
-        return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descales)
+        res = run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descales)
+        return (res[0], _fa3_lse(res[1])) if return_attn_probs else res
     if seqused is not None and any(x is not None for x in seqused):
         raise NotImplementedError("attention_chunk with seqused_q / seqused_k is not supported")
     validation.check_qkv(q, k, v, cu_seqlens_q is not None, fp8)
     if cu_seqlens_q is not None:  # checked before the pieces are cut from them
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = validation.varlen_arguments(
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
-        validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0],
-                                       k.shape[0], spare_rows=True)
+        if not torch.compiler.is_compiling():  # (traced: the pieces' own check, in the attention op)
+            validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0],
+                                           k.shape[0], spare_rows=True)
     if fp8:  # (expanded to the pieces: checked first)
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
         validation.fp8_descales(descales, batch, k.shape[-2], q.device)
     out, lse = chunks.attend(functools.partial(run, lse=True), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, chunk, descales)
-    return (out, lse) if return_attn_probs else out
+    return (out, _fa3_lse(lse)) if return_attn_probs else out
 
 
 def _refuse_unsupported(**given):
@@ -172,9 +165,10 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     """FA3's merge of split attention results: out_partial (num_splits, batch, seqlen, nheads,
     headdim) and lse_partial (num_splits, batch, seqlen, nheads), both float32, each split's
-    output normalised over its keys and its logsumexp (-inf: no key).  Returns (out (batch,
-    seqlen, nheads, headdim) in ``out_dtype`` (default float32; written into ``out`` where
-    given), softmax_lse (batch, seqlen, nheads) float32); a row no split saw gives 0 and -inf."""
+    output normalised over its keys and its logsumexp (-inf: no key, its output not read).
+    Returns (out (batch, seqlen, nheads, headdim) in ``out_dtype`` (default float32; written into
+    ``out`` where given, of that dtype), softmax_lse (batch, seqlen, nheads) float32, as FA3's a
+    view of a (batch, nheads, seqlen) tensor); a row no split saw gives 0 and -inf."""
     for name, x, dims in (("out_partial", out_partial, 5), ("lse_partial", lse_partial, 4)):
         validation.check_tensor(name, x)
         if x.dtype != torch.float32 or x.dim() != dims:
@@ -183,15 +177,17 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
             or out_partial.shape[0] == 0:
         raise ValueError(f"lse_partial must be out_partial's (num_splits >= 1, batch, seqlen, nheads) on its device, "
                          f"got {tuple(lse_partial.shape)} against {tuple(out_partial.shape)}")
-    out_dtype = out_dtype or (out.dtype if out is not None else torch.float32)
+    out_dtype = out_dtype or torch.float32
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"out_dtype must be torch.float32, bfloat16 or float16, got {out_dtype}")
     top = lse_partial.amax(0)
     top = torch.where(top.isfinite(), top, 0.0)  # (no split with a key: every weight 0)
     weights = torch.exp(lse_partial - top)
     total = weights.sum(0)
-    merged = (out_partial * weights[..., None]).sum(0) / torch.where(total > 0, total, 1.0)[..., None]
-    lse = torch.where(total > 0, top + total.log(), float("-inf"))
+    # (a split without keys weighs 0 and its output, often never written, is not read)
+    shares = torch.where(weights[..., None] > 0, out_partial * weights[..., None], 0.0)
+    merged = shares.sum(0) / torch.where(total > 0, total, 1.0)[..., None]
+    lse = torch.where(total > 0, top + total.log(), float("-inf")).transpose(1, 2).contiguous().transpose(1, 2)
     if out is None:
         return merged.to(out_dtype), lse
     if out.shape != merged.shape or out.dtype != out_dtype or out.device != merged.device:

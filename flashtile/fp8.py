@@ -61,7 +61,8 @@ def _scaled(x, dims, dtype):
     finite = x.isfinite()
     amax = torch.where(finite, x.abs(), 0).amax(dim=dims, keepdim=True).float()
     descale = (amax / FP8_MAX[dtype]).clamp(min=torch.finfo(torch.float32).tiny)
-    return x.float().div_(descale).masked_fill_(~finite, float("nan")), descale
+    scaled = x.to(torch.float32, copy=True)
+    return scaled.div_(descale).masked_fill_(~finite, float("nan")), descale
 
 
 def quantize(x, heads_k: int, dtype):

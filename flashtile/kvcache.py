@@ -35,20 +35,6 @@ def _same_kind(name, x, q, rank=4):
         raise ValueError(f"{name} must have q's head dim {q.shape[-1]}, got shape {tuple(x.shape)}")
 
 
-def _int32_table(name, x, shape, device):
-    """An int32 table of ``shape`` on ``device``, contiguous; None stays None."""
-    if x is None:
-        return None
-    validation.check_tensor(name, x)
-    if x.dtype != torch.int32:
-        raise TypeError(f"{name} must be torch.int32, got {x.dtype}")
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
-    if x.device != device:
-        raise ValueError(f"{name} is on {x.device} but q is on {device}")
-    return x.contiguous()
-
-
 def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache, block_table, pages, page_size,
                   rotary_rows=None, rotary_span=0):
     """The tables' values, where reading them costs no device-to-host copy: ``seqlens`` given as
@@ -104,7 +90,7 @@ def _block_table(block_table, batch, device):
     validation.check_tensor("block_table", block_table)
     if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] == 0:
         raise ValueError(f"block_table must be (batch={batch}, max_blocks), got {tuple(block_table.shape)}")
-    return _int32_table("block_table", block_table, block_table.shape, device)
+    return validation.int32_table("block_table", block_table, block_table.shape, device)
 
 
 def _positions(seqlens, count, batch, device, limit):
@@ -361,12 +347,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              f"({capacity}{' through block_table' if paged else ''}), as in flash_attn, got "
                              f"{rotary_cos.shape[0]}")
     if isinstance(cache_seqlens, torch.Tensor):
-        seqlens = _int32_table("cache_seqlens", cache_seqlens, (batch,), q.device)
+        seqlens = validation.int32_table("cache_seqlens", cache_seqlens, (batch,), q.device)
     else:
         seqlens = capacity - seqlen_new if cache_seqlens is None else \
             validation.integer("cache_seqlens", cache_seqlens, minimum=0)
-    batch_idx = _int32_table("cache_batch_idx", cache_batch_idx, (batch,), q.device)
-    leftpad = _int32_table("cache_leftpad", cache_leftpad, (batch,), q.device)
+    batch_idx = validation.int32_table("cache_batch_idx", cache_batch_idx, (batch,), q.device)
+    leftpad = validation.int32_table("cache_leftpad", cache_leftpad, (batch,), q.device)
     num_splits = validation.integer("num_splits", num_splits, minimum=0)
     if version not in dispatch.VERSION_CHOICES:
         raise ValueError(f"version must be one of {dispatch.VERSION_CHOICES}, got {version!r}")

@@ -68,8 +68,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu
              deterministic: bool, kernel_options: str) -> tuple[Tensor, Tensor, Tensor]:
     p = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
                  softmax_scale, window_left, window_right, softcap, dropout_p, fp8_descale=fp8_descale)
-    # (seqused tables: their offsets were checked before they were made, api.py)
-    if p.varlen and not p.seqused:
+    if p.varlen and p.seqused:  # (tables made from offsets api.py checked are not read again)
+        validation.check_row_bounds(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
+    elif p.varlen:
         validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     plan = dispatch.forward_plan(p, version, dispatch.target_of(p, q, k, v), _options(kernel_options))
     with on_device_of(q):

@@ -59,7 +59,7 @@ def real(name, x, lo=None, hi=None, lo_open=False, hi_open=False) -> float:
         value = float(x)
     except OverflowError:
         raise ValueError(f"{name} must be finite, got an integer beyond the float range") from None
-    if not math.isfinite(value):
+    if not -math.inf < value < math.inf:  # (comparisons, which torch.compile traces on a symbolic float)
         raise ValueError(f"{name} must be finite, got {value!r}")
     below = lo is not None and (value <= lo if lo_open else value < lo)
     above = hi is not None and (value >= hi if hi_open else value > hi)
@@ -202,6 +202,36 @@ def varlen_arguments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dev
 _CHECKED_OFFSETS = KeptByTensor()
 
 
+# used_rows tables made from checked offsets (api.py), which check_row_bounds need not read.
+_CHECKED_BOUNDS = KeptByTensor()
+
+
+def trust_row_bounds(*tables):
+    """Take used_rows tables made from checked offsets as checked."""
+    for table in tables:
+        _CHECKED_BOUNDS.put(table, True)
+
+
+def check_row_bounds(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
+    """used_rows' (start, end) tables: from row 0 on, each end at or after its start and at most
+    the tensor's rows, no span longer than the max_seqlen given.  Read on the host unless made
+    from checked offsets (trust_row_bounds) or under CUDA-graph capture (the kernels clamp)."""
+    if bounds_q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    for name, bounds, total, max_len in (("cu_seqlens_q", bounds_q, total_q, max_seqlen_q),
+                                         ("cu_seqlens_k", bounds_k, total_k, max_seqlen_k)):
+        if _CHECKED_BOUNDS.get(bounds) is not None or not bounds.numel():
+            continue
+        values = bounds.cpu()
+        spans = values[:, 1] - values[:, 0]
+        if (values[:, 0] < 0).any() or (spans < 0).any() or (values[:, 1] > total).any():
+            raise ValueError(f"{name} must start at 0 and be non-decreasing, ending at most at the tensor's {total} "
+                             f"rows")
+        if int(spans.max()) > max_len:
+            raise ValueError(f"max_seqlen for {name} must be >= the longest sequence's used rows "
+                             f"({int(spans.max())}), got {max_len}")
+
+
 def read_offsets(cu) -> tuple[int, int]:
     """(last value, longest sequence) of offsets check_offset_values has read."""
     return _CHECKED_OFFSETS.get(cu)
@@ -330,6 +360,20 @@ def fp8_descales(descales, batch: int, heads_k: int, device) -> torch.Tensor:
             raise ValueError(f"{name} must be on {device}, like q, got {x.device}")
         stacked.append(x)
     return torch.stack(stacked)
+
+
+def int32_table(name, x, shape, device):
+    """An int32 table of ``shape`` on ``device``, contiguous; None stays None."""
+    if x is None:
+        return None
+    check_tensor(name, x)
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} must be torch.int32, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but q is on {device}")
+    return x.contiguous()
 
 
 def used_rows(name, used, cu_seqlens, device) -> torch.Tensor:

@@ -271,6 +271,37 @@ def test_torch_compile_fullgraph_varlen():
         compiled(q, k, v, cu.flip(0).contiguous())
 
 
+def test_torch_compile_takes_float_options_that_change_between_calls():
+    # A float that changes between calls becomes symbolic when the graph is compiled again: its
+    # checks trace (comparisons), so softcap, softmax_scale and dropout_p keep the full graph.
+    q, k, v = make_qkv(1, 40, 40, 2, 2, 32, torch.float16, DEVICE)
+    for name in ("softcap", "softmax_scale", "dropout_p"):
+        torch._dynamo.reset()  # (each name's graphs: one static, then one symbolic)
+        compiled = torch.compile(lambda q, k, v, x: flash_attn_func(q, k, v, causal=True, **{name: x}),
+                                 fullgraph=True, backend="aot_eager")
+        for value in (0.1, 0.2, 0.3):
+            out = compiled(q, k, v, value)
+            if name != "dropout_p":  # (dropout: another draw)
+                torch.testing.assert_close(out, flash_attn_func(q, k, v, causal=True, **{name: value}))
+
+
+def test_torch_compile_checks_seqused_offsets_where_the_op_runs():
+    # With seqused tables the offsets are read where the op runs (the traced call reads nothing
+    # on the host): offsets that break the max_seqlen given or run past the rows are refused,
+    # as in eager calls, never a silent wrong answer.
+    from flashtile import flash_attn_interface as fa3
+    q, k, v = (torch.randn(40, 2, 16, dtype=torch.float16, device=DEVICE) for _ in range(3))
+    used = torch.tensor([10, 25], dtype=torch.int32, device=DEVICE)
+    call = lambda q, k, v, cu, m: fa3.flash_attn_varlen_func(q, k, v, cu, cu, m, m, seqused_k=used)  # noqa: E731
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32, device=DEVICE)
+    torch.testing.assert_close(compiled(q, k, v, cu, 25), call(q, k, v, cu, 25))
+    for offsets, longest in (([0, 15, 40], 15), ([0, 20, 48], 28), ([0, 30, 20], 30)):
+        for fn in (call, compiled):  # (max_seqlen too small, past the rows, decreasing)
+            with pytest.raises(ValueError, match="cu_seqlens_q"):
+                fn(q, k, v, torch.tensor(offsets, dtype=torch.int32, device=DEVICE), longest)
+
+
 @pytest.mark.parametrize("version", ["v1", "v2", "v3"])
 def test_eager_function_and_custom_op_agree(version):
     # Eager calls skip the custom op's autograd wrapper (ops.py); both paths must give the same

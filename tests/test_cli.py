@@ -18,7 +18,7 @@ from flashtile import bench, cli
                                   ["bench", "--dropout", "1"], ["bench", "--dropout", "x"],
                                   ["bench", "--out", __file__], ["decode", "--out", __file__],  # a file, not a folder
                                   ["bench", "--name", "sub/x"], ["decode", "--name", ""],
-                                  ["bench", "--softcap", "-1"], ["io", "--copy-tbps", "-2"],
+                                  ["bench", "--softcap", "-1"], ["bench", "--softcap", "inf"], ["io", "--copy-tbps", "-2"],
                                   ["io", "--matmul-tflops", "nan"], ["decode", "--head-dim", "257"]])
 def test_bad_arguments_exit_2_with_allowed_values(argv, capsys):
     with pytest.raises(SystemExit) as e:

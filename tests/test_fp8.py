@@ -264,6 +264,12 @@ def test_quantizing_leaves_non_finite_values_in_place(dtype):
         (got, got_descale), (ref, ref_descale) = quantizer(x), quantizer(cleared)
         assert torch.equal(got_descale, ref_descale) and got_descale.isfinite().all()
         assert got.float()[bad].isnan().all() and torch.equal(got.float()[~bad], ref.float()[~bad])
+    # A float32 input (the rotated q and k of incoherent processing) is read, never written.
+    wide = x.float()
+    kept = wide.clone()
+    for quantizer in (lambda y: fp8.quantize_blocks(y, 32, dtype), lambda y: fp8.quantize(y, 2, dtype)):
+        quantizer(wide)
+        assert torch.equal(wide.nan_to_num(), kept.nan_to_num())
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter reads a float8 NaN as a number")

@@ -186,6 +186,12 @@ def test_flash_attention_3_attention_chunk_compiles_without_a_break():
     chunked = lambda a, b, c: fa3.flash_attn_func(a, b, c, causal=True, attention_chunk=16)
     compiled = torch.compile(chunked, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(q, k, v), chunked(q, k, v))
+    # Packed: the offsets are read where the attention op runs, not while tracing.
+    cu = torch.tensor([0, 10, 25, 40], dtype=torch.int32, device=DEVICE)
+    packed = lambda a, b, c: fa3.flash_attn_varlen_func(a, b, c, cu, cu, 15, 15, causal=True,  # noqa: E731
+                                                        attention_chunk=8)
+    rows = [x[0] for x in (q, k, v)]
+    torch.testing.assert_close(torch.compile(packed, fullgraph=True, backend="eager")(*rows), packed(*rows))
 
 
 def test_flash_attention_3_attention_chunk_varlen_packed_and_lse():
@@ -414,8 +420,8 @@ def test_bert_padding_concatenated_documents_attend_within_themselves():
         one = flash_attn_func(*(x[b:b + 1, start:start + n] for x in (q, k, v)), causal=True)
         torch.testing.assert_close(out[b:b + 1, start:start + n], one, atol=2e-3, rtol=0)
     assert (out[0, 9:] == 0).all() and (out[2] == 0).all()
-    for bad in (lengths.float(), lengths[0], torch.tensor([[6, 6] + [0] * 9], device=DEVICE),
-                torch.tensor([[-1, 3] + [0] * 9], device=DEVICE)):
+    for bad in (lengths[:1].float(), lengths[0], lengths[0, 0], lengths[:2], torch.tensor([[6, 6] + [0] * 9],
+                device=DEVICE), torch.tensor([[-1, 3] + [0] * 9], device=DEVICE)):
         with pytest.raises(ValueError, match="attention_mask_in_length"):
             unpad_input_for_concatenated_sequences(q[:1], bad)
     # index_first_axis_residual: rows and the whole input, both passing gradients back.
@@ -491,9 +497,9 @@ def test_flash_attention_3_kvcache_attention_chunk_counts_from_leftpad():
 
 
 def test_flash_attention_3_combine_merges_splits_of_the_keys():
-    # flash_attn_combine over the results of disjoint key ranges (one of them empty for some
-    # rows) equals one call over all the keys: output and logsumexp; a row no split saw gives
-    # 0 and -inf.
+    # flash_attn_combine over the results of disjoint key ranges equals one call over all the
+    # keys: output and logsumexp; a split that saw no key of a row (lse -inf, its output never
+    # written: NaN here) is left out, and a row no split saw gives 0 and -inf.
     torch.manual_seed(5)
     q, k, v = make_qkv(2, 24, 40, 4, 2, 32, DTYPE, DEVICE)
     whole, whole_lse = fa3.flash_attn_func(q, k, v, return_attn_probs=True)
@@ -505,16 +511,22 @@ def test_flash_attention_3_combine_merges_splits_of_the_keys():
     assert out.dtype == DTYPE and out.shape == whole.shape
     torch.testing.assert_close(out, whole, atol=2e-3, rtol=0)
     torch.testing.assert_close(lse, whole_lse.transpose(1, 2), atol=1e-4, rtol=0)
+    assert lse.transpose(1, 2).is_contiguous()  # (FA3's layout: a view of (batch, nheads, seqlen))
     into = torch.full_like(out_partial[0], float("nan"))
     assert fa3.flash_attn_combine(out_partial, lse_partial, out=into)[0] is into
     torch.testing.assert_close(into, out.float(), atol=2e-3, rtol=0)
+    lse_partial[1, 1, 5] = float("-inf")
+    out_partial[1, 1, 5] = float("nan")
     lse_partial[:, 0, 3] = float("-inf")
     out, lse = fa3.flash_attn_combine(out_partial, lse_partial)
     assert (out[0, 3] == 0).all() and (lse[0, 3] == float("-inf")).all() and not out.isnan().any()
+    assert torch.equal(out[1, 5], out_partial[0, 1, 5]) and torch.equal(lse[1, 5], lse_partial[0, 1, 5])
     with pytest.raises(TypeError, match="lse_partial"):
         fa3.flash_attn_combine(out_partial, lse_partial.double())
     with pytest.raises(ValueError, match="lse_partial"):
         fa3.flash_attn_combine(out_partial, lse_partial[:, :, :3])
+    with pytest.raises(ValueError, match="out must be"):
+        fa3.flash_attn_combine(out_partial, lse_partial, out=into.to(DTYPE))  # (out_dtype: float32 by default)
 
 
 def test_flash_attention_3_lse_of_rows_without_keys_is_minus_inf():
