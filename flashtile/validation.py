@@ -8,6 +8,7 @@ import math
 import numbers
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from flashtile import gpu
 from flashtile.tensor_state import KeptByTensor
@@ -202,14 +203,15 @@ def varlen_arguments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dev
 _CHECKED_OFFSETS = KeptByTensor()
 
 
-# used_rows tables made from checked offsets (api.py), which check_row_bounds need not read.
-_CHECKED_BOUNDS = KeptByTensor()
+# used_rows tables api.py made from offsets it checked, which the op they go to takes as checked
+# once, unread (made and used in one call: inference-mode tensors too, which count no versions).
+_CHECKED_BOUNDS = WeakIdKeyDictionary()
 
 
 def trust_row_bounds(*tables):
-    """Take used_rows tables made from checked offsets as checked."""
+    """Take used_rows tables just made from checked offsets as checked, by their next check."""
     for table in tables:
-        _CHECKED_BOUNDS.put(table, True)
+        _CHECKED_BOUNDS[table] = True
 
 
 def check_row_bounds(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
@@ -220,7 +222,7 @@ def check_row_bounds(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, total_q, to
         return
     for name, bounds, total, max_len in (("cu_seqlens_q", bounds_q, total_q, max_seqlen_q),
                                          ("cu_seqlens_k", bounds_k, total_k, max_seqlen_k)):
-        if _CHECKED_BOUNDS.get(bounds) is not None or not bounds.numel():
+        if _CHECKED_BOUNDS.pop(bounds, None) or not bounds.numel():
             continue
         values = bounds.cpu()
         spans = values[:, 1] - values[:, 0]

@@ -302,6 +302,21 @@ def test_torch_compile_checks_seqused_offsets_where_the_op_runs():
                 fn(q, k, v, torch.tensor(offsets, dtype=torch.int32, device=DEVICE), longest)
 
 
+def test_eager_seqused_tables_are_not_read_again(monkeypatch):
+    # Eager calls check the offsets, then make the seqused tables from them: the op takes those
+    # as checked, with no read of its own (a wait on the device), in inference mode too.
+    from flashtile import flash_attn_interface as fa3
+    reads, cpu = [], torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda x, *a, **kw: reads.append(x.dim()) or cpu(x, *a, **kw))
+    q, k, v = (torch.randn(40, 2, 16, dtype=torch.float16, device=DEVICE) for _ in range(3))
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32, device=DEVICE)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            fa3.flash_attn_varlen_func(q, k, v, cu, cu, 25, 25, seqused_k=torch.tensor([10, 25], dtype=torch.int32,
+                                                                                        device=DEVICE))
+    assert 2 not in reads  # (the (batch, 2) tables)
+
+
 @pytest.mark.parametrize("version", ["v1", "v2", "v3"])
 def test_eager_function_and_custom_op_agree(version):
     # Eager calls skip the custom op's autograd wrapper (ops.py); both paths must give the same
