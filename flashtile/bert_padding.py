@@ -30,6 +30,16 @@ def index_put_first_axis(values, indices, first_axis_dim: int):
     return out
 
 
+def _packed(hidden_states, kept, seqlens):
+    """(rows of ``hidden_states`` (batch, seqlen, ...) where ``kept`` (batch, seqlen), their
+    indices in the flattened batch, int32 offsets of the sequences of ``seqlens`` packed one
+    after another, the longest of them)."""
+    indices = torch.nonzero(kept.flatten(), as_tuple=False).flatten()
+    cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    rows = index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices)
+    return rows, indices, cu_seqlens, int(seqlens.max()) if seqlens.numel() else 0
+
+
 def unpad_input(hidden_states, attention_mask, unused_mask=None):
     """hidden_states (batch, seqlen, ...), attention_mask (batch, seqlen), 1 or True where a token
     is kept.  Returns (rows (total, ...), indices of the kept tokens in the flattened batch,
@@ -39,10 +49,7 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
     kept = attention_mask if unused_mask is None else attention_mask + unused_mask
     seqlens = kept.sum(dim=-1, dtype=torch.int32)
     used = attention_mask.sum(dim=-1, dtype=torch.int32)
-    indices = torch.nonzero(kept.flatten(), as_tuple=False).flatten()
-    cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
-    rows = index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices)
-    return rows, indices, cu_seqlens, int(seqlens.max()) if seqlens.numel() else 0, used
+    return (*_packed(hidden_states, kept, seqlens), used)
 
 
 def unpad_input_for_concatenated_sequences(hidden_states, attention_mask_in_length):
@@ -60,10 +67,7 @@ def unpad_input_for_concatenated_sequences(hidden_states, attention_mask_in_leng
     seqlen = lengths.shape[-1]
     documents = lengths.flatten()[lengths.flatten() > 0].int()
     kept = torch.arange(seqlen, device=lengths.device) < lengths.sum(-1, keepdim=True)
-    indices = torch.nonzero(kept.flatten(), as_tuple=False).flatten()
-    cu_seqlens = F.pad(torch.cumsum(documents, dim=0, dtype=torch.int32), (1, 0))
-    rows = index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices)
-    return rows, indices, cu_seqlens, int(documents.max()) if documents.numel() else 0
+    return _packed(hidden_states, kept, documents)
 
 
 def pad_input(hidden_states, indices, batch: int, seqlen: int):
