@@ -88,12 +88,13 @@ def attend(run, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     return out.reshape(batch, -1, *out.shape[1:]), lse.reshape(lse.shape[0], batch, -1).transpose(0, 1)
 
 
-def cache_starts(q, k_cache, k, cache_seqlens, cache_leftpad, block_table, chunk):
+def cache_starts(q, k_cache, k, cache_seqlens, cache_leftpad, block_table, chunk, cu_seqlens_k_new=None):
     """A decoding step's chunks over a KV cache, as flash_attn_with_kvcache's ``cache_leftpad``:
     each sequence's one query sits at its last key and sees from the start of that key's chunk,
     positions (and so chunks) counted from the sequence's own leftpad, as FA3 counts them.  One
     query token per sequence: several could span two chunks, which only the sequence lengths on
-    the device would tell."""
+    the device would tell.  New keys k (batch, seqlen_new, ...), or packed by
+    ``cu_seqlens_k_new``."""
     validation.check_tensor("q", q)
     if q.dim() != 4 or q.shape[1] != 1:
         raise NotImplementedError(f"attention_chunk over a KV cache takes one query token per sequence "
@@ -102,6 +103,8 @@ def cache_starts(q, k_cache, k, cache_seqlens, cache_leftpad, block_table, chunk
     cache_leftpad = validation.int32_table("cache_leftpad", cache_leftpad, (batch,), q.device)
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     new = 0 if k is None else k.shape[1]
+    if k is not None and cu_seqlens_k_new is not None:
+        new = validation.offsets("cu_seqlens_k_new", cu_seqlens_k_new, q.device, batch).diff()
     ends = (capacity - new if cache_seqlens is None else cache_seqlens) + new
     ends = ends.long() if isinstance(ends, torch.Tensor) else torch.full((batch,), int(ends), device=q.device)
     pad = torch.zeros_like(ends) if cache_leftpad is None else cache_leftpad.long()

@@ -130,23 +130,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
                             return_softmax_lse=False):
     """FA3's attention over a KV cache: flashtile.flash_attn_with_kvcache, ``page_table`` its
-    ``block_table``, queries of varying counts packed by ``cu_seqlens_q`` and ``max_seqlen_q``.
-    New keys of varying counts (``cu_seqlens_k_new``), ``qv``, ``rotary_seqlens`` and float8
-    descales are refused by name; ``scheduler_metadata`` is get_scheduler_metadata's None.
+    ``block_table``, queries of varying counts packed by ``cu_seqlens_q`` and ``max_seqlen_q``,
+    new keys of varying counts by ``cu_seqlens_k_new`` (ignored without k, as FA3 ignores it),
+    rotary positions from ``rotary_seqlens`` (ignored without rotary tables, likewise).  ``qv``
+    and float8 descales are refused by name; ``scheduler_metadata`` is get_scheduler_metadata's
+    None.
     ``attention_chunk`` takes one query token per sequence (decoding): each sequence's keys
     start at its chunk (chunks.cache_starts).  Returns out, or as FA3 (out, softmax_lse,
     out_accum, softmax_lse_accum), the split accumulators None (not kept)."""
-    _refuse_unsupported(qv=qv, cu_seqlens_k_new=cu_seqlens_k_new, rotary_seqlens=rotary_seqlens,
-                        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+    _refuse_unsupported(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                         scheduler_metadata=scheduler_metadata)
     _hints(num_splits, pack_gqa, sm_margin)
     chunk = chunks.check(attention_chunk)
     if chunk:
-        cache_leftpad = chunks.cache_starts(q, k_cache, k, cache_seqlens, cache_leftpad, page_table, chunk)
+        cache_leftpad = chunks.cache_starts(q, k_cache, k, cache_seqlens, cache_leftpad, page_table, chunk,
+                                            cu_seqlens_k_new)
     res = kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                           cache_batch_idx, cache_leftpad, page_table, softmax_scale, causal,
                                           window_size, softcap, rotary_interleaved, None, num_splits,
-                                          return_softmax_lse, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
+                                          return_softmax_lse, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                                          cu_seqlens_k_new=cu_seqlens_k_new if k is not None else None,
+                                          rotary_seqlens=rotary_seqlens if rotary_cos is not None else None)
     return (res[0], _fa3_lse(res[1]), None, None) if return_softmax_lse else res
 
 

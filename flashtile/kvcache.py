@@ -35,45 +35,59 @@ def _same_kind(name, x, q, rank=4):
         raise ValueError(f"{name} must have q's head dim {q.shape[-1]}, got shape {tuple(x.shape)}")
 
 
+def _any(condition) -> bool:
+    """Whether a comparison of ints or of tensors holds anywhere."""
+    return condition if isinstance(condition, bool) else bool(condition.any())
+
+
 def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache, block_table, pages, page_size,
-                  rotary_rows=None, rotary_span=0):
-    """The tables' values, where reading them costs no device-to-host copy: ``seqlens`` given as
-    an int, and tables of CPU tensors.  Tables on a GPU are not read (as in flash_attn: a copy
-    would stall every decoding step); the kernel clamps each sequence's end to the capacity and
-    every page or cache row it reads to the cache, so a wrong entry cannot read outside it (the
-    append's positions, rows and pages and the rotary positions are clamped the same way).
-    ``rotary_rows``: the rotary tables' rows, which the queries' positions
-    cache_seqlens + [0, rotary_span) must index."""
+                  rotary_rows=None, rotary_span=0, rotary_starts=None):
+    """The tables' values, where reading them costs no device-to-host copy: ints, and tables of
+    CPU tensors.  Tables on a GPU are not read (as in flash_attn: a copy would stall every
+    decoding step); the kernel clamps each sequence's end to the capacity and every page or
+    cache row it reads to the cache, so a wrong entry cannot read outside it (the append's
+    positions, rows and pages and the rotary positions are clamped the same way).
+    ``seqlen_new``: the new keys' count, or each sequence's ((batch,) tensor: packed new keys).
+    ``rotary_rows``: the rotary tables' rows, which the queries' positions base + [0,
+    rotary_span) must index (``rotary_span`` an int or each sequence's); the base is
+    ``rotary_starts`` where given (FA3's rotary_seqlens, the new keys' base too), else seqlens."""
+    new_keys = f"{seqlen_new} new keys" if isinstance(seqlen_new, int) else "each sequence's new keys"
+
     def out_of_capacity(got):
-        return ValueError(f"cache_seqlens (+ {seqlen_new} new keys) must lie in [0, {capacity}] (the cache's "
+        return ValueError(f"cache_seqlens (+ {new_keys}) must lie in [0, {capacity}] (the cache's "
                           f"capacity{' through block_table' if block_table is not None else ''}), got {got}")
 
-    def past_rotary(got):
-        return ValueError(f"rotary_cos/rotary_sin have {rotary_rows} rows, but the queries are rotated at positions "
-                          f"cache_seqlens + [0, {rotary_span}) as in flash_attn, up to {got}: pass longer tables")
-    if isinstance(seqlens, int) and not 0 <= seqlens <= capacity - seqlen_new:
-        raise out_of_capacity(seqlens)
-    if isinstance(seqlens, int) and rotary_rows is not None and seqlens + rotary_span > rotary_rows:
-        raise past_rotary(seqlens + rotary_span - 1)
-    tables = {name: t for name, t in (("seqlens", seqlens), ("leftpad", leftpad), ("batch_idx", batch_idx),
-                                      ("block_table", block_table)) if isinstance(t, torch.Tensor) and not t.is_cuda}
-    if not tables:
-        return
-    if "seqlens" in tables and ((seqlens < 0) | (seqlens + seqlen_new > capacity)).any():
-        raise out_of_capacity(seqlens.tolist())
-    if "seqlens" in tables and rotary_rows is not None and (seqlens + rotary_span > rotary_rows).any():
-        raise past_rotary(int(seqlens.max()) + rotary_span - 1)
-    if "leftpad" in tables and ((tables["leftpad"] < 0) | (tables["leftpad"] > seqlens + seqlen_new)).any():
-        raise ValueError(f"cache_leftpad must lie in [0, cache_seqlens + {seqlen_new} new keys], got "
-                         f"{tables['leftpad'].tolist()}")
+    def listed(x):
+        return x if isinstance(x, int) else x.tolist()
+
+    # What the host holds: ints and tables in host memory (None: a table on the device).
+    starts, new, span, base = (None if isinstance(x, torch.Tensor) and x.is_cuda else x
+                               for x in (seqlens, seqlen_new, rotary_span,
+                                         seqlens if rotary_starts is None else rotary_starts))
+    ends = None if starts is None or new is None else starts + new
+    if starts is not None and (_any(starts < 0) or _any((starts if ends is None else ends) > capacity)):
+        raise out_of_capacity(listed(starts))
+    if rotary_rows is not None and base is not None and span is not None:
+        reach = span  # (past the base: the queries', and from rotary_starts the new keys' too)
+        if rotary_starts is not None:
+            reach = None if new is None else torch.maximum(torch.as_tensor(span), torch.as_tensor(new))
+        if reach is not None and _any(base + reach > rotary_rows):
+            top = base + reach if isinstance(base + reach, int) else int((base + reach).max())
+            which, frm = ("the new keys and the queries", "rotary_seqlens") if rotary_starts is not None else \
+                ("the queries", "cache_seqlens")
+            raise ValueError(f"rotary_cos/rotary_sin have {rotary_rows} rows, but {which} are rotated at positions "
+                             f"{frm} + i as in flash_attn, up to {top - 1}: pass longer tables")
+    tables = {name: t for name, t in (("leftpad", leftpad), ("batch_idx", batch_idx), ("block_table", block_table))
+              if isinstance(t, torch.Tensor) and not t.is_cuda}
+    if "leftpad" in tables and ends is not None and _any((tables["leftpad"] < 0) | (tables["leftpad"] > ends)):
+        raise ValueError(f"cache_leftpad must lie in [0, cache_seqlens + {new_keys}], got {tables['leftpad'].tolist()}")
     if "batch_idx" in tables and ((tables["batch_idx"] < 0) | (tables["batch_idx"] >= batch_cache)).any():
         raise ValueError(f"cache_batch_idx must index the cache's {batch_cache} rows, got "
                          f"{tables['batch_idx'].tolist()}")
-    if "block_table" in tables:
+    if "block_table" in tables and ends is not None:
         # Only the pages a sequence's keys reach are read: later columns may hold anything (-1).
         table = tables["block_table"]
-        ends = torch.as_tensor(seqlens) + seqlen_new
-        used = torch.arange(table.shape[1]) * page_size < ends.reshape(-1, 1)
+        used = torch.arange(table.shape[1]) * page_size < torch.as_tensor(ends).reshape(-1, 1)
         if (((table < 0) | (table >= pages)) & used).any():
             raise ValueError(f"block_table entries must index the cache's {pages} pages (in the columns each "
                              f"sequence's keys reach)")
@@ -118,11 +132,12 @@ def _cache_slots(k_cache, positions, batch_idx, block_table, sequences=None):
     return rows.expand_as(positions), positions
 
 
-def _append(k_cache, v_cache, k, v, positions, batch_idx, block_table):
+def _append(k_cache, v_cache, k, v, positions, batch_idx, block_table, sequences=None):
     """k, v (batch, seqlen_new, heads_k, head_dim) written into the caches in place at
     ``positions`` (batch, seqlen_new, inside the capacity) of each sequence's cache row (or
-    pages): the PyTorch path's append, and the reference of the kernels' (decode.Append)."""
-    index = _cache_slots(k_cache, positions, batch_idx, block_table)
+    pages), or with ``sequences`` beside the positions, of those sequences' (packed keys): the
+    PyTorch path's append, and the reference of the kernels' (decode.Append)."""
+    index = _cache_slots(k_cache, positions, batch_idx, block_table, sequences)
     k_cache.index_put_(index, k)
     v_cache.index_put_(index, v)
 
@@ -235,7 +250,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            cu_seqlens_q=None, max_seqlen_q=None, version="auto", kernel_options=None):
+                            cu_seqlens_q=None, max_seqlen_q=None, cu_seqlens_k_new=None, rotary_seqlens=None,
+                            version="auto", kernel_options=None):
     """Attention of q (batch, seqlen_q, nheads, headdim) over a KV cache, flash_attn's semantics.
 
     k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or with ``block_table``
@@ -254,18 +270,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Triton runs and the PyTorch path on CPU tensors outside the interpreter; "tiled" the PyTorch
     path anywhere; "v1", "v2" and "v3" the split-KV kernel (one for every version), where the
     version can run.  ``kernel_options``: developer switches (options.KernelOptions:
-    tiles.decode, tiles.decode_paged).  ``cu_seqlens_q`` (batch + 1,) int32 and ``max_seqlen_q``
-    (FlashAttention-3's): queries of varying counts packed as q (total_q, nheads, headdim), each
-    sequence's aligned to the end of its keys; the output packed alike, lse (nheads, total_q).
-    No new keys or rotary with them yet.
+    tiles.decode, tiles.decode_paged).
+
+    FlashAttention-3's varying counts: ``cu_seqlens_q`` (batch + 1,) int32 and ``max_seqlen_q``,
+    queries packed as q (total_q, nheads, headdim), each sequence's aligned to the end of its
+    keys, the output packed alike, lse (nheads, total_q); ``cu_seqlens_k_new`` (batch + 1,)
+    int32, new keys and values packed as k, v (total_k_new, nheads_k, headdim), sequence b's
+    appended at cache_seqlens[b], which then ends that many keys later.  Rotary positions count
+    from ``rotary_seqlens`` ((batch,) int32) where given, else from cache_seqlens; each
+    sequence's own queries and new keys from 0.
     """
     kind = _kind(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                  block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                 num_splits, version, kernel_options, cu_seqlens_q, max_seqlen_q)
+                 num_splits, version, kernel_options, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, rotary_seqlens)
     step = _STEPS.get(kind)
     if step is not None:
         out, lse = step.repeat(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad,
-                               cache_batch_idx, block_table, alibi_slopes, cu_seqlens_q)
+                               cache_batch_idx, block_table, alibi_slopes, cu_seqlens_q, cu_seqlens_k_new,
+                               rotary_seqlens)
         return (out, lse) if return_softmax_lse else out
     packed = cu_seqlens_q is not None or max_seqlen_q is not None
     _same_kind("q", q, q, 3 if packed else 4)
@@ -281,17 +303,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
+    counts_q = None  # each sequence's count of packed queries, where the host holds the offsets
     if packed:
         if cu_seqlens_q is None or max_seqlen_q is None:
             raise ValueError("cu_seqlens_q and max_seqlen_q must be given together")
         cu_seqlens_q = validation.offsets("cu_seqlens_q", cu_seqlens_q, q.device)
         batch, seqlen_q = cu_seqlens_q.numel() - 1, validation.integer("max_seqlen_q", max_seqlen_q, minimum=0)
         _, heads, head_dim = q.shape
-        if k is not None or v is not None or rotary_cos is not None or rotary_sin is not None:
-            raise NotImplementedError("cu_seqlens_q (packed queries) with new keys or rotary is not supported yet: "
-                                      "append them to the cache first")
-        if not q.is_cuda:  # (offsets on a GPU are not read: the kernel clamps them to q's rows)
-            validation.check_offset_values(cu_seqlens_q, cu_seqlens_q, seqlen_q, seqlen_q, q.shape[0], q.shape[0])
+        counts_q = _host_counts("cu_seqlens_q", cu_seqlens_q, q.shape[0], seqlen_q)
     else:
         batch, seqlen_q, heads, head_dim = q.shape
     heads_k = k_cache.shape[2]
@@ -320,16 +339,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError(f"the cache has {k_cache.shape[0]} rows for a batch of {batch}: pass cache_batch_idx")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
-    seqlen_new = 0
+    packed_new = cu_seqlens_k_new is not None
+    if packed_new and k is None:
+        raise ValueError("cu_seqlens_k_new packs new keys: pass k and v (total_k_new, nheads_k, headdim) with it")
+    seqlen_new = 0  # the new keys' count; packed: each sequence's where the host holds the offsets, else None
     if k is not None:
-        _same_kind("k", k, q)
-        _same_kind("v", v, q)
-        if k.shape != v.shape or tuple(k.shape[::2]) != (batch, heads_k) or k.shape[3] != head_dim:
-            raise ValueError(f"k and v must be (batch={batch}, seqlen_new, nheads_k={heads_k}, headdim="
-                             f"{head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
-        seqlen_new = k.shape[1]
-        if seqlen_new > capacity:
-            raise ValueError(f"k has {seqlen_new} new keys but the cache holds {capacity} per sequence")
+        _same_kind("k", k, q, 3 if packed_new else 4)
+        _same_kind("v", v, q, 3 if packed_new else 4)
+        if packed_new:
+            if k.shape != v.shape or tuple(k.shape[1:]) != (heads_k, head_dim):
+                raise ValueError(f"with cu_seqlens_k_new, k and v must be (total_k_new, nheads_k={heads_k}, headdim="
+                                 f"{head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
+            cu_seqlens_k_new = validation.offsets("cu_seqlens_k_new", cu_seqlens_k_new, q.device, batch)
+            seqlen_new = _host_counts("cu_seqlens_k_new", cu_seqlens_k_new, k.shape[0])
+        else:
+            if k.shape != v.shape or tuple(k.shape[::2]) != (batch, heads_k) or k.shape[3] != head_dim:
+                raise ValueError(f"k and v must be (batch={batch}, seqlen_new, nheads_k={heads_k}, headdim="
+                                 f"{head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
+            seqlen_new = k.shape[1]
+            if seqlen_new > capacity:
+                raise ValueError(f"k has {seqlen_new} new keys but the cache holds {capacity} per sequence")
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
     if rotary_cos is not None:
@@ -346,8 +375,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"rotary_cos/rotary_sin must have at least as many rows as the cache's capacity "
                              f"({capacity}{' through block_table' if paged else ''}), as in flash_attn, got "
                              f"{rotary_cos.shape[0]}")
+    elif rotary_seqlens is not None:
+        raise ValueError("rotary_seqlens sets where rotary positions start: pass rotary_cos and rotary_sin with it")
+    rotary_starts = validation.int32_table("rotary_seqlens", rotary_seqlens, (batch,), q.device)
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens = validation.int32_table("cache_seqlens", cache_seqlens, (batch,), q.device)
+    elif cache_seqlens is None and packed_new:
+        raise ValueError("cu_seqlens_k_new appends at cache_seqlens: pass it")
     else:
         seqlens = capacity - seqlen_new if cache_seqlens is None else \
             validation.integer("cache_seqlens", cache_seqlens, minimum=0)
@@ -363,28 +397,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # flash_attn rotates the queries at cache_seqlens + i when causal or local, a window side
     # narrower than the capacity (wider ones it drops), else all at cache_seqlens.
     queries_advance = bool(causal) or any(0 <= side < capacity for side in validation.window(window_size))
-    rotary_span = seqlen_q if queries_advance else min(seqlen_q, 1)
+    rotary_span = _rotary_span(seqlen_q, counts_q, packed, queries_advance)
     _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, k_cache.shape[0], block_table, k_cache.shape[0],
-                  k_cache.shape[1], None if rotary_cos is None else rotary_cos.shape[0], rotary_span)
+                  k_cache.shape[1], None if rotary_cos is None else rotary_cos.shape[0], rotary_span, rotary_starts)
     opts = options.resolve(kernel_options)
     version = dispatch.resolve_version(version, q.device)  # before the cache is written
+    # The queries' rotary positions clamped to the capacity where they are the new keys' (the
+    # same rows, from the same base), else to the tables.
+    rotary_limit = None if rotary_cos is None else capacity if (
+        queries_advance and not packed and not packed_new and rotary_starts is None and seqlen_q == seqlen_new) \
+        else rotary_cos.shape[0]
 
     if version == "tiled":  # PyTorch operations
-        new_positions = _positions(seqlens, seqlen_new, batch, q.device, capacity) if k is not None else None
-        if rotary_cos is not None:
-            k = rotary.apply(k, rotary_cos, rotary_sin, new_positions, rotary_interleaved)
-            if queries_advance:
-                q_positions = new_positions if seqlen_q == seqlen_new else \
-                    _positions(seqlens, seqlen_q, batch, q.device, rotary_cos.shape[0])
-            else:
-                q_positions = _positions(seqlens, 1, batch, q.device, rotary_cos.shape[0]).expand(batch, seqlen_q)
-            q = rotary.apply(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
-        if k is not None:
-            _append(k_cache, v_cache, k, v, new_positions, batch_idx, block_table)
-        ends = torch.full((batch,), seqlens, device=q.device) if isinstance(seqlens, int) else seqlens.long()
-        out, lse = _tiled_forward(q, k_cache, v_cache, ends + seqlen_new, leftpad, batch_idx, block_table, capacity,
-                                  scale, window, softcap, alibi_slopes, opts,
-                                  (cu_seqlens_q, seqlen_q) if packed else None)
+        out, lse = _tiled_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, leftpad, batch_idx,
+                               block_table, batch, capacity, scale, window, softcap, alibi_slopes, opts, rotary_interleaved,
+                               queries_advance, rotary_limit, rotary_starts, cu_seqlens_q if packed else None,
+                               seqlen_q, cu_seqlens_k_new)
         return (out, lse) if return_softmax_lse else out
 
     # Kernels: the queries rotated in one launch, the new keys rotated and appended in another,
@@ -392,28 +420,93 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     tables = isinstance(seqlens, torch.Tensor)
     rotate = append = None
     if rotary_cos is not None:
-        # (the positions the PyTorch path clamps to the capacity where the queries are the new keys)
-        limit = capacity if queries_advance and seqlen_q == seqlen_new else rotary_cos.shape[0]
-        rotate = decode.Rotate(validation.last_dim_contiguous(q), rotary_cos.contiguous(), tables,
-                               queries_advance, limit, rotary_interleaved)
+        rotate = decode.Rotate(validation.last_dim_contiguous(q), rotary_cos.contiguous(),
+                               tables or rotary_starts is not None, queries_advance, rotary_limit,
+                               rotary_interleaved, batch if packed else None)
     if k is not None:
         append = decode.Append(k_cache, v_cache, validation.last_dim_contiguous(k), validation.last_dim_contiguous(v),
                                tables, batch_idx is not None, block_table,
                                None if rotary_cos is None else rotary_cos.contiguous(),
-                               rotary_interleaved)
+                               rotary_interleaved, batch if packed_new else None, rotary_starts is not None)
     # The queries attended: rotated into a new contiguous tensor, or as given.
     attended = validation.last_dim_contiguous(q) if rotate is None else torch.empty(q.shape, dtype=q.dtype,
                                                                                    device="meta")
     plan = split_plan(q, k_cache, block_table, num_splits, opts, version, shape=(batch, seqlen_q, heads, head_dim))
-    attend = decode.Attend(plan, attended, k_cache, v_cache, tables, leftpad is not None, batch_idx is not None,
-                           block_table, scale, window, softcap, alibi_slopes is not None,
+    attend = decode.Attend(plan, attended, k_cache, v_cache, tables or packed_new, leftpad is not None,
+                           batch_idx is not None, block_table, scale, window, softcap, alibi_slopes is not None,
                            (batch, seqlen_q) if packed else None)
-    step = _Step(rotate, append, attend, capacity, seqlen_new, None if rotary_cos is None else rotary_cos.shape[0],
-                 rotary_span)
+    step = _Step(rotate, append, attend, capacity, None if packed_new else seqlen_new,
+                 None if rotary_cos is None else rotary_cos.shape[0],
+                 None if packed else rotary_span)
     _STEPS.keep(kind, step)
     out, lse = step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, leftpad, batch_idx, block_table,
-                    alibi_slopes, cu_seqlens_q)
+                    alibi_slopes, cu_seqlens_q, cu_seqlens_k_new, rotary_starts)
     return (out, lse) if return_softmax_lse else out
+
+
+def _host_counts(name, cu, total, longest=None):
+    """Each sequence's count by offsets ``cu`` (named ``name``) of ``total`` packed rows
+    (``longest`` the longest allowed, else any, and rows past the last sequence allowed), the
+    offsets' values checked, where the host holds them; None for offsets on a GPU (not read: the
+    kernels clamp them to the rows)."""
+    if cu.is_cuda:
+        return None
+    limit = total if longest is None else longest
+    validation.check_offset_values(cu, cu, limit, limit, total, total, spare_rows=longest is None, names=(name, name))
+    return cu.diff()
+
+
+def _rotary_span(seqlen_q, counts_q, packed, advance):
+    """How far past their base the queries' rotary positions reach: seqlen_q (``advance``) or 1,
+    and none without queries; packed, each sequence's (None where its count is not read)."""
+    if not packed:
+        return seqlen_q if advance else min(seqlen_q, 1)
+    if counts_q is None:
+        return None
+    return counts_q if advance else counts_q.clamp(max=1)
+
+
+def _tiled_call(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, block_table, batch, capacity,
+                scale, window, softcap, alibi_slopes, opts, interleaved, advance, rotary_limit, rotary_starts,
+                cu_seqlens_q, seqlen_q, cu_new):
+    """(out, lse) of the PyTorch path: rotary on q and the new keys, the new keys appended, then
+    _tiled_forward.  Packed offsets are read on the host here (checked as they are read)."""
+    device = q.device
+    starts = torch.full((batch,), seqlens, device=device) if isinstance(seqlens, int) else seqlens.long()
+    base = starts if rotary_starts is None else rotary_starts.long()
+    ends = starts
+    if k is not None:
+        if cu_new is None:  # (batch, seqlen_new) positions, from each sequence's start
+            seqlen_new = k.shape[1]
+            positions = _positions(seqlens, seqlen_new, batch, device, capacity)
+            rotary_positions = positions if rotary_starts is None else \
+                _positions(rotary_starts, seqlen_new, batch, device, cos.shape[0])
+            sequences, ends = None, starts + seqlen_new
+        else:  # one row of packed keys: (1, total) positions, each with its sequence
+            _host_counts("cu_seqlens_k_new", cu_new.cpu(), k.shape[0])
+            total = int(cu_new[-1])
+            k, v = k[None, :total], v[None, :total]
+            sequences, steps = _packed_positions(cu_new.long(), total)
+            sequences = sequences[None]
+            positions = (starts[sequences] + steps).clamp_(0, capacity - 1)
+            rotary_positions = positions if rotary_starts is None else \
+                (base[sequences] + steps).clamp_(0, cos.shape[0] - 1)
+            ends = starts + cu_new.diff()
+        if cos is not None:
+            k = rotary.apply(k, cos, sin, rotary_positions, interleaved)
+        _append(k_cache, v_cache, k, v, positions, batch_idx, block_table, sequences)
+    if cos is not None:
+        if cu_seqlens_q is None:
+            q_positions = _positions(base, seqlen_q if advance else 1, batch, device, rotary_limit)
+            q = rotary.apply(q, cos, sin, q_positions.expand(batch, seqlen_q), interleaved)
+        else:  # packed queries: each sequence's from 0
+            _host_counts("cu_seqlens_q", cu_seqlens_q.cpu(), q.shape[0], seqlen_q)
+            total = int(cu_seqlens_q[-1])
+            sequences, steps = _packed_positions(cu_seqlens_q.long(), total)
+            q_positions = (base[sequences] + steps * advance).clamp_(0, rotary_limit - 1)
+            q = torch.cat([rotary.apply(q[None, :total], cos, sin, q_positions[None], interleaved)[0], q[total:]])
+    return _tiled_forward(q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity, scale, window,
+                          softcap, alibi_slopes, opts, None if cu_seqlens_q is None else (cu_seqlens_q, seqlen_q))
 
 
 # Decoding steps checked and planned once per kind of call (``_kind``): _Step.
@@ -422,7 +515,7 @@ _STEPS = kept_calls.KeptCalls()
 
 def _kind(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
           block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-          version, kernel_options, cu_seqlens_q, max_seqlen_q):
+          version, kernel_options, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, rotary_seqlens):
     """The kind of a call, for ``_STEPS``: everything its checks, plan and launches depend on (the
     tensors' kept_calls.tensors_kind; the scalars, each of one type, a stricter and quicker test
     than kept_calls.kind's; the options).  None for any other call, or where a tensor takes
@@ -443,7 +536,7 @@ def _kind(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
     seqlens_int = type(cache_seqlens) is int
     key = kept_calls.tensors_kind((q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                    None if seqlens_int else cache_seqlens, cache_batch_idx, cache_leftpad,
-                                   block_table, alibi_slopes, cu_seqlens_q))
+                                   block_table, alibi_slopes, cu_seqlens_q, cu_seqlens_k_new, rotary_seqlens))
     if key is None:
         return None
     return (*key, seqlens_int, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, version,
@@ -452,49 +545,62 @@ def _kind(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
 
 class _Step(NamedTuple):
     """The kernels of one kind of call (decode.Rotate and decode.Append, None where the call has
-    no rotary or no new keys; decode.Attend) and what its checks at each call read."""
+    no rotary or no new keys; decode.Attend) and what its checks at each call read:
+    ``seqlen_new`` None for packed new keys, ``rotary_span`` None where it is each packed
+    sequence's."""
     rotate: object
     append: object
     attend: object
     capacity: int
-    seqlen_new: int
+    seqlen_new: int | None
     rotary_rows: int | None
-    rotary_span: int
+    rotary_span: int | None
 
     def __call__(self, q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, block_table, alibi_slopes,
-                 cu_seqlens_q):
+                 cu_seqlens_q, cu_new, rotary_starts):
         """(out, lse), the tables checked (``seqlens`` an int or a contiguous int32 table)."""
         if cos is not None:
             # Contiguous: the kernels read both tables with one row stride.
             cos, sin = cos.contiguous(), sin.contiguous()
         if self.rotate is not None:
-            q = self.rotate(validation.last_dim_contiguous(q), cos, sin, seqlens)
+            q = self.rotate(validation.last_dim_contiguous(q), cos, sin,
+                            seqlens if rotary_starts is None else rotary_starts, cu_seqlens_q)
         if self.append is not None:
             self.append(k_cache, v_cache, validation.last_dim_contiguous(k), validation.last_dim_contiguous(v),
-                        seqlens, batch_idx, block_table, cos, sin)
-        ends, new_keys = (seqlens, self.seqlen_new) if isinstance(seqlens, torch.Tensor) else \
-            (None, seqlens + self.seqlen_new)
+                        seqlens, batch_idx, block_table, cos, sin, cu_new, rotary_starts)
+        if cu_new is not None:  # each sequence's end, on the device
+            ends, new_keys = cu_new.diff() + seqlens, 0
+        elif isinstance(seqlens, torch.Tensor):
+            ends, new_keys = seqlens, self.seqlen_new
+        else:
+            ends, new_keys = None, seqlens + self.seqlen_new
         return self.attend(validation.last_dim_contiguous(q), k_cache, v_cache, ends, new_keys, leftpad, batch_idx,
                            block_table, alibi_slopes, cu_seqlens_q)
 
     def repeat(self, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, leftpad, batch_idx, block_table, alibi_slopes,
-               cu_seqlens_q):
+               cu_seqlens_q, cu_new, rotary_starts):
         """A call of this kind after the first: what the full path does at every call (value
         checks of ints and of tables in host memory, the tables made contiguous), then the step."""
-        seqlens = self.capacity - self.seqlen_new if cache_seqlens is None else cache_seqlens
-        tables = (leftpad, batch_idx, block_table, alibi_slopes, cu_seqlens_q)
-        leftpad, batch_idx, block_table, alibi_slopes, cu_seqlens_q = (None if x is None else x.contiguous()
-                                                                        for x in tables)
+        tables = (leftpad, batch_idx, block_table, alibi_slopes, cu_seqlens_q, cu_new, rotary_starts)
+        leftpad, batch_idx, block_table, alibi_slopes, cu_seqlens_q, cu_new, rotary_starts = (
+            None if x is None else x.contiguous() for x in tables)
+        seqlen_new = self.seqlen_new
+        if cu_new is not None and not q.is_cuda:
+            seqlen_new = _host_counts("cu_seqlens_k_new", cu_new, k.shape[0])
+        rotary_span = self.rotary_span
         if cu_seqlens_q is not None and not q.is_cuda:
             longest = self.attend.packed[1]
-            validation.check_offset_values(cu_seqlens_q, cu_seqlens_q, longest, longest, q.shape[0], q.shape[0])
+            rotary_span = _rotary_span(longest, _host_counts("cu_seqlens_q", cu_seqlens_q, q.shape[0], longest), True,
+                                       self.rotate is not None and self.rotate.advance)
+        seqlens = self.capacity - self.seqlen_new if cache_seqlens is None else cache_seqlens
         if type(seqlens) is int:
-            fits = 0 <= seqlens <= self.capacity - self.seqlen_new and (
-                self.rotary_rows is None or seqlens + self.rotary_span <= self.rotary_rows)
+            fits = 0 <= seqlens <= self.capacity - (self.seqlen_new or 0) and self.seqlen_new is not None and (
+                self.rotary_rows is None or rotary_starts is None and self.rotary_span is not None
+                and seqlens + self.rotary_span <= self.rotary_rows)
         else:
             seqlens, fits = seqlens.contiguous(), True
         if not fits or not q.is_cuda:
-            _check_values(seqlens, self.seqlen_new, self.capacity, leftpad, batch_idx, k_cache.shape[0], block_table,
-                          k_cache.shape[0], k_cache.shape[1], self.rotary_rows, self.rotary_span)
+            _check_values(seqlens, seqlen_new, self.capacity, leftpad, batch_idx, k_cache.shape[0], block_table,
+                          k_cache.shape[0], k_cache.shape[1], self.rotary_rows, rotary_span, rotary_starts)
         return self(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, block_table, alibi_slopes,
-                    cu_seqlens_q)
+                    cu_seqlens_q, cu_new, rotary_starts)

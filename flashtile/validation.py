@@ -170,14 +170,17 @@ def check_sequence_span(q, k, v, seqlen_q: int, seqlen_k: int, varlen: bool):
                              f"call or version='tiled'")
 
 
-def offsets(name, cu, device):
-    """A varlen offsets table as the kernels read it: int32, 1-D (batch + 1,), on ``device``,
-    contiguous (a strided view is copied: the kernels index it as contiguous)."""
+def offsets(name, cu, device, batch=None):
+    """A varlen offsets table as the kernels read it: int32, 1-D (batch + 1,) (of the ``batch``
+    given), on ``device``, contiguous (a strided view is copied: the kernels index it as
+    contiguous)."""
     check_tensor(name, cu)
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} must be torch.int32, got {cu.dtype}")
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{name} must be 1-D (batch + 1,) with batch >= 1, got shape {tuple(cu.shape)}")
+    if batch is not None and cu.numel() != batch + 1:
+        raise ValueError(f"{name} must be (batch + 1,) = ({batch + 1},), got {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}")
     return cu.contiguous()
@@ -246,7 +249,7 @@ def trust_offsets(cu, last: int, longest: int):
 
 
 def check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k,
-                        spare_rows=False) -> bool:
+                        spare_rows=False, names=("cu_seqlens_q", "cu_seqlens_k")) -> bool:
     """The offsets' values (of offsets of one length: varlen_arguments): from 0,
     non-decreasing, ending at the token counts (with ``spare_rows``, at or before them: rows after
     the last sequence, as flash_attn takes from padded buffers), within the max_seqlen given.
@@ -256,8 +259,8 @@ def check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     early = False
-    for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
-                                     ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
+    for name, cu, total, max_len in ((names[0], cu_seqlens_q, total_q, max_seqlen_q),
+                                     (names[1], cu_seqlens_k, total_k, max_seqlen_k)):
         known = _CHECKED_OFFSETS.get(cu)
         if known is not None and (known[0] == total or spare_rows and known[0] < total) and known[1] <= max_len:
             early = early or known[0] < total

@@ -28,7 +28,7 @@ from sass_loops import describe
 
 FP32_POINTERS = {"DESCALE", "DO_DESCALE", "DO_BOUND", "DO_FACTORS", "LSE", "DELTA", "M", "L", "OACC", "DQACC", "DLSE", "SINKS", "JOINED", "SHARE", "PART_O",
                  "PART_LSE"}
-INT_POINTERS = {"CU", "CU_Q", "CU_K", "ENDS", "LEFTPAD", "BATCH_IDX", "BLOCK_TABLE", "TILES", "COUNT"}
+INT_POINTERS = {"CU", "CU_Q", "CU_K", "CU_NEW", "ROTARY_STARTS", "ENDS", "LEFTPAD", "BATCH_IDX", "BLOCK_TABLE", "TILES", "COUNT"}
 INT64_POINTERS = {"SEED"}
 INT8_POINTERS = {"KEPT"}
 FLOAT_SCALARS = {"scale_log2", "softmax_scale", "dropout_p", "fp8_max", "rotation_scale"}
@@ -248,12 +248,17 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
     yield "decode.split", decode._split_kernel, dict(split, VARLEN_Q=False, SAME_STRIDES=True), warps, None
     # Queries of varying counts, packed (FlashAttention-3's cu_seqlens_q), a V cache of its own strides
     yield "decode.split_packed", decode._split_kernel, dict(split, VARLEN_Q=True, SAME_STRIDES=False), warps, None
-    yield "decode.append", decode._append_kernel, dict(
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=16, PAGED=True, HAS_ENDS=True,
-        HAS_BATCH_IDX=False, ROTARY=True, INTERLEAVED=False, PAGE_SIZE=16), dict(num_warps=4), None
-    yield "decode.rotate", decode._rotate_kernel, dict(
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=16, HAS_ENDS=True, ADVANCE=True,
-        INTERLEAVED=True), dict(num_warps=4), None
+    # The append and the queries' rotation, batched and packed (FlashAttention-3's
+    # cu_seqlens_k_new and cu_seqlens_q, rotary from rotary_seqlens).
+    for packed in (False, True):
+        name = "_packed" if packed else ""
+        yield f"decode.append{name}", decode._append_kernel, dict(
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=16, PAGED=True, HAS_ENDS=True,
+            HAS_BATCH_IDX=False, ROTARY=True, INTERLEAVED=False, PAGE_SIZE=16, PACKED=packed,
+            SEARCH_STEPS=decode.search_steps(64), HAS_ROTARY_STARTS=packed), dict(num_warps=4), None
+        yield f"decode.rotate{name}", decode._rotate_kernel, dict(
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=16, HAS_ENDS=True, ADVANCE=True,
+            INTERLEAVED=True, PACKED=packed, SEARCH_STEPS=decode.search_steps(64)), dict(num_warps=4), None
     combine = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), SPLITS_PAD=16, PDL=True)
     for packed in (False, True):
         yield (f"decode.combine{'_packed' if packed else ''}", decode._combine_kernel, dict(combine, VARLEN_Q=packed),

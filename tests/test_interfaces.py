@@ -457,8 +457,19 @@ def test_flash_attention_3_kvcache():
         one = fa3.flash_attn_with_kvcache(packed[None, rows], *pages, cache_seqlens=seqlens[b:b + 1],
                                           page_table=table[b:b + 1], causal=True)
         torch.testing.assert_close(out[rows], one[0], atol=2e-3, rtol=0)
-    for kwargs, name in ((dict(cu_seqlens_k_new=seqlens), "cu_seqlens_k_new"), (dict(qv=q), "qv"),
-                         (dict(scheduler_metadata=seqlens), "scheduler_metadata")):
+    # New keys packed by cu_seqlens_k_new: as the batched call with the same keys; without k
+    # (and rotary_seqlens without rotary tables) ignored, as FA3 ignores them.
+    caches = [[x.clone() for x in pages] for _ in range(2)]
+    cu_new = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    out = fa3.flash_attn_with_kvcache(q, *caches[0], new[0].flatten(0, 1), new[1].flatten(0, 1), cache_seqlens=seqlens,
+                                      page_table=table, causal=True, cu_seqlens_k_new=cu_new)
+    expected = flashtile.flash_attn_with_kvcache(q, *caches[1], *new, cache_seqlens=seqlens, block_table=table,
+                                                 causal=True)
+    assert torch.equal(out, expected) and all(torch.equal(a, b) for a, b in zip(*caches))
+    assert torch.equal(fa3.flash_attn_with_kvcache(q, *pages, cache_seqlens=seqlens, page_table=table,
+                                                   cu_seqlens_k_new=cu_new, rotary_seqlens=seqlens),
+                       fa3.flash_attn_with_kvcache(q, *pages, cache_seqlens=seqlens, page_table=table))
+    for kwargs, name in ((dict(qv=q), "qv"), (dict(scheduler_metadata=seqlens), "scheduler_metadata")):
         with pytest.raises(NotImplementedError, match=name):
             fa3.flash_attn_with_kvcache(q, *pages, cache_seqlens=seqlens, page_table=table, **kwargs)
     with pytest.raises(NotImplementedError, match="one query token"):

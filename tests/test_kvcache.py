@@ -363,11 +363,102 @@ def test_packed_queries_of_varying_counts(version, page_size, monkeypatch):
     out, lse = flash_attn_with_kvcache(case.q[:, :0], *caches, block_table=case.block_table, version=version,
                                        cache_seqlens=case.lengths.int().to(DEVICE), return_softmax_lse=True)
     assert out.shape == case.q[:, :0].shape and lse.shape == (case.q.shape[0], case.q.shape[2], 0)
-    with pytest.raises(NotImplementedError, match="new keys or rotary"):
-        flash_attn_with_kvcache(q, *caches, case.k_dense[:, :1], case.v_dense[:, :1], block_table=case.block_table,
-                                cu_seqlens_q=cu, max_seqlen_q=5)
     with pytest.raises(ValueError, match="together"):
         flash_attn_with_kvcache(q, *caches, block_table=case.block_table, cu_seqlens_q=cu)
+
+
+def cache_slot(case, cache, b, position):
+    """Position ``position`` of sequence b in ``cache``, one of case's dense rows or pages."""
+    if case.page_size:
+        return cache[int(case.block_table[b, position // case.page_size]), position % case.page_size]
+    return cache[b, position]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("rotary_from", [None, "cache_seqlens", "rotary_seqlens"])
+def test_packed_new_keys_and_queries(rotary_from, page_size, version, monkeypatch):
+    # FlashAttention-3's cu_seqlens_k_new with cu_seqlens_q (chunked prefill of a varlen batch):
+    # each sequence appends its own count of new keys (packed, a spare row after them) at
+    # cache_seqlens and attends with its own count of queries, aligned to the
+    # end of its keys; rotary from cache_seqlens or from rotary_seqlens, each sequence's queries
+    # and new keys from 0.  Against the oracle, twice (the kept step: fresh keys and queries), the
+    # cache written where the new keys go and nowhere else.
+    monkeypatch.setattr(kvcache, "_STEPS", kept_calls.KeptCalls())
+    case = Case(batch=3, heads=4, heads_k=2, capacity=90, page_size=page_size)
+    lengths, new_counts, q_counts = [40, 88, 61], [2, 0, 5], [2, 1, 3]
+    as_int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    cu_new, cu_q = as_int32([0, 2, 2, 7]), as_int32([0, 2, 3, 6])
+    g = torch.Generator().manual_seed(5)
+    rows = case.capacity + 20
+    angle = torch.rand(rows, HEAD_DIM // 4, generator=g) * 6.28
+    cos, sin = torch.cos(angle).to(DTYPE).to(DEVICE), torch.sin(angle).to(DTYPE).to(DEVICE)
+    bases = [3, 104, 10] if rotary_from == "rotary_seqlens" else lengths
+    rot = {} if rotary_from is None else dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False)
+    if rotary_from == "rotary_seqlens":
+        rot["rotary_seqlens"] = as_int32(bases)
+    caches = (case.k_pages, case.v_pages) if page_size else (case.k_dense, case.v_dense)
+    for _ in range(2):
+        k_new, v_new = (torch.randn(8, 2, HEAD_DIM, generator=g).to(DTYPE).to(DEVICE) for _ in range(2))
+        q = torch.randn(6, 4, HEAD_DIM, generator=g).to(DTYPE).to(DEVICE)
+        before = [x.clone() for x in caches]
+        out, lse = flash_attn_with_kvcache(q, *caches, k_new, v_new, cache_seqlens=as_int32(lengths), causal=True,
+                                           block_table=case.block_table, cu_seqlens_q=cu_q, max_seqlen_q=3,
+                                           cu_seqlens_k_new=cu_new, num_splits=2, return_softmax_lse=True,
+                                           version=version, **rot)
+        written = [torch.zeros(x.shape[:2], dtype=torch.bool, device=DEVICE) for x in caches]
+        for b in range(3):
+            n, m, end = new_counts[b], q_counts[b], lengths[b]
+            keys_new, queries = k_new[None, int(cu_new[b]):int(cu_new[b]) + n], q[None, int(cu_q[b]):int(cu_q[b]) + m]
+            if rot:
+                keys_new = rotate(keys_new, cos, sin, bases[b] + torch.arange(n)[None], False).to(DTYPE)
+                queries = rotate(queries, cos, sin, bases[b] + torch.arange(m)[None], False).to(DTYPE)
+            for i in range(n):  # the new key in its slot, its value as given
+                got = cache_slot(case, caches[0], b, end + i)
+                assert (got.float() - keys_new[0, i].float()).abs().max() <= keys_new.abs().max() * 2.0 ** -7
+                assert torch.equal(cache_slot(case, caches[1], b, end + i), v_new[int(cu_new[b]) + i])
+                for mark in written:
+                    cache_slot(case, mark, b, end + i).fill_(True)
+            keys = [torch.cat([x[b:b + 1, :end], new], 1) for x, new in
+                    ((case.k_dense, keys_new), (case.v_dense, v_new[None, int(cu_new[b]):int(cu_new[b]) + n]))]
+            oracle, oracle_lse = standard_attention(queries, *keys, causal=True, upcast=True, return_lse=True)
+            rows_b = slice(int(cu_q[b]), int(cu_q[b]) + m)
+            assert_within_rule(f"sequence {b}", out[None, rows_b], standard_attention(queries, *keys, causal=True),
+                               oracle, (2.0, 1e-5))
+            assert max_err(lse[:, rows_b], oracle_lse[0]) <= 1e-3
+        for cache, old, mark in zip(caches, before, written):
+            assert torch.equal(cache[~mark], old[~mark])
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_packed_new_keys_refusals(version):
+    case = Case(batch=2, heads=4, heads_k=2, capacity=40)
+    as_int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    k_new = torch.randn(5, 2, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    cos = torch.ones(40, HEAD_DIM // 4, dtype=DTYPE, device=DEVICE)
+    call = functools.partial(flash_attn_with_kvcache, case.q, case.k_dense, case.v_dense, version=version)
+    with pytest.raises(ValueError, match="cu_seqlens_k_new packs new keys: pass k and v"):
+        call(cache_seqlens=3, cu_seqlens_k_new=as_int32([0, 2, 5]))
+    with pytest.raises(ValueError, match="k must be 3-D"):
+        call(k_new[None], k_new[None], cache_seqlens=3, cu_seqlens_k_new=as_int32([0, 2, 5]))
+    with pytest.raises(ValueError, match=r"with cu_seqlens_k_new, k and v must be \(total_k_new, nheads_k=2"):
+        call(k_new[:, :1], k_new[:, :1], cache_seqlens=3, cu_seqlens_k_new=as_int32([0, 2, 5]))
+    with pytest.raises(ValueError, match=r"cu_seqlens_k_new must be \(batch \+ 1,\) = \(3,\)"):
+        call(k_new, k_new, cache_seqlens=3, cu_seqlens_k_new=as_int32([0, 5]))
+    with pytest.raises(ValueError, match="appends at cache_seqlens: pass it"):
+        call(k_new, k_new, cu_seqlens_k_new=as_int32([0, 2, 5]))
+    with pytest.raises(ValueError, match="rotary_seqlens sets where rotary positions start"):
+        call(k_new, k_new, cache_seqlens=3, cu_seqlens_k_new=as_int32([0, 2, 5]), rotary_seqlens=as_int32([0, 0]))
+    if ON_GPU:  # (tables on a GPU are not read: the kernels clamp)
+        return
+    with pytest.raises(ValueError, match="cu_seqlens_k_new must start at 0 and be non-decreasing"):
+        call(k_new, k_new, cache_seqlens=3, cu_seqlens_k_new=as_int32([0, 3, 2]))
+    with pytest.raises(ValueError, match=r"cache_seqlens \(\+ each sequence's new keys\) must lie in \[0, 40\]"):
+        call(k_new, k_new, cache_seqlens=as_int32([30, 38]), cu_seqlens_k_new=as_int32([0, 2, 5]))
+    with pytest.raises(ValueError, match=r"rotary_cos/rotary_sin have 40 rows, but the new keys and the queries .* "
+                                         r"rotary_seqlens \+ i .* up to 40"):
+        call(k_new, k_new, cache_seqlens=as_int32([3, 3]), cu_seqlens_k_new=as_int32([0, 2, 5]), rotary_cos=cos,
+             rotary_sin=cos, rotary_seqlens=as_int32([0, 38]))
 
 
 def test_rotary_tables_of_different_strides():
@@ -514,6 +605,42 @@ def test_unread_tables_index_inside_the_cache_and_the_rotary_tables(version, mon
                 cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE), causal=True,
                 return_softmax_lse=True, version=version, **tables)
             assert torch.isfinite(out).all() and not lse.isnan().any()
+
+
+def test_unread_packed_offsets_index_inside_the_tensors(monkeypatch):
+    # Packed offsets and rotary_seqlens on a GPU are not read on the host either (CPU ones are:
+    # the checks are switched off to stand for them): whatever their values, the kernels' append,
+    # rotation and attention run inside the tensors, and the sequences' rows of valid offsets
+    # after them come out as the oracle's (the cache written again by the valid call).
+    monkeypatch.setattr(kvcache, "_check_values", lambda *args: None)
+    monkeypatch.setattr(kvcache, "_host_counts", lambda *args: None)
+    as_int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    for page_size in (None, 16):
+        case = Case(batch=3, heads=4, heads_k=2, capacity=40, page_size=page_size)
+        caches = (case.k_pages, case.v_pages) if page_size else (case.k_dense, case.v_dense)
+        k_new, v_new = (torch.randn(5, 2, HEAD_DIM, dtype=DTYPE, device=DEVICE) for _ in range(2))
+        q = torch.randn(4, 4, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+        angle = torch.rand(case.capacity, HEAD_DIM // 4, device=DEVICE)
+        cos, sin = torch.cos(angle).to(DTYPE), torch.sin(angle).to(DTYPE)
+        for cu_new, cu_q, starts, lengths in (([0, 9, -4, 10**6], [0, -2, 10**6, 3], [10**6, -5, 39], [10**6, -7, 39]),
+                                              ([0, 2, 2, 5], [0, 1, 3, 4], [0, 5, 9], [3, 20, 30])):
+            out, lse = flash_attn_with_kvcache(q, *caches, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                               cache_seqlens=as_int32(lengths), block_table=case.block_table,
+                                               cu_seqlens_q=as_int32(cu_q), max_seqlen_q=4,
+                                               cu_seqlens_k_new=as_int32(cu_new), rotary_seqlens=as_int32(starts),
+                                               causal=True, return_softmax_lse=True)
+            assert all(torch.isfinite(x).all() for x in caches)
+        for b, (first, n, m) in enumerate(((0, 2, 1), (2, 0, 2), (2, 3, 1))):
+            keys_new = rotate(k_new[None, first:first + n], cos, sin, starts[b] + torch.arange(n)[None], True)
+            rows = slice(cu_q[b], cu_q[b + 1])
+            queries = rotate(q[None, rows], cos, sin, starts[b] + torch.arange(m)[None], True).to(DTYPE)
+            # (the old keys as the cache holds them now: the first call may have written anywhere)
+            keys = [torch.cat([torch.stack([cache_slot(case, x, b, t) for t in range(lengths[b])])[None],
+                               new.to(DTYPE)], 1) for x, new in ((caches[0], keys_new),
+                                                                 (caches[1], v_new[None, first:first + n]))]
+            oracle = standard_attention(queries, *keys, causal=True, upcast=True)
+            assert_within_rule(f"sequence {b}", out[None, rows], standard_attention(queries, *keys, causal=True),
+                               oracle, (2.0, 1e-5))
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU tensors without the interpreter")

@@ -460,3 +460,8 @@ def test_decode_kernels_compile_for_sm90(tmp_path):
                             ("decode.combine", "griddepcontrol.wait")):
         compile_for_sm90(tmp_path / kernel, kernel, 128, softcap=30.0, alibi=True)
         assert control in (tmp_path / kernel / f"{kernel}_d128.ptx").read_text(), kernel
+    # The append and rotation of packed rows (each finds its sequence by a search of the offsets)
+    # compile and write their rows.
+    for kernel in ("decode.append_packed", "decode.rotate_packed"):
+        compile_for_sm90(tmp_path / kernel, kernel, 128)
+        assert "st.global" in (tmp_path / kernel / f"{kernel}_d128.ptx").read_text(), kernel

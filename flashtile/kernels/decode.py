@@ -247,128 +247,198 @@ def _load_rotated(rows_ptr, offs_d, in_rows, positions, COS, SIN, scs, half, HEA
 
 
 @triton.jit
-def _append_kernel(K_NEW, V_NEW, K, V, ENDS, BATCH_IDX, BLOCK_TABLE, COS, SIN, start, snb, sns, snh, swb, sws, swh,
-                   skb, sks, skh, svb, svs, svh, sbt, scs, seqlen_new, capacity, outer_count, half,
+def _packed_rows(CU, rows, batch_count, total, SEARCH_STEPS: tl.constexpr):
+    """(sequence, index in it, whether it belongs to it) of each of ``rows``, rows of a tensor
+    packed by the offsets CU (batch_count + 1,): a binary search for the last sequence starting at
+    or before the row (SEARCH_STEPS >= log2(batch_count)).  The offsets are clamped to [0,
+    ``total``]: wrong ones (not read on the host) give wrong sequences, never a row outside."""
+    lo = tl.zeros_like(rows)
+    hi = lo + batch_count
+    for _ in tl.static_range(SEARCH_STEPS):
+        open_ = hi - lo > 1
+        mid = (lo + hi) // 2
+        right = open_ & (tl.load(CU + mid, mask=open_, other=0) <= rows)
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(open_ & ~right, mid, hi)
+    first = tl.minimum(tl.maximum(tl.load(CU + lo), 0), total)
+    last = tl.minimum(tl.maximum(tl.load(CU + lo + 1), first), total)
+    return lo, rows - first, (rows >= first) & (rows < last)
+
+
+def search_steps(batch: int) -> int:
+    """_packed_rows' SEARCH_STEPS for ``batch`` sequences."""
+    return max(1, (batch - 1).bit_length())
+
+
+@triton.jit
+def _append_kernel(K_NEW, V_NEW, K, V, ENDS, BATCH_IDX, BLOCK_TABLE, COS, SIN, CU_NEW, ROTARY_STARTS, start, snb, sns,
+                   snh, swb, sws, swh, skb, sks, skh, svb, svs, svh, sbt, scs, seqlen_new, capacity, outer_count, half,
+                   batch_count, rotary_rows,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr, PAGED: tl.constexpr,
                    HAS_ENDS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, ROTARY: tl.constexpr,
-                   INTERLEAVED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+                   INTERLEAVED: tl.constexpr, PAGE_SIZE: tl.constexpr, PACKED: tl.constexpr,
+                   SEARCH_STEPS: tl.constexpr, HAS_ROTARY_STARTS: tl.constexpr):
     """ROWS new keys and values of one (sequence, KV head), K_NEW and V_NEW (batch, seqlen_new,
     heads_k, head_dim), written into the caches at positions start + i of the sequence (start:
     ENDS[batch], or the ``start`` given), clamped to [0, capacity) as kvcache._positions clamps
-    them; its cache row or pages through _cache_index (clamped to the cache).  ROTARY: the keys
-    rotated at those positions first (_load_rotated)."""
-    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    batch = tl.program_id(1)
+    them; its cache row or pages through _cache_index (clamped to the cache).  PACKED: ROWS rows
+    of K_NEW and V_NEW (seqlen_new, heads_k, head_dim), sequence b's the rows CU_NEW[b] ..
+    CU_NEW[b + 1] (_packed_rows).  ROTARY: the keys rotated first, at their positions in the
+    cache, or with HAS_ROTARY_STARTS at ROTARY_STARTS[b] + i, clamped to [0, rotary_rows)
+    (_load_rotated)."""
     head = tl.program_id(2)
+    if PACKED:
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        batch, i, in_seq = _packed_rows(CU_NEW, rows, batch_count, seqlen_new, SEARCH_STEPS)
+        new_rows = rows.to(tl.int64)
+    else:
+        i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        batch = tl.program_id(1)
+        in_seq = i < seqlen_new
+        new_rows = i.to(tl.int64)
     if HAS_ENDS:
         start = tl.load(ENDS + batch)
     keys = tl.minimum(tl.maximum(start + i, 0), capacity - 1)
     batch_row = batch
     if HAS_BATCH_IDX:
         batch_row = tl.load(BATCH_IDX + batch)
-    in_seq = i < seqlen_new
     outer, inner = _cache_index(batch_row, keys, in_seq, PAGE_SIZE, BLOCK_TABLE, sbt, batch, outer_count, PAGED,
                                 True)
+    positions = keys
+    if HAS_ROTARY_STARTS:
+        positions = tl.minimum(tl.maximum(tl.load(ROTARY_STARTS + batch) + i, 0), rotary_rows - 1)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask = in_seq[:, None] & (offs_d[None, :] < HEAD_DIM)
-    k = _load_rotated(K_NEW + batch.to(tl.int64) * snb + i[:, None].to(tl.int64) * sns + head * snh, offs_d, in_seq,
-                      keys, COS, SIN, scs, half, HEAD_DIM, ROTARY, INTERLEAVED)
+    # (each row's offset a vector first: ``batch`` is one sequence, or PACKED one a row)
+    k_rows = batch.to(tl.int64) * snb + new_rows * sns + head * snh
+    k = _load_rotated(K_NEW + k_rows[:, None], offs_d, in_seq, positions, COS, SIN, scs, half, HEAD_DIM, ROTARY,
+                      INTERLEAVED)
     tl.store(K + outer[:, None] * skb + inner[:, None] * sks + head * skh + offs_d[None, :], k, mask=mask)
-    new = batch.to(tl.int64) * swb + i[:, None].to(tl.int64) * sws + head * swh + offs_d[None, :]
-    v = tl.load(V_NEW + new, mask=mask)
+    v_rows = batch.to(tl.int64) * swb + new_rows * sws + head * swh
+    v = tl.load(V_NEW + v_rows[:, None] + offs_d[None, :], mask=mask)
     tl.store(V + outer[:, None] * svb + inner[:, None] * svs + head * svh + offs_d[None, :], v, mask=mask)
 
 
 class Append:
     """New keys and values written into the caches in place, one launch, prepared for one kind of
-    call: ``append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table, cos, sin)`` writes k, v
-    (batch, seqlen_new, heads_k, head_dim), unit stride along head_dim, at positions seqlens +
-    [0, seqlen_new) of each sequence's cache row (``batch_idx``) or pages (``block_table``),
-    rotating the keys there first with the rotary tables ``cos``, ``sin`` (or None).  ``seqlens``:
-    an int (checked by the caller), or (batch,) int32 on the device, whose positions are clamped
-    to the capacity.
+    call: ``append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table, cos, sin, cu_new,
+    rotary_starts)`` writes k, v (batch, seqlen_new, heads_k, head_dim), unit stride along
+    head_dim, at positions seqlens + [0, seqlen_new) of each sequence's cache row (``batch_idx``)
+    or pages (``block_table``), rotating the keys there first with the rotary tables ``cos``,
+    ``sin`` (or None), or at rotary_starts + [0, seqlen_new) where that (batch,) int32 table is
+    given.  ``seqlens``: an int (checked by the caller), or (batch,) int32 on the device, whose
+    positions are clamped to the capacity.  With ``packed`` (the batch), k and v are packed
+    (total, heads_k, head_dim), sequence b's rows cu_new[b] .. cu_new[b + 1].
 
     The kind: the shapes, strides and dtypes of the caches, k, v, ``block_table`` and ``cos``
-    (None without rotary); ``has_ends`` (seqlens a tensor), ``has_batch_idx``, ``interleaved``."""
+    (None without rotary); ``has_ends`` (seqlens a tensor), ``has_batch_idx``, ``interleaved``,
+    ``packed``, ``rotary_starts`` (whether that table is given)."""
 
-    def __init__(self, k_cache, v_cache, k, v, has_ends, has_batch_idx, block_table, cos, interleaved):
-        batch, seqlen_new, heads_k, head_dim = k.shape
+    def __init__(self, k_cache, v_cache, k, v, has_ends, has_batch_idx, block_table, cos, interleaved, packed=None,
+                 rotary_starts=False):
+        heads_k, head_dim = k.shape[-2:]
         self._launch = None
         if k.numel() == 0:
             return
+        if packed is None:
+            batch, seqlen_new = k.shape[:2]
+            strides = (*k.stride()[:3], *v.stride()[:3])
+        else:  # (one row of k and v a packed key: no batch stride)
+            batch, seqlen_new = 1, k.shape[0]
+            strides = (0, *k.stride()[:2], 0, *v.stride()[:2])
         paged = block_table is not None
         capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
         rows = max(16, min(64, next_power_of_2(seqlen_new)))
         rotary = cos is not None
         self._launch = Prepared(
             _append_kernel, (cdiv(seqlen_new, rows), batch, heads_k),
-            (*k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+            (*strides, *k_cache.stride()[:3], *v_cache.stride()[:3],
              block_table.stride(0) if paged else 0, cos.stride(0) if rotary else 0,
-             seqlen_new, capacity, k_cache.shape[0], cos.shape[1] if rotary else 0),
+             seqlen_new, capacity, k_cache.shape[0], cos.shape[1] if rotary else 0, packed or 1,
+             cos.shape[0] if rotary else 1),
             dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, PAGED=paged,
                  PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_ENDS=has_ends,
-                 HAS_BATCH_IDX=has_batch_idx, ROTARY=rotary, INTERLEAVED=rotary and bool(interleaved), num_warps=4))
+                 HAS_BATCH_IDX=has_batch_idx, ROTARY=rotary, INTERLEAVED=rotary and bool(interleaved),
+                 PACKED=packed is not None, SEARCH_STEPS=search_steps(packed or 1),
+                 HAS_ROTARY_STARTS=rotary and rotary_starts, num_warps=4))
 
-    def __call__(self, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, cos, sin):
+    def __call__(self, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, cos, sin, cu_new=None,
+                 rotary_starts=None):
         if self._launch is None:
             return
         tables = isinstance(seqlens, torch.Tensor)
         # (k stands for the absent tables: a pointer never read)
         self._launch(k, v, k_cache, v_cache, seqlens if tables else k, k if batch_idx is None else batch_idx,
                      k if block_table is None else block_table, k if cos is None else cos, k if sin is None else sin,
+                     k if cu_new is None else cu_new, k if rotary_starts is None else rotary_starts,
                      0 if tables else seqlens)
 
 
 @triton.jit
-def _rotate_kernel(X, ROTATED, ENDS, COS, SIN, start, sxb, sxs, sxh, sob, sos, soh, scs, seqlen, limit, half,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr, HAS_ENDS: tl.constexpr,
-                   ADVANCE: tl.constexpr, INTERLEAVED: tl.constexpr):
+def _rotate_kernel(X, ROTATED, ENDS, COS, SIN, CU, start, sxb, sxs, sxh, sob, sos, soh, scs, seqlen, limit, half,
+                   batch_count, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr,
+                   HAS_ENDS: tl.constexpr, ADVANCE: tl.constexpr, INTERLEAVED: tl.constexpr, PACKED: tl.constexpr,
+                   SEARCH_STEPS: tl.constexpr):
     """ROWS rows of one (sequence, head) of X (batch, seqlen, heads, head_dim) rotated into ROTATED
     at positions start + i (ADVANCE) or start, clamped to [0, limit) (start: ENDS[batch], or the
-    ``start`` given)."""
-    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    batch = tl.program_id(1).to(tl.int64)
+    ``start`` given).  PACKED: ROWS rows of X (seqlen, heads, head_dim), sequence b's the rows
+    CU[b] .. CU[b + 1] (_packed_rows; rows past the last sequence rotated as any)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     head = tl.program_id(2)
+    if PACKED:
+        batch, i, _ = _packed_rows(CU, rows, batch_count, seqlen, SEARCH_STEPS)
+    else:
+        batch, i = tl.program_id(1), rows
     if HAS_ENDS:
         start = tl.load(ENDS + batch)
     positions = start + i if ADVANCE else start + i * 0
     positions = tl.minimum(tl.maximum(positions, 0), limit - 1)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    in_rows = i < seqlen
-    x = _load_rotated(X + batch * sxb + i[:, None].to(tl.int64) * sxs + head * sxh, offs_d, in_rows, positions, COS,
-                      SIN, scs, half, HEAD_DIM, True, INTERLEAVED)
-    tl.store(ROTATED + batch * sob + i[:, None].to(tl.int64) * sos + head * soh + offs_d[None, :], x,
-             mask=in_rows[:, None] & (offs_d[None, :] < HEAD_DIM))
+    in_rows = rows < seqlen
+    x_rows = batch.to(tl.int64) * sxb + rows.to(tl.int64) * sxs + head * sxh
+    x = _load_rotated(X + x_rows[:, None], offs_d, in_rows, positions, COS, SIN, scs, half, HEAD_DIM, True,
+                      INTERLEAVED)
+    out_rows = batch.to(tl.int64) * sob + rows.to(tl.int64) * sos + head * soh
+    tl.store(ROTATED + out_rows[:, None] + offs_d[None, :], x, mask=in_rows[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
 class Rotate:
     """Queries rotated (a new contiguous tensor), one launch, prepared for one kind of call:
-    ``rotate(x, cos, sin, seqlens)`` rotates x (batch, seqlen, heads, head_dim), unit stride along
-    head_dim, at positions seqlens + [0, seqlen) (``advance``) or seqlens, clamped to [0,
+    ``rotate(x, cos, sin, seqlens, cu)`` rotates x (batch, seqlen, heads, head_dim), unit stride
+    along head_dim, at positions seqlens + [0, seqlen) (``advance``) or seqlens, clamped to [0,
     ``limit``): what rotary.apply gives at kvcache._positions' positions.  ``seqlens``: an int or
-    a (batch,) int32 table on the device.
+    a (batch,) int32 table on the device.  With ``packed`` (the batch), x is packed (total,
+    heads, head_dim), sequence b's rows cu[b] .. cu[b + 1], its own rows counted from 0.
 
     The kind: the shapes, strides and dtypes of x and the tables ``cos``; ``has_ends`` (seqlens a
-    tensor), ``advance``, ``limit``, ``interleaved``."""
+    tensor), ``advance``, ``limit``, ``interleaved``, ``packed``."""
 
-    def __init__(self, x, cos, has_ends, advance, limit, interleaved):
-        batch, seqlen, heads, head_dim = x.shape
-        self.shape, self.dtype = tuple(x.shape), x.dtype
+    def __init__(self, x, cos, has_ends, advance, limit, interleaved, packed=None):
+        heads, head_dim = x.shape[-2:]
+        self.shape, self.dtype, self.advance = tuple(x.shape), x.dtype, advance
         self._launch = None
         if x.numel() == 0:
             return
+        if packed is None:
+            batch, seqlen = x.shape[:2]
+            strides = (*x.stride()[:3], *contiguous_strides(self.shape)[:3])
+        else:
+            batch, seqlen = 1, x.shape[0]
+            strides = (0, *x.stride()[:2], 0, *contiguous_strides(self.shape)[:2])
         rows = max(16, min(64, next_power_of_2(seqlen)))
         self._launch = Prepared(
             _rotate_kernel, (cdiv(seqlen, rows), batch, heads),
-            (*x.stride()[:3], *contiguous_strides(self.shape)[:3], cos.stride(0), seqlen, limit, cos.shape[1]),
+            (*strides, cos.stride(0), seqlen, limit, cos.shape[1], packed or 1),
             dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, HAS_ENDS=has_ends,
-                 ADVANCE=advance, INTERLEAVED=bool(interleaved), num_warps=4))
+                 ADVANCE=advance, INTERLEAVED=bool(interleaved), PACKED=packed is not None,
+                 SEARCH_STEPS=search_steps(packed or 1), num_warps=4))
 
-    def __call__(self, x, cos, sin, seqlens):
+    def __call__(self, x, cos, sin, seqlens, cu=None):
         out = torch.empty(self.shape, dtype=self.dtype, device=x.device)
         if self._launch is not None:
             tables = isinstance(seqlens, torch.Tensor)
-            self._launch(x, out, seqlens if tables else x, cos, sin, 0 if tables else seqlens)
+            self._launch(x, out, seqlens if tables else x, cos, sin, x if cu is None else cu,
+                         0 if tables else seqlens)
         return out
 
 
