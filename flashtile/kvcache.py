@@ -410,9 +410,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     if version == "tiled":  # PyTorch operations
         out, lse = _tiled_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, leftpad, batch_idx,
-                               block_table, batch, capacity, scale, window, softcap, alibi_slopes, opts, rotary_interleaved,
-                               queries_advance, rotary_limit, rotary_starts, cu_seqlens_q if packed else None,
-                               seqlen_q, cu_seqlens_k_new)
+                               block_table, batch, capacity, scale, window, softcap, alibi_slopes, opts,
+                               rotary_interleaved, queries_advance, rotary_limit, rotary_starts,
+                               cu_seqlens_q if packed else None, seqlen_q, cu_seqlens_k_new)
         return (out, lse) if return_softmax_lse else out
 
     # Kernels: the queries rotated in one launch, the new keys rotated and appended in another,

@@ -5,8 +5,10 @@ block multiples (masked tails), a block-multiple length (v3's unmasked TMA path)
 seqlen_q != seqlen_k, a sliding window, GQA, varlen (with offsets given as a strided view),
 softcap, ALiBi, sinks, head dims that need padding, and V with a head dim of its own; with v3,
 float8 inputs (FlashAttention-3's interface, and fp8_attn_func per block with both backwards:
-the FP8 one on the float8 Gluon passes, or with ``backward=v2`` on v2's kernels).
-Prints one line per case; memcheck
+the FP8 one on the float8 Gluon passes, or with ``backward=v2`` on v2's kernels); with
+"kvcache", flash_attn_with_kvcache's kernels (append, rotation, split, combine) over contiguous
+and paged caches, batched and packed, on valid tables and on tables out of every range (which
+the kernels clamp).  Prints one line per case; memcheck
 reports any out-of-bounds or misaligned access.
 
     compute-sanitizer --tool memcheck python scripts/sanitize_cases.py --kernel-options "backward=gluon"
@@ -15,7 +17,7 @@ import argparse
 
 import torch
 
-from flashtile import flash_attn_func, flash_attn_varlen_func, fp8
+from flashtile import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, fp8
 from flashtile import flash_attn_interface as fa3
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal, window, softcap)
@@ -112,14 +114,41 @@ def run_varlen(version, device, kernel_options):
         torch.cuda.synchronize()
 
 
+def run_kvcache(device, paged, wrong):
+    """One decoding call and one packed chunked-prefill call (new keys with rotary from
+    rotary_seqlens, queries and keys packed by offsets) over a cache of 100 keys a sequence;
+    ``wrong``: every table and offset out of range."""
+    int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    batch, heads_k, d = 3, 2, 64
+    shape = (batch * 7 + 2, 16, heads_k, d) if paged else (batch + 1, 100, heads_k, d)
+    k_cache, v_cache = (torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(2))
+    tables = dict(block_table=int32([[j * batch + b for j in range(7)] for b in range(batch)]) if not wrong else
+                  int32([[10**6, -3] + [b] * 5 for b in range(batch)])) if paged else \
+        dict(cache_batch_idx=int32([2, 10**6, -1] if wrong else [2, 0, 1]))
+    cos = torch.rand(120, d // 4, device=device, dtype=torch.bfloat16)
+    lengths = int32([10**6, -9, 99] if wrong else [10, 97, 50])
+    q = torch.randn(batch, 1, 8, d, device=device, dtype=torch.bfloat16)
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=4, cache_leftpad=lengths // 2,
+                            **tables)
+    k, v = (torch.randn(9, heads_k, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+    flash_attn_with_kvcache(torch.randn(7, 8, d, device=device, dtype=torch.bfloat16), k_cache, v_cache, k, v,
+                            rotary_cos=cos, rotary_sin=cos, cache_seqlens=lengths, causal=True, num_splits=2,
+                            cu_seqlens_q=int32([0, -4, 10**6, 3] if wrong else [0, 3, 3, 7]), max_seqlen_q=4,
+                            cu_seqlens_k_new=int32([0, 12, -5, 10**6] if wrong else [0, 2, 2, 9]),
+                            rotary_seqlens=int32([10**6, -2, 5] if wrong else [0, 100, 7]), **tables)
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--versions", default="v1,v2,v3,fp8", help="fp8: the FP8 forwards (the version the device runs best)")
+    ap.add_argument("--versions", default="v1,v2,v3,fp8,kvcache",
+                    help="fp8: the FP8 forwards (the version the device runs best); kvcache: the decoding kernels")
     ap.add_argument("--device", default="cuda", help="cpu runs the kernels under TRITON_INTERPRET=1")
     ap.add_argument("--kernel-options", default="", help="developer switches (options.KernelOptions text)")
     args = ap.parse_args()
     versions = args.versions.split(",")
-    for version in (v for v in versions if v != "fp8"):
+    for version in (v for v in versions if v not in ("fp8", "kvcache")):
         for case in CASES:
             run(version, case, args.device, args.kernel_options)
             print(f"{version} {case} ok", flush=True)
@@ -136,6 +165,12 @@ def main():
         for case in FP8_CASES:
             run_fp8(case, args.device, args.kernel_options)
             print(f"fp8 {case} ok", flush=True)
+    if "kvcache" in versions:
+        for paged in (False, True):
+            for wrong in (False, True):
+                run_kvcache(args.device, paged, wrong)
+                print(f"kvcache {'paged' if paged else 'contiguous'}{', tables out of range' if wrong else ''} ok",
+                      flush=True)
 
 
 if __name__ == "__main__":
