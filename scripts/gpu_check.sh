@@ -80,8 +80,8 @@ for stage in $stages; do
       # No caching allocator: an out-of-bounds access must leave the allocation to be seen.
       (rc=0
        # v3's kernels each: the Gluon and the plain-Triton forward; the Gluon backwards (two
-       # passes, one with TMA reduce-add; the float8 passes) and v2's, FP8 mode too
-       for run in "backward=gluon v1,v2,v3,fp8" "backward=gluon-reduce v3" "backward=v2 fp8" \
+       # passes, one with TMA reduce-add; the float8 passes) and v2's, FP8 mode too; the decoding kernels
+       for run in "backward=gluon v1,v2,v3,fp8,kvcache" "backward=gluon-reduce v3" "backward=v2 fp8" \
                   "forward=triton;backward=v2 v3"; do
          set -- $run
          echo "kernel options: $1"
