@@ -60,13 +60,18 @@ def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache
     def listed(x):
         return x if isinstance(x, int) else x.tolist()
 
-    # What the host holds: ints and tables in host memory (None: a table on the device).
-    starts, new, span, base = (None if isinstance(x, torch.Tensor) and x.is_cuda else x
+    # What the host holds: ints and tables in host memory, tables widened to int64 so that no sum
+    # wraps (None: a table on the device).
+    starts, new, span, base = (None if isinstance(x, torch.Tensor) and x.is_cuda else
+                               x.long() if isinstance(x, torch.Tensor) else x
                                for x in (seqlens, seqlen_new, rotary_span,
                                          seqlens if rotary_starts is None else rotary_starts))
     ends = None if starts is None or new is None else starts + new
-    if starts is not None and (_any(starts < 0) or _any((starts if ends is None else ends) > capacity)):
+    if starts is not None and (_any(starts < 0) or _any(starts > capacity) or ends is not None
+                               and _any(ends > capacity)):
         raise out_of_capacity(listed(starts))
+    if rotary_starts is not None and base is not None and _any(base < 0):
+        raise ValueError(f"rotary_seqlens must be >= 0, got {base.tolist()}")
     if rotary_rows is not None and base is not None and span is not None:
         reach = span  # (past the base: the queries', and from rotary_starts the new keys' too)
         if rotary_starts is not None:
@@ -472,6 +477,11 @@ def _tiled_call(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx
     """(out, lse) of the PyTorch path: rotary on q and the new keys, the new keys appended, then
     _tiled_forward.  Packed offsets are read on the host here (checked as they are read)."""
     device = q.device
+    # (the offsets read and checked before anything is written)
+    if cu_new is not None:
+        _host_counts("cu_seqlens_k_new", cu_new.cpu(), k.shape[0])
+    if cu_seqlens_q is not None:
+        _host_counts("cu_seqlens_q", cu_seqlens_q.cpu(), q.shape[0], seqlen_q)
     starts = torch.full((batch,), seqlens, device=device) if isinstance(seqlens, int) else seqlens.long()
     base = starts if rotary_starts is None else rotary_starts.long()
     ends = starts
@@ -483,7 +493,6 @@ def _tiled_call(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx
                 _positions(rotary_starts, seqlen_new, batch, device, cos.shape[0])
             sequences, ends = None, starts + seqlen_new
         else:  # one row of packed keys: (1, total) positions, each with its sequence
-            _host_counts("cu_seqlens_k_new", cu_new.cpu(), k.shape[0])
             total = int(cu_new[-1])
             k, v = k[None, :total], v[None, :total]
             sequences, steps = _packed_positions(cu_new.long(), total)
@@ -500,7 +509,6 @@ def _tiled_call(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx
             q_positions = _positions(base, seqlen_q if advance else 1, batch, device, rotary_limit)
             q = rotary.apply(q, cos, sin, q_positions.expand(batch, seqlen_q), interleaved)
         else:  # packed queries: each sequence's from 0
-            _host_counts("cu_seqlens_q", cu_seqlens_q.cpu(), q.shape[0], seqlen_q)
             total = int(cu_seqlens_q[-1])
             sequences, steps = _packed_positions(cu_seqlens_q.long(), total)
             q_positions = (base[sequences] + steps * advance).clamp_(0, rotary_limit - 1)

@@ -459,6 +459,35 @@ def test_packed_new_keys_refusals(version):
                                          r"rotary_seqlens \+ i .* up to 40"):
         call(k_new, k_new, cache_seqlens=as_int32([3, 3]), cu_seqlens_k_new=as_int32([0, 2, 5]), rotary_cos=cos,
              rotary_sin=cos, rotary_seqlens=as_int32([0, 38]))
+    # Sums that would wrap in int32 are refused, not wrapped into range.
+    for lengths in (2**32, as_int32([2**31 - 1, 4])):
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            call(k_new, k_new, cache_seqlens=lengths, cu_seqlens_k_new=as_int32([0, 2, 5]))
+    for starts, message in (([2**31 - 1, 0], "rotary_cos/rotary_sin have 40 rows"),
+                            ([-9, 0], "rotary_seqlens must be >= 0")):
+        with pytest.raises(ValueError, match=message):
+            call(k_new, k_new, cache_seqlens=as_int32([3, 3]), cu_seqlens_k_new=as_int32([0, 2, 5]), rotary_cos=cos,
+                 rotary_sin=cos, rotary_seqlens=as_int32(starts))
+
+
+def test_pytorch_path_checks_offsets_before_writing(monkeypatch):
+    # Offsets on a GPU are not read by the call's checks (their first read stands for that here),
+    # but the PyTorch path reads them: it refuses wrong ones before it writes the cache.
+    reads = []
+    checked = kvcache._host_counts
+    monkeypatch.setattr(kvcache, "_host_counts",
+                        lambda name, *args: reads.append(name) if name not in reads else checked(name, *args))
+    case = Case(batch=2, heads=4, heads_k=2, capacity=40)
+    as_int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    k_new = torch.randn(5, 2, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    cos = torch.ones(40, HEAD_DIM // 4, dtype=DTYPE, device=DEVICE)
+    cache = case.k_dense.clone()
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0 and be non-decreasing"):
+        flash_attn_with_kvcache(torch.randn(4, 4, HEAD_DIM, dtype=DTYPE, device=DEVICE), case.k_dense, case.v_dense,
+                                k_new, k_new, rotary_cos=cos, rotary_sin=cos, cache_seqlens=as_int32([3, 3]),
+                                cu_seqlens_k_new=as_int32([0, 2, 5]), cu_seqlens_q=as_int32([0, 3, 2]), max_seqlen_q=3,
+                                version="tiled")
+    assert torch.equal(case.k_dense, cache)
 
 
 def test_rotary_tables_of_different_strides():
