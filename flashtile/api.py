@@ -172,12 +172,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     kernels clamp them to the tensors and such rows are left as they are.  ``block_table``
     (batch, max_blocks) int32, flash_attn's paged K/V: k and v are (num_blocks, page_size,
     nheads_k, headdim) pages, sequence b's keys the first cu_seqlens_k[b + 1] - cu_seqlens_k[b]
-    rows of its pages in order, gathered into a packed copy before the call (gradients flow back
-    to the pages; flash_attn_with_kvcache reads pages in place).
+    rows of its pages in order; read in place by flash_attn_with_kvcache's kernels where no
+    gradient, dropout or sinks are asked for, else gathered into a packed copy before the call
+    (gradients flow back to the pages).
     """
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k are required for flash_attn_varlen_func")
     if block_table is not None:
+        # Inference (no gradient, dropout or sinks): the pages read in place by the split-KV kernels.
+        if (type(dropout_p) in (int, float) and dropout_p == 0 and sinks is None and getattr(v, "shape", (0,))[-1:]
+                == getattr(q, "shape", (1,))[-1:] and not kvcache.takes_gradients(q, k, v, alibi_slopes)):
+            attended = kvcache.paged_varlen_attention(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                      max_seqlen_k, softmax_scale, causal, window_size, softcap,
+                                                      alibi_slopes, version, kernel_options)
+            if attended is not None:
+                return (*attended, attended[0].new_empty(0)) if return_attn_probs else attended[0]
         k, v = kvcache.paged_varlen_keys(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                       causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, sinks, version,

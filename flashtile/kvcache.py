@@ -98,7 +98,7 @@ def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache
                              f"sequence's keys reach)")
 
 
-def _takes_gradients(*tensors):
+def takes_gradients(*tensors):
     """Whether grad mode is on and any of ``tensors`` requires gradients: a cache call is forward
     only (the PyTorch path would chain the cache into the graph, the kernels drop gradients)."""
     return torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in tensors)
@@ -190,13 +190,11 @@ def split_plan(q, k_cache, block_table=None, num_splits=0, kernel_options=None, 
                                 block_table is not None, options.resolve(kernel_options), shape=shape)
 
 
-def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """flash_attn_varlen_func's paged keys and values: k_cache, v_cache (num_blocks, page_size,
-    nheads_k, headdim), block_table (batch, max_blocks) int32, sequence b's keys the first
-    cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages in the table's order.  Gathered into
-    the packed (total_k, nheads_k, headdim) k and v the varlen call takes: a copy, whose
-    gradients flow back to the pages.  Entries are clamped to the cache as the decode kernel
-    clamps them (checked on the host where the table is in host memory)."""
+def _paged_varlen_arguments(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """flash_attn_varlen_func's paged arguments checked, as (cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k, block_table, spare): the offsets' values read on the host once
+    (validation.check_offset_values; not under CUDA-graph capture, where the kernels clamp
+    them), ``spare`` whether q has rows after the last sequence's."""
     _same_kind("k", k_cache, q)  # (named as flash_attn_varlen_func names them)
     validation.check_tensor("v", v_cache)
     if v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3] or v_cache.dtype != q.dtype \
@@ -204,9 +202,6 @@ def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens
         raise ValueError(f"with block_table, v must be (num_blocks, page_size, nheads_k, headdim_v) pages as "
                          f"k's {tuple(k_cache.shape[:3])}, of q's dtype and device, got "
                          f"{tuple(v_cache.shape)} {v_cache.dtype} on {v_cache.device}")
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise NotImplementedError("block_table in flash_attn_varlen_func gathers the pages on the host's count of "
-                                  "keys: not under CUDA-graph capture (flash_attn_with_kvcache reads pages in place)")
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = validation.varlen_arguments(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
     block_table = _block_table(block_table, cu_seqlens_k.numel() - 1, q.device)
@@ -215,17 +210,54 @@ def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens
     # (the keys' count is what the offsets say: any end is taken here, the longest checked below)
     validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], 2**31 - 1,
                                    spare_rows=True)
-    total, longest = validation.read_offsets(cu_seqlens_k)
-    if longest > capacity:
+    read_q, read = (validation.read_offsets(cu) for cu in (cu_seqlens_q, cu_seqlens_k))  # (None: not read)
+    spare = read_q is not None and read_q[0] < q.shape[0]
+    if read is not None and read[1] > capacity:
         raise ValueError(f"block_table holds {capacity} keys a sequence ({block_table.shape[1]} pages of "
-                         f"{page_size}), fewer than the longest sequence's {longest}")
+                         f"{page_size}), fewer than the longest sequence's {read[1]}")
     # (each sequence's key count from offsets in host memory: a table there is checked where read)
     _check_values(cu_seqlens_k.diff() if not cu_seqlens_k.is_cuda else 0, 0, capacity, None, None, 0, block_table,
                   pages, page_size)
+    return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, spare
+
+
+def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """flash_attn_varlen_func's paged keys and values: k_cache, v_cache (num_blocks, page_size,
+    nheads_k, headdim), block_table (batch, max_blocks) int32, sequence b's keys the first
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages in the table's order.  Gathered into
+    the packed (total_k, nheads_k, headdim) k and v the varlen call takes: a copy, whose
+    gradients flow back to the pages (paged_varlen_attention reads the pages in place where
+    no gradient is taken).  Entries are clamped to the cache as the decode kernel clamps them
+    (checked on the host where the table is in host memory)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise NotImplementedError("block_table in flash_attn_varlen_func gathers the pages on the host's count of "
+                                  "keys where gradients are taken: not under CUDA-graph capture (without them, and "
+                                  "in flash_attn_with_kvcache, pages are read in place)")
+    _, cu_seqlens_k, _, _, block_table, _ = _paged_varlen_arguments(q, k_cache, v_cache, block_table, cu_seqlens_q,
+                                                                    cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     # (the keys' count from the offsets already read: nothing waits on the device here)
+    total = validation.read_offsets(cu_seqlens_k)[0]
     sequence, position = _packed_positions(cu_seqlens_k.long(), total)
     page, row = _cache_slots(k_cache, position, None, block_table, sequence)
     return k_cache[page, row], v_cache[page, row]
+
+
+def paged_varlen_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, causal, window_size, softcap, alibi_slopes, version, kernel_options):
+    """(out, lse) of flash_attn_varlen_func over pages (paged_varlen_keys' layout) read in place
+    by the split-KV kernels, as flash_attn_with_kvcache reads them with packed queries: no copy
+    of the keys, no read on the host under CUDA-graph capture.  For calls without gradients,
+    dropout or sinks, V of q's head dim; None where offsets leave rows after the last sequence
+    (the gathering path gives those rows 0)."""
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _, block_table, spare = _paged_varlen_arguments(
+        q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if spare:
+        return None
+    return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cu_seqlens_k.diff(), block_table=block_table,
+                                   softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                   softcap=softcap, alibi_slopes=alibi_slopes, return_softmax_lse=True,
+                                   cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, version=version,
+                                   kernel_options=kernel_options)
 
 
 def _tiled_forward(q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity, scale, window, softcap,
@@ -328,7 +360,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"{name} must have unit stride along headdim (it is written in place)")
     given = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                  alibi_slopes=alibi_slopes)
-    if _takes_gradients(*given.values()):
+    if takes_gradients(*given.values()):
         names = ", ".join(name for name, x in given.items() if getattr(x, "requires_grad", False))
         raise NotImplementedError(f"flash_attn_with_kvcache is forward only (as flash_attn's): call it under "
                                   f"torch.no_grad() or with tensors that do not require grad (requiring grad: "
@@ -529,7 +561,7 @@ def _kind(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
     than kept_calls.kind's; the options).  None for any other call, or where a tensor takes
     gradients: the full path refuses those every time.  ``cache_seqlens`` counts as an int, whatever its value
     (checked at each call)."""
-    if type(q) is not torch.Tensor or _takes_gradients(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+    if type(q) is not torch.Tensor or takes_gradients(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                                        alibi_slopes):
         return None
     if not (type(causal) is bool and type(softcap) is float and type(num_splits) is int and type(version) is str

@@ -6,11 +6,11 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_check import assert_within_rule, make_qkv, run_and_grad
+from attention_check import assert_within_rule, make_qkv, max_err, run_and_grad
 from conftest import DEVICE
 
 import flashtile
-from flashtile import flash_attn_func, flash_attn_varlen_func, standard_attention
+from flashtile import flash_attn_func, flash_attn_varlen_func, kvcache, standard_attention
 from flashtile import flash_attn_interface as fa3
 from flashtile.bert_padding import (index_first_axis_residual, pad_input, unpad_input,
                                     unpad_input_for_concatenated_sequences)
@@ -370,16 +370,55 @@ def test_varlen_with_paged_keys():
         with pytest.raises(ValueError, match="must index the cache's 12 pages"):
             flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 9, 13, block_table=table + pages)
     # Columns past a sequence's keys (the second's 7 keys use two pages of four) may hold -1.
+    # (gathered where gradients are taken: the same bits; read in place without: to rounding)
     padded = table.clone()
     padded[1, 2:] = -1
-    assert torch.equal(flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 9, 13, causal=True,
+    assert torch.equal(flash_attn_varlen_func(q.requires_grad_(), k_pages, v_pages, cu_q, cu_k, 9, 13, causal=True,
                                               block_table=padded), ref)
+    torch.testing.assert_close(flash_attn_varlen_func(q.detach(), k_pages, v_pages, cu_q, cu_k, 9, 13, causal=True,
+                                                      block_table=padded), ref, atol=2e-3, rtol=0)
     if not table.is_cuda:
         padded[1, 1] = -1
         with pytest.raises(ValueError, match="must index the cache's 12 pages"):
             flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 9, 13, block_table=padded)
     with pytest.raises(ValueError, match="with block_table, v must be"):
         flash_attn_varlen_func(q, k_pages, v_pages[:6], cu_q, cu_k, 9, 13, block_table=table)
+
+
+def test_varlen_with_paged_keys_reads_pages_in_place_without_gradients(monkeypatch):
+    # Inference (no gradient, dropout or sinks): the split-KV kernels read the pages in place (no
+    # gathered copy), against the oracle of each sequence, lse (nheads, total_q) too, with ALiBi
+    # and a window; a sequence without keys gives 0 and +inf.  Rows after the last query (a
+    # padded buffer) take the gathering path, which gives them 0.
+    torch.manual_seed(3)
+    gathered = []
+    gather = kvcache.paged_varlen_keys
+    monkeypatch.setattr(kvcache, "paged_varlen_keys", lambda *args: gathered.append(1) or gather(*args))
+    page, pages, lengths_q, lengths_k = 16, 9, [3, 1, 6], [40, 0, 21]
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=DEVICE)
+                  for n in (lengths_q, lengths_k))
+    q = torch.randn(10, 4, 32, dtype=DTYPE, device=DEVICE)
+    k_pages, v_pages = (torch.randn(pages, page, 2, 32, dtype=DTYPE, device=DEVICE) for _ in range(2))
+    table = torch.randperm(pages, device=DEVICE)[:9].view(3, 3).int()
+    slopes = torch.rand(4, device=DEVICE) * 0.3
+    mask = dict(causal=True, window_size=(25, -1), alibi_slopes=slopes)
+    out, lse, _ = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 6, 40, block_table=table,
+                                         return_attn_probs=True, **mask)
+    assert not gathered and lse.shape == (4, 10)
+    for b, (m, n) in enumerate(zip(lengths_q, lengths_k)):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        if not n:
+            assert (out[rows] == 0).all() and (lse[:, rows] == float("inf")).all()
+            continue
+        keys = [x[table[b].long()].flatten(0, 1)[None, :n] for x in (k_pages, v_pages)]
+        oracle, oracle_lse = standard_attention(q[None, rows], *keys, upcast=True, return_lse=True, **mask)
+        assert_within_rule(f"sequence {b}", out[None, rows], standard_attention(q[None, rows], *keys, **mask), oracle,
+                           (2.0, 1e-5))
+        assert max_err(lse[:, rows], oracle_lse[0]) <= 1e-3
+    spare = torch.cat([q, torch.randn(2, 4, 32, dtype=DTYPE, device=DEVICE)])
+    padded = flash_attn_varlen_func(spare, k_pages, v_pages, cu_q, cu_k, 6, 40, block_table=table, **mask)
+    assert gathered and (padded[10:] == 0).all()
+    torch.testing.assert_close(padded[:10], out, atol=2e-3, rtol=0)
 
 
 def test_bert_padding_round_trip_through_the_varlen_call():
