@@ -381,6 +381,21 @@ DECODE_SHORT_SPLIT_KEYS = 1024
 DECODE_SHORT_PAGED_SPLIT_KEYS = 256
 
 
+# Query rows a KV head (a sequence's queries x the query heads sharing the KV head) up to which a
+# paged varlen call without gradients reads its pages in place with the split-KV kernels: one
+# row block (decode_plan's largest), so each key is read once a KV head.  Past it, the row
+# blocks would read the keys again on tiles without Hopper's warpgroup MMA, where the varlen
+# kernels on a gathered copy of the keys (read and written once more) take their place.
+PAGED_VARLEN_IN_PLACE_ROWS = 64
+
+
+def paged_varlen_in_place(max_seqlen_q: int, heads: int, heads_k: int, capturing: bool) -> bool:
+    """Whether a paged flash_attn_varlen_func call without gradients reads its pages in place
+    (kvcache.paged_varlen_attention): up to PAGED_VARLEN_IN_PLACE_ROWS rows a KV head, or under
+    CUDA-graph capture (where the gathered copy, sized by offsets read on the host, cannot be)."""
+    return capturing or max_seqlen_q * (heads // max(heads_k, 1)) <= PAGED_VARLEN_IN_PLACE_ROWS
+
+
 def decode_plan(q, heads_k: int, capacity: int, num_splits: int, paged: bool = False,
                 opts=_options.ENVIRONMENT, shape=None) -> DecodePlan:
     """Tiles and split count for q (batch, seqlen_q, heads, head_dim) over a cache of ``capacity``

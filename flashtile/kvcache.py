@@ -247,11 +247,13 @@ def paged_varlen_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_se
     """(out, lse) of flash_attn_varlen_func over pages (paged_varlen_keys' layout) read in place
     by the split-KV kernels, as flash_attn_with_kvcache reads them with packed queries: no copy
     of the keys, no read on the host under CUDA-graph capture.  For calls without gradients,
-    dropout or sinks, V of q's head dim; None where offsets leave rows after the last sequence
-    (the gathering path gives those rows 0)."""
+    dropout or sinks, V of q's head dim; None where the dispatcher leaves the call to the varlen
+    kernels (dispatch.paged_varlen_in_place: many queries a sequence) or offsets leave rows after
+    the last sequence (the gathering path gives those rows 0)."""
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _, block_table, spare = _paged_varlen_arguments(
         q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if spare:
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if spare or not dispatch.paged_varlen_in_place(max_seqlen_q, q.shape[1], k_cache.shape[2], capturing):
         return None
     return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cu_seqlens_k.diff(), block_table=block_table,
                                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,

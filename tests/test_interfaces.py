@@ -389,7 +389,7 @@ def test_varlen_with_paged_keys_reads_pages_in_place_without_gradients(monkeypat
     # Inference (no gradient, dropout or sinks): the split-KV kernels read the pages in place (no
     # gathered copy), against the oracle of each sequence, lse (nheads, total_q) too, with ALiBi
     # and a window; a sequence without keys gives 0 and +inf.  Rows after the last query (a
-    # padded buffer) take the gathering path, which gives them 0.
+    # padded buffer) take the gathering path, which gives them 0.  (dispatch.paged_varlen_in_place)
     torch.manual_seed(3)
     gathered = []
     gather = kvcache.paged_varlen_keys
@@ -419,6 +419,12 @@ def test_varlen_with_paged_keys_reads_pages_in_place_without_gradients(monkeypat
     padded = flash_attn_varlen_func(spare, k_pages, v_pages, cu_q, cu_k, 6, 40, block_table=table, **mask)
     assert gathered and (padded[10:] == 0).all()
     torch.testing.assert_close(padded[:10], out, atol=2e-3, rtol=0)
+    # Many queries a sequence (a max_seqlen_q of 40 makes 80 rows a KV head, past one row block):
+    # the varlen kernels on the gathered keys.
+    gathered.clear()
+    torch.testing.assert_close(flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 40, 40, block_table=table,
+                                                      **mask), out, atol=2e-3, rtol=0)
+    assert gathered
 
 
 def test_bert_padding_round_trip_through_the_varlen_call():
