@@ -192,9 +192,9 @@ def split_plan(q, k_cache, block_table=None, num_splits=0, kernel_options=None, 
 
 def _paged_varlen_arguments(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """flash_attn_varlen_func's paged arguments checked, as (cu_seqlens_q, cu_seqlens_k,
-    max_seqlen_q, max_seqlen_k, block_table, spare): the offsets' values read on the host once
+    max_seqlen_q, max_seqlen_k, block_table): the offsets' values read on the host once
     (validation.check_offset_values; not under CUDA-graph capture, where the kernels clamp
-    them), ``spare`` whether q has rows after the last sequence's."""
+    them)."""
     _same_kind("k", k_cache, q)  # (named as flash_attn_varlen_func names them)
     validation.check_tensor("v", v_cache)
     if v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3] or v_cache.dtype != q.dtype \
@@ -210,15 +210,14 @@ def _paged_varlen_arguments(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_s
     # (the keys' count is what the offsets say: any end is taken here, the longest checked below)
     validation.check_offset_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], 2**31 - 1,
                                    spare_rows=True)
-    read_q, read = (validation.read_offsets(cu) for cu in (cu_seqlens_q, cu_seqlens_k))  # (None: not read)
-    spare = read_q is not None and read_q[0] < q.shape[0]
+    read = validation.read_offsets(cu_seqlens_k)  # (None under capture: not read)
     if read is not None and read[1] > capacity:
         raise ValueError(f"block_table holds {capacity} keys a sequence ({block_table.shape[1]} pages of "
                          f"{page_size}), fewer than the longest sequence's {read[1]}")
     # (each sequence's key count from offsets in host memory: a table there is checked where read)
     _check_values(cu_seqlens_k.diff() if not cu_seqlens_k.is_cuda else 0, 0, capacity, None, None, 0, block_table,
                   pages, page_size)
-    return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, spare
+    return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table
 
 
 def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
@@ -233,7 +232,7 @@ def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens
         raise NotImplementedError("block_table in flash_attn_varlen_func gathers the pages on the host's count of "
                                   "keys where gradients are taken: not under CUDA-graph capture (without them, and "
                                   "in flash_attn_with_kvcache, pages are read in place)")
-    _, cu_seqlens_k, _, _, block_table, _ = _paged_varlen_arguments(q, k_cache, v_cache, block_table, cu_seqlens_q,
+    _, cu_seqlens_k, _, _, block_table = _paged_varlen_arguments(q, k_cache, v_cache, block_table, cu_seqlens_q,
                                                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     # (the keys' count from the offsets already read: nothing waits on the device here)
     total = validation.read_offsets(cu_seqlens_k)[0]
@@ -247,13 +246,13 @@ def paged_varlen_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_se
     """(out, lse) of flash_attn_varlen_func over pages (paged_varlen_keys' layout) read in place
     by the split-KV kernels, as flash_attn_with_kvcache reads them with packed queries: no copy
     of the keys, no read on the host under CUDA-graph capture.  For calls without gradients,
-    dropout or sinks, V of q's head dim; None where the dispatcher leaves the call to the varlen
-    kernels (dispatch.paged_varlen_in_place: many queries a sequence) or offsets leave rows after
-    the last sequence (the gathering path gives those rows 0)."""
-    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _, block_table, spare = _paged_varlen_arguments(
+    dropout or sinks, V of q's head dim (rows after the last sequence's queries 0, as the varlen
+    call gives them); None where the dispatcher leaves the call to the varlen kernels
+    (dispatch.paged_varlen_in_place: many queries a sequence)."""
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _, block_table = _paged_varlen_arguments(
         q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    if spare or not dispatch.paged_varlen_in_place(max_seqlen_q, q.shape[1], k_cache.shape[2], capturing):
+    if not dispatch.paged_varlen_in_place(max_seqlen_q, q.shape[1], k_cache.shape[2], capturing):
         return None
     return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cu_seqlens_k.diff(), block_table=block_table,
                                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -484,14 +483,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
 
 def _host_counts(name, cu, total, longest=None):
-    """Each sequence's count by offsets ``cu`` (named ``name``) of ``total`` packed rows
-    (``longest`` the longest allowed, else any, and rows past the last sequence allowed), the
-    offsets' values checked, where the host holds them; None for offsets on a GPU (not read: the
-    kernels clamp them to the rows)."""
+    """Each sequence's count by offsets ``cu`` (named ``name``) of ``total`` packed rows, rows
+    past the last sequence allowed (``longest`` the longest allowed, else any), the offsets'
+    values checked, where the host holds them; None for offsets on a GPU (not read: the kernels
+    clamp them to the rows)."""
     if cu.is_cuda:
         return None
     limit = total if longest is None else longest
-    validation.check_offset_values(cu, cu, limit, limit, total, total, spare_rows=longest is None, names=(name, name))
+    validation.check_offset_values(cu, cu, limit, limit, total, total, spare_rows=True, names=(name, name))
     return cu.diff()
 
 
@@ -547,8 +546,12 @@ def _tiled_call(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx
             sequences, steps = _packed_positions(cu_seqlens_q.long(), total)
             q_positions = (base[sequences] + steps * advance).clamp_(0, rotary_limit - 1)
             q = torch.cat([rotary.apply(q[None, :total], cos, sin, q_positions[None], interleaved)[0], q[total:]])
-    return _tiled_forward(q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity, scale, window,
-                          softcap, alibi_slopes, opts, None if cu_seqlens_q is None else (cu_seqlens_q, seqlen_q))
+    out, lse = _tiled_forward(q, k_cache, v_cache, ends, leftpad, batch_idx, block_table, capacity, scale, window,
+                              softcap, alibi_slopes, opts, None if cu_seqlens_q is None else (cu_seqlens_q, seqlen_q))
+    if cu_seqlens_q is not None:  # rows after the last sequence's queries: 0 and +inf, as the kernels give them
+        last = int(cu_seqlens_q[-1])
+        out[last:], lse[:, last:] = 0, float("inf")
+    return out, lse
 
 
 # Decoding steps checked and planned once per kind of call (``_kind``): _Step.

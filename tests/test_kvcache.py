@@ -367,6 +367,34 @@ def test_packed_queries_of_varying_counts(version, page_size, monkeypatch):
         flash_attn_with_kvcache(q, *caches, block_table=case.block_table, cu_seqlens_q=cu)
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_packed_queries_rows_after_the_last_sequence(num_splits, version, monkeypatch):
+    # A padded buffer of packed queries (rows after cu_seqlens_q[-1], as CUDA-graph batches pad
+    # them): those rows come out 0 with logsumexp +inf, as the varlen call gives them, the others
+    # as without them; every new tensor poisoned with NaN, so no row is left as allocated.  A
+    # max_seqlen_q of 0: every row spare.
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() and x.device.type != "meta" else x
+    case = Case(batch=3, heads=4, heads_k=2, capacity=90)
+    cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(11, 4, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    call = functools.partial(flash_attn_with_kvcache, k_cache=case.k_dense, v_cache=case.v_dense,
+                             cache_seqlens=case.lengths.int().to(DEVICE), causal=True, num_splits=num_splits,
+                             return_softmax_lse=True, version=version)
+    expected = call(q[:8], cu_seqlens_q=cu, max_seqlen_q=5)
+    monkeypatch.setattr(torch, "empty", poisoned)
+    out, lse = call(q, cu_seqlens_q=cu, max_seqlen_q=5)
+    torch.testing.assert_close(out[:8], expected[0], atol=0, rtol=0)
+    torch.testing.assert_close(lse[:, :8], expected[1], atol=0, rtol=0)
+    assert (out[8:] == 0).all() and (lse[:, 8:] == float("inf")).all()
+    out, lse = call(q, cu_seqlens_q=torch.zeros(4, dtype=torch.int32, device=DEVICE), max_seqlen_q=0)
+    assert (out == 0).all() and (lse == float("inf")).all()
+
+
 def cache_slot(case, cache, b, position):
     """Position ``position`` of sequence b in ``cache``, one of case's dense rows or pages."""
     if case.page_size:

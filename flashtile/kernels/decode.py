@@ -92,6 +92,26 @@ def _attend(acc, m_i, l_i, q, lo, hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs
 
 
 @triton.jit
+def _clear_spare_rows(O, LSE, CU_Q, batch_count, total_q, head0, heads_here, sos, soh, slh,
+                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr):
+    """Packed rows after the last sequence's queries (CU_Q[batch_count], clamped to [0,
+    ``total_q``]) of heads head0 .. head0 + heads_here - 1: output 0 and logsumexp +inf, as the
+    varlen call gives a padded buffer's rows (torch.empty would leave what it held)."""
+    first = tl.minimum(tl.maximum(tl.load(CU_Q + batch_count), 0), total_q)
+    count = (total_q - first) * heads_here
+    offs = tl.arange(0, ROWS)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    for i0 in range(0, count, ROWS):
+        i = i0 + offs
+        live = i < count
+        row = (first + i // heads_here).to(tl.int64)
+        head = head0 + i % heads_here
+        tl.store(O + (row * sos + head * soh)[:, None] + offs_d[None, :],
+                 tl.zeros([ROWS, HEAD_DIM_PAD], O.dtype.element_ty), mask=live[:, None] & (offs_d[None, :] < HEAD_DIM))
+        tl.store(LSE + head * slh + row, tl.full([ROWS], float("inf"), tl.float32), mask=live)
+
+
+@triton.jit
 def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE, CU_Q, new_keys, score_args,
                   sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, sop, slb, slh, slp, sbt,
                   seqlen_q, heads_k, group, capacity, outer_count, scale_log2, window_left,
@@ -112,6 +132,7 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE, CU_Q, 
     head_k = tl.program_id(1) % heads_k
     split = tl.program_id(2)
     q_first = 0  # the sequence's first row in packed q, O, LSE
+    total_rows = seqlen_q
     if VARLEN_Q:
         q_first = tl.minimum(tl.maximum(tl.load(CU_Q + batch), 0), seqlen_q)
         seqlen_q = tl.minimum(tl.maximum(tl.load(CU_Q + batch + 1), q_first), seqlen_q) - q_first
@@ -174,6 +195,11 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE, CU_Q, 
     o_rows = O + split.to(tl.int64) * sop + batch.to(tl.int64) * sob + row * sos + head * soh
     tl.store(o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=in_rows[:, None] & in_dim[None, :])
     tl.store(LSE + split.to(tl.int64) * slp + batch.to(tl.int64) * slb + head * slh + row, lse, mask=in_rows)
+    if VARLEN_Q:  # (with one split, the output's: the last sequence's first row blocks clear the spare rows)
+        batch_count = tl.num_programs(1) // heads_k
+        if (tl.num_programs(2) == 1) & (m0 == 0) & (batch == batch_count - 1):
+            _clear_spare_rows(O, LSE, CU_Q, batch_count, total_rows, head_k * group, group, sos, soh, slh,
+                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M)
 
 
 @triton.jit
@@ -214,6 +240,11 @@ def _combine_kernel(PART_O, PART_LSE, O, LSE, CU_Q, heads, splits, total_q,
     tl.store(O + batch * tob + token.to(tl.int64) * tos + head * toh + offs_d, out.to(O.dtype.element_ty),
              mask=(offs_d < HEAD_DIM) & valid)
     tl.store(LSE + batch * tlb + head * tlh + token, lse, mask=valid)
+    if VARLEN_Q:  # (the last sequence's first row of each head clears the spare rows)
+        batch_count = tl.num_programs(1) // heads
+        if (tl.program_id(0) == 0) & (batch == batch_count - 1):
+            _clear_spare_rows(O, LSE, CU_Q, batch_count, total_q, head, 1, tos, toh, tlh, HEAD_DIM, HEAD_DIM_PAD,
+                              16)
 
 
 COMBINE_WARPS = 4
@@ -511,6 +542,8 @@ class Attend:
         device = q.device
         out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        if self.packed is not None and self.packed[1] == 0:  # no sequence has a query: every row spare
+            return out.zero_(), lse.fill_(float("inf"))
         if self._combine is None:
             part_o, part_lse = out, lse
         else:
