@@ -180,8 +180,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError("cu_seqlens_q and cu_seqlens_k are required for flash_attn_varlen_func")
     if block_table is not None:
         # Inference (no gradient, dropout or sinks): the pages read in place by the split-KV kernels.
-        if (type(dropout_p) in (int, float) and dropout_p == 0 and sinks is None and getattr(v, "shape", (0,))[-1:]
-                == getattr(q, "shape", (1,))[-1:] and not kvcache.takes_gradients(q, k, v, alibi_slopes)):
+        if kvcache.reads_pages_in_place(q, k, v, dropout_p, sinks, alibi_slopes):
             attended = kvcache.paged_varlen_attention(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                       max_seqlen_k, softmax_scale, causal, window_size, softcap,
                                                       alibi_slopes, version, kernel_options)

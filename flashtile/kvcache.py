@@ -98,7 +98,7 @@ def _check_values(seqlens, seqlen_new, capacity, leftpad, batch_idx, batch_cache
                              f"sequence's keys reach)")
 
 
-def takes_gradients(*tensors):
+def _takes_gradients(*tensors):
     """Whether grad mode is on and any of ``tensors`` requires gradients: a cache call is forward
     only (the PyTorch path would chain the cache into the graph, the kernels drop gradients)."""
     return torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in tensors)
@@ -230,8 +230,9 @@ def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens
     (checked on the host where the table is in host memory)."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise NotImplementedError("block_table in flash_attn_varlen_func gathers the pages on the host's count of "
-                                  "keys where gradients are taken: not under CUDA-graph capture (without them, and "
-                                  "in flash_attn_with_kvcache, pages are read in place)")
+                                  "keys for calls with gradients, dropout, sinks, a V head dim of its own, strided "
+                                  "pages or version='tiled': not under CUDA-graph capture (other calls, and "
+                                  "flash_attn_with_kvcache, read pages in place)")
     _, cu_seqlens_k, _, _, block_table = _paged_varlen_arguments(q, k_cache, v_cache, block_table, cu_seqlens_q,
                                                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     # (the keys' count from the offsets already read: nothing waits on the device here)
@@ -239,6 +240,17 @@ def paged_varlen_keys(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens
     sequence, position = _packed_positions(cu_seqlens_k.long(), total)
     page, row = _cache_slots(k_cache, position, None, block_table, sequence)
     return k_cache[page, row], v_cache[page, row]
+
+
+def reads_pages_in_place(q, k_cache, v_cache, dropout_p, sinks, alibi_slopes) -> bool:
+    """Whether a paged flash_attn_varlen_func call may go to paged_varlen_attention: no
+    gradient, dropout or sinks; fp16 or bf16 q; V of q's head dim; pages of unit stride along
+    the head dim (as flash_attn_with_kvcache takes them)."""
+    return (type(dropout_p) in (int, float) and dropout_p == 0 and sinks is None
+            and all(isinstance(x, torch.Tensor) for x in (q, k_cache, v_cache))
+            and q.dtype in validation.SUPPORTED_DTYPES and v_cache.shape[-1:] == q.shape[-1:]
+            and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+            and not _takes_gradients(q, k_cache, v_cache, alibi_slopes))
 
 
 def paged_varlen_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -252,7 +264,8 @@ def paged_varlen_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_se
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _, block_table = _paged_varlen_arguments(
         q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not dispatch.paged_varlen_in_place(max_seqlen_q, q.shape[1], k_cache.shape[2], capturing):
+    if not dispatch.paged_varlen_in_place(max_seqlen_q, q.shape[1], k_cache.shape[2], capturing) or (
+            capturing and version == "tiled"):  # (the PyTorch path reads offsets on the host: not capturable)
         return None
     return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cu_seqlens_k.diff(), block_table=block_table,
                                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -361,7 +374,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"{name} must have unit stride along headdim (it is written in place)")
     given = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                  alibi_slopes=alibi_slopes)
-    if takes_gradients(*given.values()):
+    if _takes_gradients(*given.values()):
         names = ", ".join(name for name, x in given.items() if getattr(x, "requires_grad", False))
         raise NotImplementedError(f"flash_attn_with_kvcache is forward only (as flash_attn's): call it under "
                                   f"torch.no_grad() or with tensors that do not require grad (requiring grad: "
@@ -566,7 +579,7 @@ def _kind(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
     than kept_calls.kind's; the options).  None for any other call, or where a tensor takes
     gradients: the full path refuses those every time.  ``cache_seqlens`` counts as an int, whatever its value
     (checked at each call)."""
-    if type(q) is not torch.Tensor or takes_gradients(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+    if type(q) is not torch.Tensor or _takes_gradients(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                                        alibi_slopes):
         return None
     if not (type(causal) is bool and type(softcap) is float and type(num_splits) is int and type(version) is str

@@ -419,8 +419,13 @@ def test_varlen_with_paged_keys_reads_pages_in_place_without_gradients(monkeypat
     padded = flash_attn_varlen_func(spare, k_pages, v_pages, cu_q, cu_k, 6, 40, block_table=table, **mask)
     assert not gathered and (padded[10:] == 0).all()
     torch.testing.assert_close(padded[:10], out, atol=0, rtol=0)
-    # Many queries a sequence (a max_seqlen_q of 40 makes 80 rows a KV head, past one row block):
-    # the varlen kernels on the gathered keys.
+    # Pages strided along the head dim (which the kernels of flash_attn_with_kvcache do not take),
+    # and many queries a sequence (a max_seqlen_q of 40 makes 80 rows a KV head, past one row
+    # block): the varlen kernels on the gathered keys.
+    strided = [torch.stack([x, x], -1)[..., 0] for x in (k_pages, v_pages)]
+    torch.testing.assert_close(flash_attn_varlen_func(q, *strided, cu_q, cu_k, 6, 40, block_table=table, **mask), out,
+                               atol=2e-3, rtol=0)
+    assert gathered
     gathered.clear()
     torch.testing.assert_close(flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 40, 40, block_table=table,
                                                       **mask), out, atol=2e-3, rtol=0)

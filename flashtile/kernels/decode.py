@@ -92,19 +92,27 @@ def _attend(acc, m_i, l_i, q, lo, hi, K, V, BLOCK_TABLE, skb, sks, skh, svb, svs
 
 
 @triton.jit
-def _clear_spare_rows(O, LSE, CU_Q, batch_count, total_q, head0, heads_here, sos, soh, slh,
+def _clear_spare_rows(O, LSE, CU_Q, batch_count, total_q, part, head0, heads_here, sos, soh, slh,
                       HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr):
-    """Packed rows after the last sequence's queries (CU_Q[batch_count], clamped to [0,
-    ``total_q``]) of heads head0 .. head0 + heads_here - 1: output 0 and logsumexp +inf, as the
-    varlen call gives a padded buffer's rows (torch.empty would leave what it held)."""
-    first = tl.minimum(tl.maximum(tl.load(CU_Q + batch_count), 0), total_q)
-    count = (total_q - first) * heads_here
+    """Packed rows after every sequence's queries (past the largest offset of CU_Q (batch_count
+    + 1,), clamped to [0, ``total_q``]) of heads head0 .. head0 + heads_here - 1: output 0 and
+    logsumexp +inf, as the varlen call gives a padded buffer's rows (torch.empty would leave what
+    it held).  The rows are shared out among batch_count programs, this one taking share
+    ``part``.  (The largest offset, not the last: rows no sequence's programs write whatever the
+    offsets, which on a GPU are not read on the host.)"""
     offs = tl.arange(0, ROWS)
+    first = tl.full([], 0, tl.int32)
+    for b0 in range(0, batch_count + 1, ROWS):
+        first = tl.maximum(first, tl.max(tl.load(CU_Q + b0 + offs, mask=b0 + offs <= batch_count, other=0), 0))
+    first = tl.minimum(first, total_q)
+    share = tl.cdiv(total_q - first, batch_count)
+    lo = first + part * share
+    count = (tl.minimum(lo + share, total_q) - lo) * heads_here
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     for i0 in range(0, count, ROWS):
         i = i0 + offs
         live = i < count
-        row = (first + i // heads_here).to(tl.int64)
+        row = (lo + i // heads_here).to(tl.int64)
         head = head0 + i % heads_here
         tl.store(O + (row * sos + head * soh)[:, None] + offs_d[None, :],
                  tl.zeros([ROWS, HEAD_DIM_PAD], O.dtype.element_ty), mask=live[:, None] & (offs_d[None, :] < HEAD_DIM))
@@ -195,11 +203,10 @@ def _split_kernel(Q, K, V, O, LSE, ENDS, LEFTPAD, BATCH_IDX, BLOCK_TABLE, CU_Q, 
     o_rows = O + split.to(tl.int64) * sop + batch.to(tl.int64) * sob + row * sos + head * soh
     tl.store(o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=in_rows[:, None] & in_dim[None, :])
     tl.store(LSE + split.to(tl.int64) * slp + batch.to(tl.int64) * slb + head * slh + row, lse, mask=in_rows)
-    if VARLEN_Q:  # (with one split, the output's: the last sequence's first row blocks clear the spare rows)
-        batch_count = tl.num_programs(1) // heads_k
-        if (tl.num_programs(2) == 1) & (m0 == 0) & (batch == batch_count - 1):
-            _clear_spare_rows(O, LSE, CU_Q, batch_count, total_rows, head_k * group, group, sos, soh, slh,
-                              HEAD_DIM, HEAD_DIM_PAD, BLOCK_M)
+    if VARLEN_Q:  # (with one split, the output's: each sequence's first row block clears a share of the spare rows)
+        if (tl.num_programs(2) == 1) & (m0 == 0):
+            _clear_spare_rows(O, LSE, CU_Q, tl.num_programs(1) // heads_k, total_rows, batch, head_k * group, group,
+                              sos, soh, slh, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M)
 
 
 @triton.jit
@@ -240,11 +247,10 @@ def _combine_kernel(PART_O, PART_LSE, O, LSE, CU_Q, heads, splits, total_q,
     tl.store(O + batch * tob + token.to(tl.int64) * tos + head * toh + offs_d, out.to(O.dtype.element_ty),
              mask=(offs_d < HEAD_DIM) & valid)
     tl.store(LSE + batch * tlb + head * tlh + token, lse, mask=valid)
-    if VARLEN_Q:  # (the last sequence's first row of each head clears the spare rows)
-        batch_count = tl.num_programs(1) // heads
-        if (tl.program_id(0) == 0) & (batch == batch_count - 1):
-            _clear_spare_rows(O, LSE, CU_Q, batch_count, total_q, head, 1, tos, toh, tlh, HEAD_DIM, HEAD_DIM_PAD,
-                              16)
+    if VARLEN_Q:  # (each sequence's first row of each head clears a share of the spare rows)
+        if tl.program_id(0) == 0:
+            _clear_spare_rows(O, LSE, CU_Q, tl.num_programs(1) // heads, total_q, batch, head, 1, tos, toh, tlh,
+                              HEAD_DIM, HEAD_DIM_PAD, 16)
 
 
 COMBINE_WARPS = 4
