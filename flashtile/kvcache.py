@@ -14,9 +14,10 @@ strides, dtypes, devices, scalars: ``_kind``), its launches prepared
 (``_Step``, ``_STEPS``); later calls of the kind check only what can change between calls (an
 int's value, tables in host memory) and launch (``_Step.repeat``).
 """
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
+from torch import Tensor
 
 from flashtile import dispatch, kept_calls, options, rotary, validation
 from flashtile.kernels import decode
@@ -331,6 +332,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     from ``rotary_seqlens`` ((batch,) int32) where given, else from cache_seqlens; each
     sequence's own queries and new keys from 0.
     """
+    if torch.compiler.is_compiling():  # (traced: one op, which checks and runs the call at run time)
+        _same_kind("q", q, q, 3 if cu_seqlens_q is not None or max_seqlen_q is not None else 4)  # (the op's shapes)
+        left, right = validation.window(window_size)
+        out, lse = kvcache_attention(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+            cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
+            -1 if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor) else cache_seqlens,
+            cache_batch_idx, cache_leftpad, block_table, validation.softmax_scale(softmax_scale, q.shape[-1]),
+            bool(causal), left, right, validation.real("softcap", softcap, 0.0), bool(rotary_interleaved),
+            alibi_slopes, validation.integer("num_splits", num_splits, minimum=0), cu_seqlens_q,
+            None if max_seqlen_q is None else validation.integer("max_seqlen_q", max_seqlen_q, minimum=0),
+            cu_seqlens_k_new, rotary_seqlens, version, options.text(options.resolve(kernel_options)))
+        return (out, lse) if return_softmax_lse else out
     kind = _kind(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                  block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
                  num_splits, version, kernel_options, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, rotary_seqlens)
@@ -565,6 +579,40 @@ def _tiled_call(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx
         last = int(cu_seqlens_q[-1])
         out[last:], lse[:, last:] = 0, float("inf")
     return out, lse
+
+
+def _kvcache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                       rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Optional[Tensor],
+                       cache_seqlens_int: int, cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor],
+                       block_table: Optional[Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
+                       window_right: int, softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[Tensor],
+                       num_splits: int, cu_seqlens_q: Optional[Tensor], max_seqlen_q: Optional[int],
+                       cu_seqlens_k_new: Optional[Tensor], rotary_seqlens: Optional[Tensor], version: str,
+                       kernel_options: str) -> tuple[Tensor, Tensor]:
+    """flash_attn_with_kvcache as torch.compile traces it (its checks run here, at run time):
+    ``cache_seqlens`` a table, or ``cache_seqlens_int`` its int (-1: None)."""
+    seqlens = cache_seqlens if cache_seqlens is not None else None if cache_seqlens_int < 0 else cache_seqlens_int
+    return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx,
+                                   cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right),
+                                   softcap, rotary_interleaved, alibi_slopes, num_splits, True,
+                                   cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                                   cu_seqlens_k_new=cu_seqlens_k_new, rotary_seqlens=rotary_seqlens, version=version,
+                                   kernel_options=kernel_options)
+
+
+# The call as one custom op for torch.compile: the caches written in place, out and lse new.
+kvcache_attention = torch.library.custom_op("flashtile::kvcache_attention", _kvcache_attention,
+                                            mutates_args=("k_cache", "v_cache"))
+
+
+@kvcache_attention.register_fake
+def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int, cache_batch_idx,
+      cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+      alibi_slopes, num_splits, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, rotary_seqlens, version,
+      kernel_options):
+    # lse (nheads, total_q) for packed queries, else (batch, nheads, seqlen_q)
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 # Decoding steps checked and planned once per kind of call (``_kind``): _Step.

@@ -403,6 +403,40 @@ def test_packed_queries_rows_after_the_last_sequence(num_splits, version, monkey
         assert (out[6:] == 0).all() and (lse[:, 6:] == float("inf")).all()
 
 
+def test_traced_by_torch_compile(monkeypatch):
+    # torch.compile(fullgraph=True) traces a decoding step as one op that writes the caches in
+    # place: the same output, logsumexp and caches as eager calls, with cache_seqlens an int
+    # (two values) or a table, and FA3's packed form; a wrong argument still refused by name.
+    from flashtile import flash_attn_interface as fa3
+    monkeypatch.setattr(kvcache, "_STEPS", kept_calls.KeptCalls())
+    case = Case(batch=2, seqlen_q=1, seqlen_new=1, capacity=40, rotary=True)
+    cos, sin, _ = case.rotary
+
+    def step(q, k_cache, v_cache, k, v, seqlens):  # (ints where the op takes floats: converted)
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                       cache_seqlens=seqlens, causal=True, softcap=0, softmax_scale=1,
+                                       return_softmax_lse=True)
+
+    def packed(q, k_cache, v_cache, k, v, seqlens, cu):
+        return fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, cu_seqlens_q=cu,
+                                           max_seqlen_q=2, cu_seqlens_k_new=cu, causal=True, return_softmax_lse=True)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=DEVICE)
+    calls = [(step, (case.q, case.k_new, case.v_new, n)) for n in (5, 6, torch.tensor([3, 9], dtype=torch.int32,
+                                                                                        device=DEVICE))]
+    calls.append((packed, (case.q.view(2, 4, HEAD_DIM).repeat(2, 1, 1)[:3], case.k_new.view(2, 2, HEAD_DIM)
+                           .repeat(2, 1, 1)[:3], case.v_new.view(2, 2, HEAD_DIM).repeat(2, 1, 1)[:3],
+                           torch.tensor([4, 7], dtype=torch.int32, device=DEVICE), cu)))
+    for fn, (q, k, v, *rest) in calls:
+        eager, traced = ([x.clone() for x in (case.k_dense, case.v_dense)] for _ in range(2))
+        expected = fn(q, *eager, k, v, *rest)
+        got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, *traced, k, v, *rest)
+        assert all(torch.equal(a, b) for a, b in zip(expected[:2], got[:2]))
+        assert all(torch.equal(a, b) for a, b in zip(eager, traced)) and not torch.equal(eager[0], case.k_dense)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        torch.compile(step, fullgraph=True, backend="aot_eager")(case.q, case.k_dense.clone(), case.v_dense.clone(),
+                                                                 case.k_new, case.v_new, 40)
+
+
 def cache_slot(case, cache, b, position):
     """Position ``position`` of sequence b in ``cache``, one of case's dense rows or pages."""
     if case.page_size:
