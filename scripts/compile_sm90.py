@@ -255,10 +255,10 @@ def cases(head_dim=128, varlen=False, opts=KernelOptions(), softcap=0.0, alibi=F
         yield f"decode.append{name}", decode._append_kernel, dict(
             HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=16, PAGED=True, HAS_ENDS=True,
             HAS_BATCH_IDX=False, ROTARY=True, INTERLEAVED=False, PAGE_SIZE=16, PACKED=packed,
-            SEARCH_STEPS=decode.search_steps(64), HAS_ROTARY_STARTS=packed), dict(num_warps=4), None
+            HAS_ROTARY_STARTS=packed), dict(num_warps=4), None
         yield f"decode.rotate{name}", decode._rotate_kernel, dict(
             HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=16, HAS_ENDS=True, ADVANCE=True,
-            INTERLEAVED=True, PACKED=packed, SEARCH_STEPS=decode.search_steps(64)), dict(num_warps=4), None
+            INTERLEAVED=True, PACKED=packed), dict(num_warps=4), None
     combine = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), SPLITS_PAD=16, PDL=True)
     for packed in (False, True):
         yield (f"decode.combine{'_packed' if packed else ''}", decode._combine_kernel, dict(combine, VARLEN_Q=packed),

@@ -284,14 +284,15 @@ def _load_rotated(rows_ptr, offs_d, in_rows, positions, COS, SIN, scs, half, HEA
 
 
 @triton.jit
-def _packed_rows(CU, rows, batch_count, total, SEARCH_STEPS: tl.constexpr):
+def _packed_rows(CU, rows, batch_count, total, search_steps):
     """(sequence, index in it, whether it belongs to it) of each of ``rows``, rows of a tensor
     packed by the offsets CU (batch_count + 1,): a binary search for the last sequence starting at
-    or before the row (SEARCH_STEPS >= log2(batch_count)).  The offsets are clamped to [0,
+    or before the row (``search_steps`` >= log2(batch_count), a run-time count: a new batch
+    size compiles nothing).  The offsets are clamped to [0,
     ``total``]: wrong ones (not read on the host) give wrong sequences, never a row outside."""
     lo = tl.zeros_like(rows)
     hi = lo + batch_count
-    for _ in tl.static_range(SEARCH_STEPS):
+    for _ in range(search_steps):
         open_ = hi - lo > 1
         mid = (lo + hi) // 2
         right = open_ & (tl.load(CU + mid, mask=open_, other=0) <= rows)
@@ -303,18 +304,18 @@ def _packed_rows(CU, rows, batch_count, total, SEARCH_STEPS: tl.constexpr):
 
 
 def search_steps(batch: int) -> int:
-    """_packed_rows' SEARCH_STEPS for ``batch`` sequences."""
+    """_packed_rows' ``search_steps`` for ``batch`` sequences."""
     return max(1, (batch - 1).bit_length())
 
 
 @triton.jit
 def _append_kernel(K_NEW, V_NEW, K, V, ENDS, BATCH_IDX, BLOCK_TABLE, COS, SIN, CU_NEW, ROTARY_STARTS, start, snb, sns,
                    snh, swb, sws, swh, skb, sks, skh, svb, svs, svh, sbt, scs, seqlen_new, capacity, outer_count, half,
-                   batch_count, rotary_rows,
+                   batch_count, search_steps, rotary_rows,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr, PAGED: tl.constexpr,
                    HAS_ENDS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, ROTARY: tl.constexpr,
                    INTERLEAVED: tl.constexpr, PAGE_SIZE: tl.constexpr, PACKED: tl.constexpr,
-                   SEARCH_STEPS: tl.constexpr, HAS_ROTARY_STARTS: tl.constexpr):
+                   HAS_ROTARY_STARTS: tl.constexpr):
     """ROWS new keys and values of one (sequence, KV head), K_NEW and V_NEW (batch, seqlen_new,
     heads_k, head_dim), written into the caches at positions start + i of the sequence (start:
     ENDS[batch], or the ``start`` given), clamped to [0, capacity) as kvcache._positions clamps
@@ -326,7 +327,7 @@ def _append_kernel(K_NEW, V_NEW, K, V, ENDS, BATCH_IDX, BLOCK_TABLE, COS, SIN, C
     head = tl.program_id(2)
     if PACKED:
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        batch, i, in_seq = _packed_rows(CU_NEW, rows, batch_count, seqlen_new, SEARCH_STEPS)
+        batch, i, in_seq = _packed_rows(CU_NEW, rows, batch_count, seqlen_new, search_steps)
         new_rows = rows.to(tl.int64)
     else:
         i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -392,11 +393,12 @@ class Append:
             (*strides, *k_cache.stride()[:3], *v_cache.stride()[:3],
              block_table.stride(0) if paged else 0, cos.stride(0) if rotary else 0,
              seqlen_new, capacity, k_cache.shape[0], cos.shape[1] if rotary else 0, packed or 1,
+             search_steps(packed or 1),
              cos.shape[0] if rotary else 1),
             dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, PAGED=paged,
                  PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_ENDS=has_ends,
                  HAS_BATCH_IDX=has_batch_idx, ROTARY=rotary, INTERLEAVED=rotary and bool(interleaved),
-                 PACKED=packed is not None, SEARCH_STEPS=search_steps(packed or 1),
+                 PACKED=packed is not None,
                  HAS_ROTARY_STARTS=rotary and rotary_starts, num_warps=4))
 
     def __call__(self, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, cos, sin, cu_new=None,
@@ -413,9 +415,9 @@ class Append:
 
 @triton.jit
 def _rotate_kernel(X, ROTATED, ENDS, COS, SIN, CU, start, sxb, sxs, sxh, sob, sos, soh, scs, seqlen, limit, half,
-                   batch_count, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr,
-                   HAS_ENDS: tl.constexpr, ADVANCE: tl.constexpr, INTERLEAVED: tl.constexpr, PACKED: tl.constexpr,
-                   SEARCH_STEPS: tl.constexpr):
+                   batch_count, search_steps, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                   ROWS: tl.constexpr, HAS_ENDS: tl.constexpr, ADVANCE: tl.constexpr, INTERLEAVED: tl.constexpr,
+                   PACKED: tl.constexpr):
     """ROWS rows of one (sequence, head) of X (batch, seqlen, heads, head_dim) rotated into ROTATED
     at positions start + i (ADVANCE) or start, clamped to [0, limit) (start: ENDS[batch], or the
     ``start`` given).  PACKED: ROWS rows of X (seqlen, heads, head_dim), sequence b's the rows
@@ -423,7 +425,7 @@ def _rotate_kernel(X, ROTATED, ENDS, COS, SIN, CU, start, sxb, sxs, sxh, sob, so
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     head = tl.program_id(2)
     if PACKED:
-        batch, i, _ = _packed_rows(CU, rows, batch_count, seqlen, SEARCH_STEPS)
+        batch, i, _ = _packed_rows(CU, rows, batch_count, seqlen, search_steps)
     else:
         batch, i = tl.program_id(1), rows
     if HAS_ENDS:
@@ -465,10 +467,10 @@ class Rotate:
         rows = max(16, min(64, next_power_of_2(seqlen)))
         self._launch = Prepared(
             _rotate_kernel, (cdiv(seqlen, rows), batch, heads),
-            (*strides, cos.stride(0), seqlen, limit, cos.shape[1], packed or 1),
+            (*strides, cos.stride(0), seqlen, limit, cos.shape[1], packed or 1, search_steps(packed or 1)),
             dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), ROWS=rows, HAS_ENDS=has_ends,
                  ADVANCE=advance, INTERLEAVED=bool(interleaved), PACKED=packed is not None,
-                 SEARCH_STEPS=search_steps(packed or 1), num_warps=4))
+                 num_warps=4))
 
     def __call__(self, x, cos, sin, seqlens, cu=None):
         out = torch.empty(self.shape, dtype=self.dtype, device=x.device)
